@@ -1,0 +1,217 @@
+"""Typed configuration: one dataclass per Hydra group plus the top-level `JobConfig`.
+
+These classes are the schemas Hydra validates overrides against (registered in `train.py`), and the only
+configuration objects the library sees: the `DictConfig` is converted once at the entry point.
+Cross-field rules live in `__post_init__` and raise `UserError` naming the key to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from flexengine.errors import UserError
+
+ATTN_MODES = ("causal", "packed_doc", "sliding_window", "packed_sliding")
+ATTN_BACKENDS = ("auto", "flex", "dense", "sdpa")
+PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
+LONG_DOC_POLICIES = ("split", "truncate", "drop")
+DATA_FORMATS = ("text", "chat", "pretokenized")
+DATA_SOURCES = ("demo", "jsonl", "parquet")
+MODEL_INITS = ("pretrained", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and how to build it."""
+
+    name: str = "tiny"  # label used in logs and run names
+    path: Optional[str] = None  # local HF directory (config.json, tokenizer, *.safetensors); None = built from `arch`
+    init: str = "pretrained"  # pretrained: load weights from `path`; random: architecture only (benchmarks, demo)
+    arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type)
+    tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
+    dtype: str = "auto"  # parameter dtype; auto = float32 on CPU, bfloat16 on CUDA (with fp32 master math in AdamW)
+    trust_remote_code: bool = False  # only for model directories that ship their own modelling code
+
+    def __post_init__(self) -> None:
+        _check_choice("model.init", self.init, MODEL_INITS)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.init == "pretrained" and self.path is None:
+            raise UserError(
+                f"model={self.name} loads pretrained weights, so model.path must name a local Hugging Face "
+                "directory (config.json, tokenizer files, *.safetensors), e.g.\n"
+                f"  python -m flexengine.train model={self.name} model.path=/models/deepseek-llm-7b-base\n"
+                "or build the architecture with random weights (benchmarks): model.init=random"
+            )
+        if self.path is None and "model_type" not in self.arch:
+            raise UserError(f"model={self.name}: without model.path, model.arch must give at least model_type.")
+
+
+@dataclass
+class AttnConfig:
+    """How attention sees a packed row."""
+
+    mode: str = "causal"  # causal | packed_doc | sliding_window | packed_sliding
+    backend: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense | sdpa (HF's own, padded baseline)
+    window: Optional[int] = None  # sliding window in tokens (HF `sliding_window` semantics); None = model's own
+    block_size: int = 128  # FlexAttention block size in tokens (also the unit of reported block sparsity)
+    compile: bool = True  # compile flex_attention (uncompiled flex materialises scores: slow and memory hungry)
+
+    def __post_init__(self) -> None:
+        _check_choice("attn.mode", self.mode, ATTN_MODES)
+        _check_choice("attn.backend", self.backend, ATTN_BACKENDS)
+        if self.window is not None and self.window <= 0:
+            raise UserError(f"attn.window={self.window} must be a positive number of tokens (or null).")
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether rows hold several documents separated by the mask (else one document per row)."""
+        return self.mode in ("packed_doc", "packed_sliding")
+
+
+@dataclass
+class MemoryConfig:
+    """Activation memory policy per decoder block (see flexengine.memory)."""
+
+    policy: str = "none"  # none | full | selective | offload | auto
+    layers: str = "all"  # all | every_<n> | first_<k> | last_<k> | comma list of block indices, e.g. "0,3,7"
+    granularity: str = "block"  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
+    offload: bool = False  # keep the selected blocks' saved inputs in (pinned) CPU memory during forward
+
+
+@dataclass
+class LossConfig:
+    """Cross-entropy computation."""
+
+    chunk_size: int = 0  # tokens per chunk of the lm_head + CE (0 = whole sequence at once); bounds logits memory
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from and how they are packed into rows."""
+
+    source: str = "demo"  # demo (Python stdlib sources, offline) | jsonl | parquet
+    path: Optional[str] = None  # file, directory or glob (several separated by commas) for jsonl/parquet
+    format: str = "text"  # text | chat | pretokenized
+    text_field: str = "text"  # record field holding the document text (format=text)
+    messages_field: str = "messages"  # record field holding the chat turns (format=chat)
+    max_docs: Optional[int] = None  # use only the first N documents (None = all)
+    on_error: str = "raise"  # raise: stop at the first bad record with file:line | skip: skip and count
+    seq_len: int = 1024  # tokens per packed row
+    packing: str = "auto"  # auto (bfd for packed attn modes, none otherwise) | bfd (best-fit decreasing) | greedy
+    # (data order) | none (one document per row, padded to the batch's longest)
+    long_docs: str = "split"  # documents longer than seq_len: split | truncate | drop (always counted)
+    bucket: bool = False  # packing=none: group documents of similar length into batches (less padding)
+    add_eos: bool = True  # append the tokenizer's EOS to every document
+    cache_dir: Optional[str] = None  # tokenized-corpus cache; None = ~/.cache/flexengine
+    num_workers: int = 2  # tokenization worker processes
+    shuffle: bool = True  # shuffle packed rows each epoch (seeded by train.seed, resumable)
+    demo_max_files: int = 400  # demo corpus: number of stdlib source files read
+
+    def __post_init__(self) -> None:
+        _check_choice("data.source", self.source, DATA_SOURCES)
+        _check_choice("data.format", self.format, DATA_FORMATS)
+        _check_choice("data.packing", self.packing, PACKING_STRATEGIES)
+        _check_choice("data.long_docs", self.long_docs, LONG_DOC_POLICIES)
+        _check_choice("data.on_error", self.on_error, ("raise", "skip"))
+        if self.seq_len <= 0:
+            raise UserError(f"data.seq_len={self.seq_len} must be a positive number of tokens, e.g. data.seq_len=4096.")
+        if self.source != "demo" and not self.path:
+            raise UserError(f"data={self.source} needs data.path, e.g. data={self.source} data.path=/data/train.{self.source}")
+        if self.max_docs is not None and self.max_docs <= 0:
+            raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10  # linear warmup, in optimizer steps
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm (0 = no clipping)
+    impl: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for_loop
+
+
+@dataclass
+class HardwareConfig:
+    """The machine a run targets: memory budget and peak FLOP/s for MFU."""
+
+    name: str = "cpu"
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    memory_gb: float = 16.0  # per-device memory budget the planner fits into
+    peak_tflops: float = 1.0  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU
+    pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
+    world_size: int = 1  # devices in the job (torchrun sets the real value)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = 60  # optimizer steps
+    micro_batch: int = 2  # packed rows per forward
+    grad_accum: int = 2  # micro-batches per optimizer step
+    save_every: int = 0  # checkpoint every N optimizer steps (0 = only at the end)
+    save_final: bool = True  # checkpoint at the end of the run
+    resume: Optional[str] = None  # auto (latest checkpoint in this run dir or train.output_dir) | path to step_<N>
+    seed: int = 0
+    log_every: int = 1  # optimizer steps between TensorBoard/console logs
+    skip_nonfinite: bool = False  # skip (and count) a step whose loss is NaN/Inf instead of stopping
+    compile: bool = False  # torch.compile each decoder block (fullgraph)
+    compile_backend: str = "inductor"
+    output_dir: Optional[str] = None  # None = Hydra's run dir
+    profile: bool = False  # record a torch.profiler trace
+    profile_steps: int = 3
+    progress: bool = True  # tqdm progress bar with ETA
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "micro_batch", "grad_accum"):
+            if getattr(self, key) <= 0:
+                raise UserError(f"train.{key}={getattr(self, key)} must be a positive integer.")
+        if self.save_every < 0:
+            raise UserError(f"train.save_every={self.save_every} must be >= 0 (0 = only at the end).")
+
+
+@dataclass
+class JobConfig:
+    """Everything one training run needs; built once from Hydra's composed config."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(init="random", arch={"model_type": "llama"}))
+    attn: AttnConfig = field(default_factory=AttnConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.packing == "auto":
+            self.data.packing = "bfd" if self.attn.packs_documents else "none"
+        window = self.attn.window
+        if window is not None and window > self.data.seq_len:
+            raise UserError(
+                f"attn.window={window} is longer than data.seq_len={self.data.seq_len}: the window would never "
+                "apply. Lower attn.window or use attn=packed_doc."
+            )
+        if self.attn.packs_documents and self.data.packing == "none":
+            raise UserError(
+                f"attn={self.attn.mode} masks packed documents but data.packing=none puts one per row; "
+                "use data.packing=bfd (or attn=causal for the padded baseline)."
+            )
+        if not self.attn.packs_documents and self.data.packing != "none":
+            raise UserError(
+                f"attn={self.attn.mode} has no per-document mask, so packing several documents into one row "
+                f"(data.packing={self.data.packing}) would let them attend to each other. Use attn=packed_doc, "
+                "or data.packing=none for one document per row."
+            )

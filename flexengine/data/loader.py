@@ -1,0 +1,102 @@
+"""Serve packed rows as micro-batches: seeded per-epoch shuffle, per-rank shard, and a resumable position."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from flexengine.data.corpus import Corpus
+from flexengine.data.packing import PackPlan, materialise_rows
+
+
+class RowLoader:
+    """Endless micro-batches [micro_batch, seq_len] over the rows of a PackPlan, epoch after epoch.
+
+    The epoch order depends only on (seed, epoch), so `state_dict()` = (epoch, cursor) resumes exactly.
+    With `trim_padding` (one document per row) each batch is cut to its longest document.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        plan: PackPlan,
+        seq_len: int,
+        micro_batch: int,
+        pad_id: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        bucket: bool = False,
+        trim_padding: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if len(plan.rows) < micro_batch * world_size:
+            raise ValueError(
+                f"only {len(plan.rows)} packed rows for micro_batch={micro_batch} x {world_size} rank(s): "
+                "use more documents or a smaller train.micro_batch / data.seq_len"
+            )
+        self.corpus, self.plan, self.seq_len, self.micro_batch = corpus, plan, seq_len, micro_batch
+        self.pad_id, self.seed, self.shuffle, self.bucket = pad_id, seed, shuffle, bucket
+        self.trim_padding, self.rank, self.world_size = trim_padding, rank, world_size
+        self.row_tokens = np.array([sum(s[2] for s in row) for row in plan.rows])
+        self.epoch, self.cursor = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Row indices of this rank for one epoch, grouped so consecutive micro_batch rows form a batch."""
+        n = len(self.plan.rows)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        global_batch = self.micro_batch * self.world_size
+        usable = n - n % global_batch  # the remainder rows come first in the next epoch's permutation instead
+        order = order[:usable]
+        if self.bucket:
+            # similar lengths in one batch (less padding), batches themselves in random order
+            order = order[np.argsort(self.row_tokens[order], kind="stable")]
+            batches = order.reshape(-1, global_batch)
+            order = batches[rng.permutation(len(batches))].reshape(-1)
+        # each rank takes its own micro_batch slice of every global batch
+        return order.reshape(-1, self.world_size, self.micro_batch)[:, self.rank].reshape(-1)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches each rank sees per epoch."""
+        return len(self._order) // self.micro_batch
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next micro-batch (wrapping into a new, reshuffled epoch)."""
+        if self.cursor >= len(self._order):
+            self.epoch += 1
+            self.cursor = 0
+            self._order = self._epoch_order(self.epoch)
+        rows = self._order[self.cursor : self.cursor + self.micro_batch]
+        self.cursor += self.micro_batch
+        batch = materialise_rows(
+            [self.plan.rows[r] for r in rows], self.corpus.tokens, self.corpus.offsets, self.seq_len,
+            self.pad_id, self.corpus.loss_mask,
+        )
+        if self.trim_padding:
+            longest = int(self.row_tokens[rows].max())
+            batch = {k: v[:, :longest] for k, v in batch.items()}
+        batch["useful_tokens"] = torch.tensor(int(self.row_tokens[rows].sum()))
+        return batch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        """Position in the data stream (for exact resume)."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "rows": len(self.plan.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; refuses a different packing (its rows would not match)."""
+        if state["rows"] != len(self.plan.rows) or state["seed"] != self.seed:
+            raise ValueError(
+                f"checkpoint data position is for {state['rows']} rows / seed {state['seed']}, but this run has "
+                f"{len(self.plan.rows)} rows / seed {self.seed}: resume with the same data and packing settings"
+            )
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._epoch_order(self.epoch)

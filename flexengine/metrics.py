@@ -1,0 +1,75 @@
+"""Run metrics: TensorBoard scalars under stable tags, throughput/MFU arithmetic, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+# Stable TensorBoard tags (other tools and tests read them back).
+TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "useful_tokens_per_s": "perf/useful_tokens_per_s",
+    "mfu": "perf/mfu",
+    "peak_memory_bytes": "memory/peak_bytes",
+    "useful_token_fraction": "data/useful_token_fraction",
+    "block_sparsity": "attn/block_sparsity",
+}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated on GPU; the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int, attended_fraction: float = 0.5) -> float:
+    """Forward+backward FLOPs per token: 6 x (non-embedding params) for the matmuls, plus attention scores and
+    values, 2 matmuls x 2 FLOPs x 3 (fwd+bwd) x layers x heads*head_dim x keys attended per query
+    (attended_fraction x seq_len; 0.5 for a full causal mask)."""
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    n_params -= model.get_input_embeddings().weight.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len * attended_fraction
+    return 6 * n_params + attn
+
+
+class MetricsWriter:
+    """TensorBoard writer that knows our tag names; a no-op off rank 0."""
+
+    def __init__(self, log_dir: Optional[Path]):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def scalars(self, values: dict, step: int) -> None:
+        """Log each known metric under its stable tag (unknown keys go under `extra/`)."""
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(TAGS.get(key, f"extra/{key}"), float(value), step)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        """Hyper-parameters for TensorBoard's HPARAMS tab (compare runs of a sweep)."""
+        if self.writer is None:
+            return
+        clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+        self.writer.add_hparams(clean, {f"hparam/{k}": float(v) for k, v in metrics.items()}, run_name=".")
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,101 @@
+"""Load an HF causal LM (local directory or random init from a config) and its tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from flexengine.config import ModelConfig
+from flexengine.data.demo import load_demo_tokenizer
+from flexengine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def build_hf_config(model: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model (from model.path/config.json or model.arch), with use_cache off for training."""
+    if model.path is not None:
+        path = Path(model.path)
+        if not path.is_dir():
+            raise UserError(f"model.path={model.path!r} is not a directory. Point it at a local HF model directory.")
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
+                "(expected config.json, tokenizer files and *.safetensors)."
+            )
+        try:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+        except ValueError as e:
+            raise UserError(f"model.path={model.path!r}: transformers cannot read its config.json: {e}") from None
+    else:
+        arch = dict(model.arch)
+        model_type = arch.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **arch)
+        except ValueError:
+            raise UserError(
+                f"model.arch.model_type={model_type!r} is not a model family transformers knows "
+                "(e.g. llama, mistral, qwen2)."
+            ) from None
+    # A KV cache is useless in training, and with it on HF skips packed-sequence handling (see DESIGN.md).
+    config.use_cache = False
+    return config
+
+
+def load_model(model: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """Build or load the causal LM on `device` in the configured dtype."""
+    config = build_hf_config(model)
+    dtype = resolve_dtype(model.dtype, device)
+    if model.init == "random":
+        with device:
+            lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
+    else:
+        if not any(Path(model.path).glob("*.safetensors")) and not any(Path(model.path).glob("*.bin")):
+            raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
+        lm = AutoModelForCausalLM.from_pretrained(
+            model.path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code,
+            use_safetensors=None,
+        ).to(device)
+    n_params = sum(p.numel() for p in lm.parameters())
+    log.info("model %s: %s, %.1fM parameters, %s on %s", model.name, config.model_type, n_params / 1e6, dtype, device)
+    return lm
+
+
+def load_tokenizer(model: ModelConfig, cache_dir: Optional[Path] = None):
+    """The tokenizer of model.tokenizer / model.path, or the offline demo tokenizer when neither is given."""
+    source = model.tokenizer or model.path
+    if source is None:
+        return load_demo_tokenizer(cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {source!r} (model.tokenizer / model.path): {e}") from None
+
+
+def check_vocab(lm: torch.nn.Module, tokenizer) -> None:
+    """Fail early if the tokenizer can emit ids the embedding does not have."""
+    vocab = lm.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {vocab}; "
+            "use the model's own tokenizer (model.tokenizer) or a larger vocab_size."
+        )
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used for padding slots (their labels are -100, so any valid id works)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0

@@ -1,0 +1,78 @@
+"""One training run from a typed JobConfig: the library-level path behind `python -m flexengine.train`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from flexengine.attention import patch_attention
+from flexengine.checkpoint import write_json_atomic
+from flexengine.compile import apply_compile
+from flexengine.config import JobConfig
+from flexengine.data.corpus import build_corpus
+from flexengine.data.loader import RowLoader
+from flexengine.data.packing import plan_packing
+from flexengine.errors import UserError
+from flexengine.memory import apply_memory_policy
+from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
+from flexengine.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """hardware.device: auto -> cuda if available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu.")
+    return torch.device(name)
+
+
+def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
+    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
+    torch.manual_seed(job.train.seed)
+    device = resolve_device(job.hardware.device)
+    build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+    tokenizer = load_tokenizer(job.model)
+    corpus = build_corpus(job.data, tokenizer)
+    plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
+    log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
+    if plan.stats.rows == 0:
+        raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
+    loader = RowLoader(
+        corpus, plan, job.data.seq_len, job.train.micro_batch, pad_token_id(tokenizer), seed=job.train.seed,
+        shuffle=job.data.shuffle, bucket=job.data.bucket, trim_padding=job.data.packing == "none",
+    )
+    model = load_model(job.model, device)
+    check_vocab(model, tokenizer)
+    # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile.
+    patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size, job.attn.compile)
+    apply_memory_policy(model, job.memory)
+    if job.train.compile:
+        apply_compile(model, job.train.compile_backend)
+    trainer = Trainer(job, model, tokenizer, loader, out_dir, device)
+    trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
+    return trainer
+
+
+def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] = None) -> dict:
+    """Train, checkpoint and write out_dir/summary.json; returns the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(job, out_dir)
+    if job.train.resume:
+        trainer.resume(job.train.resume)
+    summary = trainer.train()
+    summary["data"] = trainer.data_report
+    summary["config"] = resolved_config if resolved_config is not None else asdict(job)
+    write_json_atomic(out_dir / "summary.json", summary)
+    log.info(
+        "done: %d steps, loss %.4f -> %.4f, %.0f useful tokens/s, %.1f s; summary: %s",
+        summary["steps"], summary["initial_loss"] or float("nan"), summary["final_loss"] or float("nan"),
+        summary["useful_tokens_per_s"], summary["wall_s"], out_dir / "summary.json",
+    )
+    return summary

@@ -1,0 +1,286 @@
+"""The training loop: accumulate, clip, step, schedule, log, checkpoint, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from flexengine.attention import MASK_KWARG, build_batch_mask
+from flexengine.checkpoint import find_latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from flexengine.config import JobConfig, OptimConfig
+from flexengine.data.loader import RowLoader
+from flexengine.errors import UserError
+from flexengine.loss import count_valid_targets, forward_loss_sum
+from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not norms/biases); fused on CUDA, foreach on CPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
+    flags = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, **flags)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
+    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+@dataclass
+class TrainState:
+    """Counters that travel with checkpoints."""
+
+    step: int = 0
+    tokens_seen: int = 0  # row slots processed, padding included
+    useful_tokens_seen: int = 0  # real document tokens processed
+    losses: list = field(default_factory=list)  # per optimizer step
+    skipped_nonfinite: int = 0
+    block_sparsity_sum: float = 0.0
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
+
+    def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, out_dir: Path,
+                 device: torch.device):
+        self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
+        self.out_dir, self.device = out_dir, device
+        self.optimizer = build_optimizer(model, job.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
+        self.state = TrainState()
+        self.metrics = MetricsWriter(out_dir / "tb")
+        self.attn = getattr(model, "flexengine_attention", {"backend": "sdpa", "mode": "causal", "window": None})
+        self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
+        self._stop_signal: Optional[int] = None
+        self.wall_s = 0.0
+
+    # -- one optimizer step -------------------------------------------------------------------------------
+    def _mask_kwargs(self, batch: dict) -> dict:
+        """Build the batch's attention mask once, here, so every layer shares it (and we can log sparsity)."""
+        if self.attn["backend"] == "sdpa":
+            return {}
+        mask = build_batch_mask(self.attn["mode"], self.attn["backend"], batch["document_ids"],
+                                self.attn["window"], self.job.attn.block_size)
+        return {MASK_KWARG: mask}
+
+    def train_step(self) -> dict:
+        """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
+        micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
+        # The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share.
+        n_valid = sum(count_valid_targets(b["labels"]) for b in micro_batches).to(self.device)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(n_valid)
+        n_valid = n_valid.clamp(min=1).float()
+        loss_sum = torch.zeros((), device=self.device)
+        sparsity = []
+        for batch in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            mask_kwargs = self._mask_kwargs(batch)
+            with self._autocast():
+                micro_loss = forward_loss_sum(self.model, batch, self.job.loss.chunk_size, **mask_kwargs)
+            (micro_loss / n_valid).backward()
+            loss_sum += micro_loss.detach()
+            if mask_kwargs:
+                sparsity.append(mask_kwargs[MASK_KWARG].block_sparsity)
+        loss = loss_sum / n_valid
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
+        )
+        loss_value = loss.item()  # the one host sync per step
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm.item())
+        if finite:
+            self.optimizer.step()
+        elif self.job.train.skip_nonfinite:
+            self.state.skipped_nonfinite += 1
+            log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
+        else:
+            raise FloatingPointError(
+                f"step {self.state.step + 1}: loss is {loss_value} (grad norm {grad_norm.item()}). Lower optim.lr, "
+                "check the data, or set train.skip_nonfinite=true to skip such steps."
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        tokens = sum(b["input_ids"].numel() for b in micro_batches)
+        useful = sum(int(b["useful_tokens"]) for b in micro_batches)
+        return {
+            "loss": loss_value, "grad_norm": grad_norm.item(), "tokens": tokens, "useful_tokens": useful,
+            "block_sparsity": float(torch.stack(sparsity).mean()) if sparsity else None,
+        }
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Run to train.max_steps (or a stop signal); returns the run summary."""
+        cfg = self.job.train
+        self._install_signal_handlers()
+        progress = self._progress_bar()
+        self.model.train()
+        start, window_t, window_tokens, window_useful = time.perf_counter(), time.perf_counter(), 0, 0
+        while self.state.step < cfg.max_steps and self._stop_signal is None:
+            m = self.train_step()
+            self.state.step += 1
+            self.state.losses.append(m["loss"])
+            self.state.tokens_seen += m["tokens"]
+            self.state.useful_tokens_seen += m["useful_tokens"]
+            self.state.block_sparsity_sum += m["block_sparsity"] or 0.0
+            window_tokens, window_useful = window_tokens + m["tokens"], window_useful + m["useful_tokens"]
+            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.max_steps:
+                dt = time.perf_counter() - window_t
+                self._log(m, window_tokens / dt, window_useful / dt)
+                window_t, window_tokens, window_useful = time.perf_counter(), 0, 0
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{m['loss']:.3f}")
+            if cfg.save_every and self.state.step % cfg.save_every == 0:
+                self.save()
+        self.wall_s += time.perf_counter() - start
+        if progress is not None:
+            progress.close()
+        if self._stop_signal is not None:
+            log.warning("stopped by signal %d after step %d; saving", self._stop_signal, self.state.step)
+        if cfg.save_final or self._stop_signal is not None:
+            self.save()
+        summary = self.summary()
+        self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
+                                               "useful_tokens_per_s": summary["useful_tokens_per_s"]})
+        self.metrics.close()
+        return summary
+
+    def _log(self, m: dict, tokens_per_s: float, useful_per_s: float) -> None:
+        peak_flops = self.job.hardware.peak_tflops * 1e12
+        self.metrics.scalars({
+            "loss": m["loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": m["grad_norm"],
+            "tokens_per_s": tokens_per_s, "useful_tokens_per_s": useful_per_s,
+            "mfu": useful_per_s * self.flops_per_token / peak_flops,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "useful_token_fraction": m["useful_tokens"] / m["tokens"], "block_sparsity": m["block_sparsity"],
+        }, self.state.step)
+
+    def _progress_bar(self):
+        if not self.job.train.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.job.train.max_steps, initial=self.state.step, desc="train", unit="step")
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self._stop_signal = signum  # finish the current step, save, exit cleanly
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread (e.g. under some launchers)
+                signal.signal(sig, request_stop)
+
+    # -- results, checkpoints, resume ---------------------------------------------------------------------
+    def summary(self) -> dict:
+        """The numbers summary.json reports."""
+        s = self.state
+        wall = max(self.wall_s, 1e-9)
+        return {
+            "steps": s.step,
+            "tokens_seen": s.tokens_seen,
+            "useful_tokens_seen": s.useful_tokens_seen,
+            "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
+            "tokens_per_s": s.tokens_seen / wall,
+            "useful_tokens_per_s": s.useful_tokens_seen / wall,
+            "mfu": s.useful_tokens_seen / wall * self.flops_per_token / (self.job.hardware.peak_tflops * 1e12),
+            "initial_loss": s.losses[0] if s.losses else None,
+            "final_loss": s.losses[-1] if s.losses else None,
+            "losses": list(s.losses),
+            "skipped_nonfinite_steps": s.skipped_nonfinite,
+            "block_sparsity": s.block_sparsity_sum / max(1, s.step) if self.attn["backend"] != "sdpa" else None,
+            "attention": dict(self.attn),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "wall_s": self.wall_s,
+            "stopped_by_signal": self._stop_signal,
+        }
+
+    def _hparams(self) -> dict:
+        j = self.job
+        return {"model": j.model.name, "attn": j.attn.mode, "backend": self.attn["backend"],
+                "memory": j.memory.policy, "seq_len": j.data.seq_len, "packing": j.data.packing,
+                "micro_batch": j.train.micro_batch, "grad_accum": j.train.grad_accum, "lr": j.optim.lr}
+
+    def trainer_state(self) -> dict:
+        """Everything besides the weights that an exact resume needs."""
+        return {
+            "train": asdict(self.state), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(), "rng": _rng_state(),
+            "wall_s": self.wall_s,
+        }
+
+    def save(self) -> Path:
+        """Checkpoint to out_dir/checkpoints/step_<N>."""
+        return save_checkpoint(self.out_dir / "checkpoints", self.state.step, self.model, self.tokenizer,
+                               self.trainer_state())
+
+    def resume(self, spec: str) -> Optional[Path]:
+        """train.resume: auto (latest under out_dir/checkpoints, if any) or a step_<N> directory."""
+        if spec == "auto":
+            path = find_latest_checkpoint(self.out_dir / "checkpoints")
+            if path is None:
+                log.info("train.resume=auto: no checkpoint under %s, starting fresh", self.out_dir / "checkpoints")
+                return None
+        else:
+            path = Path(spec)
+            if not (path / "trainer_state.pt").is_file():
+                raise UserError(f"train.resume={spec!r} is not a checkpoint directory (no trainer_state.pt in it).")
+        load_model_weights(self.model, path)
+        state = load_trainer_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        try:
+            self.loader.load_state_dict(state["data"])
+        except ValueError as e:
+            raise UserError(f"train.resume={spec}: {e}") from None
+        _set_rng_state(state["rng"])
+        self.state = TrainState(**state["train"])
+        self.wall_s = state.get("wall_s", 0.0)
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return path
