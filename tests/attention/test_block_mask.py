@@ -1,0 +1,33 @@
+"""The flex BlockMask and the dense reference mask describe the same attention pattern."""
+
+import pytest
+import torch
+
+from flexengine.attention.block_mask import build_batch_mask
+
+
+def _layout(seq_len, lengths):
+    doc = torch.full((seq_len,), len(lengths), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(lengths):
+        doc[at : at + n] = i
+        at += n
+    return doc
+
+
+@pytest.mark.parametrize("mode", ["causal", "packed_doc", "sliding_window", "packed_sliding"])
+def test_flex_and_dense_count_the_same_blocks(mode):
+    seq_len, block = 512, 128
+    doc = torch.stack([_layout(seq_len, [3, 200, 40, 150]), _layout(seq_len, [512]), _layout(seq_len, [30])])
+    dense = build_batch_mask(mode, "dense", doc, window=100, block_size=block)
+    flex = build_batch_mask(mode, "flex", doc, window=100, block_size=block)
+    assert int(dense.computed_blocks) == int(flex.computed_blocks)
+    assert dense.causal_blocks == flex.causal_blocks == 3 * 4 * 5 // 2
+
+
+def test_block_sparsity_drops_with_many_short_documents():
+    seq_len = 1024
+    one_doc = build_batch_mask("packed_doc", "dense", _layout(seq_len, [seq_len])[None], block_size=128)
+    many = build_batch_mask("packed_doc", "dense", _layout(seq_len, [128] * 8)[None], block_size=128)
+    assert float(one_doc.block_sparsity) == 1.0
+    assert float(many.block_sparsity) == pytest.approx(8 / 36)  # 8 diagonal blocks of 36 causal ones
