@@ -1,0 +1,1 @@
+"""Hydra configuration groups (model, attn, memory, loss, data, optim, hardware, debug, experiment)."""
