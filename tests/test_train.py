@@ -1,0 +1,131 @@
+"""End-to-end: the entry point, HF round trip of checkpoints, exact resume, loss normalisation, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from flexengine.config import JobConfig
+from flexengine.run import build_trainer, run_training
+from flexengine.train import to_job_config
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "optim.warmup_steps=2"]
+
+
+def make_job(tmp_path: Path, *overrides: str) -> JobConfig:
+    """Compose conf/ exactly like the entry point does, with overrides, into a JobConfig."""
+    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
+        cfg = compose("config", overrides=[*FAST, f"train.output_dir={tmp_path}", *overrides])
+    return to_job_config(cfg)
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flexengine.train", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_default_entry_point_runs_and_writes_everything(tmp_path):
+    proc = run_cli("debug=fast", "train.max_steps=6", "train.save_every=3", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "tokens_seen", "useful_tokens_seen", "tokens_per_s", "useful_tokens_per_s",
+                "initial_loss", "final_loss", "losses", "peak_memory_bytes", "wall_s", "config", "block_sparsity"):
+        assert key in summary, key
+    assert summary["steps"] == 6 and len(summary["losses"]) == 6
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["attention"]["backend"] == "dense" and summary["attention"]["mode"] == "packed_doc"
+    assert summary["config"]["attn"]["mode"] == "packed_doc"
+    assert 0 < summary["useful_tokens_seen"] <= summary["tokens_seen"]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+
+def test_checkpoint_is_a_standard_hf_directory_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    trainer.train()
+    path = tmp_path / "checkpoints" / "step_2"
+    assert (path / "config.json").is_file() and list(path.glob("*.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tokenizer("def f(x):\n    return x + 1\n")["input_ids"]])
+    ours = trainer.model.eval()
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
+        want = hf(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_continues_with_identical_losses(tmp_path):
+    straight = run_training(make_job(tmp_path / "a", "train.max_steps=6"), tmp_path / "a")
+    # a run killed after step 3: only its step_3 checkpoint survives; resume it in place
+    first_half = make_job(tmp_path / "b", "train.max_steps=6", "train.save_every=3")
+    trainer = build_trainer(first_half, tmp_path / "b")
+    while trainer.state.step < 3:
+        trainer.state.step += 1
+        trainer.state.losses.append(trainer.train_step()["loss"])
+    trainer.save()
+    resumed = run_training(make_job(tmp_path / "b", "train.max_steps=6", "train.resume=auto"), tmp_path / "b")
+    assert resumed["steps"] == 6
+    assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-6)
+
+
+@pytest.mark.parametrize("packing", ["bfd", "none"])
+def test_accumulation_equals_one_big_batch(tmp_path, packing):
+    attn = "attn=packed_doc" if packing == "bfd" else "attn=causal"
+    grads, losses = [], []
+    for micro, accum in ((1, 4), (4, 1)):
+        trainer = build_trainer(
+            make_job(tmp_path, attn, f"train.micro_batch={micro}", f"train.grad_accum={accum}", "optim.grad_clip=0",
+                     "data.shuffle=false"),
+            tmp_path,
+        )
+        trainer.optimizer.step = lambda *a, **k: None  # keep the grads to compare them
+        trainer.optimizer.zero_grad = lambda *a, **k: None
+        losses.append(trainer.train_step()["loss"])
+        grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+# --- bad input: one paragraph, no traceback, non-zero exit, before heavy work -----------------------------
+
+def _bad_jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a fine document"}\n{"text": "another"}\n{"text": broken\n')
+    return path
+
+
+BAD_INPUTS = {
+    "missing_model_path": (["model=deepseek7b"], "model.path"),
+    "model_path_not_a_dir": (["model=deepseek7b", "model.path=/nonexistent/model"], "is not a directory"),
+    "dir_without_config": (["model=deepseek7b", "model.path={tmp}"], "no config.json"),
+    "unknown_model_family": (["model.arch.model_type=notamodel"], "model_type='notamodel'"),
+    "malformed_jsonl": (["data=jsonl", "data.path={jsonl}"], "train.jsonl:3"),
+    "empty_dataset": (["data=jsonl", "data.path={empty}"], "no usable documents"),
+    "seq_len_not_positive": (["data.seq_len=0"], "data.seq_len=0"),
+    "unknown_override_key": (["train.max_stpes=3"], "max_stpes"),
+    "wrong_type": (["train.max_steps=many"], "max_steps"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_with_a_clear_message(tmp_path, case):
+    args, expected = BAD_INPUTS[case]
+    (tmp_path / "empty.jsonl").write_text("")
+    subs = {"tmp": str(tmp_path), "jsonl": str(_bad_jsonl(tmp_path)), "empty": str(tmp_path / "empty.jsonl")}
+    proc = run_cli(*[a.format(**subs) for a in args], f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
