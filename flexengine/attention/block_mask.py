@@ -45,6 +45,60 @@ def _create_block_mask(mask_mod, B: int, S: int, device: torch.device, block_siz
     return build(mask_mod, B, None, S, S, device=device, BLOCK_SIZE=block_size)
 
 
+def _ordered_blocks(blocks_BQK: Tensor) -> tuple[Tensor, Tensor]:
+    """Block occupancy [B, nq, nk] -> (count [B, 1, nq], indices [B, 1, nq, nk] with the used blocks first)."""
+    num = blocks_BQK.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks_BQK.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None], indices[:, None]
+
+
+def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> BlockMask:
+    """BlockMask for causal/document/window masks computed at block level: O((S/block)^2) per row, no [S, S].
+
+    Valid because packed document ids never decrease along a row (documents are contiguous runs; callers pass
+    `canonical_document_ids`). For q block i and kv block j <= i, with each block's smallest/largest document id:
+      - some pair may attend  <=> the blocks' document ranges overlap (and, with a window, the closest pair is
+        within it);
+      - every pair attends    <=> j < i, both blocks lie inside one and the same document (and the farthest pair
+        is within the window).
+    Blocks that may attend but not fully are "partial": the mask_mod decides per element inside them, so the
+    result is exact even where the partial test is conservative (windowed documents).
+    """
+    B, S = document_ids_BS.shape
+    n = S // block_size
+    doc = document_ids_BS.view(B, n, block_size)
+    lo, hi = doc[..., 0], doc[..., -1]  # monotonic: first/last token hold the smallest/largest id
+    q = torch.arange(n, device=doc.device)
+    below_or_diag = q[:, None] >= q[None, :]  # [nq, nk]
+    strictly_below = q[:, None] > q[None, :]
+    any_allowed = below_or_diag.expand(B, n, n).clone()
+    all_allowed = strictly_below.expand(B, n, n).clone()
+    if mode in ("packed_doc", "packed_sliding"):
+        overlap = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+        single = lo == hi
+        same_single = single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+        any_allowed &= overlap
+        all_allowed &= same_single
+    if mode in ("sliding_window", "packed_sliding"):
+        gap = (q[:, None] - q[None, :]) * block_size  # q block start - kv block start
+        any_allowed &= (gap - (block_size - 1)) < window  # closest pair: first q vs last kv
+        all_allowed &= (gap + (block_size - 1)) < window  # farthest pair: last q vs first kv
+    partial = any_allowed & ~all_allowed
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(all_allowed)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=get_mask_mod(mode, document_ids_BS, window), seq_lengths=(S, S),
+    )
+
+
+def canonical_document_ids(document_ids_BS: Tensor) -> Tensor:
+    """Renumber documents as contiguous runs 0, 1, 2, ... along each row (monotonic, as the block builder needs)."""
+    change = torch.zeros_like(document_ids_BS, dtype=torch.int32)
+    change[:, 1:] = (document_ids_BS[:, 1:] != document_ids_BS[:, :-1]).to(torch.int32)
+    return torch.cumsum(change, dim=-1, dtype=torch.int32)
+
+
 def _causal_block_count(B: int, S: int, block_size: int) -> int:
     n = -(-S // block_size)
     return B * n * (n + 1) // 2
@@ -60,10 +114,14 @@ def build_batch_mask(
     """The mask for one batch of rows [B, S] under an attention mode, for the flex or dense backend."""
     B, S = document_ids_BS.shape
     device = document_ids_BS.device
+    document_ids_BS = canonical_document_ids(document_ids_BS)
     mask_mod = get_mask_mod(mode, document_ids_BS, window)
     causal_blocks = _causal_block_count(B, S, block_size)
     if backend == "flex":
-        block_mask = _create_block_mask(mask_mod, B, S, device, block_size)
+        if S % block_size == 0:
+            block_mask = document_block_mask(mode, document_ids_BS, window, block_size)
+        else:  # ragged last block: let torch evaluate the mask_mod per element
+            block_mask = _create_block_mask(mask_mod, B, S, device, block_size)
         computed = block_mask.kv_num_blocks.sum()
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()

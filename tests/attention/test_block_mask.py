@@ -31,3 +31,26 @@ def test_block_sparsity_drops_with_many_short_documents():
     many = build_batch_mask("packed_doc", "dense", _layout(seq_len, [128] * 8)[None], block_size=128)
     assert float(one_doc.block_sparsity) == 1.0
     assert float(many.block_sparsity) == pytest.approx(8 / 36)  # 8 diagonal blocks of 36 causal ones
+
+
+@pytest.mark.parametrize("mode", ["causal", "packed_doc", "sliding_window", "packed_sliding"])
+def test_block_level_builder_equals_torch_create_block_mask(mode):
+    from flexengine.attention.block_mask import _create_block_mask, canonical_document_ids, document_block_mask
+    from flexengine.attention.masks import get_mask_mod
+
+    g = torch.Generator().manual_seed(1)
+    seq_len, block = 1024, 128
+    rows = []
+    for _ in range(3):
+        lengths, total = [], 0
+        while total < seq_len:
+            n = min(int(torch.randint(1, 400, (1,), generator=g)), seq_len - total)
+            lengths.append(n)
+            total += n
+        rows.append(_layout(seq_len, lengths))
+    doc = canonical_document_ids(torch.stack(rows))
+    ours = document_block_mask(mode, doc, 200, block)
+    torch_built = _create_block_mask(get_mask_mod(mode, doc, 200), 3, seq_len, doc.device, block)
+    assert torch.equal(ours.to_dense(), torch_built.to_dense())
+    # "full" blocks skip the mask_mod: they must be exactly torch's (a wrong full block would leak attention)
+    assert torch.equal(ours.full_kv_num_blocks, torch_built.full_kv_num_blocks)
