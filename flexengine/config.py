@@ -20,11 +20,33 @@ DATA_FORMATS = ("text", "chat", "pretokenized")
 DATA_SOURCES = ("demo", "jsonl", "parquet")
 MODEL_INITS = ("pretrained", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
+MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (model.lora.*); r=0 trains every weight instead."""
+
+    r: int = 0  # adapter rank; 0 = full fine-tune (no adapters)
+    alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B @ A
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    ])  # module-name suffixes that get adapters (LLaMA/Mistral/DeepSeek names)
+
+    def __post_init__(self) -> None:
+        if self.r < 0:
+            raise UserError(f"model.lora.r={self.r} must be >= 0 (0 = no LoRA, full fine-tune).")
+        if self.r > 0 and not self.target_modules:
+            raise UserError("model.lora.target_modules is empty: name the Linear layers to adapt, e.g. [q_proj,v_proj].")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"model.lora.dropout={self.dropout} must be in [0, 1).")
 
 
 @dataclass
@@ -38,6 +60,7 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
     dtype: str = "auto"  # parameter dtype; auto = float32 on CPU, bfloat16 on CUDA (with fp32 master math in AdamW)
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune
 
     def __post_init__(self) -> None:
         _check_choice("model.init", self.init, MODEL_INITS)
@@ -79,10 +102,24 @@ class AttnConfig:
 class MemoryConfig:
     """Activation memory policy per decoder block (see flexengine.memory)."""
 
-    policy: str = "none"  # none | full | selective | offload | auto
+    # none: keep everything | full: recompute whole selected blocks | selective: recompute at `granularity` |
+    # offload: keep the selected blocks' saved tensors in CPU memory (no recompute) | auto: the planner picks
+    policy: str = "none"
     layers: str = "all"  # all | every_<n> | first_<k> | last_<k> | comma list of block indices, e.g. "0,3,7"
     granularity: str = "block"  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
-    offload: bool = False  # keep the selected blocks' saved inputs in (pinned) CPU memory during forward
+    offload: bool = False  # with full/selective: also keep the checkpoint inputs in (pinned) CPU memory
+
+    def __post_init__(self) -> None:
+        _check_choice("memory.policy", self.policy, MEMORY_POLICIES)
+        _check_choice("memory.granularity", self.granularity, MEMORY_GRANULARITIES)
+        if self.policy == "full" and self.granularity != "block":
+            raise UserError(
+                f"memory=full recomputes whole blocks, but memory.granularity={self.granularity}; "
+                f"use memory=selective memory.granularity={self.granularity}."
+            )
+        if self.policy in ("none", "offload") and self.offload:
+            raise UserError(f"memory.offload=true offloads checkpoint inputs; memory.policy={self.policy} has none. "
+                            "Use memory=offload to offload every saved tensor, or memory=full memory.offload=true.")
 
 
 @dataclass
@@ -108,9 +145,9 @@ class DataConfig:
     # (data order) | none (one document per row, padded to the batch's longest)
     long_docs: str = "split"  # documents longer than seq_len: split | truncate | drop (always counted)
     bucket: bool = False  # packing=none: group documents of similar length into batches (less padding)
-    add_eos: bool = True  # append the tokenizer's EOS to every document
-    cache_dir: Optional[str] = None  # tokenized-corpus cache; None = ~/.cache/flexengine
-    num_workers: int = 2  # tokenization worker processes
+    add_eos: bool = True  # format=text: append the tokenizer's EOS to every document (chat: the template decides)
+    cache_dir: Optional[str] = None  # tokenized-corpus cache; None = $FLEXENGINE_CACHE or ~/.cache/flexengine
+    num_workers: int = 2  # tokenization processes; 0 or 1 = in this process (the Rust tokenizer's own threads)
     shuffle: bool = True  # shuffle packed rows each epoch (seeded by train.seed, resumable)
     demo_max_files: int = 400  # demo corpus: number of stdlib source files read
 
@@ -126,6 +163,10 @@ class DataConfig:
             raise UserError(f"data={self.source} needs data.path, e.g. data={self.source} data.path=/data/train.{self.source}")
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
+        if self.source == "demo" and self.format != "text":
+            raise UserError(f"data=demo is plain text; data.format={self.format} needs data=jsonl or data=parquet.")
+        if self.num_workers < 0:
+            raise UserError(f"data.num_workers={self.num_workers} must be >= 0 (0 = tokenize in this process).")
 
 
 @dataclass
@@ -140,6 +181,10 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global grad norm (0 = no clipping)
     impl: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for_loop
+    name: str = "adamw"  # adamw | adamw_8bit | adamw_bf16 (both torchao) | adamw_cpu_offload (states in host RAM)
+
+    def __post_init__(self) -> None:
+        _check_choice("optim.name", self.name, ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload"))
 
 
 @dataclass
@@ -152,6 +197,21 @@ class HardwareConfig:
     peak_tflops: float = 1.0  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU
     pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
     world_size: int = 1  # devices in the job (torchrun sets the real value)
+
+
+@dataclass
+class ParallelConfig:
+    """How a torchrun job (WORLD_SIZE > 1) splits the work; a single process ignores it."""
+
+    strategy: str = "fsdp"  # fsdp: FSDP2 fully_shard per decoder block + root | ddp: full replica per rank
+    backend: str = "auto"  # process-group backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    reshard_after_forward: bool = True  # fsdp: free gathered block weights after forward (re-gathered in
+    # backward); false keeps them, one all-gather less per block for the memory of a full block per rank
+    mixed_precision: bool = True  # fsdp on CUDA: bf16 compute weights, fp32 gradient reduction (CPU: ignored)
+
+    def __post_init__(self) -> None:
+        _check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
+        _check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
 
 
 @dataclass
@@ -173,6 +233,8 @@ class TrainConfig:
     profile: bool = False  # record a torch.profiler trace
     profile_steps: int = 3
     progress: bool = True  # tqdm progress bar with ETA
+    merge_lora_on_save: bool = False  # with model.lora.r > 0: checkpoints hold base+adapter merged weights
+    # (a plain HF model) next to the adapter files; false: adapters only (small, needs the base to load)
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "micro_batch", "grad_accum"):
@@ -194,6 +256,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.data.packing == "auto":

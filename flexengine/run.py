@@ -18,7 +18,10 @@ from flexengine.data.loader import RowLoader
 from flexengine.data.packing import plan_packing
 from flexengine.errors import UserError
 from flexengine.memory import apply_memory_policy
+from flexengine.memory.report import activation_summary, resolve_memory
+from flexengine.lora import apply_lora
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
+from flexengine.parallel import apply_parallel, init_distributed, main_rank_first, rank_device, shutdown_distributed
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -37,9 +40,12 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
     torch.manual_seed(job.train.seed)
     device = resolve_device(job.hardware.device)
+    dist_info = init_distributed(job.parallel, device)
+    device = rank_device(device, dist_info)
     build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     tokenizer = load_tokenizer(job.model)
-    corpus = build_corpus(job.data, tokenizer)
+    with main_rank_first(dist_info):  # one rank tokenizes into the cache, the others read it
+        corpus = build_corpus(job.data, tokenizer)
     plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
     log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
     if plan.stats.rows == 0:
@@ -47,16 +53,23 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     loader = RowLoader(
         corpus, plan, job.data.seq_len, job.train.micro_batch, pad_token_id(tokenizer), seed=job.train.seed,
         shuffle=job.data.shuffle, bucket=job.data.bucket, trim_padding=job.data.packing == "none",
+        rank=dist_info.rank, world_size=dist_info.world_size,
     )
     model = load_model(job.model, device)
     check_vocab(model, tokenizer)
-    # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile.
+    model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
+    # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
     patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size, job.attn.compile)
-    apply_memory_policy(model, job.memory)
+    memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
+    apply_memory_policy(model, memory)
+    memory_report = activation_summary(model, job, memory, device)
     if job.train.compile:
         apply_compile(model, job.train.compile_backend)
-    trainer = Trainer(job, model, tokenizer, loader, out_dir, device)
+    train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size)
+    trainer = Trainer(job, model, tokenizer, loader, out_dir, device, dist_info, train_module)
     trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
+    trainer.memory_report = memory_report
+    trainer.metrics.scalars({f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])}, 0)
     return trainer
 
 
@@ -68,8 +81,11 @@ def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] 
         trainer.resume(job.train.resume)
     summary = trainer.train()
     summary["data"] = trainer.data_report
+    summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
     summary["config"] = resolved_config if resolved_config is not None else asdict(job)
-    write_json_atomic(out_dir / "summary.json", summary)
+    if trainer.dist.is_main:
+        write_json_atomic(out_dir / "summary.json", summary)
+    shutdown_distributed()
     log.info(
         "done: %d steps, loss %.4f -> %.4f, %.0f useful tokens/s, %.1f s; summary: %s",
         summary["steps"], summary["initial_loss"] or float("nan"), summary["final_loss"] or float("nan"),

@@ -13,10 +13,12 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
+from flexengine.sweep import free_memory, write_job_error
 
 log = logging.getLogger("flexengine")
 
@@ -48,14 +50,22 @@ def run_dir(job: JobConfig) -> Path:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     """Hydra task: compose -> JobConfig -> train -> summary.json."""
-    from flexengine.run import run_training  # heavy imports after argument parsing (fast --help / errors)
-
     try:
-        job = to_job_config(cfg)
+        job = to_job_config(cfg)  # config mistakes fail here, before the heavy imports below
+        from flexengine.run import run_training
+
         return run_training(job, run_dir(job), OmegaConf.to_container(cfg, resolve=True))
-    except UserError as e:
-        print(f"\nflexengine: error: {e}\n", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:  # UserError, OOM, ...: error.json makes a failed run a row of the sweep summary
+        write_job_error(Path(HydraConfig.get().runtime.output_dir), e)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            if isinstance(e, UserError):
+                print(f"\nflexengine: error: {e}\n", file=sys.stderr)
+                sys.exit(2)
+            raise
+        # Hydra's basic launcher would abort the whole sweep on a raised exception: log it and go on.
+        log.error("run failed, the sweep goes on (%s: %s)", type(e).__name__, e)
+    free_memory()  # outside `except`: the traceback no longer holds the failed run's tensors
+    return {"status": "failed"}
 
 
 if __name__ == "__main__":

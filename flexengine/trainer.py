@@ -17,38 +17,18 @@ import torch
 from torch import nn
 
 from flexengine.attention import MASK_KWARG, build_batch_mask
-from flexengine.checkpoint import find_latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
-from flexengine.config import JobConfig, OptimConfig
+from flexengine.checkpoint import find_latest_checkpoint
+from flexengine.config import JobConfig
 from flexengine.data.loader import RowLoader
 from flexengine.errors import UserError
-from flexengine.loss import count_valid_targets, forward_loss_sum
+from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
+from flexengine.optim import build_optimizer, build_scheduler
+from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, load_checkpoint_all_ranks,
+                                 save_checkpoint_all_ranks)
+from flexengine.profiling import start_profiler
 
 log = logging.getLogger(__name__)
-
-
-def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not norms/biases); fused on CUDA, foreach on CPU."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
-    flags = {"fused": impl == "fused", "foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, **flags)
-
-
-def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
-    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio at max_steps."""
-
-    def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 @dataclass
@@ -82,13 +62,15 @@ class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
     def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, out_dir: Path,
-                 device: torch.device):
+                 device: torch.device, dist: DistInfo = DistInfo(), train_module: Optional[nn.Module] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
-        self.out_dir, self.device = out_dir, device
+        self.out_dir, self.device, self.dist = out_dir, device, dist
+        # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
+        self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
         self.state = TrainState()
-        self.metrics = MetricsWriter(out_dir / "tb")
+        self.metrics = MetricsWriter(out_dir / "tb" if dist.is_main else None)
         self.attn = getattr(model, "flexengine_attention", {"backend": "sdpa", "mode": "causal", "window": None})
         self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
         self._stop_signal: Optional[int] = None
@@ -117,7 +99,7 @@ class Trainer:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             mask_kwargs = self._mask_kwargs(batch)
             with self._autocast():
-                micro_loss = forward_loss_sum(self.model, batch, self.job.loss.chunk_size, **mask_kwargs)
+                micro_loss = self.train_module(batch, **mask_kwargs)
             (micro_loss / n_valid).backward()
             loss_sum += micro_loss.detach()
             if mask_kwargs:
@@ -125,9 +107,9 @@ class Trainer:
         loss = loss_sum / n_valid
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
-        )
+        ))
         loss_value = loss.item()  # the one host sync per step
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm.item())
         if finite:
@@ -161,9 +143,13 @@ class Trainer:
         self._install_signal_handlers()
         progress = self._progress_bar()
         self.model.train()
+        profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
+                    if cfg.profile else None)
         start, window_t, window_tokens, window_useful = time.perf_counter(), time.perf_counter(), 0, 0
         while self.state.step < cfg.max_steps and self._stop_signal is None:
             m = self.train_step()
+            if profiler is not None:
+                profiler.step()
             self.state.step += 1
             self.state.losses.append(m["loss"])
             self.state.tokens_seen += m["tokens"]
@@ -180,6 +166,8 @@ class Trainer:
             if cfg.save_every and self.state.step % cfg.save_every == 0:
                 self.save()
         self.wall_s += time.perf_counter() - start
+        if profiler is not None:
+            profiler.stop()
         if progress is not None:
             progress.close()
         if self._stop_signal is not None:
@@ -203,7 +191,7 @@ class Trainer:
         }, self.state.step)
 
     def _progress_bar(self):
-        if not self.job.train.progress:
+        if not self.job.train.progress or not self.dist.is_main:
             return None
         from tqdm.auto import tqdm
 
@@ -256,9 +244,11 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Checkpoint to out_dir/checkpoints/step_<N>."""
-        return save_checkpoint(self.out_dir / "checkpoints", self.state.step, self.model, self.tokenizer,
-                               self.trainer_state())
+        """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
+        lora = self.job.model.lora
+        merge = lora if lora.r > 0 and self.job.train.merge_lora_on_save else None
+        return save_checkpoint_all_ranks(self.out_dir / "checkpoints", self.state.step, self.model, self.tokenizer,
+                                         self.trainer_state(), merge_lora=merge)
 
     def resume(self, spec: str) -> Optional[Path]:
         """train.resume: auto (latest under out_dir/checkpoints, if any) or a step_<N> directory."""
@@ -271,10 +261,13 @@ class Trainer:
             path = Path(spec)
             if not (path / "trainer_state.pt").is_file():
                 raise UserError(f"train.resume={spec!r} is not a checkpoint directory (no trainer_state.pt in it).")
-        load_model_weights(self.model, path)
-        state = load_trainer_state(path)
+        state = load_checkpoint_all_ranks(path, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.
+        for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                          self.scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(self.scheduler.last_epoch)
         try:
             self.loader.load_state_dict(state["data"])
         except ValueError as e:

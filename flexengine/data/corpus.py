@@ -1,31 +1,45 @@
-"""Read documents and tokenize them once into a flat token array (+ offsets): the `Corpus` training packs."""
+"""Tokenize every document once, before training, into a cached flat token array: the `Corpus` training packs.
+
+read + check records (sources.py) -> encode in worker processes (encode.py) -> stream into a cache entry
+(cache.py) -> memory-map it. A second run with the same files, tokenizer and options only memory-maps.
+"""
 
 from __future__ import annotations
 
-import glob
-import json
+import collections
 import logging
+import multiprocessing as mp
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from flexengine.config import DataConfig
-from flexengine.data.demo import iter_demo_documents
+from flexengine.data.cache import CorpusWriter, cache_key, cache_key_inputs, corpus_cache_dir, load_entry
+from flexengine.data.encode import Encoder, Rejected, encode_in_worker, init_worker
+from flexengine.data.sources import BadRecords, RawDoc, iter_raw_docs, source_files
 from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
+
+BATCH_DOCS = 32  # documents per tokenizer call / worker task: amortises IPC without starving the bar
+IN_FLIGHT_PER_WORKER = 4  # batches queued per worker: keeps workers busy while bounding memory
 
 
 @dataclass
 class Corpus:
     """Tokenized documents: document i is tokens[offsets[i]:offsets[i+1]]."""
 
-    tokens: np.ndarray  # [total_tokens] int32/int64
+    tokens: np.ndarray  # [total_tokens] int32 (memory-mapped from the cache)
     offsets: np.ndarray  # [documents + 1] int64
     loss_mask: Optional[np.ndarray] = None  # [total_tokens] bool, False = not trained on (chat prompts); None = all
     skipped: dict = field(default_factory=dict)  # reason -> count of records skipped (data.on_error=skip)
+    cache_path: Optional[Path] = None  # the cache entry this corpus was loaded from
+    cache_hit: bool = False  # True when no tokenization happened in this process
 
     @property
     def lengths(self) -> np.ndarray:
@@ -36,74 +50,100 @@ class Corpus:
         return len(self.offsets) - 1
 
 
-def resolve_paths(spec: str) -> list[Path]:
-    """Comma-separated files, directories or globs -> sorted existing files; an error names what matched nothing."""
-    paths: list[Path] = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
-        found = []
-        for m in map(Path, matches):
-            if m.is_dir():
-                found.extend(sorted(q for q in m.iterdir() if q.is_file()))
-            elif m.is_file():
-                found.append(m)
-        if not found:
-            raise UserError(f"data.path: {part!r} matches no file. Give a file, a directory or a glob.")
-        paths.extend(found)
-    return paths
+def _batches(docs: Iterable[RawDoc], size: int) -> Iterator[list[RawDoc]]:
+    batch: list[RawDoc] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
-def _iter_jsonl_texts(data: DataConfig, skipped: dict) -> Iterator[str]:
-    for path in resolve_paths(data.path):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    _bad(data, skipped, "malformed_json", f"{where}: not valid JSON ({e.msg} at column {e.colno})")
-                    continue
-                text = record.get(data.text_field) if isinstance(record, dict) else None
-                if text is None:
-                    _bad(data, skipped, "missing_field", f"{where}: no {data.text_field!r} field (data.text_field)")
-                elif not isinstance(text, str):
-                    _bad(data, skipped, "not_a_string", f"{where}: {data.text_field!r} is {type(text).__name__}, not text")
-                elif not text.strip():
-                    _bad(data, skipped, "empty_document", f"{where}: {data.text_field!r} is empty")
-                else:
-                    yield text
+def encode_stream(encoder: Encoder, docs: Iterable[RawDoc], num_workers: int) -> Iterator[tuple[RawDoc, Any]]:
+    """(doc, Encoded | Rejected) in input order; num_workers > 1 encodes in that many processes."""
+    if num_workers <= 1:
+        for batch in _batches(docs, BATCH_DOCS):
+            yield from zip(batch, encoder.encode_batch(batch))
+        return
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"  # fork: no tokenizer pickling per worker
+    # Workers run one tokenizer thread each; setting this across the fork also silences tokenizers' warning
+    # about forking a process whose tokenizer already used threads (the demo tokenizer's training does).
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = mp.get_context(method).Pool(num_workers, initializer=init_worker, initargs=(encoder,))
+    finally:
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    try:
+        pending: collections.deque = collections.deque()
+        for batch in _batches(docs, BATCH_DOCS):
+            pending.append((batch, pool.apply_async(encode_in_worker, (batch,))))
+            while len(pending) >= IN_FLIGHT_PER_WORKER * num_workers:
+                done, result = pending.popleft()
+                yield from zip(done, result.get())
+        while pending:
+            done, result = pending.popleft()
+            yield from zip(done, result.get())
+    finally:
+        pool.terminate()
 
 
-def _bad(data: DataConfig, skipped: dict, reason: str, message: str) -> None:
-    if data.on_error == "raise":
-        raise UserError(f"bad record at {message}. Fix the record, or set data.on_error=skip to skip and count such records.")
-    skipped[reason] = skipped.get(reason, 0) + 1
-
-
-def iter_texts(data: DataConfig, skipped: dict) -> Iterator[str]:
-    """Document texts of the configured source, in file order."""
-    if data.source == "demo":
-        return (text for _, text in iter_demo_documents(data.demo_max_files))
-    if data.source == "jsonl":
-        return _iter_jsonl_texts(data, skipped)
-    raise UserError(f"data.source={data.source} is not supported yet")
+def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory: Path, key_inputs: dict) -> Path:
+    """Read, check and encode every document into a new cache entry; returns its directory."""
+    start = time.perf_counter()
+    bad = BadRecords(data.on_error)
+    encoder = Encoder(tokenizer, data.format, data.add_eos)
+    writer = CorpusWriter(directory, with_mask=data.format != "text")
+    total = len(files) if data.source == "demo" else data.max_docs  # JSONL/Parquet record counts are unknown
+    bar = tqdm(total=total, unit="doc", desc="tokenize", disable=None, leave=False)
+    try:
+        for doc, result in encode_stream(encoder, iter_raw_docs(data, bad, files), data.num_workers):
+            if isinstance(result, Rejected):
+                bad.report(result.reason, result.message)
+            elif len(result.ids) == 0:  # packing would have nothing to place: count it here, not silently
+                bad.report("empty_document", f"{doc.where}: tokenized to zero tokens")
+            else:
+                writer.append(result.ids, result.loss_mask)
+                bar.update(1)
+        if not writer.lengths:
+            raise UserError(
+                f"data: no usable documents in {data.path or 'the demo corpus'} (skipped: {bad.counts or 'none'})."
+            )
+        seconds = time.perf_counter() - start
+        meta = {"key": key_inputs, "skipped": bad.counts, "tokenize_s": seconds, "num_workers": data.num_workers}
+        writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    log.info(
+        "data: tokenized %d documents (%d tokens) in %.1f s with %d worker(s); cached in %s",
+        len(writer.lengths), sum(writer.lengths), seconds, max(1, data.num_workers), directory,
+    )
+    return directory
 
 
 def build_corpus(data: DataConfig, tokenizer) -> Corpus:
-    """Tokenize every document once (before training) into a Corpus."""
-    skipped: dict = {}
-    eos = [tokenizer.eos_token_id] if data.add_eos and tokenizer.eos_token_id is not None else []
-    docs = []
-    for text in iter_texts(data, skipped):
-        docs.append(np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"] + eos, dtype=np.int64))
-        if data.max_docs is not None and len(docs) >= data.max_docs:
-            break
-    if not docs:
-        raise UserError(f"data: no usable documents in {data.path or 'the demo corpus'} (skipped: {skipped or 'none'}).")
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    """Tokenize every document once (or load the cached result) into a memory-mapped Corpus."""
+    files = source_files(data)
+    key_inputs = cache_key_inputs(data, files, tokenizer)
+    directory = corpus_cache_dir(data.cache_dir) / cache_key(key_inputs)
+    start = time.perf_counter()
+    entry = load_entry(directory)
+    hit = entry is not None
+    if hit:
+        log.info("data: cache hit %s (loaded in %.3f s, no tokenization)", directory, time.perf_counter() - start)
+    else:
+        entry = load_entry(tokenize_to_cache(data, tokenizer, files, directory, key_inputs))
+        assert entry is not None, f"cache entry {directory} vanished right after it was written"
+    tokens, offsets, loss_mask, meta = entry
+    skipped = dict(meta["skipped"])
     if skipped:
-        log.warning("data: skipped records %s (data.on_error=skip)", skipped)
-    return Corpus(tokens=np.concatenate(docs), offsets=offsets, skipped=skipped)
+        log.warning("data: skipped %d bad records %s (data.on_error=skip)", sum(skipped.values()), skipped)
+    return Corpus(tokens, offsets, loss_mask, skipped, cache_path=directory, cache_hit=hit)

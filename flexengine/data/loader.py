@@ -11,6 +11,42 @@ from flexengine.data.corpus import Corpus
 from flexengine.data.packing import PackPlan, materialise_rows
 
 
+def row_token_counts(plan: PackPlan) -> np.ndarray:
+    """Real (non-padding) tokens in each packed row."""
+    return np.array([sum(seg[2] for seg in row) for row in plan.rows], dtype=np.int64)
+
+
+def epoch_order(
+    row_tokens: np.ndarray, seed: int, epoch: int, micro_batch: int, shuffle: bool = True, bucket: bool = False,
+    rank: int = 0, world_size: int = 1,
+) -> np.ndarray:
+    """Row indices one rank reads in one epoch, consecutive micro_batch rows forming a batch; depends only on
+    (seed, epoch) and the row lengths, which is what makes resuming exact."""
+    n = len(row_tokens)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    global_batch = micro_batch * world_size
+    usable = n - n % global_batch  # the remainder rows come first in the next epoch's permutation instead
+    order = order[:usable]
+    if bucket:
+        # similar lengths in one batch (less padding), batches themselves in random order
+        order = order[np.argsort(row_tokens[order], kind="stable")]
+        batches = order.reshape(-1, global_batch)
+        order = batches[rng.permutation(len(batches))].reshape(-1)
+    # each rank takes its own micro_batch slice of every global batch
+    return order.reshape(-1, world_size, micro_batch)[:, rank].reshape(-1)
+
+
+def batch_useful_fraction(
+    row_tokens: np.ndarray, order: np.ndarray, micro_batch: int, seq_len: int, trim_padding: bool
+) -> float:
+    """Non-padding tokens / tokens computed when `order` is read in micro-batches (trim_padding: each batch is
+    as wide as its longest row, else seq_len)."""
+    batches = row_tokens[order].reshape(-1, micro_batch)
+    width = batches.max(axis=1) if trim_padding else np.full(len(batches), seq_len)
+    return float(batches.sum() / max(1, (width * micro_batch).sum()))
+
+
 class RowLoader:
     """Endless micro-batches [micro_batch, seq_len] over the rows of a PackPlan, epoch after epoch.
 
@@ -40,25 +76,21 @@ class RowLoader:
         self.corpus, self.plan, self.seq_len, self.micro_batch = corpus, plan, seq_len, micro_batch
         self.pad_id, self.seed, self.shuffle, self.bucket = pad_id, seed, shuffle, bucket
         self.trim_padding, self.rank, self.world_size = trim_padding, rank, world_size
-        self.row_tokens = np.array([sum(s[2] for s in row) for row in plan.rows])
+        self.row_tokens = row_token_counts(plan)
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """Row indices of this rank for one epoch, grouped so consecutive micro_batch rows form a batch."""
-        n = len(self.plan.rows)
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        global_batch = self.micro_batch * self.world_size
-        usable = n - n % global_batch  # the remainder rows come first in the next epoch's permutation instead
-        order = order[:usable]
-        if self.bucket:
-            # similar lengths in one batch (less padding), batches themselves in random order
-            order = order[np.argsort(self.row_tokens[order], kind="stable")]
-            batches = order.reshape(-1, global_batch)
-            order = batches[rng.permutation(len(batches))].reshape(-1)
-        # each rank takes its own micro_batch slice of every global batch
-        return order.reshape(-1, self.world_size, self.micro_batch)[:, self.rank].reshape(-1)
+        return epoch_order(
+            self.row_tokens, self.seed, epoch, self.micro_batch, self.shuffle, self.bucket, self.rank, self.world_size
+        )
+
+    def useful_fraction(self, epoch: int = 0) -> float:
+        """Non-padding tokens / tokens computed over one epoch of this rank (trim_padding cuts each batch to its
+        longest row, so this is what one-document-per-row training really pays for padding)."""
+        return batch_useful_fraction(self.row_tokens, self._epoch_order(epoch), self.micro_batch, self.seq_len,
+                                     self.trim_padding)
 
     @property
     def batches_per_epoch(self) -> int:

@@ -1,5 +1,6 @@
-"""Activation-memory policies applied per decoder block (checkpointing now; selective/offload build on it)."""
+"""Activation memory per decoder block: checkpoint / SAC / CPU offload policies, a meter, and a planner."""
 
+from flexengine.memory.meter import ActivationReport, measure_activations
 from flexengine.memory.policy import apply_memory_policy, decoder_layers, select_layers
 
-__all__ = ["apply_memory_policy", "decoder_layers", "select_layers"]
+__all__ = ["ActivationReport", "apply_memory_policy", "decoder_layers", "measure_activations", "select_layers"]

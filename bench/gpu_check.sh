@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every GPU check of flexengine in one script, <= 8 minutes on one H200; one JSON at ${OUT:-bench/results}/gpu_check.json.
+# Each check runs in its own try/except inside bench/gpu_check.py and the JSON is rewritten after every check, so
+# a failure or the time limit still leaves the other checks' numbers. Exit status 0 only if every check passed.
+#   bash bench/gpu_check.sh                 # all checks
+#   bash bench/gpu_check.sh --only grads    # a subset (grads recompiles step_time memory doctor pytest_gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# The first interpreter whose torch sees a GPU (the project venv, else the machine's python3); PYTHON= overrides.
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in .venv/bin/python python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+      PY=$cand; break
+    fi
+  done
+  PY=${PY:-.venv/bin/python}  # no GPU anywhere: gpu_check.py records every check as skipped
+fi
+OUT_DIR=${OUT:-bench/results}
+mkdir -p "$OUT_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+export TOKENIZERS_PARALLELISM=false
+# 470 s hard stop (the python side plans for 450 s and skips checks that would start too late)
+timeout 470 "$PY" bench/gpu_check.py --out "$OUT_DIR/gpu_check.json" --budget-s 450 "$@"
+rc=$?
+[ $rc -eq 124 ] && echo "gpu_check.py hit the 470 s limit; partial results are in the JSON"
+echo "exit $rc; results: $OUT_DIR/gpu_check.json"
+exit $rc

@@ -1,0 +1,155 @@
+"""On-disk cache of a tokenized corpus: flat token array + offsets (+ loss mask), memory-mapped on load.
+
+Layout of one entry, `<cache_dir>/corpus/<key>/`:
+  tokens.npy     [total_tokens] int32   document i = tokens[offsets[i]:offsets[i+1]]
+  offsets.npy    [documents + 1] int64
+  loss_mask.npy  [total_tokens] bool    only when some token is not trained on (chat prompts, labels=-100)
+  meta.json      counts, skipped records, the key's inputs (written last: its presence marks a complete entry)
+The key hashes everything the tokens depend on: each file's path, size and mtime, the tokenizer's full
+definition, and the format options. An entry is written under a temporary name and renamed into place, so a
+crash or a concurrent run never leaves a half-written entry that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from flexengine.config import DataConfig
+
+CACHE_VERSION = 1  # bump when the layout or the encoding rules change
+_NPY_HEADER_BYTES = 128  # numpy pads a 1-D v1.0 header to 64-byte multiples: 128 fits any length
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the tokenizer's full definition (vocab, merges, normalizer, added tokens) and chat template."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizers: the vocabulary is what we can see
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    extra = {
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "eos": tokenizer.eos_token_id,
+        "bos": getattr(tokenizer, "bos_token_id", None),
+        "add_bos": getattr(tokenizer, "add_bos_token", None),
+        "add_eos": getattr(tokenizer, "add_eos_token", None),
+    }
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key_inputs(data: DataConfig, files: list[Path], tokenizer) -> dict:
+    """Everything the tokenized corpus depends on, as a JSON-able dict."""
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return {
+        "version": CACHE_VERSION,
+        "files": stats,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "options": {
+            k: getattr(data, k)
+            for k in ("source", "format", "text_field", "messages_field", "max_docs", "on_error", "add_eos")
+        },
+    }
+
+
+def cache_key(inputs: dict) -> str:
+    """Short stable hash of cache_key_inputs."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def corpus_cache_dir(cache_dir: Optional[str]) -> Path:
+    """data.cache_dir, or the default flexengine cache, + /corpus."""
+    from flexengine.data.demo import default_cache_dir
+
+    return (Path(cache_dir) if cache_dir else default_cache_dir()) / "corpus"
+
+
+class _NpyAppender:
+    """Writes a 1-D .npy file chunk by chunk: the data streams after a reserved header filled in on close."""
+
+    def __init__(self, path: Path, dtype: Any):
+        self.path, self.dtype, self.length = path, np.dtype(dtype), 0
+        self.file = open(path, "wb")
+        self.file.seek(_NPY_HEADER_BYTES)
+
+    def append(self, array: np.ndarray) -> None:
+        """Add elements at the end."""
+        self.file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        self.length += len(array)
+
+    def close(self) -> None:
+        """Write the header for the final length."""
+        self.file.seek(0)
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.length,)}
+        np.lib.format.write_array_header_1_0(self.file, header)
+        assert self.file.tell() == _NPY_HEADER_BYTES, "npy header outgrew its reserved space"
+        self.file.close()
+
+
+class CorpusWriter:
+    """Streams documents into a new cache entry; `commit` makes it visible atomically, `abort` removes it."""
+
+    def __init__(self, directory: Path, with_mask: bool, token_dtype: Any = np.int32):
+        self.directory = directory
+        self.tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.tokens = _NpyAppender(self.tmp / "tokens.npy", token_dtype)
+        self.mask = _NpyAppender(self.tmp / "loss_mask.npy", bool) if with_mask else None
+        self.lengths: list[int] = []
+        self.masked_tokens = 0  # tokens not trained on; 0 at commit -> no loss_mask file
+
+    def append(self, ids: np.ndarray, loss_mask: Optional[np.ndarray]) -> None:
+        """Add one document."""
+        self.tokens.append(ids)
+        if self.mask is not None:
+            self.mask.append(np.ones(len(ids), dtype=bool) if loss_mask is None else loss_mask)
+        self.masked_tokens += 0 if loss_mask is None else int(len(ids) - loss_mask.sum())
+        self.lengths.append(len(ids))
+
+    def commit(self, meta: dict) -> Path:
+        """Finish the files and rename the entry into place; returns its directory."""
+        self.tokens.close()
+        if self.mask is not None:
+            self.mask.close()
+            if self.masked_tokens == 0:
+                (self.tmp / "loss_mask.npy").unlink()
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=offsets[1:])
+        np.save(self.tmp / "offsets.npy", offsets)
+        meta = {**meta, "documents": len(self.lengths), "tokens": int(offsets[-1]), "masked_tokens": self.masked_tokens}
+        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if self.directory.exists() and not (self.directory / "meta.json").exists():
+            shutil.rmtree(self.directory)  # an entry damaged by hand; complete ones always have meta.json
+        try:
+            os.replace(self.tmp, self.directory)
+        except OSError:  # another process committed the same key first; its entry is identical
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.directory
+
+    def abort(self) -> None:
+        """Discard the partial entry."""
+        for appender in (self.tokens, self.mask):
+            if appender is not None:
+                appender.file.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def load_entry(directory: Path) -> Optional[tuple[np.ndarray, np.ndarray, Optional[np.ndarray], dict]]:
+    """(tokens, offsets, loss_mask|None, meta) of a complete entry, memory-mapped; None if absent."""
+    if not (directory / "meta.json").exists():
+        return None
+    meta = json.loads((directory / "meta.json").read_text())
+    tokens = np.load(directory / "tokens.npy", mmap_mode="r")
+    offsets = np.load(directory / "offsets.npy")
+    mask_path = directory / "loss_mask.npy"
+    loss_mask = np.load(mask_path, mmap_mode="r") if mask_path.exists() else None
+    return tokens, offsets, loss_mask, meta

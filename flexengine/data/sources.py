@@ -1,0 +1,182 @@
+"""Read raw documents from the demo corpus, JSON Lines or Parquet, checking each record where it is read.
+
+Every record becomes a `RawDoc(where, payload)`: `where` is "file:line" (JSONL) or "file:row N" (Parquet, 0-based),
+so any later error can name it. A bad record goes through `BadRecords.report`: with data.on_error=raise it
+stops the run with the location; with skip it is counted under its reason. Nothing is dropped without a count.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Optional
+
+from flexengine.config import DataConfig
+from flexengine.data.demo import demo_source_files
+from flexengine.errors import UserError
+
+# Directory entries read for each source (explicit files and globs are read whatever their suffix).
+SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
+PARQUET_BATCH_ROWS = 1024
+
+
+class RawDoc(NamedTuple):
+    """One checked record: text (format=text), messages (chat) or (input_ids, labels|None) (pretokenized)."""
+
+    where: str
+    payload: Any
+
+
+@dataclass
+class BadRecords:
+    """Applies data.on_error to bad records and keeps the per-reason counts."""
+
+    on_error: str = "raise"
+    counts: dict = field(default_factory=dict)  # reason -> records skipped
+
+    def report(self, reason: str, message: str) -> None:
+        """Raise (on_error=raise) or count (skip) one bad record; message starts with its location."""
+        if self.on_error == "raise":
+            raise UserError(
+                f"bad record at {message}. Fix the record, or set data.on_error=skip to skip and count such records."
+            )
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+
+def resolve_paths(spec: str, source: str = "jsonl") -> list[Path]:
+    """Comma-separated files, directories or globs -> existing files in order; an error names what matched nothing."""
+    paths: list[Path] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+        found: list[Path] = []
+        for m in map(Path, matches):
+            if m.is_dir():
+                found.extend(sorted(q for q in m.iterdir() if q.is_file() and q.suffix in SUFFIXES[source]))
+            elif m.is_file():
+                found.append(m)
+        if not found:
+            raise UserError(
+                f"data.path: {part!r} matches no {source} file. Give a file, a directory (files ending in "
+                f"{', '.join(SUFFIXES[source])}) or a glob."
+            )
+        paths.extend(found)
+    return paths
+
+
+def source_files(data: DataConfig) -> list[Path]:
+    """The files the configured source reads, in reading order (also what the tokenized cache is keyed on)."""
+    if data.source == "demo":
+        return demo_source_files(data.demo_max_files)
+    return resolve_paths(data.path or "", data.source)
+
+
+def _check_text(value: Any, name: str) -> tuple[Optional[str], str]:
+    if value is None:
+        return "missing_field", f"no {name!r} field (data.text_field)"
+    if not isinstance(value, str):
+        return "not_a_string", f"{name!r} is {type(value).__name__}, not a string"
+    if not value.strip():
+        return "empty_document", f"{name!r} is empty"
+    return None, ""
+
+
+def _check_messages(value: Any, name: str) -> tuple[Optional[str], str]:
+    if value is None:
+        return "missing_field", f"no {name!r} field (data.messages_field)"
+    if not isinstance(value, list) or not value:
+        return "bad_messages", f"{name!r} must be a non-empty list of {{'role': ..., 'content': ...}} turns"
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+            return "bad_messages", f"{name}[{i}] must be an object with string 'role' and 'content'"
+    if not any(turn["role"] == "assistant" for turn in value):
+        return "no_assistant_turn", f"{name!r} has no assistant turn, so nothing in it would be trained on"
+    return None, ""
+
+
+def _check_token_ids(record: dict) -> tuple[Optional[str], str]:
+    ids = record.get("input_ids")
+    if ids is None:
+        return "missing_field", "no 'input_ids' field"
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return "bad_token_ids", "'input_ids' must be a non-empty list of integers"
+    labels = record.get("labels")
+    if labels is None:
+        return None, ""
+    if not isinstance(labels, list) or len(labels) != len(ids):
+        return "bad_labels", f"'labels' must be a list as long as 'input_ids' ({len(ids)})"
+    # Packed rows take labels from input_ids, so only "train on this token" (= input id) or -100 can be kept.
+    for i, (t, label) in enumerate(zip(ids, labels)):
+        if label != t and label != -100:
+            return "bad_labels", f"labels[{i}]={label!r} is neither input_ids[{i}]={t} nor -100"
+    return None, ""
+
+
+def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any]:
+    """(reason, message, payload) for one parsed record: reason None means good and payload is what to encode."""
+    if not isinstance(record, dict):
+        return "not_an_object", f"record is {type(record).__name__}, not an object", None
+    if data.format == "text":
+        value = record.get(data.text_field)
+        return (*_check_text(value, data.text_field), value)
+    if data.format == "chat":
+        value = record.get(data.messages_field)
+        return (*_check_messages(value, data.messages_field), value)
+    reason, message = _check_token_ids(record)
+    return reason, message, (record.get("input_ids"), record.get("labels"))
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str]]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines are layout, not records
+            try:
+                yield f"{path}:{lineno}", json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", None, f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[str]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise UserError(f"{path}: cannot read as Parquet ({e}).") from None
+    names = pf.schema_arrow.names
+    columns = [c for c in ((column, "labels") if column == "input_ids" else (column,)) if c in names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns or None):
+        for record in batch.to_pylist():
+            yield f"{path}:row {row}", {c: record.get(c) for c in columns}, None
+            row += 1
+
+
+def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]] = None) -> Iterator[RawDoc]:
+    """Checked documents of the configured source in file order, at most data.max_docs of them."""
+    files = source_files(data) if files is None else files
+    count = 0
+    for path in files:
+        if data.max_docs is not None and count >= data.max_docs:
+            return
+        if data.source == "demo":  # one document per stdlib file (DataConfig makes format=text)
+            records = iter([(str(path), {data.text_field: path.read_text(encoding="utf-8", errors="replace")}, None)])
+        elif data.source == "jsonl":
+            records = _iter_jsonl(path)
+        else:
+            column = {"text": data.text_field, "chat": data.messages_field, "pretokenized": "input_ids"}[data.format]
+            records = _iter_parquet(path, column)
+        for where, record, parse_error in records:
+            if parse_error is not None:
+                bad.report("malformed_json", f"{where}: {parse_error}")
+                continue
+            reason, message, payload = check_record(record, data)
+            if reason is not None:
+                bad.report(reason, f"{where}: {message}")
+                continue
+            yield RawDoc(where, payload)
+            count += 1
+            if data.max_docs is not None and count >= data.max_docs:
+                return

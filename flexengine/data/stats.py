@@ -1,0 +1,138 @@
+"""What a seq_len and packing strategy cost, before any GPU hour is spent.
+
+    python -m flexengine.data.stats data=jsonl data.path=/data/train.jsonl data.seq_len=8192
+
+Tokenizes (or loads the cached corpus exactly as training would), prints the document-length percentiles and,
+for bfd / greedy / none, rows, useful-token fraction and long-document counts; writes data_stats.json and a
+length histogram data_stats.png into the Hydra run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flexengine.data.loader import batch_useful_fraction, epoch_order, row_token_counts
+from flexengine.data.packing import plan_packing
+
+PERCENTILES = (0, 10, 25, 50, 75, 90, 95, 99, 100)
+STRATEGIES = ("bfd", "greedy", "none")
+
+
+def length_summary(lengths: np.ndarray) -> dict:
+    """Count, total, mean and percentiles of document lengths in tokens."""
+    lengths = np.asarray(lengths)
+    summary = {"documents": int(len(lengths)), "tokens": int(lengths.sum()), "mean": float(lengths.mean())}
+    summary.update({f"p{q}": int(v) for q, v in zip(PERCENTILES, np.percentile(lengths, PERCENTILES, method="lower"))})
+    return summary
+
+
+def compare_strategies(
+    lengths: np.ndarray, seq_len: int, long_docs: str = "split", micro_batch: int = 1, seed: int = 0
+) -> list[dict]:
+    """Plan every packing strategy on these lengths: PackStats + pack time per strategy.
+
+    For `none` (one document per row) `useful_token_fraction` counts rows padded to seq_len, while
+    `batched_useful_fraction` / `bucketed_useful_fraction` count what training computes when each batch of
+    micro_batch rows is cut to its longest row (random order / with data.bucket=true).
+    """
+    results = []
+    for strategy in STRATEGIES:
+        start = time.perf_counter()
+        plan = plan_packing(lengths, seq_len, strategy, long_docs)
+        result = {"strategy": strategy, "pack_s": time.perf_counter() - start, **plan.stats.as_dict()}
+        if strategy == "none" and plan.stats.rows >= micro_batch:
+            row_tokens = row_token_counts(plan)
+            for name, bucket in (("batched_useful_fraction", False), ("bucketed_useful_fraction", True)):
+                order = epoch_order(row_tokens, seed, 0, micro_batch, shuffle=True, bucket=bucket)
+                result[name] = batch_useful_fraction(row_tokens, order, micro_batch, seq_len, trim_padding=True)
+        results.append(result)
+    return results
+
+
+def format_report(summary: dict, strategies: list[dict], seq_len: int, micro_batch: int) -> str:
+    """Human-readable tables of length_summary and compare_strategies."""
+    lines = [
+        f"{summary['documents']} documents, {summary['tokens']:,} tokens, mean {summary['mean']:.0f} tokens",
+        "length percentiles: " + "  ".join(f"p{q}={summary[f'p{q}']}" for q in PERCENTILES),
+        "",
+        f"seq_len={seq_len}   strategy  rows    useful   docs/row  split  truncated  dropped  pack_s",
+    ]
+    for r in strategies:
+        lines.append(
+            f"{'':16}{r['strategy']:<9} {r['rows']:<7} {100 * r['useful_token_fraction']:6.2f}%  {r['documents_per_row']:8.2f}"
+            f"  {r['documents_split']:<6} {r['documents_truncated']:<10} {r['documents_dropped']:<8} {r['pack_s']:.3f}"
+        )
+        if "batched_useful_fraction" in r:
+            lines.append(
+                f"{'':26}(none, batches of {micro_batch} cut to their longest row: "
+                f"{100 * r['batched_useful_fraction']:.2f}% useful, {100 * r['bucketed_useful_fraction']:.2f}% "
+                "with data.bucket=true)"
+            )
+    return "\n".join(lines)
+
+
+def plot_length_histogram(lengths: np.ndarray, seq_len: int, path: Path) -> None:
+    """Log-x histogram of document lengths with seq_len marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = np.asarray(lengths)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bins = np.logspace(np.log10(max(1, lengths.min())), np.log10(lengths.max() + 1), 50)
+    ax.hist(lengths, bins=bins, color="tab:blue")
+    ax.axvline(seq_len, color="tab:red", linestyle="--", label=f"seq_len={seq_len}")
+    ax.set_xscale("log")
+    ax.set_xlabel("document length (tokens)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"{len(lengths)} documents, {int(lengths.sum()):,} tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    """Hydra entry point (same conf/ and overrides as flexengine.train)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+
+    from flexengine.checkpoint import write_json_atomic
+    from flexengine.errors import UserError
+    from flexengine.train import to_job_config  # also registers the config schema
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    def _stats(cfg: DictConfig) -> None:
+        from flexengine.data.corpus import build_corpus
+        from flexengine.model import load_tokenizer
+
+        try:
+            job = to_job_config(cfg)
+            corpus = build_corpus(job.data, load_tokenizer(job.model))
+        except UserError as e:
+            print(f"\nflexengine: error: {e}\n", file=sys.stderr)
+            sys.exit(2)
+        d = job.data
+        summary = length_summary(corpus.lengths)
+        strategies = compare_strategies(corpus.lengths, d.seq_len, d.long_docs, job.train.micro_batch, job.train.seed)
+        print(format_report(summary, strategies, d.seq_len, job.train.micro_batch))
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        report = {
+            "seq_len": d.seq_len, "long_docs": d.long_docs, "micro_batch": job.train.micro_batch,
+            "skipped": corpus.skipped, "lengths": summary, "strategies": strategies,
+        }
+        write_json_atomic(out_dir / "data_stats.json", report)
+        plot_length_histogram(corpus.lengths, d.seq_len, out_dir / "data_stats.png")
+        print(f"\nwrote {out_dir / 'data_stats.json'} and {out_dir / 'data_stats.png'}")
+
+    _stats()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""LoRA adapters through peft: wrap the model, save adapters, merge them into a plain HF state dict.
+
+Applied right after loading, before attention patching, memory wrappers, compile and FSDP, so every later
+step sees the adapted Linear layers like any other module. The merge works on a gathered full state dict
+(plain tensors on rank 0), so it is the same code with or without FSDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Dict
+
+import torch
+from torch import nn
+
+from flexengine.config import LoraConfig
+from flexengine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"  # peft's adapter name; it appears in parameter names as `.lora_A.default.`
+_PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\." + ADAPTER + r"\.weight$")
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+    """The peft model with LoRA adapters on lora.target_modules (base weights frozen); model itself if r=0."""
+    if lora.r == 0:
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as e:  # peft names the missing modules
+        raise UserError(f"model.lora.target_modules={list(lora.target_modules)}: {e}") from None
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    log.info("lora: r=%d alpha=%g on %s: %.2fM trainable of %.1fM parameters",
+             lora.r, lora.alpha, list(lora.target_modules), trainable / 1e6, total / 1e6)
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether `model` is a peft model (checkpoints then hold adapters, not the full weights)."""
+    return hasattr(model, "peft_config")
+
+
+def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> Dict[str, torch.Tensor]:
+    """A peft model's full state dict -> the plain HF state dict with W + (alpha / r) * B @ A merged in."""
+    scaling = lora.alpha / lora.r
+    factors: Dict[str, Dict[str, torch.Tensor]] = {}
+    merged: Dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        match = _LORA_KEY.match(key)
+        if match:
+            factors.setdefault(match["module"], {})[match["ab"]] = value
+        else:
+            merged[key.replace(".base_layer.", ".")] = value
+    for module, ab in factors.items():
+        weight_key = module + ".weight"
+        base = merged[weight_key]
+        delta = (ab["B"].float() @ ab["A"].float()) * scaling  # [out, r] @ [r, in]
+        merged[weight_key] = (base.float() + delta).to(base.dtype)
+    return {k.removeprefix(_PEFT_PREFIX): v for k, v in merged.items()}
+
+
+def adapter_to_model_keys(adapter_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Saved adapter keys (`...lora_A.weight`) -> the peft model's own keys (`...lora_A.default.weight`)."""
+    return {re.sub(r"\.lora_([AB])\.weight$", rf".lora_\1.{ADAPTER}.weight", k): v for k, v in adapter_state.items()}

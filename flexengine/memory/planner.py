@@ -1,0 +1,337 @@
+"""A bytes model of one training step, from the HF config alone (no weights are allocated), and the cheapest
+memory policy that fits the card.
+
+Activations per decoder block: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", eq. 2) count `sbh(34 + 5as/h)` bytes per layer for a 16-bit GPT block. Adapted to a LLaMA block
+(RMSNorm, RoPE, GQA, SwiGLU, no dropout) with fused flash/flex attention, with T = micro_batch x seq_len tokens,
+h hidden, a query heads, k kv heads, d head_dim, f intermediate, p bytes per activation element:
+
+    per block = T x [ 2 x ((4 + 2p) h + 4)    two RMSNorms: fp32 input copy, normalised, scaled output, rsqrt
+                    + p (2ad + 2kd)            q and k after RoPE, v, attention output
+                    + 4a                       attention log-sum-exp (fp32)
+                    + 4p f ]                   SwiGLU: gate, silu(gate), up, silu(gate) * up
+              (+ T x p ad                      flex: o_proj's contiguous copy of the attention output)
+              (+ B S^2 p                       dense backend only: SDPA's float copy of the boolean mask)
+
+RoPE's products save only the shared cos/sin tables (they do not require grad). No [S, S] term: flash/flex
+attention keeps O(S) per head, where the published formula's 5as/h term is the S^2 score/softmax/dropout.
+Per batch, outside the blocks: rotary cos/sin (2 T d p), the final norm ((4 + p) T h), the loss inputs
+(T h p) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S] bool mask
+(held by checkpoint closures) once per batch. Validated against flexengine.memory.meter in tests/memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from flexengine.config import HardwareConfig, MemoryConfig
+from flexengine.memory.policy import select_layers
+
+GiB = 2**30
+ASSUMED_MFU = 0.4  # for turning FLOPs into seconds when weighing recompute against offload traffic
+CUDA_RESERVE_BYTES = 1 * GiB  # CUDA context + allocator fragmentation headroom on a GPU
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a LLaMA-style decoder that the bytes model needs."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    params: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        """Read an HF config (LLaMA/Mistral/Qwen2-style names); parameters counted analytically."""
+        h, a = cfg.hidden_size, cfg.num_attention_heads
+        k = getattr(cfg, "num_key_value_heads", None) or a
+        d = getattr(cfg, "head_dim", None) or h // a
+        f, L, V = cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+        per_layer = h * (a * d + 2 * k * d) + a * d * h + 3 * h * f + 2 * h
+        if getattr(cfg, "attention_bias", False):
+            per_layer += a * d + 2 * k * d + h
+        embeddings = V * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch: its shape, activation dtype and attention backend."""
+
+    micro_batch: int
+    seq_len: int
+    act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
+    backend: str = "flex"  # flex | dense (the CPU reference; adds S^2 mask terms)
+    chunk_size: int = 0  # loss.chunk_size
+
+    @property
+    def tokens(self) -> int:
+        """T = B x S."""
+        return self.micro_batch * self.seq_len
+
+
+def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
+    """Bytes one block (policy none) holds for backward, by sub-layer and tensor (see the module formula)."""
+    T, p, h = w.tokens, w.act_bytes, m.hidden
+    ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+
+    def norm() -> dict[str, int]:
+        return {"input_fp32": 4 * T * h, "normalised": p * T * h, "scaled_output": p * T * h, "rsqrt": 4 * T}
+
+    attention = {"q_rope": p * T * ad, "k_rope": p * T * kd, "v": p * T * kd, "attn_out": p * T * ad,
+                 "logsumexp": 4 * T * m.heads}
+    if w.backend == "flex":
+        attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
+    else:
+        attention["float_mask"] = p * w.micro_batch * w.seq_len**2
+    mlp = {"gate": p * T * m.intermediate, "silu": p * T * m.intermediate, "up": p * T * m.intermediate,
+           "down_input": p * T * m.intermediate}
+    return {"norm1": norm(), "attention": attention, "norm2": norm(), "mlp": mlp}
+
+
+def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
+    """Bytes one block holds under op-level SAC: its input plus every matmul and attention output."""
+    T, p, h = w.tokens, w.act_bytes, m.hidden
+    ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return {"block_input": p * T * h, "q_proj": p * T * ad, "k_proj": p * T * kd, "v_proj": p * T * kd,
+            "attn_out": p * T * ad, "logsumexp": 4 * T * m.heads, "o_proj": p * T * h,
+            "gate_proj": p * T * m.intermediate, "up_proj": p * T * m.intermediate, "down_proj": p * T * h}
+
+
+def block_bytes(m: ModelShape, w: Workload, recompute: Optional[str], offload: bool) -> tuple[int, int]:
+    """(device bytes, host bytes) one block holds. recompute: None | block | attention | mlp | ops."""
+    inv = block_inventory(m, w)
+    if recompute is None:
+        held = sum(sum(part.values()) for part in inv.values())
+    elif recompute == "block":
+        held = w.act_bytes * w.tokens * m.hidden  # the checkpoint's input
+    elif recompute == "ops":
+        held = sum(sac_inventory(m, w).values())
+    else:  # attention | mlp: that sub-layer keeps only its (already counted) normalised input
+        held = sum(sum(part.values()) for name, part in inv.items() if name != recompute)
+    return (0, held) if offload else (held, 0)
+
+
+def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0.5) -> dict[str, float]:
+    """Forward FLOPs of one block by matmul (2 per multiply-add); attention core scaled by keys attended."""
+    T, h = w.tokens, m.hidden
+    ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return {"qkv_proj": 2 * T * h * (ad + 2 * kd), "o_proj": 2 * T * ad * h,
+            "attention_core": 4 * w.micro_batch * m.heads * w.seq_len**2 * m.head_dim * attended_fraction,
+            "gate_up_proj": 4 * T * h * m.intermediate, "down_proj": 2 * T * h * m.intermediate}
+
+
+def recompute_flops_per_block(m: ModelShape, w: Workload, granularity: str, attended_fraction: float = 0.5,
+                              count_attention_core: bool = True) -> float:
+    """Extra forward FLOPs backward spends re-running one checkpointed block at `granularity`.
+
+    Non-reentrant checkpointing stops recomputing once the last tensor backward needs exists, so the region's
+    final projection (o_proj / down_proj, whose output nothing saves) is never re-run. ops (SAC) recomputes
+    only pointwise ops: 0 matmul FLOPs. count_attention_core=False matches FlopCounterMode on CPU, which has no
+    formula for the CPU flash-attention kernel."""
+    f = block_forward_flops(m, w, attended_fraction)
+    core = f["attention_core"] if count_attention_core else 0.0
+    return {"block": f["qkv_proj"] + core + f["o_proj"] + f["gate_up_proj"], "attention": f["qkv_proj"] + core,
+            "mlp": f["gate_up_proj"], "ops": 0.0}[granularity]
+
+
+def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, int]:
+    """Bytes held once per micro-batch outside the blocks (saved for backward)."""
+    T, p = w.tokens, w.act_bytes
+    n = w.micro_batch * (w.seq_len - 1)  # next-token targets (all valid: the worst case)
+    out = {"rotary_cos_sin": 2 * T * m.head_dim * p, "final_norm": (4 + p) * T * m.hidden + 4 * T,
+           "loss_inputs": n * m.hidden * p + 17 * n}  # hidden rows + int64 row indices/targets + bool keep
+    if w.chunk_size <= 0 or n <= w.chunk_size:
+        out["log_probs"] = 4 * n * m.vocab  # CE keeps fp32 log-softmax of all [tokens, vocab]
+    if w.backend == "dense" and checkpointed:
+        out["bool_mask"] = w.micro_batch * w.seq_len**2  # kept alive by the checkpoint closures
+    return out
+
+
+def loss_transient_bytes(m: ModelShape, w: Workload) -> int:
+    """Peak extra bytes of lm_head + CE: logits (p), fp32 log-probs and their gradient, for one chunk."""
+    n = w.micro_batch * (w.seq_len - 1)
+    rows = n if w.chunk_size <= 0 else min(n, w.chunk_size)
+    return rows * m.vocab * (w.act_bytes + 4 + 4)
+
+
+@dataclass
+class ActivationEstimate:
+    """Planner's counterpart of meter.ActivationReport (holder attribution: a block counts what it saves)."""
+
+    total_bytes: int  # device
+    per_block: list[int]
+    other_bytes: int
+    offloaded_bytes: int
+    recompute_flops: float  # extra forward FLOPs per micro-batch (attention core at the given attended fraction)
+
+
+def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5,
+                         count_attention_core: bool = True) -> ActivationEstimate:
+    """Bytes a forward under `memory` (a concrete policy) holds for backward, per block and in total."""
+    chosen = set(select_layers(memory.layers, m.layers)) if memory.policy != "none" else set()
+    recompute = memory.policy in ("full", "selective")
+    offload = memory.policy == "offload" or memory.offload
+    per_block, host, flops = [], 0, 0.0
+    for i in range(m.layers):
+        sel = i in chosen
+        gran = memory.granularity if (sel and recompute) else None
+        dev, off = block_bytes(m, w, gran, sel and offload)
+        per_block.append(dev)
+        host += off
+        if gran is not None:
+            flops += recompute_flops_per_block(m, w, gran, attended_fraction, count_attention_core)
+    # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
+    holds_mask = bool(chosen) and recompute and memory.granularity != "mlp"
+    other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
+    return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops)
+
+
+# -- the step budget and the choice -----------------------------------------------------------------------
+
+CANDIDATES: list[tuple[str, MemoryConfig]] = [
+    ("none", MemoryConfig()),
+    ("mlp-only", MemoryConfig(policy="selective", granularity="mlp")),
+    ("attention-only", MemoryConfig(policy="selective", granularity="attention")),
+    ("op-level SAC", MemoryConfig(policy="selective", granularity="ops")),
+    ("full every_4", MemoryConfig(policy="full", layers="every_4")),
+    ("full every_2", MemoryConfig(policy="full", layers="every_2")),
+    ("full", MemoryConfig(policy="full")),
+    ("offload", MemoryConfig(policy="offload")),
+    ("full + offload", MemoryConfig(policy="full", offload=True)),
+]
+
+
+@dataclass
+class PlanInputs:
+    """Everything a plan depends on besides the model shape."""
+
+    seq_len: int
+    micro_batch: int
+    dtype_bytes: int  # parameter and activation bytes per element
+    hardware: HardwareConfig
+    chunk_size: int = 0
+    backend: str = "flex"
+    grad_accum: int = 1
+    optimizer_state_bytes: Optional[int] = None  # bytes per AdamW state element; None = parameter dtype
+    trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
+
+
+def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    world = max(1, x.hardware.world_size)  # FSDP shards weights, grads and optimizer states
+    trainable = m.params * x.trainable_fraction
+    state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else x.dtype_bytes
+    return {"weights_bytes": int(m.params * x.dtype_bytes / world), "grads_bytes": int(trainable * x.dtype_bytes / world),
+            "optimizer_bytes": int(2 * trainable * state / world)}  # AdamW: exp_avg + exp_avg_sq
+
+
+def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
+    """Total bytes, fit and cost of one concrete policy."""
+    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    act = estimate_activations(m, w, memory)
+    static = _static_bytes(m, x)
+    on_gpu = x.hardware.device != "cpu"
+    # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
+    workspace = max(block_bytes(m, w, None, False)[0], loss_transient_bytes(m, w))
+    workspace += CUDA_RESERVE_BYTES if on_gpu else 0
+    offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
+    total = sum(static.values()) + act.total_bytes + workspace + offload_resident
+    budget = int(x.hardware.memory_gb * GiB)
+    blocks_flops = m.layers * sum(block_forward_flops(m, w).values())
+    step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
+    compute_s = step_flops / (x.hardware.peak_tflops * 1e12 * ASSUMED_MFU)
+    traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds
+    exposed_s = max(0.0, traffic - compute_s / 3) + max(0.0, traffic - 2 * compute_s / 3)  # D2H || fwd, H2D || bwd
+    recompute_fraction = act.recompute_flops / step_flops if step_flops else 0.0  # extra FLOPs / step FLOPs
+    return {"activation_bytes": act.total_bytes, "activation_bytes_per_block": act.per_block,
+            "offloaded_bytes": act.offloaded_bytes, "workspace_bytes": workspace + offload_resident,
+            "total_bytes": total, "budget_bytes": budget, "fits": total <= budget,
+            "recompute_flops_fraction": recompute_fraction,
+            "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
+            "offload_exposed_s": exposed_s, "cost": recompute_fraction + exposed_s / max(compute_s, 1e-12),
+            **static}
+
+
+def plan_memory(hf_config, x: PlanInputs) -> dict:
+    """Every candidate policy's bytes and cost, the cheapest that fits, and what to change if none does."""
+    m = ModelShape.from_hf_config(hf_config)
+    # On a CPU "device" host memory is the device memory: offloading saves nothing.
+    candidates = [(label, mem) for label, mem in CANDIDATES if x.hardware.device != "cpu" or not _offloads(mem)]
+    rows = [{"label": label, "memory": dataclasses.asdict(mem), **evaluate(m, x, mem)} for label, mem in candidates]
+    fitting = [r for r in rows if r["fits"]]
+    # Ties (e.g. fully overlapped offload vs none) go to the earlier, simpler candidate.
+    best = (min(fitting, key=lambda r: (round(r["cost"], 4), rows.index(r))) if fitting
+            else min(rows, key=lambda r: r["total_bytes"]))
+    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    plan = {
+        "hf_config": hf_config.to_dict(), "seq_len": x.seq_len, "micro_batch": x.micro_batch,
+        "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
+        "weights_bytes": best["weights_bytes"], "grads_bytes": best["grads_bytes"],
+        "optimizer_bytes": best["optimizer_bytes"], "activation_bytes": best["activation_bytes"],
+        "activation_bytes_per_block": {r["label"]: r["activation_bytes_per_block"] for r in rows},
+        "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
+        + loss_transient_bytes(m, w),
+        "workspace_bytes": best["workspace_bytes"], "total_bytes": best["total_bytes"],
+        "budget_bytes": best["budget_bytes"], "fits": best["fits"], "policy": best["label"],
+        "memory": best["memory"], "recompute_flops_fraction": best["recompute_flops_fraction"],
+        "offload_bytes_per_step": best["offload_bytes_per_step"],
+        "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
+        "candidates": rows, "suggestions": [] if fitting else suggestions(m, x),
+    }
+    return plan
+
+
+def _offloads(memory: MemoryConfig) -> bool:
+    return memory.policy == "offload" or memory.offload
+
+
+def _fits(m: ModelShape, x: PlanInputs) -> bool:
+    return any(evaluate(m, x, mem)["fits"] for _, mem in CANDIDATES)
+
+
+def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
+    """What would fit when nothing does: shorter rows, LoRA, 8-bit optimizer states, more GPUs."""
+    out = []
+    seq = x.seq_len
+    while seq > 128 and not _fits(m, dataclasses.replace(x, seq_len=seq)):
+        seq //= 2
+    if seq < x.seq_len and _fits(m, dataclasses.replace(x, seq_len=seq)):
+        out.append(f"data.seq_len={seq} fits (at most; try values between {seq} and {x.seq_len})")
+    if x.chunk_size <= 0 and _fits(m, dataclasses.replace(x, chunk_size=1024)):
+        out.append("loss.chunk_size=1024 fits (chunked cross-entropy)")
+    if _fits(m, dataclasses.replace(x, trainable_fraction=0.01)):
+        out.append("LoRA (about 1% trainable parameters) fits")
+    if _fits(m, dataclasses.replace(x, optimizer_state_bytes=1)):
+        out.append("8-bit AdamW states fit")
+    for world in (2, 4, 8, 16, 32, 64):
+        if world > x.hardware.world_size and _fits(m, dataclasses.replace(
+                x, hardware=dataclasses.replace(x.hardware, world_size=world))):
+            out.append(f"{world} GPUs with FSDP (hardware.world_size={world}) fit")
+            break
+    return out or ["nothing in reach fits: use a smaller model or a larger card (hardware.memory_gb)"]
+
+
+def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
+    """PlanInputs of a JobConfig: dtype and attention backend resolved as training would on that device."""
+    if on_cuda is None:
+        on_cuda = job.hardware.device == "cuda" or (job.hardware.device == "auto" and _cuda_available())
+    dtype = job.model.dtype if job.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    backend = job.attn.backend if job.attn.backend in ("flex", "dense") else ("flex" if on_cuda else "dense")
+    if job.attn.backend == "sdpa":
+        backend = "flex"  # HF's fused SDPA keeps the same O(S) tensors as flex
+    return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
+                      dtype_bytes=4 if dtype == "float32" else 2, hardware=job.hardware,
+                      chunk_size=job.loss.chunk_size, backend=backend, grad_accum=job.train.grad_accum)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,168 @@
+"""Optimizers and the learning-rate schedule: plain AdamW, memory-lean AdamW variants, CPU-offloaded states.
+
+`optim.name` picks the optimizer:
+  adamw              torch AdamW; two states per parameter in the parameter's dtype
+  adamw_8bit         torchao AdamW8bit: block-quantised 8-bit states (~2 bytes/param instead of 8)
+  adamw_bf16         torchao AdamW with bf16 states and stochastic rounding of bf16 weights (no fp32 master)
+  adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU
+The planner asks `optimizer_state_bytes_per_param` what each choice costs on the device and on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+from flexengine.config import OptimConfig
+from flexengine.errors import UserError
+
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")
+_TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
+# torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
+_AO_8BIT_BLOCK = 256
+
+
+def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> Tuple[float, float]:
+    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
+
+    Weights and gradients themselves are not included, except the fp32 master copy that adamw_cpu_offload
+    keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
+    """
+    elt = torch.empty((), dtype=param_dtype).element_size()
+    if name == "adamw":
+        return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
+    if name == "adamw_8bit":
+        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0  # the input embedding keeps fp32 states (see below)
+    if name == "adamw_bf16":
+        return 4.0, 0.0  # two bf16 states
+    if name == "adamw_cpu_offload":
+        return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
+    raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    # decay matrices only: norms and biases (ndim < 2) are not regularised
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _import_torchao(name: str):
+    try:
+        import torchao.optim as ao_optim
+    except ImportError:
+        raise UserError(
+            f"optim.name={name} needs torchao, which is not installed. Install it with `pip install torchao` "
+            "(a build matching your torch), or use optim.name=adamw / adamw_cpu_offload."
+        ) from None
+    return getattr(ao_optim, _TORCHAO_OPTIMIZERS[name])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class CPUOffloadAdamW(torch.optim.AdamW):
+    """AdamW whose fp32 master weights and states live in host memory (the device keeps only weights and grads).
+
+    step(): grads device -> host, AdamW on the host copies, updated weights host -> device. Under FSDP2 each
+    rank offloads only its own shard. Costs two weight-sized PCIe transfers per step; saves 8 bytes/param of
+    device memory (12 with bf16 weights, whose fp32 masters now live on the host).
+    """
+
+    def __init__(self, groups: List[dict], **adamw_kwargs):
+        pin = torch.cuda.is_available()  # pinned host memory needs an accelerator (see DESIGN.md)
+        self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        host_groups = []
+        for group in groups:
+            host_params = []
+            for p in group["params"]:
+                host = _local(p).detach().to("cpu", torch.float32, copy=True)
+                host = nn.Parameter(host.pin_memory() if pin else host)
+                self._pairs.append((p, host))
+                host_params.append(host)
+            host_groups.append({**group, "params": host_params})
+        adamw_kwargs.pop("fused", None)  # fused AdamW is a device kernel; the host uses foreach
+        super().__init__(host_groups, **adamw_kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Copy grads to the host, update the fp32 masters there, copy the weights back."""
+        for device_p, host_p in self._pairs:
+            grad = device_p.grad
+            host_p.grad = None if grad is None else _local(grad).to("cpu", torch.float32, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non_blocking copies must land before the host reads them
+        loss = super().step(closure)
+        for device_p, host_p in self._pairs:
+            _local(device_p).copy_(host_p, non_blocking=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the device grads (the host grads are overwritten each step)."""
+        for device_p, host_p in self._pairs:
+            device_p.grad = None
+            host_p.grad = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore states; the masters are re-read from the (already restored) device weights first."""
+        with torch.no_grad():
+            for device_p, host_p in self._pairs:
+                host_p.copy_(_local(device_p).float())
+        super().load_state_dict(state_dict)
+
+
+def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Give the input embedding full-precision AdamW states (bitsandbytes' StableEmbedding advice).
+
+    Rows of tokens absent from a batch have zero gradients; block-quantised states turn those zeros into
+    noise that AdamW normalises into full-size updates (measured on the tiny LLaMA: the embedding moved 33x
+    further than under fp32 AdamW in 5 steps). torchao keeps states it finds already initialised.
+    """
+    embedding = model.get_input_embeddings().weight
+    if embedding.requires_grad:
+        opt.state[embedding] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(embedding),
+                                "exp_avg_sq": torch.zeros_like(embedding)}
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer named by optim.name over the trainable parameters (decay on matrices only)."""
+    groups = _param_groups(model, optim.weight_decay)
+    common = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
+    if optim.name == "adamw":
+        impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
+        return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
+    if optim.name == "adamw_cpu_offload":
+        return CPUOffloadAdamW(groups, **common, foreach=True)
+    if optim.name in _TORCHAO_OPTIMIZERS:
+        cls = _import_torchao(optim.name)
+        if optim.name == "adamw_bf16":
+            dtypes = {p.dtype for g in groups for p in g["params"]}
+            if dtypes != {torch.bfloat16}:
+                raise UserError(
+                    f"optim.name=adamw_bf16 keeps bf16 weights with stochastic rounding, but the model's trainable "
+                    f"weights are {sorted(map(str, dtypes))}: set model.dtype=bfloat16 (or use optim.name=adamw)."
+                )
+            return cls(groups, **common, bf16_stochastic_round=True)
+        opt = cls(groups, **common)
+        _keep_embedding_states_fp32(opt, model)
+        return opt
+    raise UserError(f"optim.name={optim.name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
+    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -1,0 +1,253 @@
+"""Data parallelism over torchrun with PyTorch's own engines: FSDP2 (`fully_shard`) or DDP.
+
+`torchrun --nproc_per_node N -m flexengine.train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; `init_distributed` reads
+them. The model surgery order ends here: attention -> checkpoint/offload -> compile -> `apply_parallel`.
+
+The trainer divides each rank's summed token loss by the valid tokens of the *global* batch, so the rank
+gradients must be summed, not averaged: FSDP's divide factor is set to 1 and DDP gets a summing comm hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+from flexengine.checkpoint import load_model_weights, load_trainer_state, save_checkpoint
+from flexengine.config import LoraConfig, ParallelConfig
+from flexengine.errors import UserError
+from flexengine.lora import adapter_to_model_keys, is_lora, merge_lora_state_dict
+from flexengine.loss import forward_loss_sum
+from flexengine.memory import decoder_layers
+
+RANK_STATE = "trainer_state.rank{rank}.pt"  # ranks > 0: their optimizer shard and RNG, next to rank 0's state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes checkpoints, summaries and TensorBoard."""
+        return self.rank == 0
+
+
+def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo:
+    """Join the torchrun job described by the environment (a no-op without WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistInfo()
+    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    backend = parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    log.info("distributed: rank %d/%d (local %d), backend %s, strategy %s",
+             info.rank, world_size, info.local_rank, backend, parallel.strategy)
+    return info
+
+
+def rank_device(device: torch.device, info: DistInfo) -> torch.device:
+    """The device of this rank: cuda:<local_rank> on GPUs, the CPU otherwise."""
+    return torch.device("cuda", info.local_rank) if device.type == "cuda" else device
+
+
+class LossForward(nn.Module):
+    """The training forward as one module call, so FSDP/DDP hooks run around it.
+
+    `forward_loss_sum` calls the decoder and the lm_head separately (never `model.forward`, to avoid full
+    logits); a root module whose forward *is* the loss gives FSDP's root and DDP one place to hook.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int = 0):
+        super().__init__()
+        self.model, self.chunk_size = model, chunk_size
+
+    def forward(self, batch: dict, **mask_kwargs) -> torch.Tensor:
+        """Summed next-token CE of the batch (see flexengine.loss)."""
+        return forward_loss_sum(self.model, batch, self.chunk_size, **mask_kwargs)
+
+
+def _allreduce_sum_hook(group, bucket):
+    # DDP's default hook averages over ranks; our loss is already normalised by the global token count
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, device: torch.device) -> None:
+    """FSDP2: fully_shard each decoder block, then the root (embeddings, final norm, lm_head), in place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if device.type == "cuda" and parallel.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=parallel.reshard_after_forward, **kwargs)
+    fully_shard(root, **kwargs)  # the root keeps its weights gathered through backward (FSDP2's default)
+    for module in [*layers, root]:
+        module.set_gradient_divide_factor(1.0)  # sum, not mean: see the module docstring
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; factor 1 needs none)
+    log.info("fsdp: %d decoder blocks + root sharded over %d ranks%s", len(layers), dist.get_world_size(),
+             " (bf16 params, fp32 reduce)" if kwargs else "")
+
+
+def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, device: torch.device,
+                   chunk_size: int = 0) -> nn.Module:
+    """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP."""
+    root = LossForward(model, chunk_size)
+    if info.world_size == 1:
+        return root
+    if parallel.strategy == "fsdp":
+        apply_fsdp(root, model, parallel, device)
+        return root
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(None, _allreduce_sum_hook)
+    log.info("ddp: full replica on each of %d ranks", info.world_size)
+    return ddp
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 holds the model's parameters as DTensor shards."""
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
+
+def gather_full_state_dict(model: nn.Module) -> dict:
+    """The full (unsharded) state dict on CPU at rank 0 ({} elsewhere); every rank must call it."""
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint_all_ranks(root: Path, step: int, model: nn.Module, tokenizer, trainer_state: dict,
+                              merge_lora: Optional[LoraConfig] = None) -> Path:
+    """Every rank calls this: weights gathered to rank 0, which writes the HF (or adapter) directory;
+    ranks > 0 add their own trainer state (optimizer shard, RNG) next to rank 0's."""
+    rank, world_size = _rank(), _world_size()
+    full = gather_full_state_dict(model) if world_size > 1 or merge_lora is not None else None
+    trainer_state = {**trainer_state, "world_size": world_size}
+    staged = root / f".rank_state_step_{step}"
+    if rank > 0:  # staged first, so rank 0 only publishes the step once every rank's state is on disk
+        staged.mkdir(parents=True, exist_ok=True)
+        torch.save(trainer_state, staged / RANK_STATE.format(rank=rank))
+    barrier()
+    final = root / f"step_{step}"
+    if rank == 0:
+        final = save_checkpoint(root, step, model, tokenizer, trainer_state, model_state=full)
+        for r in range(1, world_size):
+            os.replace(staged / RANK_STATE.format(rank=r), final / RANK_STATE.format(rank=r))
+        shutil.rmtree(staged, ignore_errors=True)
+        if merge_lora is not None:
+            _save_merged(final / "merged", model, tokenizer, merge_lora_state_dict(full, merge_lora))
+    barrier()
+    return final
+
+
+def _save_merged(directory: Path, peft_model: nn.Module, tokenizer, state: dict) -> None:
+    tmp = directory.with_name(f".tmp_{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.get_base_model().save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    log.info("merged LoRA model saved: %s", directory)
+
+
+def load_checkpoint_all_ranks(path: Path, model: nn.Module) -> dict:
+    """Load the weights (full, or LoRA adapters) of a checkpoint on every rank; returns this rank's trainer state."""
+    rank, world_size = _rank(), _world_size()
+    state = load_trainer_state(path)
+    saved_world = state.get("world_size", 1)
+    if saved_world != world_size:
+        raise UserError(
+            f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "
+            f"{world_size}; resume with torchrun --nproc_per_node {saved_world} (optimizer states are sharded)."
+        )
+    if is_lora(model):
+        weights = adapter_to_model_keys(load_file(str(path / "adapter_model.safetensors")))
+    elif not is_sharded(model):
+        load_model_weights(model, path)
+        weights = None
+    else:
+        weights = {}
+        for f in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+    if weights is not None:
+        _load_full_state_dict(model, weights)
+    if rank > 0:
+        rank_file = path / RANK_STATE.format(rank=rank)
+        if not rank_file.is_file():
+            raise UserError(f"train.resume={path}: {rank_file.name} is missing (incomplete checkpoint).")
+        state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    return state
+
+
+def _load_full_state_dict(model: nn.Module, state: dict) -> None:
+    """Load full tensors (the same on every rank) into a plain or FSDP2-sharded model; only keys given."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"checkpoint keys the model does not have: {result.unexpected_keys[:5]}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_rank_first(info: DistInfo) -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. fills the tokenizer cache), the other ranks after it (cache hits)."""
+    if not info.is_main:
+        barrier()
+    yield
+    if info.is_main:
+        barrier()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (end of a torchrun job)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def grad_norm_value(grad_norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor (under FSDP2 it is a replicated DTensor)."""
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm

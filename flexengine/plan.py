@@ -1,0 +1,105 @@
+"""`python -m flexengine.plan model=deepseek7b data.seq_len=6144 hardware=a100_80g [plan.format=json]`
+
+Composes the same conf/ as training (plus a `plan` node: format=table|json) and prints the memory plan of one
+step: weights, grads, optimizer states, activations per block for every policy, logits, workspace, total vs the
+card's budget, and the policy `memory=auto` would choose. Reads only the model's HF config: no weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from flexengine.config import JobConfig
+from flexengine.errors import UserError
+
+GiB = 2**30
+
+
+@dataclass
+class PlanOptions:
+    """Options of the planner CLI."""
+
+    format: str = "table"  # table | json
+
+
+@dataclass
+class PlanJobConfig(JobConfig):
+    """JobConfig plus the planner's own options (registered only when this CLI runs)."""
+
+    plan: PlanOptions = field(default_factory=PlanOptions)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def format_table(plan: dict) -> str:
+    """The plan as a human-readable table."""
+    lines = [f"model: {plan['hf_config'].get('model_type')}  seq_len={plan['seq_len']}  "
+             f"micro_batch={plan['micro_batch']}  dtype={plan['dtype']}", ""]
+    for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "logits_bytes",
+                "workspace_bytes", "total_bytes", "budget_bytes"):
+        lines.append(f"  {key.replace('_bytes', ''):<12} {_gib(plan[key])}")
+    lines += ["", f"  {'policy':<16} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
+                  f"{'recompute':>10} {'offload/step':>14}"]
+    for r in plan["candidates"]:
+        lines.append(f"  {r['label']:<16} {_gib(max(r['activation_bytes_per_block'])):>16} "
+                     f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} {'yes' if r['fits'] else 'no':>5} "
+                     f"{100 * r['recompute_flops_fraction']:>9.1f}% {_gib(r['offload_bytes_per_step']):>14}")
+    lines.append("")
+    if plan["fits"]:
+        lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); recompute {100 * plan['recompute_flops_fraction']:.1f}% "
+                     f"of step FLOPs; offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
+                     f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
+    else:
+        lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
+    return "\n".join(lines)
+
+
+def build_plan(job: JobConfig) -> dict:
+    """The memory plan of a JobConfig (model architecture only)."""
+    from flexengine.memory.planner import plan_inputs, plan_memory
+    from flexengine.model import build_hf_config
+
+    return plan_memory(build_hf_config(job.model), plan_inputs(job))
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Hydra task: compose -> JobConfig -> plan -> print."""
+    from flexengine.train import to_job_config
+
+    if cfg.model.path is None:
+        cfg.model.init = "random"  # the planner reads only the architecture
+    if cfg.data.source != "demo" and not cfg.data.path:
+        cfg.data.source = "demo"  # the planner never reads documents; only data.seq_len matters
+    fmt = cfg.plan.format
+    try:
+        if fmt not in ("table", "json"):
+            raise UserError(f"plan.format={fmt!r}: choose table or json")
+        plan = build_plan(to_job_config(cfg))
+    except UserError as e:
+        print(f"\nflexengine: error: {e}\n", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(plan, indent=1) if fmt == "json" else format_table(plan))
+
+
+def cli() -> None:
+    """Register the planner schema (only here, so training never sees a `plan` key) and run."""
+    ConfigStore.instance().store(name="job_schema", node=PlanJobConfig)
+    # No run directory or log files for a read-only report; stdout stays pure JSON with plan.format=json.
+    defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                "hydra/hydra_logging=disabled"]
+    given = {a.split("=")[0] for a in sys.argv[1:]}
+    sys.argv += [d for d in defaults if d.split("=")[0] not in given]
+    main()
+
+
+if __name__ == "__main__":
+    cli()

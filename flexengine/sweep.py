@@ -1,0 +1,214 @@
+"""One summary for a Hydra multirun: every job's summary.json (or error.json) as a row of a CSV/Markdown table
+and a comparison plot in the sweep directory.
+
+`SweepSummary` is a Hydra callback (registered under `hydra.callbacks` in conf/config.yaml), so
+`python -m flexengine.train -m attn=causal,packed_doc memory=none,full` ends with sweep_summary.{csv,md,png}.
+`python -m flexengine.sweep <sweep_dir>` rebuilds the summary of an existing (or interrupted) sweep.
+A failed job is a row with its error: train.py writes error.json (`write_job_error`) instead of ending the sweep.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+ERROR_FILE = "error.json"
+# (column, summary.json key, scale): the numbers each row reports.
+METRICS = (
+    ("tokens_per_s", "tokens_per_s", 1.0),
+    ("useful_tokens_per_s", "useful_tokens_per_s", 1.0),
+    ("mfu", "mfu", 1.0),
+    ("peak_memory_gib", "peak_memory_bytes", 1 / 2**30),
+    ("final_loss", "final_loss", 1.0),
+    ("steps", "steps", 1.0),
+    ("wall_s", "wall_s", 1.0),
+)
+COLUMNS = ("job", "overrides", "status", *(m[0] for m in METRICS), "error", "dir")
+
+
+def write_job_error(job_dir: Path, exc: BaseException) -> Path:
+    """Record a failed run as job_dir/error.json (type, message, traceback) for the sweep summary."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path = job_dir / ERROR_FILE
+    record = {
+        "type": type(exc).__name__,
+        "message": str(exc).strip(),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+    path.write_text(json.dumps(record, indent=2))
+    return path
+
+
+def free_memory() -> None:
+    """Release a failed run's memory before the next job of the sweep (its CUDA cache above all)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")  # never import torch just for this
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _read_yaml(path: Path) -> Any:
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
+
+
+def find_job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job directories of a sweep (those holding Hydra's .hydra/overrides.yaml), in job-number order."""
+    dirs = [p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"]
+
+    def job_num(d: Path) -> tuple:
+        hydra_cfg = _read_yaml(d / ".hydra" / "hydra.yaml") or {}
+        num = hydra_cfg.get("hydra", {}).get("job", {}).get("num")
+        return (num if isinstance(num, int) else sys.maxsize, str(d))
+
+    return sorted(dirs, key=job_num)
+
+
+def job_row(job_dir: Path, job: str) -> dict:
+    """One table row: the job's overrides and numbers from summary.json, or its error from error.json."""
+    overrides = _read_yaml(job_dir / ".hydra" / "overrides.yaml") or []
+    row: dict = {c: None for c in COLUMNS}
+    row.update(job=job, overrides=" ".join(overrides), dir=str(job_dir), error="")
+    summary_path, error_path = job_dir / SUMMARY_FILE, job_dir / ERROR_FILE
+    if error_path.is_file():
+        error = json.loads(error_path.read_text())
+        row["status"] = "failed"
+        row["error"] = f"{error.get('type', 'Error')}: {error.get('message', '')}".strip()
+    elif summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        row["status"] = "ok"
+        for column, key, scale in METRICS:
+            value = summary.get(key)
+            if isinstance(value, (int, float)):
+                row[column] = value * scale if scale != 1 else value  # integers (steps) stay integers
+    else:  # killed, or still running
+        row["status"] = "missing"
+        row["error"] = f"no {SUMMARY_FILE} or {ERROR_FILE} in {job_dir}"
+    return row
+
+
+def varying_overrides(rows: list[dict]) -> list[str]:
+    """Per row, only the overrides that differ between jobs (a short label for tables and plots)."""
+    split = [r["overrides"].split() for r in rows]
+    common = set.intersection(*map(set, split)) if len(split) > 1 else set()
+    return [" ".join(o for o in s if o not in common) or f"job {r['job']}" for s, r in zip(split, rows)]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown(rows: list[dict], path: Path) -> None:
+    """The table as Markdown, labelled by the overrides that vary between jobs."""
+    columns = ["job", "run", "status", *(m[0] for m in METRICS), "error"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row, label in zip(rows, varying_overrides(rows)):
+        cells = {**row, "run": label, "error": (row["error"] or "")[:200]}
+        lines.append("| " + " | ".join(_fmt(cells[c]) for c in columns) + " |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    """Bar charts of useful tokens/s, peak memory and final loss per run; failed runs are marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = varying_overrides(rows)
+    panels = (("useful_tokens_per_s", "useful tokens/s"), ("peak_memory_gib", "peak memory (GiB)"),
+              ("final_loss", "final loss"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.2 + 0.45 * len(rows)), squeeze=False)
+    y = list(range(len(rows)))
+    for ax, (key, title) in zip(axes[0], panels):
+        values = [r[key] if r[key] is not None else 0.0 for r in rows]
+        colors = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows]
+        ax.barh(y, values, color=colors)
+        for i, r in enumerate(rows):
+            if r["status"] != "ok":
+                ax.text(0, i, f" {r['status'].upper()}", va="center", color="tab:red")
+        ax.set_yticks(y, labels if ax is axes[0][0] else [""] * len(rows))
+        ax.invert_yaxis()
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summarize_sweep(sweep_dir: Path) -> list[dict]:
+    """Write sweep_summary.csv/.md/.png into sweep_dir; returns the rows."""
+    sweep_dir = Path(sweep_dir)
+    rows = [job_row(d, str(d.relative_to(sweep_dir))) for d in find_job_dirs(sweep_dir)]  # job = its subdir
+    if not rows:
+        log.warning("sweep summary: no job directories (.hydra/overrides.yaml) under %s", sweep_dir)
+        return rows
+    with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_markdown(rows, sweep_dir / "sweep_summary.md")
+    try:
+        write_plot(rows, sweep_dir / "sweep_summary.png")
+    except Exception as e:  # a missing font/backend must not cost the user the table
+        log.warning("sweep summary: could not draw sweep_summary.png (%s)", e)
+    failed = sum(r["status"] != "ok" for r in rows)
+    log.info("sweep summary: %d runs (%d failed) -> %s", len(rows), failed, sweep_dir / "sweep_summary.md")
+    return rows
+
+
+def reset_peak_memory() -> None:
+    """Start a job's peak-memory count from now: jobs of a sweep share one process, and both CUDA's
+    max_memory_allocated and the process's peak RSS (ru_maxrss) would otherwise carry the earlier jobs' peaks."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:  # Linux: writing 5 to clear_refs resets the RSS high-water mark that ru_maxrss reports
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a multirun, summarise every job into the sweep directory."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Each job of a sweep reports its own peak memory, not the largest so far."""
+        reset_peak_memory()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write sweep_summary.{csv,md,png} (Hydra warns, but does not fail, if this raises)."""
+        rows = summarize_sweep(Path(config.hydra.sweep.dir))
+        if rows:
+            print((Path(config.hydra.sweep.dir) / "sweep_summary.md").read_text())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`python -m flexengine.sweep <sweep_dir>`: (re)build the summary of a sweep directory."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python -m flexengine.sweep <sweep_dir>   (e.g. multirun/2026-01-01/12-00-00)", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if summarize_sweep(Path(argv[0])):
+        print((Path(argv[0]) / "sweep_summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Encoding: chat prompt masking against transformers' own assistant mask, text EOS, pretokenized labels."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexengine.data.encode import Encoded, Encoder, Rejected
+from flexengine.data.sources import RawDoc
+from flexengine.errors import UserError
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What does def f(x): return x do?"},
+    {"role": "assistant", "content": "It returns its argument."},
+    {"role": "user", "content": "And 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_chat_mask_matches_transformers_generation_mask(chat_tokenizer):
+    result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f.jsonl:1", CONVERSATION)])[0]
+    reference = chat_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert result.ids.tolist() == reference["input_ids"]
+    assert result.loss_mask.tolist() == [bool(m) for m in reference["assistant_masks"]]
+
+
+def test_chat_trains_only_on_assistant_replies_and_their_end_marker(chat_tokenizer):
+    result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f.jsonl:1", CONVERSATION)])[0]
+    trained = chat_tokenizer.decode(result.ids[result.loss_mask].tolist())
+    assert trained == "It returns its argument.<|im_end|>\n4<|im_end|>\n"
+    prompt = chat_tokenizer.decode(result.ids[~result.loss_mask].tolist())
+    assert "What does def f(x)" in prompt and "terse" in prompt and "It returns" not in prompt
+
+
+def test_chat_template_that_rewrites_history_is_rejected_with_location(chat_tokenizer):
+    # Drops earlier assistant turns when more follow (like reasoning templates): prefixes no longer match.
+    chat_tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("chat.jsonl:7", CONVERSATION)])[0]
+    assert isinstance(result, Rejected) and result.reason == "chat_template_error"
+    assert result.message.startswith("chat.jsonl:7: ")
+
+
+def test_chat_needs_a_template(demo_tokenizer):
+    with pytest.raises(UserError, match="chat template"):
+        Encoder(demo_tokenizer, "chat")
+
+
+def test_text_gets_exactly_one_eos(demo_tokenizer):
+    eos = demo_tokenizer.eos_token_id
+    docs = [RawDoc("a:1", "x = 1\n"), RawDoc("a:2", "y = 2" + demo_tokenizer.eos_token)]
+    with_eos = Encoder(demo_tokenizer, "text", add_eos=True).encode_batch(docs)
+    without = Encoder(demo_tokenizer, "text", add_eos=False).encode_batch(docs)
+    assert with_eos[0].ids.tolist() == demo_tokenizer("x = 1\n")["input_ids"] + [eos]
+    assert with_eos[1].ids.tolist().count(eos) == 1 and with_eos[1].ids[-1] == eos
+    assert without[0].ids.tolist() == demo_tokenizer("x = 1\n")["input_ids"]
+    assert all(r.loss_mask is None for r in with_eos)
+
+
+def test_pretokenized_labels_become_the_loss_mask(demo_tokenizer):
+    enc = Encoder(demo_tokenizer, "pretokenized")
+    out = enc.encode_batch([RawDoc("p:1", ([5, 6, 7, 8], [-100, -100, 7, 8])), RawDoc("p:2", ([9, 10], None))])
+    assert isinstance(out[0], Encoded)
+    assert out[0].ids.tolist() == [5, 6, 7, 8] and out[0].loss_mask.tolist() == [False, False, True, True]
+    assert out[1].loss_mask is None
+
+
+def test_pretokenized_id_outside_vocab_is_rejected(demo_tokenizer):
+    out = Encoder(demo_tokenizer, "pretokenized").encode_batch([RawDoc("p.jsonl:3", ([1, len(demo_tokenizer)], None))])
+    assert isinstance(out[0], Rejected) and out[0].reason == "token_id_out_of_range"
+    assert out[0].message.startswith("p.jsonl:3: input_ids[1]=")
+
+
+def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    bos = demo_tokenizer.convert_tokens_to_ids("<|pad|>")  # stand-in for LLaMA's <s>
+    demo_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|pad|> $A", special_tokens=[("<|pad|>", bos)])
+    result = Encoder(demo_tokenizer, "text").encode_batch([RawDoc("a:1", "import os")])[0]
+    assert result.ids.tolist() == demo_tokenizer("import os")["input_ids"] + [demo_tokenizer.eos_token_id]
+    assert result.ids[0] == bos

@@ -1,0 +1,111 @@
+"""Reading records: file:line errors for every kind of bad record, skip counts, Parquet, paths, max_docs."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flexengine.config import DataConfig
+from flexengine.data.sources import BadRecords, iter_raw_docs, resolve_paths
+from flexengine.errors import UserError
+
+GOOD = json.dumps({"text": "print('hello')"})
+
+# (planted line, reason counted under on_error=skip, words the raise message must contain)
+BAD_TEXT_LINES = [
+    ("{not json", "malformed_json", "not valid JSON"),
+    (json.dumps({"body": "x"}), "missing_field", "no 'text' field"),
+    (json.dumps({"text": 42}), "not_a_string", "'text' is int"),
+    (json.dumps({"text": "   \n"}), "empty_document", "'text' is empty"),
+    (json.dumps(["text"]), "not_an_object", "record is list"),
+]
+
+
+def _read(data: DataConfig) -> tuple[list, dict]:
+    bad = BadRecords(data.on_error)
+    return list(iter_raw_docs(data, bad)), bad.counts
+
+
+@pytest.mark.parametrize("line, reason, words", BAD_TEXT_LINES, ids=[r for _, r, _ in BAD_TEXT_LINES])
+def test_bad_text_record_raises_with_file_and_line(tmp_path, write_lines, line, reason, words):
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, "", GOOD, line, GOOD])  # blank line 2 still counts
+    with pytest.raises(UserError) as err:
+        _read(DataConfig(source="jsonl", path=str(path)))
+    assert f"{path}:4: " in str(err.value) and words in str(err.value) and "data.on_error=skip" in str(err.value)
+
+
+def test_skip_counts_every_bad_record_by_reason(tmp_path, write_lines):
+    lines = [GOOD] + [line for line, _, _ in BAD_TEXT_LINES] * 2 + [GOOD]
+    docs, counts = _read(DataConfig(source="jsonl", path=str(write_lines(tmp_path / "d.jsonl", lines)), on_error="skip"))
+    assert len(docs) == 2
+    assert counts == {reason: 2 for _, reason, _ in BAD_TEXT_LINES}
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"messages": []}, "bad_messages"),
+        ({"messages": [{"role": "user"}]}, "bad_messages"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
+        ({"conversation": []}, "missing_field"),
+    ],
+)
+def test_bad_chat_records(tmp_path, write_jsonl, record, reason):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [good, record])
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), format="chat", on_error="skip"))
+    assert [d.where for d in docs] == [f"{path}:1"] and counts == {reason: 1}
+    with pytest.raises(UserError, match=f"{path}:2: "):
+        _read(DataConfig(source="jsonl", path=str(path), format="chat"))
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"input_ids": []}, "bad_token_ids"),
+        ({"input_ids": [1, "2"]}, "bad_token_ids"),
+        ({"input_ids": [1, 2], "labels": [1]}, "bad_labels"),
+        ({"input_ids": [1, 2], "labels": [1, 3]}, "bad_labels"),
+    ],
+)
+def test_bad_pretokenized_records(tmp_path, write_jsonl, record, reason):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"input_ids": [1, 2], "labels": [-100, 2]}, record])
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), format="pretokenized", on_error="skip"))
+    assert docs[0].payload == ([1, 2], [-100, 2]) and counts == {reason: 1}
+
+
+def test_parquet_text_and_row_location(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["a = 1", None, "b = 2", ""]}), path)
+    docs, counts = _read(DataConfig(source="parquet", path=str(path), on_error="skip"))
+    assert [d.payload for d in docs] == ["a = 1", "b = 2"] and counts == {"missing_field": 1, "empty_document": 1}
+    assert docs[1].where == f"{path}:row 2"
+    with pytest.raises(UserError, match=f"{path}:row 1: no 'text' field"):
+        _read(DataConfig(source="parquet", path=str(path)))
+
+
+def test_parquet_chat_and_pretokenized(tmp_path):
+    chat = tmp_path / "chat.parquet"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pq.write_table(pa.table({"messages": [turns], "other": [1]}), chat)
+    docs, _ = _read(DataConfig(source="parquet", path=str(chat), format="chat"))
+    assert docs[0].payload == turns
+    tokens = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]], "labels": [[-100, 2, 3], None]}), tokens)
+    docs, _ = _read(DataConfig(source="parquet", path=str(tokens), format="pretokenized"))
+    assert [d.payload for d in docs] == [([1, 2, 3], [-100, 2, 3]), ([4], None)]
+
+
+def test_paths_globs_directories_and_max_docs(tmp_path, write_jsonl):
+    for name in ("b.jsonl", "a.jsonl"):
+        write_jsonl(tmp_path / name, [{"text": f"{name} {i}"} for i in range(3)])
+    (tmp_path / "README.md").write_text("not data")
+    assert [p.name for p in resolve_paths(str(tmp_path))] == ["a.jsonl", "b.jsonl"]  # sorted, README ignored
+    assert [p.name for p in resolve_paths(f"{tmp_path}/b.jsonl, {tmp_path}/a*")] == ["b.jsonl", "a.jsonl"]
+    docs, _ = _read(DataConfig(source="jsonl", path=str(tmp_path), max_docs=4))
+    assert [d.payload for d in docs] == ["a.jsonl 0", "a.jsonl 1", "a.jsonl 2", "b.jsonl 0"]
+    with pytest.raises(UserError, match="matches no jsonl file"):
+        resolve_paths(f"{tmp_path}/missing*.jsonl")

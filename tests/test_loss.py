@@ -1,0 +1,63 @@
+"""Chunked cross-entropy equals the plain loss (value and gradients), skipping ignored labels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexengine.loss import causal_lm_loss_sum, count_valid_targets
+
+
+def _reference(hidden_BSH, labels_BS, lm_head):
+    """Full [B, S, V] logits, shifted labels, ignore_index: the textbook loss (summed)."""
+    logits = lm_head(hidden_BSH).float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels_BS[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1, 7, 64, 10_000])
+def test_chunked_loss_matches_plain(chunk_size):
+    torch.manual_seed(0)
+    B, S, H, V = 3, 41, 16, 50
+    hidden = torch.randn(B, S, H, requires_grad=True)
+    lm_head = torch.nn.Linear(H, V, bias=False)
+    labels = torch.randint(0, V, (B, S))
+    labels[0, :10] = -100
+    labels[2, 20] = -100
+    ref = _reference(hidden, labels, lm_head)
+    ref_grads = torch.autograd.grad(ref, (hidden, lm_head.weight))
+    out = causal_lm_loss_sum(hidden, labels, lm_head, chunk_size)
+    grads = torch.autograd.grad(out, (hidden, lm_head.weight))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    assert int(count_valid_targets(labels)) == B * (S - 1) - 10  # labels[0, 0] is never a target
+
+
+def test_all_ignored_gives_zero_and_zero_grad():
+    hidden = torch.randn(1, 8, 4, requires_grad=True)
+    lm_head = torch.nn.Linear(4, 10, bias=False)
+    labels = torch.full((1, 8), -100)
+    out = causal_lm_loss_sum(hidden, labels, lm_head, chunk_size=3)
+    out.backward()
+    assert out.item() == 0.0 and hidden.grad.abs().sum() == 0
+
+
+def test_chunked_loss_never_materialises_all_logits():
+    """Peak logits bytes alive for backward: chunked keeps none, plain keeps [tokens, vocab] fp32 log-probs."""
+    from flexengine.memory.meter import _AliveOutputs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 513, 32, requires_grad=True)
+    lm_head = torch.nn.Linear(32, 4096, bias=False)
+    labels = torch.randint(0, 4096, (1, 513))
+    alive = {}
+    for chunk in (0, 64):
+        mode = _AliveOutputs()
+        with mode:
+            out = causal_lm_loss_sum(hidden, labels, lm_head, chunk)
+        alive[chunk] = sum(n for ref, n, _, _ in mode.records.values() if not ref.expired())
+        del out
+    assert alive[0] >= 512 * 4096 * 4
+    assert alive[64] < 512 * 4096 * 4 / 50

@@ -1,0 +1,146 @@
+"""Optimizer choices: plain AdamW, CPU-offloaded AdamW (== AdamW), torchao 8-bit/bf16 (or a clear error)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from tests.conftest import clone_model
+
+from flexengine.config import OptimConfig
+from flexengine.errors import UserError
+from flexengine.optim import CPUOffloadAdamW, build_optimizer, build_scheduler, optimizer_state_bytes_per_param
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+CPU = torch.device("cpu")
+
+
+def _steps(model, opt, n: int, seed: int = 0) -> list:
+    """n optimizer steps on random token batches; returns the losses."""
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(n):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _state_bytes(opt) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.ndim > 0)
+
+
+def test_adamw_decays_matrices_only_and_matches_torch(tiny_llama):
+    twin = clone_model(tiny_llama).train()
+    tiny_llama.train()
+    opt = build_optimizer(tiny_llama, OptimConfig(name="adamw", weight_decay=0.1), CPU)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(p.ndim >= 2 for p in opt.param_groups[0]["params"])
+    assert all(p.ndim < 2 for p in opt.param_groups[1]["params"])
+    # independent reference: torch AdamW with the same two groups
+    matrices = [p for p in twin.parameters() if p.ndim >= 2]
+    vectors = [p for p in twin.parameters() if p.ndim < 2]
+    ref = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    assert _steps(tiny_llama, opt, 3) == pytest.approx(_steps(twin, ref, 3), rel=1e-6)
+    measured = _state_bytes(opt) / sum(p.numel() for p in tiny_llama.parameters())
+    assert measured == optimizer_state_bytes_per_param("adamw", torch.float32)[0] == 8.0
+
+
+def test_cpu_offload_adamw_equals_adamw_and_resumes(tiny_llama):
+    models = [clone_model(tiny_llama).train() for _ in range(3)]
+    cfg = OptimConfig(name="adamw_cpu_offload")
+    plain = build_optimizer(models[0], OptimConfig(name="adamw"), CPU)
+    offload = build_optimizer(models[1], cfg, CPU)
+    assert isinstance(offload, CPUOffloadAdamW)
+    want = _steps(models[0], plain, 4)
+    assert _steps(models[1], offload, 4) == pytest.approx(want, rel=1e-6)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+    # the offloaded states are the host masters' (fp32 master + 2 states per parameter on the host)
+    n = sum(p.numel() for p in tiny_llama.parameters())
+    host = _state_bytes(offload) + sum(h.numel() * h.element_size() for _, h in offload._pairs)
+    assert host / n == optimizer_state_bytes_per_param("adamw_cpu_offload")[1] == 12.0
+
+    # resume: weights copied in, then the state loaded, continues like the uninterrupted run
+    resumed_model = models[2]
+    part = build_optimizer(resumed_model, cfg, CPU)
+    _steps(resumed_model, part, 2)
+    saved_weights, saved_state = resumed_model.state_dict(), part.state_dict()
+    fresh = clone_model(tiny_llama).train()
+    fresh.load_state_dict(saved_weights)
+    cont = build_optimizer(fresh, cfg, CPU)
+    cont.load_state_dict(saved_state)
+    reference = clone_model(tiny_llama).train()
+    ref_opt = build_optimizer(reference, cfg, CPU)
+    _steps(reference, ref_opt, 2)
+    assert _steps(fresh, cont, 2, seed=1) == pytest.approx(_steps(reference, ref_opt, 2, seed=1), rel=1e-6)
+
+
+def test_torchao_choices_fail_clearly_without_torchao(tiny_llama, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # import torchao.optim -> ImportError
+    for name in ("adamw_8bit", "adamw_bf16"):
+        with pytest.raises(UserError, match=f"optim.name={name} needs torchao.*pip install torchao"):
+            build_optimizer(tiny_llama, OptimConfig(name=name), CPU)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
+def test_adamw_8bit_tracks_fp32_adamw_with_quarter_state(tiny_llama):
+    start = [p.detach().clone() for p in tiny_llama.parameters()]
+    twin = clone_model(tiny_llama).train()
+    tiny_llama.train()
+    want = _steps(twin, build_optimizer(twin, OptimConfig(name="adamw"), CPU), 5)
+    opt = build_optimizer(tiny_llama, OptimConfig(name="adamw_8bit"), CPU)
+    got = _steps(tiny_llama, opt, 5)
+    assert got == pytest.approx(want, rel=2e-2)  # 8-bit states: close, not equal
+    # the 8-bit update points where fp32 AdamW's does
+    delta_8bit = torch.cat([(p.detach() - s).flatten() for p, s in zip(tiny_llama.parameters(), start)])
+    delta_fp32 = torch.cat([(p.detach() - s).flatten() for p, s in zip(twin.parameters(), start)])
+    assert torch.nn.functional.cosine_similarity(delta_8bit, delta_fp32, dim=0) > 0.95
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
+def test_adamw_bf16_needs_bf16_weights(tiny_llama):
+    with pytest.raises(UserError, match="model.dtype=bfloat16"):
+        build_optimizer(tiny_llama, OptimConfig(name="adamw_bf16"), CPU)
+    model = tiny_llama.to(torch.bfloat16).train()
+    opt = build_optimizer(model, OptimConfig(name="adamw_bf16", lr=1e-2), CPU)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    losses = []
+    for _ in range(4):  # one batch, over and over: the loss must fall
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+
+
+def test_state_bytes_table_and_bad_name():
+    assert optimizer_state_bytes_per_param("adamw", torch.bfloat16) == (4.0, 0.0)
+    device_8bit, _ = optimizer_state_bytes_per_param("adamw_8bit")
+    assert 2.0 < device_8bit < 2.1
+    with pytest.raises(UserError, match="optim.name"):
+        OptimConfig(name="sgd")
+    with pytest.raises(UserError, match="optim.name"):
+        optimizer_state_bytes_per_param("sgd")
+
+
+def test_scheduler_warms_up_then_decays_to_min_ratio():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = build_scheduler(opt, OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1), max_steps=10)
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))

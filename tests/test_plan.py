@@ -1,0 +1,71 @@
+"""`python -m flexengine.plan`: JSON fields, the chosen policy, and what to do when nothing fits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def _plan(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexengine.plan", *overrides], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_json_for_deepseek7b_on_a100():
+    proc = _plan("model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    for key in ("hf_config", "seq_len", "micro_batch", "dtype", "weights_bytes", "grads_bytes", "optimizer_bytes",
+                "activation_bytes", "activation_bytes_per_block", "logits_bytes", "total_bytes", "budget_bytes",
+                "fits", "policy", "recompute_flops_fraction"):
+        assert key in plan, key
+    assert plan["hf_config"]["hidden_size"] == 4096 and plan["hf_config"]["vocab_size"] == 102400
+    assert plan["seq_len"] == 6144 and plan["dtype"] == "bfloat16"
+    assert plan["budget_bytes"] == 80 * 2**30
+    assert plan["fits"] and plan["total_bytes"] <= plan["budget_bytes"]
+    parts = plan["weights_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"] + plan["activation_bytes"]
+    assert parts < plan["total_bytes"]
+    assert len(plan["activation_bytes_per_block"]["none"]) == 30
+    assert plan["weights_bytes"] == pytest.approx(6.91e9 * 2, rel=0.01)
+
+
+def test_plan_table_and_nothing_fits():
+    proc = _plan("model=llama2_7b", "data.seq_len=8192", "hardware=a100_80g", "hardware.memory_gb=24")
+    assert proc.returncode == 0, proc.stderr
+    assert "NOTHING FITS" in proc.stdout and "LoRA" in proc.stdout
+    assert "op-level SAC" in proc.stdout
+
+
+def test_plan_rejects_bad_format():
+    proc = _plan("plan.format=yaml")
+    assert proc.returncode == 2 and "plan.format" in proc.stderr
+
+
+def test_training_still_composes_without_plan_key():
+    """The planner's schema is registered only by its CLI: training configs never gain a `plan` key."""
+    from hydra import compose, initialize_config_module
+
+    import flexengine.plan  # noqa: F401  (importing must not register anything)
+    import flexengine.train  # noqa: F401
+
+    with initialize_config_module("flexengine.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["memory=auto"])
+    assert "plan" not in cfg and cfg.memory.policy == "auto"
+
+
+@pytest.mark.slow
+def test_train_with_memory_auto_reports_activation_bytes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flexengine.train", "debug=fast", "memory=auto",
+                           "train.max_steps=1", f"train.output_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["activation_bytes"] > 0 and len(summary["activation_bytes_per_block"]) == 4
+    assert summary["memory_policy"]["policy"] != "auto"
+    assert "planner chose" in proc.stderr + proc.stdout

@@ -1,0 +1,98 @@
+"""Sweep summary: one row per job from summary.json / error.json, and a real multirun with a failing job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexengine.sweep import find_job_dirs, summarize_sweep, varying_overrides, write_job_error
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job(sweep: Path, num: int, overrides: list[str]) -> Path:
+    d = sweep / str(num)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (d / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  job:\n    num: {num}\n")
+    return d
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_rows_come_from_each_jobs_files(tmp_path):
+    # jobs created out of order, with 10 > 2 to catch a string sort of job numbers
+    ok = _job(tmp_path, 10, ["attn=packed_doc", "memory=none"])
+    summary = {"tokens_per_s": 1000.0, "useful_tokens_per_s": 900.0, "mfu": 0.25, "peak_memory_bytes": 3 * 2**30,
+               "final_loss": 2.5, "steps": 20, "wall_s": 12.0}
+    (ok / "summary.json").write_text(json.dumps(summary))
+    failed = _job(tmp_path, 2, ["attn=causal", "memory=none"])
+    try:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except RuntimeError as e:
+        write_job_error(failed, e)
+    _job(tmp_path, 3, ["attn=causal", "memory=full"])  # killed: neither file
+
+    rows = summarize_sweep(tmp_path)
+    assert [r["job"] for r in rows] == ["2", "3", "10"]
+    assert [r["status"] for r in rows] == ["failed", "missing", "ok"]
+    assert rows[0]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    table = _read_csv(tmp_path / "sweep_summary.csv")
+    assert len(table) == 3
+    good = table[2]
+    assert good["overrides"] == "attn=packed_doc memory=none"
+    assert float(good["useful_tokens_per_s"]) == 900.0 and float(good["mfu"]) == 0.25
+    assert float(good["peak_memory_gib"]) == 3.0 and float(good["final_loss"]) == 2.5
+    assert table[0]["useful_tokens_per_s"] == "" and "out of memory" in table[0]["error"]
+    md = (tmp_path / "sweep_summary.md").read_text()
+    assert md.count("\n") == 2 + 3 and "out of memory" in md and "| missing |" in md
+    assert (tmp_path / "sweep_summary.png").stat().st_size > 0
+
+
+def test_error_json_keeps_the_traceback(tmp_path):
+    try:
+        {}["missing"]
+    except KeyError as e:
+        path = write_job_error(tmp_path / "job", e)
+    record = json.loads(path.read_text())
+    assert record["type"] == "KeyError" and "'missing'" in record["message"]
+    assert "test_error_json_keeps_the_traceback" in record["traceback"]
+
+
+def test_labels_keep_only_what_varies():
+    rows = [{"job": "0", "overrides": "debug=fast attn=causal memory=none"},
+            {"job": "1", "overrides": "debug=fast attn=packed_doc memory=none"}]
+    assert varying_overrides(rows) == ["attn=causal", "attn=packed_doc"]
+    assert varying_overrides(rows[:1]) == ["debug=fast attn=causal memory=none"]
+
+
+def test_no_jobs_writes_nothing(tmp_path):
+    assert summarize_sweep(tmp_path) == [] and find_job_dirs(tmp_path) == []
+    assert not (tmp_path / "sweep_summary.csv").exists()
+
+
+def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
+    """micro_batch=100000 asks for more rows than the demo data has: that job fails, the sweep goes on."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexengine.train", "-m", "debug=fast", "train.max_steps=2", "train.save_final=false",
+         "train.micro_batch=100000,2", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = _read_csv(sweep / "sweep_summary.csv")
+    assert [r["status"] for r in table] == ["failed", "ok"]
+    assert "packed rows" in table[0]["error"] and (sweep / "0" / "error.json").is_file()
+    summary = json.loads((sweep / "1" / "summary.json").read_text())
+    assert float(table[1]["useful_tokens_per_s"]) == pytest.approx(summary["useful_tokens_per_s"])
+    assert float(table[1]["final_loss"]) == pytest.approx(summary["final_loss"])
+    assert table[1]["steps"] == "2"
+    assert (sweep / "sweep_summary.md").is_file() and (sweep / "sweep_summary.png").is_file()
