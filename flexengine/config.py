@@ -218,7 +218,7 @@ class ParallelConfig:
 class TrainConfig:
     """The training loop."""
 
-    max_steps: int = 60  # optimizer steps
+    max_steps: int = 120  # optimizer steps
     micro_batch: int = 2  # packed rows per forward
     grad_accum: int = 2  # micro-batches per optimizer step
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only at the end)
