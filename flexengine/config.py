@@ -58,7 +58,8 @@ class ModelConfig:
     init: str = "pretrained"  # pretrained: load weights from `path`; random: architecture only (benchmarks, demo)
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type)
     tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
-    dtype: str = "auto"  # parameter dtype; auto = float32 on CPU, bfloat16 on CUDA (with fp32 master math in AdamW)
+    dtype: str = "auto"  # parameter dtype; auto = float32 on CPU, bfloat16 on CUDA (weights, grads and AdamW
+    # states then live in bf16: what fits a 7B on one 80 GB card; model.dtype=float32 + FSDP for fp32 masters)
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune
 
@@ -85,10 +86,13 @@ class AttnConfig:
     window: Optional[int] = None  # sliding window in tokens (HF `sliding_window` semantics); None = model's own
     block_size: int = 128  # FlexAttention block size in tokens (also the unit of reported block sparsity)
     compile: bool = True  # compile flex_attention (uncompiled flex materialises scores: slow and memory hungry)
+    dense_chunk: int = 512  # dense backend: queries per SDPA call; keys before the chunk's first document skipped
 
     def __post_init__(self) -> None:
         _check_choice("attn.mode", self.mode, ATTN_MODES)
         _check_choice("attn.backend", self.backend, ATTN_BACKENDS)
+        if self.dense_chunk <= 0:
+            raise UserError(f"attn.dense_chunk={self.dense_chunk} must be a positive number of query tokens.")
         if self.window is not None and self.window <= 0:
             raise UserError(f"attn.window={self.window} must be a positive number of tokens (or null).")
 

@@ -62,6 +62,14 @@ class MetricsWriter:
             if value is not None:
                 self.writer.add_scalar(TAGS.get(key, f"extra/{key}"), float(value), step)
 
+    def section(self, prefix: str, values: dict, step: int) -> None:
+        """Log the numeric entries of a report under `<prefix>/<key>` (e.g. the packing report at step 0)."""
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{prefix}/{key}", float(value), step)
+
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """Hyper-parameters for TensorBoard's HPARAMS tab (compare runs of a sweep)."""
         if self.writer is None:

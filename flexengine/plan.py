@@ -7,6 +7,7 @@ card's budget, and the policy `memory=auto` would choose. Reads only the model's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -59,6 +60,11 @@ def format_table(plan: dict) -> str:
                      f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
     else:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
+    node = plan.get("node_of_8")
+    if node:
+        lines.append(f"on 8 such GPUs (FSDP shards weights, grads and optimizer states): total {_gib(node['total_bytes'])}"
+                     f" per GPU, policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
+                     + ("" if node["fits"] else " (still does not fit)"))
     return "\n".join(lines)
 
 
@@ -67,7 +73,13 @@ def build_plan(job: JobConfig) -> dict:
     from flexengine.memory.planner import plan_inputs, plan_memory
     from flexengine.model import build_hf_config
 
-    return plan_memory(build_hf_config(job.model), plan_inputs(job))
+    hf_config = build_hf_config(job.model)
+    plan = plan_memory(hf_config, plan_inputs(job))
+    if job.hardware.device != "cpu" and job.hardware.world_size < 8:  # what a full node changes
+        node_job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, world_size=8))
+        node = plan_memory(hf_config, plan_inputs(node_job))
+        plan["node_of_8"] = {k: node[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")}
+    return plan
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -59,7 +59,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
-    patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size, job.attn.compile)
+    patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size, job.attn.compile,
+                    job.attn.dense_chunk)
     memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
     apply_memory_policy(model, memory)
     memory_report = activation_summary(model, job, memory, device)
@@ -69,7 +70,9 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     trainer = Trainer(job, model, tokenizer, loader, out_dir, device, dist_info, train_module)
     trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
     trainer.memory_report = memory_report
-    trainer.metrics.scalars({f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])}, 0)
+    trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
+    trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b
+                                       for i, b in enumerate(memory_report["activation_bytes_per_block"])}, 0)
     return trainer
 
 

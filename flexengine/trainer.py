@@ -82,7 +82,7 @@ class Trainer:
         if self.attn["backend"] == "sdpa":
             return {}
         mask = build_batch_mask(self.attn["mode"], self.attn["backend"], batch["document_ids"],
-                                self.attn["window"], self.job.attn.block_size)
+                                self.attn["window"], self.job.attn.block_size, self.job.attn.dense_chunk)
         return {MASK_KWARG: mask}
 
     def train_step(self) -> dict:
@@ -118,9 +118,10 @@ class Trainer:
             self.state.skipped_nonfinite += 1
             log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
         else:
-            raise FloatingPointError(
-                f"step {self.state.step + 1}: loss is {loss_value} (grad norm {grad_norm.item()}). Lower optim.lr, "
-                "check the data, or set train.skip_nonfinite=true to skip such steps."
+            raise UserError(
+                f"step {self.state.step + 1}: loss is {loss_value} (grad norm {grad_norm.item()}); training stopped "
+                "before the update. Lower optim.lr, check the data, or set train.skip_nonfinite=true to skip "
+                "(and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -140,7 +141,20 @@ class Trainer:
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal); returns the run summary."""
         cfg = self.job.train
-        self._install_signal_handlers()
+        with self._signals_request_stop():
+            self._loop()
+        if self._stop_signal is not None:
+            log.warning("stopped by signal %d after step %d; saving", self._stop_signal, self.state.step)
+        if cfg.save_final or self._stop_signal is not None:
+            self.save()
+        summary = self.summary()
+        self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
+                                               "useful_tokens_per_s": summary["useful_tokens_per_s"]})
+        self.metrics.close()
+        return summary
+
+    def _loop(self) -> None:
+        cfg = self.job.train
         progress = self._progress_bar()
         self.model.train()
         profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
@@ -170,15 +184,6 @@ class Trainer:
             profiler.stop()
         if progress is not None:
             progress.close()
-        if self._stop_signal is not None:
-            log.warning("stopped by signal %d after step %d; saving", self._stop_signal, self.state.step)
-        if cfg.save_final or self._stop_signal is not None:
-            self.save()
-        summary = self.summary()
-        self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
-                                               "useful_tokens_per_s": summary["useful_tokens_per_s"]})
-        self.metrics.close()
-        return summary
 
     def _log(self, m: dict, tokens_per_s: float, useful_per_s: float) -> None:
         peak_flops = self.job.hardware.peak_tflops * 1e12
@@ -197,13 +202,21 @@ class Trainer:
 
         return tqdm(total=self.job.train.max_steps, initial=self.state.step, desc="train", unit="step")
 
-    def _install_signal_handlers(self) -> None:
+    @contextlib.contextmanager
+    def _signals_request_stop(self):
+        """While training, SIGINT/SIGTERM finish the current step, save and stop; the old handlers come back."""
         def request_stop(signum, frame):
-            self._stop_signal = signum  # finish the current step, save, exit cleanly
+            self._stop_signal = signum
 
+        previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError):  # not the main thread (e.g. under some launchers)
-                signal.signal(sig, request_stop)
+                previous[sig] = signal.signal(sig, request_stop)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     # -- results, checkpoints, resume ---------------------------------------------------------------------
     def summary(self) -> dict:

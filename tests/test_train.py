@@ -129,3 +129,56 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, case):
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def _nan_on_second_step(trainer):
+    real = trainer.train_module
+    calls = {"n": 0}
+
+    def forward(batch, **kwargs):
+        calls["n"] += 1
+        loss = real(batch, **kwargs)
+        return loss * float("nan") if calls["n"] == 2 else loss
+
+    trainer.train_module = forward
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+    from flexengine.errors import UserError
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1"), tmp_path)
+    _nan_on_second_step(trainer)
+    with pytest.raises(UserError, match="step 2: loss is nan"):
+        trainer.train()
+    assert trainer.state.step == 1
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path):
+    trainer = build_trainer(
+        make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1", "train.skip_nonfinite=true"), tmp_path
+    )
+    _nan_on_second_step(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    summary = trainer.train()
+    assert summary["skipped_nonfinite_steps"] == 1 and summary["steps"] == 3
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # other steps updated
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
+    import os
+    import signal
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    real_step = trainer.train_step
+
+    def step_then_signal():
+        out = real_step()
+        if trainer.state.step == 1:  # during the second step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.train_step = step_then_signal
+    summary = trainer.train()
+    assert summary["steps"] == 2 and summary["stopped_by_signal"] == signal.SIGTERM
+    assert (tmp_path / "checkpoints" / "step_2" / "trainer_state.pt").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after training

@@ -9,17 +9,27 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from flexengine.attention.masks import get_mask_mod
+from flexengine.attention.masks import get_mask_mod, position_ids_from_document_ids
+
+
+@dataclass
+class DenseChunk:
+    """Queries [q_start, q_end) attend keys [kv_start, q_end) under `mask_B1QK` (True = allowed)."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    mask_B1QK: Tensor
 
 
 @dataclass
 class BatchMask:
-    """Everything the attention layers of one forward share. Exactly one of the two masks is set."""
+    """Everything the attention layers of one forward share: a BlockMask (flex) or dense chunks (dense)."""
 
     mode: str
     backend: str  # "flex" or "dense"
     block_mask: Optional[BlockMask] = None  # flex: [B, 1, S/block, S/block] block structure
-    dense_mask_B1SS: Optional[Tensor] = None  # dense: True where attention is allowed
+    dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
     computed_blocks: Optional[Tensor] = None  # 0-d tensor: attention blocks the mask touches (no host sync)
     causal_blocks: int = 0  # blocks a plain causal mask of the same shape would touch
 
@@ -65,7 +75,27 @@ def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int
     result is exact even where the partial test is conservative (windowed documents).
     """
     B, S = document_ids_BS.shape
-    n = S // block_size
+    any_allowed, all_allowed = block_occupancy(mode, document_ids_BS, window, block_size)
+    partial = any_allowed & ~all_allowed
+    kv_num, kv_idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(all_allowed)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=get_mask_mod(mode, document_ids_BS, window), seq_lengths=(S, S),
+    )
+
+
+def block_occupancy(mode: str, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> tuple[Tensor, Tensor]:
+    """(some pair may attend, every pair attends) per (q block, kv block): two [B, nq, nk] bool tensors.
+
+    document_ids_BS must be monotonic along each row (`canonical_document_ids`). A ragged tail is padded with
+    a document of its own, which only touches the diagonal block (already counted), so counts are unchanged.
+    """
+    B, S = document_ids_BS.shape
+    n = -(-S // block_size)
+    pad = n * block_size - S
+    if pad:
+        document_ids_BS = torch.nn.functional.pad(document_ids_BS, (0, pad), value=torch.iinfo(torch.int32).max)
     doc = document_ids_BS.view(B, n, block_size)
     lo, hi = doc[..., 0], doc[..., -1]  # monotonic: first/last token hold the smallest/largest id
     q = torch.arange(n, device=doc.device)
@@ -83,13 +113,10 @@ def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int
         gap = (q[:, None] - q[None, :]) * block_size  # q block start - kv block start
         any_allowed &= (gap - (block_size - 1)) < window  # closest pair: first q vs last kv
         all_allowed &= (gap + (block_size - 1)) < window  # farthest pair: last q vs first kv
-    partial = any_allowed & ~all_allowed
-    kv_num, kv_idx = _ordered_blocks(partial)
-    full_num, full_idx = _ordered_blocks(all_allowed)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-        mask_mod=get_mask_mod(mode, document_ids_BS, window), seq_lengths=(S, S),
-    )
+    if pad:  # the ragged last block is never entirely allowed
+        all_allowed[:, -1, :] = False
+        all_allowed[:, :, -1] = False
+    return any_allowed, all_allowed
 
 
 def canonical_document_ids(document_ids_BS: Tensor) -> Tensor:
@@ -110,8 +137,12 @@ def build_batch_mask(
     document_ids_BS: Tensor,
     window: Optional[int] = None,
     block_size: int = 128,
+    dense_chunk: int = 512,
 ) -> BatchMask:
-    """The mask for one batch of rows [B, S] under an attention mode, for the flex or dense backend."""
+    """The mask for one batch of rows [B, S] under an attention mode, for the flex or dense backend.
+
+    dense_chunk: queries per SDPA call of the dense backend (its keys start at the chunk's earliest document).
+    """
     B, S = document_ids_BS.shape
     device = document_ids_BS.device
     document_ids_BS = canonical_document_ids(document_ids_BS)
@@ -127,26 +158,38 @@ def build_batch_mask(
             computed = computed + block_mask.full_kv_num_blocks.sum()
         return BatchMask(mode, backend, block_mask=block_mask, computed_blocks=computed, causal_blocks=causal_blocks)
     if backend == "dense":
-        dense = dense_mask_from_mod(mask_mod, B, S, device)
+        chunks = _dense_chunks(mode, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(
-            mode, backend, dense_mask_B1SS=dense, computed_blocks=_count_blocks(dense, block_size),
+            mode, backend, dense_chunks=chunks,
+            computed_blocks=block_occupancy(mode, document_ids_BS, window, block_size)[0].sum(),
             causal_blocks=causal_blocks,
         )
     raise ValueError(f"unknown mask backend {backend!r}")
 
 
-def dense_mask_from_mod(mask_mod, B: int, S: int, device: torch.device) -> Tensor:
-    """Evaluate a mask_mod on every (q, kv) pair by broadcasting: [B, 1, S, S] bool."""
+def _dense_chunks(mode: str, mask_mod, document_ids_BS: Tensor, window: Optional[int], chunk: int) -> list[DenseChunk]:
+    # Keys before the earliest document start of a query chunk (or before its window) can never be attended,
+    # so each chunk's SDPA call skips them: dense cost follows the documents, not S^2. Exact either way: the
+    # mask still decides inside the kept range. Reading the starts costs one host sync per batch (CPU backend).
+    B, S = document_ids_BS.shape
+    q_starts = list(range(0, S, chunk))
+    idx = torch.tensor(q_starts, device=document_ids_BS.device)
+    doc_start = idx - position_ids_from_document_ids(document_ids_BS)[:, idx]  # [B, chunks]
+    kv_starts = doc_start.min(dim=0).values if mode in ("packed_doc", "packed_sliding") else torch.zeros_like(idx)
+    if window is not None and mode in ("sliding_window", "packed_sliding"):
+        kv_starts = torch.maximum(kv_starts, (idx - window + 1).clamp(min=0))
+    chunks = []
+    for q_start, kv_start in zip(q_starts, kv_starts.tolist()):
+        q_end = min(q_start + chunk, S)
+        mask = dense_mask_from_mod(mask_mod, B, range(q_start, q_end), range(kv_start, q_end), document_ids_BS.device)
+        chunks.append(DenseChunk(q_start, q_end, kv_start, mask))
+    return chunks
+
+
+def dense_mask_from_mod(mask_mod, B: int, q_range: range, kv_range: range, device: torch.device) -> Tensor:
+    """Evaluate a mask_mod on every (q, kv) pair of the ranges by broadcasting: [B, 1, len(q), len(kv)] bool."""
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    q = torch.arange(S, device=device).view(1, 1, S, 1)
-    kv = torch.arange(S, device=device).view(1, 1, 1, S)
-    return mask_mod(b, h, q, kv).expand(B, 1, S, S)
-
-
-def _count_blocks(dense_B1SS: Tensor, block_size: int) -> Tensor:
-    B, _, S, _ = dense_B1SS.shape
-    n = -(-S // block_size)
-    pad = n * block_size - S
-    padded = torch.nn.functional.pad(dense_B1SS[:, 0], (0, pad, 0, pad))
-    return padded.view(B, n, block_size, n, block_size).any(dim=4).any(dim=2).sum()
+    q = torch.arange(q_range.start, q_range.stop, device=device).view(1, 1, -1, 1)
+    kv = torch.arange(kv_range.start, kv_range.stop, device=device).view(1, 1, 1, -1)
+    return mask_mod(b, h, q, kv).expand(B, 1, len(q_range), len(kv_range))

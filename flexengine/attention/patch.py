@@ -63,9 +63,14 @@ def flexengine_attention(
         flex = _flex_fn(getattr(module, "_flexengine_compile", True))
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
     else:
-        out_BHSD = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask.dense_mask_B1SS, dropout_p=dropout, scale=scaling, enable_gqa=gqa
-        )
+        outs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, c.q_start : c.q_end], key[:, :, c.kv_start : c.q_end], value[:, :, c.kv_start : c.q_end],
+                attn_mask=c.mask_B1QK, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+            )
+            for c in mask.dense_chunks
+        ]
+        out_BHSD = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # cat of one would copy for nothing
     return out_BHSD.transpose(1, 2).contiguous(), None
 
 
@@ -103,6 +108,7 @@ def patch_attention(
     backend: str = "auto",
     block_size: int = 128,
     compile: bool = True,
+    dense_chunk: int = 512,
 ) -> nn.Module:
     """Make an HF causal LM attend per document / per window; returns the same model, patched in place.
 
@@ -149,12 +155,12 @@ def patch_attention(
             )
         else:
             document_ids = torch.zeros(B, S, dtype=torch.int32, device=ref.device)
-        kwargs[MASK_KWARG] = build_batch_mask(mode, resolved, document_ids, window, block_size)
+        kwargs[MASK_KWARG] = build_batch_mask(mode, resolved, document_ids, window, block_size, dense_chunk)
         return args, kwargs
 
     # On the decoder (not the LM head wrapper) so that calls to the decoder alone (chunked loss) also get masks.
     model._flexengine_hook = model.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
-    model.flexengine_attention = {"mode": mode, "backend": resolved, "window": window}
+    model.flexengine_attention = {"mode": mode, "backend": resolved, "window": window, "dense_chunk": dense_chunk}
     log.info("attention: mode=%s backend=%s (requested %s) window=%s", mode, resolved, backend, window)
     return model
 

@@ -60,6 +60,14 @@ class ModelShape:
         embeddings = V * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
         return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h)
 
+    def lora_params(self, r: int, target_modules: list[str]) -> int:
+        """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                  "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                  "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        return self.layers * sum(r * sum(shapes[t]) for t in target_modules if t in shapes)
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -220,7 +228,7 @@ class PlanInputs:
     chunk_size: int = 0
     backend: str = "flex"
     grad_accum: int = 1
-    optimizer_state_bytes: Optional[int] = None  # bytes per AdamW state element; None = parameter dtype
+    optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
     trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
 
 
@@ -326,9 +334,20 @@ def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
     backend = job.attn.backend if job.attn.backend in ("flex", "dense") else ("flex" if on_cuda else "dense")
     if job.attn.backend == "sdpa":
         backend = "flex"  # HF's fused SDPA keeps the same O(S) tensors as flex
+    import torch
+
+    from flexengine.model import build_hf_config
+    from flexengine.optim import optimizer_state_bytes_per_param
+
+    state_device_bytes, _ = optimizer_state_bytes_per_param(job.optim.name, getattr(torch, dtype))
+    trainable = 1.0
+    if job.model.lora.r > 0:  # only adapters have grads and optimizer states
+        shape = ModelShape.from_hf_config(build_hf_config(job.model))
+        trainable = shape.lora_params(job.model.lora.r, list(job.model.lora.target_modules)) / shape.params
     return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
                       dtype_bytes=4 if dtype == "float32" else 2, hardware=job.hardware,
-                      chunk_size=job.loss.chunk_size, backend=backend, grad_accum=job.train.grad_accum)
+                      chunk_size=job.loss.chunk_size, backend=backend, grad_accum=job.train.grad_accum,
+                      optimizer_state_bytes=state_device_bytes / 2, trainable_fraction=trainable)
 
 
 def _cuda_available() -> bool:

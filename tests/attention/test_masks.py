@@ -28,7 +28,7 @@ def test_every_mode_matches_brute_force_definition():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3]])
     for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
         mod = get_mask_mod(mode, doc, window=3)
-        dense = dense_mask_from_mod(mod, 1, doc.shape[1], doc.device)[0, 0]
+        dense = dense_mask_from_mod(mod, 1, range(doc.shape[1]), range(doc.shape[1]), doc.device)[0, 0]
         assert torch.equal(dense, _brute_force(mode, doc[0], 3)), mode
 
 

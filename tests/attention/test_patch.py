@@ -156,3 +156,19 @@ def test_sdpa_backend_leaves_hf_attention_in_place():
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="sdpa"):
         patch_attention(make_llama(), mode="packed_doc", backend="sdpa")
+
+
+@pytest.mark.parametrize("mode", ["causal", "packed_doc", "sliding_window", "packed_sliding"])
+def test_chunked_dense_equals_one_dense_call_with_gradients(mode):
+    """Skipping keys before each query chunk's first document changes nothing, forward or backward."""
+    reference = make_llama()
+    whole = patch_attention(clone_model(reference), mode=mode, window=24, backend="dense", dense_chunk=4096)
+    chunked = patch_attention(clone_model(reference), mode=mode, window=24, backend="dense", dense_chunk=16)
+    batch = pack_documents(_docs([40, 3, 70, 9, 30, 50], seed=3), seq_len=112, strategy="greedy")
+    for model in (whole, chunked):
+        out = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.lm_head).backward()
+        model.last = out.last_hidden_state.detach()
+    torch.testing.assert_close(chunked.last, whole.last, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(chunked.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
