@@ -21,9 +21,16 @@ mkdir -p "$OUT_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 export TOKENIZERS_PARALLELISM=false
-# 470 s hard stop (the python side plans for 450 s and skips checks that would start too late)
-timeout 470 "$PY" bench/gpu_check.py --out "$OUT_DIR/gpu_check.json" --budget-s 450 "$@"
+# 400 s hard stop (the python side plans for 380 s and skips checks that would start too late)
+timeout 400 "$PY" bench/gpu_check.py --out "$OUT_DIR/gpu_check.json" --budget-s 380 "$@"
 rc=$?
-[ $rc -eq 124 ] && echo "gpu_check.py hit the 470 s limit; partial results are in the JSON"
+[ $rc -eq 124 ] && echo "gpu_check.py hit the 400 s limit; partial results are in the JSON"
+# 1-GPU FSDP2 smoke (#7): under torchrun even one process is sharded (fully_shard per block + root, bf16 params,
+# fp32 reduce), trains, gathers the full state dict and writes an HF checkpoint; summary.json lands in $OUT_DIR.
+timeout 70 "$PY" -m torch.distributed.run --nproc_per_node 1 -m flexengine.train debug=fast hardware=h100_80g \
+  hydra.run.dir="$OUT_DIR/fsdp_smoke" > "$OUT_DIR/fsdp_smoke.log" 2>&1
+fsdp_rc=$?
+echo "fsdp smoke exit $fsdp_rc (log: $OUT_DIR/fsdp_smoke.log)"
+[ $rc -eq 0 ] && rc=$fsdp_rc
 echo "exit $rc; results: $OUT_DIR/gpu_check.json"
 exit $rc

@@ -49,10 +49,14 @@ class DistInfo:
 
 
 def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo:
-    """Join the torchrun job described by the environment (a no-op without WORLD_SIZE > 1)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
+    """Join the torchrun job described by the environment (a no-op for a plain `python -m` process).
+
+    Under torchrun even one process joins a process group and is sharded, so a 1-GPU FSDP run (the GPU smoke
+    check) exercises the same path as a node.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistInfo()
+    world_size = int(os.environ["WORLD_SIZE"])
     info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
     backend = parallel.backend
     if backend == "auto":
@@ -115,7 +119,7 @@ def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, d
                    chunk_size: int = 0) -> nn.Module:
     """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP."""
     root = LossForward(model, chunk_size)
-    if info.world_size == 1:
+    if not dist.is_initialized():
         return root
     if parallel.strategy == "fsdp":
         apply_fsdp(root, model, parallel, device)
@@ -147,7 +151,7 @@ def save_checkpoint_all_ranks(root: Path, step: int, model: nn.Module, tokenizer
     """Every rank calls this: weights gathered to rank 0, which writes the HF (or adapter) directory;
     ranks > 0 add their own trainer state (optimizer shard, RNG) next to rank 0's."""
     rank, world_size = _rank(), _world_size()
-    full = gather_full_state_dict(model) if world_size > 1 or merge_lora is not None else None
+    full = gather_full_state_dict(model) if is_sharded(model) or merge_lora is not None else None
     trainer_state = {**trainer_state, "world_size": world_size}
     staged = root / f".rank_state_step_{step}"
     if rank > 0:  # staged first, so rank 0 only publishes the step once every rank's state is on disk

@@ -21,10 +21,10 @@ from flexengine.parallel import DistInfo, LossForward, apply_parallel, init_dist
 RUN = ["debug=fast", "train.max_steps=4", "optim.lr=1e-3", "optim.eps=1e-6", "data.shuffle=true"]
 
 
-def _train(out: Path, *overrides: str, ranks: int = 1) -> dict:
-    """One training run (torchrun with `ranks` processes when > 1); returns summary.json."""
+def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
+    """One training run (torchrun with `ranks` processes; 0 = a plain process); returns summary.json."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 1 else [sys.executable]
+                "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 0 else [sys.executable]
     cmd = [*launcher, "-m", "flexengine.train", *RUN, f"train.output_dir={out}", f"hydra.run.dir={out}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
@@ -49,6 +49,19 @@ def single(tmp_path_factory) -> Path:
     out.parent.mkdir(exist_ok=True)
     _train(out, "train.micro_batch=4")
     return out
+
+
+@pytest.mark.slow
+def test_fsdp_under_torchrun_with_one_process_shards_and_matches_plain(single, tmp_path):
+    """The 1-GPU smoke path of bench/gpu_check.sh: one torchrun process is still FSDP-sharded."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fsdp1"
+    summary = _train(out, "train.micro_batch=4", "parallel=fsdp", ranks=1)
+    reference = json.loads((single / "summary.json").read_text())
+    assert summary["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert "fsdp: 4 decoder blocks + root sharded over 1 ranks" in (out / "train.log").read_text()
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_4")  # the gathered checkpoint loads
 
 
 @pytest.mark.slow
