@@ -110,8 +110,12 @@ class Trainer:
         grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
         ))
-        loss_value = loss.item()  # the one host sync per step
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm.item())
+        block_sparsity = torch.stack(sparsity).float().mean() if sparsity else torch.full((), float("nan"))
+        # the one host sync per step: loss, grad norm and sparsity come back together
+        loss_value, norm_value, sparsity_value = torch.stack(
+            [loss.float(), grad_norm.float().to(loss.device), block_sparsity.to(loss.device)]
+        ).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             self.optimizer.step()
         elif self.job.train.skip_nonfinite:
@@ -119,7 +123,7 @@ class Trainer:
             log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
         else:
             raise UserError(
-                f"step {self.state.step + 1}: loss is {loss_value} (grad norm {grad_norm.item()}); training stopped "
+                f"step {self.state.step + 1}: loss is {loss_value} (grad norm {norm_value}); training stopped "
                 "before the update. Lower optim.lr, check the data, or set train.skip_nonfinite=true to skip "
                 "(and count) such steps."
             )
@@ -128,8 +132,8 @@ class Trainer:
         tokens = sum(b["input_ids"].numel() for b in micro_batches)
         useful = sum(int(b["useful_tokens"]) for b in micro_batches)
         return {
-            "loss": loss_value, "grad_norm": grad_norm.item(), "tokens": tokens, "useful_tokens": useful,
-            "block_sparsity": float(torch.stack(sparsity).mean()) if sparsity else None,
+            "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful,
+            "block_sparsity": sparsity_value if sparsity else None,
         }
 
     def _autocast(self):
