@@ -66,6 +66,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice("model.init", self.init, MODEL_INITS)
         _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.dtype == "float16":
+            raise UserError("model.dtype=float16 would need loss scaling, which flexengine does not do; "
+                            "use bfloat16 (or auto).")
         if self.init == "pretrained" and self.path is None:
             raise UserError(
                 f"model={self.name} loads pretrained weights, so model.path must name a local Hugging Face "
@@ -91,6 +94,8 @@ class AttnConfig:
     def __post_init__(self) -> None:
         _check_choice("attn.mode", self.mode, ATTN_MODES)
         _check_choice("attn.backend", self.backend, ATTN_BACKENDS)
+        if self.block_size <= 0:
+            raise UserError(f"attn.block_size={self.block_size} must be a positive number of tokens (e.g. 128).")
         if self.dense_chunk <= 0:
             raise UserError(f"attn.dense_chunk={self.dense_chunk} must be a positive number of query tokens.")
         if self.window is not None and self.window <= 0:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from flexengine.attention import patch_attention
+from flexengine.attention import patch_attention, resolve_backend
 from flexengine.checkpoint import write_json_atomic
 from flexengine.compile import apply_compile
 from flexengine.config import JobConfig
@@ -50,17 +50,29 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
     if plan.stats.rows == 0:
         raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
-    loader = RowLoader(
-        corpus, plan, job.data.seq_len, job.train.micro_batch, pad_token_id(tokenizer), seed=job.train.seed,
-        shuffle=job.data.shuffle, bucket=job.data.bucket, trim_padding=job.data.packing == "none",
-        rank=dist_info.rank, world_size=dist_info.world_size,
-    )
+    # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
+    # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
+    flex = resolve_backend(job.attn.backend, device) == "flex"
+    try:
+        loader = RowLoader(
+            corpus, plan, job.data.seq_len, job.train.micro_batch, pad_token_id(tokenizer), seed=job.train.seed,
+            shuffle=job.data.shuffle, bucket=job.data.bucket, trim_padding=job.data.packing == "none" and not flex,
+            rank=dist_info.rank, world_size=dist_info.world_size,
+        )
+    except ValueError as e:
+        raise UserError(f"{e}.") from None
     model = load_model(job.model, device)
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
-    patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size, job.attn.compile,
-                    job.attn.dense_chunk)
+    if job.attn.backend == "flex" and device.type == "cpu":
+        raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
+                        "use attn.backend=dense (or auto).")
+    try:
+        patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size,
+                        job.attn.compile, job.attn.dense_chunk, device)
+    except ValueError as e:  # e.g. a sliding mode with no window on a model without its own
+        raise UserError(f"attn={job.attn.mode}: {e}") from None
     memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
     apply_memory_policy(model, memory)
     memory_report = activation_summary(model, job, memory, device)

@@ -149,7 +149,8 @@ class Trainer:
             self._loop()
         if self._stop_signal is not None:
             log.warning("stopped by signal %d after step %d; saving", self._stop_signal, self.state.step)
-        if cfg.save_final or self._stop_signal is not None:
+        already_saved = cfg.save_every and self.state.step % cfg.save_every == 0
+        if (cfg.save_final or self._stop_signal is not None) and not already_saved:
             self.save()
         summary = self.summary()
         self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),

@@ -56,6 +56,9 @@ def flexengine_attention(
             "flexengine attention was called without its batch mask: call the patched model itself "
             "(model(input_ids=..., position_ids=...)), not an inner module"
         )
+    for unsupported in ("softcap", "s_aux"):  # Gemma-2 logit soft-capping, attention sinks
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"flexengine attention does not implement {unsupported!r} (this model uses it)")
     gqa = query.shape[1] != key.shape[1]
     if mask.backend == "flex":
         if dropout:
@@ -109,12 +112,14 @@ def patch_attention(
     block_size: int = 128,
     compile: bool = True,
     dense_chunk: int = 512,
+    device: Optional[torch.device] = None,
 ) -> nn.Module:
     """Make an HF causal LM attend per document / per window; returns the same model, patched in place.
 
     After patching, `model(input_ids=..., position_ids=...)` treats every run of positions that restarts at 0
     as its own document (or pass `document_ids=` [B, S]). backend: auto | flex | dense | sdpa (HF's own
-    attention, unpatched: the padded one-document-per-row baseline).
+    attention, unpatched: the padded one-document-per-row baseline). device: where the model runs (decides
+    `auto`; default: CUDA if available).
     """
     if mode not in ATTN_MODES:
         raise ValueError(f"mode={mode!r}: choose one of {ATTN_MODES}")
@@ -128,7 +133,7 @@ def patch_attention(
         model.flexengine_attention = {"mode": mode, "backend": "sdpa", "window": None}
         log.info("attention: mode=causal backend=sdpa (HF's own, one document per row)")
         return model
-    resolved = resolve_backend(backend)
+    resolved = resolve_backend(backend, device)
     if resolved == "flex":
         _check_flex_can_run(compile)
     window = _resolve_window(model, mode, window)

@@ -26,8 +26,10 @@ def epoch_order(
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(n) if shuffle else np.arange(n)
     global_batch = micro_batch * world_size
-    usable = n - n % global_batch  # the remainder rows come first in the next epoch's permutation instead
-    order = order[:usable]
+    short = -n % global_batch
+    # Fill the last global batch with rows from the start of this epoch's order: every row is trained each
+    # epoch (a few twice) instead of the remainder silently never being seen with shuffle=false.
+    order = np.concatenate([order, order[:short]])
     if bucket:
         # similar lengths in one batch (less padding), batches themselves in random order
         order = order[np.argsort(row_tokens[order], kind="stable")]

@@ -180,7 +180,10 @@ def materialise_rows(
             position_ids[r, dst] = np.arange(length)
             document_ids[r, dst] = d
             at += length
-        position_ids[r, at:] = np.arange(seq_len - at)
+        # Padding is its own document (document_ids); in a one-document row its positions continue instead of
+        # restarting, so HF's own attention (the padded sdpa baseline) does not read the row as packed and
+        # fall off its causal fast path. Real tokens never see the padding after them either way.
+        position_ids[r, at:] = np.arange(at, seq_len) if len(row) == 1 else np.arange(seq_len - at)
         document_ids[r, at:] = len(row)
     return {
         "input_ids": torch.from_numpy(input_ids),

@@ -32,8 +32,10 @@ def resolve_memory(job: JobConfig, hf_config) -> MemoryConfig:
 
 def activation_summary(model: nn.Module, job: JobConfig, memory: MemoryConfig, device: torch.device) -> dict:
     """activation_bytes(_per_block) for summary.json: measured by the meter on one synthetic forward when the
-    blocks run eagerly (the dispatch mode does not mix with compiled blocks), else the planner's estimate."""
-    if not job.train.compile:
+    blocks run eagerly with dense/sdpa attention (the dispatch mode neither mixes with compiled blocks nor has a
+    rule for the flex_attention higher-order op), else the planner's estimate."""
+    flex = getattr(model, "flexengine_attention", {}).get("backend") == "flex"
+    if not job.train.compile and not flex:
         B, S = job.train.micro_batch, job.data.seq_len
         ids = torch.zeros(B, S, dtype=torch.long, device=device)
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(S, device=device).expand(B, S)}

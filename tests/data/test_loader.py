@@ -83,3 +83,11 @@ def test_trimmed_batches_and_their_useful_fraction(bucket):
     assert loader.useful_fraction(0) == pytest.approx(useful / slots)
     order = epoch_order(loader.row_tokens, 5, 0, 4, bucket=bucket)
     assert batch_useful_fraction(loader.row_tokens, order, 4, SEQ_LEN, False) == pytest.approx(useful / (len(order) * SEQ_LEN))
+
+
+def test_every_row_is_read_each_epoch_even_when_batches_do_not_divide_it():
+    from flexengine.data.loader import epoch_order
+
+    for shuffle in (False, True):
+        order = epoch_order(np.full(10, 5), seed=0, epoch=0, micro_batch=4, shuffle=shuffle)
+        assert len(order) % 4 == 0 and set(order.tolist()) == set(range(10))
