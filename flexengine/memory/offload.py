@@ -60,7 +60,8 @@ def _as_view(storage_bytes: Tensor, view: tuple) -> Tensor:
 
 def _is_parameter_view(t: Tensor) -> bool:
     base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad  # weights (or views of them): they stay resident anyway
+    # weights (or views of them) stay resident anyway; frozen ones (LoRA's base) have requires_grad off
+    return base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter))
 
 
 def _tensors(obj: Any) -> Iterator[Tensor]:

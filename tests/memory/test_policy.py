@@ -152,3 +152,29 @@ def test_compiled_block_has_no_graph_break(base, reference, name):
     torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-4)
     for n, g in reference[1].items():
         torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-5, msg=f"{name}: grad of {n}")
+
+
+def test_offload_never_copies_frozen_lora_base_weights():
+    """LoRA freezes the base weights (requires_grad off); they stay resident and must not travel to the host."""
+    from flexengine.attention import patch_attention
+    from flexengine.config import LoraConfig, MemoryConfig
+    from flexengine.lora import apply_lora
+    from flexengine.loss import forward_loss_sum
+    from flexengine.memory import apply_memory_policy
+    from flexengine.memory.meter import measure_activations
+    from tests.conftest import make_llama
+
+    offloaded = {}
+    for r in (0, 4):
+        model = make_llama()
+        model.train()
+        if r:
+            model = apply_lora(model, LoraConfig(r=r))
+        patch_attention(model, "packed_doc", backend="dense")
+        apply_memory_policy(model, MemoryConfig(policy="offload"))
+        ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(128)[None]}
+        report, _ = measure_activations(model, lambda: forward_loss_sum(model, batch))
+        offloaded[r] = report.as_dict()["activation_offloaded_bytes"]
+    weight_bytes = sum(p.numel() * 4 for n, p in make_llama().named_parameters() if "layers" in n)
+    assert offloaded[4] < offloaded[0] + weight_bytes / 10  # adapters add a little; base weights would add a lot
