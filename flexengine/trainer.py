@@ -73,7 +73,8 @@ class Trainer:
         self.metrics = MetricsWriter(out_dir / "tb" if dist.is_main else None)
         self.attn = getattr(model, "flexengine_attention", {"backend": "sdpa", "mode": "causal", "window": None})
         self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
-        self._stop_signal: Optional[int] = None
+        self._stop_signal: Optional[int] = None  # set by this process's signal handler
+        self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.wall_s = 0.0
 
     # -- one optimizer step -------------------------------------------------------------------------------
@@ -89,10 +90,13 @@ class Trainer:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
         micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
         # The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share.
-        n_valid = sum(count_valid_targets(b["labels"]) for b in micro_batches).to(self.device)
+        # One all-reduce carries the window's valid-token count and the ranks' stop votes (a signal may reach
+        # the ranks a step apart; all of them must stop after the same step, or the collectives would hang).
+        counts = torch.stack([sum(count_valid_targets(b["labels"]) for b in micro_batches).double(),
+                              torch.tensor(float(self._stop_signal is not None), dtype=torch.float64)]).to(self.device)
         if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(n_valid)
-        n_valid = n_valid.clamp(min=1).float()
+            torch.distributed.all_reduce(counts)
+        n_valid = counts[0].clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
         sparsity = []
         for batch in micro_batches:
@@ -112,9 +116,10 @@ class Trainer:
         ))
         block_sparsity = torch.stack(sparsity).float().mean() if sparsity else torch.full((), float("nan"))
         # the one host sync per step: loss, grad norm and sparsity come back together
-        loss_value, norm_value, sparsity_value = torch.stack(
-            [loss.float(), grad_norm.float().to(loss.device), block_sparsity.to(loss.device)]
+        loss_value, norm_value, sparsity_value, stop_votes = torch.stack(
+            [loss.float(), grad_norm.float().to(loss.device), block_sparsity.to(loss.device), counts[1].float()]
         ).tolist()
+        self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             self.optimizer.step()
@@ -147,10 +152,12 @@ class Trainer:
         cfg = self.job.train
         with self._signals_request_stop():
             self._loop()
-        if self._stop_signal is not None:
-            log.warning("stopped by signal %d after step %d; saving", self._stop_signal, self.state.step)
+        stopped = self._should_stop()
+        if stopped:
+            log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
+                        self.state.step)
         already_saved = cfg.save_every and self.state.step % cfg.save_every == 0
-        if (cfg.save_final or self._stop_signal is not None) and not already_saved:
+        if (cfg.save_final or stopped) and not already_saved:
             self.save()
         summary = self.summary()
         self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
@@ -165,7 +172,7 @@ class Trainer:
         profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
                     if cfg.profile else None)
         start, window_t, window_tokens, window_useful = time.perf_counter(), time.perf_counter(), 0, 0
-        while self.state.step < cfg.max_steps and self._stop_signal is None:
+        while self.state.step < cfg.max_steps and not self._should_stop():
             m = self.train_step()
             if profiler is not None:
                 profiler.step()
@@ -206,6 +213,11 @@ class Trainer:
         from tqdm.auto import tqdm
 
         return tqdm(total=self.job.train.max_steps, initial=self.state.step, desc="train", unit="step")
+
+    def _should_stop(self) -> bool:
+        if torch.distributed.is_initialized():
+            return self._stop_agreed
+        return self._stop_signal is not None
 
     @contextlib.contextmanager
     def _signals_request_stop(self):
