@@ -110,11 +110,17 @@ class CPUOffloadAdamW(torch.optim.AdamW):
             device_p.grad = None
             host_p.grad = None
 
+    def state_dict(self) -> dict:
+        """AdamW's states plus the fp32 masters: bf16 device weights alone cannot restore them exactly."""
+        return {**super().state_dict(), "fp32_masters": [host_p.detach().clone() for _, host_p in self._pairs]}
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore states; the masters are re-read from the (already restored) device weights first."""
+        """Restore states and the fp32 masters (older checkpoints without masters: re-read the device weights)."""
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("fp32_masters", None)
         with torch.no_grad():
-            for device_p, host_p in self._pairs:
-                host_p.copy_(_local(device_p).float())
+            for i, (device_p, host_p) in enumerate(self._pairs):
+                host_p.copy_(masters[i] if masters is not None else _local(device_p).float())
         super().load_state_dict(state_dict)
 
 

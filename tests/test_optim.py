@@ -144,3 +144,23 @@ def test_scheduler_warms_up_then_decays_to_min_ratio():
         sched.step()
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_cpu_offload_adamw_resume_restores_exact_fp32_masters():
+    """bf16 device weights round the masters; the optimizer state must carry them for an exact resume."""
+    from torch import nn
+
+    from flexengine.optim import CPUOffloadAdamW
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64).to(torch.bfloat16)
+    opt = CPUOffloadAdamW([{"params": list(layer.parameters())}], lr=1e-3)
+    for _ in range(3):
+        layer(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    restored = CPUOffloadAdamW([{"params": list(layer.parameters())}], lr=1e-3)
+    restored.load_state_dict(opt.state_dict())
+    for (_, want), (_, got) in zip(opt._pairs, restored._pairs):
+        assert torch.equal(want, got)
+    assert any(not torch.equal(m, p.float()) for (p, m) in opt._pairs)  # bf16 weights alone would not do
