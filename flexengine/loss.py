@@ -6,6 +6,8 @@ so packing, padding and micro-batching do not change the loss (axolotl #3301, TR
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,13 +26,26 @@ def _chunk_loss_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Module) ->
     return F.cross_entropy(logits, targets_N, reduction="sum")
 
 
-def causal_lm_loss_sum(hidden_BSH: Tensor, labels_BS: Tensor, lm_head: nn.Module, chunk_size: int = 0) -> Tensor:
+def predicting_positions(labels_BS: Tensor) -> Tensor:
+    """Flat [B*S] indices of the tokens whose next token is a valid target (computed once per batch, on the
+    host by the loader, so selecting them costs no device sync)."""
+    predicts = torch.zeros_like(labels_BS, dtype=torch.bool)
+    predicts[:, :-1] = labels_BS[:, 1:] != IGNORE_INDEX
+    return torch.nonzero(predicts.reshape(-1)).squeeze(1)
+
+
+def causal_lm_loss_sum(
+    hidden_BSH: Tensor, labels_BS: Tensor, lm_head: nn.Module, chunk_size: int = 0,
+    predicting_index: Optional[Tensor] = None,
+) -> Tensor:
     """Sum of next-token CE over valid targets. chunk_size > 0: lm_head + CE per chunk of tokens, each chunk
-    recomputed in backward, so peak memory holds one chunk's logits instead of all of them."""
-    hidden_NH = hidden_BSH[:, :-1].reshape(-1, hidden_BSH.shape[-1])
-    targets_N = labels_BS[:, 1:].reshape(-1)
-    keep = targets_N != IGNORE_INDEX
-    hidden_NH, targets_N = hidden_NH[keep], targets_N[keep]  # skip padding and document starts entirely
+    recomputed in backward, so peak memory holds one chunk's logits instead of all of them.
+    predicting_index: `predicting_positions(labels_BS)` if already known (else computed here: a host sync)."""
+    if predicting_index is None:
+        predicting_index = predicting_positions(labels_BS)
+    # only tokens with a valid next target: padding and document ends cost no lm_head or CE at all
+    hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1]).index_select(0, predicting_index)
+    targets_N = labels_BS.reshape(-1).index_select(0, predicting_index + 1)
     if chunk_size <= 0 or hidden_NH.shape[0] <= chunk_size:
         return _chunk_loss_sum(hidden_NH, targets_N, lm_head)
     total = hidden_NH.new_zeros((), dtype=torch.float32)
@@ -46,4 +61,5 @@ def forward_loss_sum(model: nn.Module, batch: dict[str, Tensor], chunk_size: int
     """Run the decoder on a batch and return the summed token loss (no logits tensor for the whole batch)."""
     decoder = model.get_decoder()
     out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
-    return causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size)
+    return causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size,
+                              batch.get("predicting_index"))

@@ -61,3 +61,20 @@ def test_chunked_loss_never_materialises_all_logits():
         del out
     assert alive[0] >= 512 * 4096 * 4
     assert alive[64] < 512 * 4096 * 4 / 50
+
+
+def test_host_computed_positions_give_the_same_loss():
+    """The loader precomputes which positions predict a valid target; the loss must not change."""
+    from flexengine.loss import causal_lm_loss_sum, predicting_positions
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, 8, generator=g)
+    labels = torch.randint(0, 16, (2, 12), generator=g)
+    labels[0, 3] = labels[1, 0] = labels[1, 7:] = -100
+    head = torch.nn.Linear(8, 16, bias=False)
+    index = predicting_positions(labels)
+    assert len(index) == int((labels[:, 1:] != -100).sum())
+    plain = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).reshape(-1, 16), labels[:, 1:].reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    for chunk in (0, 5):
+        torch.testing.assert_close(causal_lm_loss_sum(hidden, labels, head, chunk, index), plain)

@@ -9,6 +9,7 @@ import torch
 
 from flexengine.data.corpus import Corpus
 from flexengine.data.packing import PackPlan, materialise_rows
+from flexengine.loss import predicting_positions
 
 
 def row_token_counts(plan: PackPlan) -> np.ndarray:
@@ -115,6 +116,7 @@ class RowLoader:
             longest = int(self.row_tokens[rows].max())
             batch = {k: v[:, :longest] for k, v in batch.items()}
         batch["useful_tokens"] = torch.tensor(int(self.row_tokens[rows].sum()))
+        batch["predicting_index"] = predicting_positions(batch["labels"])  # host-side: no device sync in the loss
         return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
