@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flexengine.attention import MASK_KWARG, build_batch_mask
+from flexengine.attention import MASK_KWARG, mask_kwargs
 from flexengine.checkpoint import find_latest_checkpoint
 from flexengine.config import JobConfig
 from flexengine.data.loader import RowLoader
@@ -80,11 +80,7 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------------------
     def _mask_kwargs(self, batch: dict) -> dict:
         """Build the batch's attention mask once, here, so every layer shares it (and we can log sparsity)."""
-        if self.attn["backend"] == "sdpa":
-            return {}
-        mask = build_batch_mask(self.attn["mode"], self.attn["backend"], batch["document_ids"],
-                                self.attn["window"], self.job.attn.block_size, self.job.attn.dense_chunk)
-        return {MASK_KWARG: mask}
+        return mask_kwargs(self.model, batch["document_ids"]) if hasattr(self.model, "flexengine_attention") else {}
 
     def train_step(self) -> dict:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""

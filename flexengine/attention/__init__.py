@@ -6,7 +6,7 @@ from flexengine.attention.masks import (
     get_mask_mod,
     position_ids_from_document_ids,
 )
-from flexengine.attention.patch import MASK_KWARG, patch_attention, resolve_backend
+from flexengine.attention.patch import MASK_KWARG, mask_kwargs, patch_attention, resolve_backend
 
 __all__ = [
     "BatchMask",
@@ -14,6 +14,7 @@ __all__ = [
     "build_batch_mask",
     "document_ids_from_position_ids",
     "get_mask_mod",
+    "mask_kwargs",
     "patch_attention",
     "position_ids_from_document_ids",
     "resolve_backend",

@@ -160,14 +160,26 @@ def patch_attention(
             )
         else:
             document_ids = torch.zeros(B, S, dtype=torch.int32, device=ref.device)
-        kwargs[MASK_KWARG] = build_batch_mask(mode, resolved, document_ids, window, block_size, dense_chunk)
+        kwargs.update(mask_kwargs(model, document_ids))
         return args, kwargs
 
     # On the decoder (not the LM head wrapper) so that calls to the decoder alone (chunked loss) also get masks.
     model._flexengine_hook = model.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
-    model.flexengine_attention = {"mode": mode, "backend": resolved, "window": window, "dense_chunk": dense_chunk}
+    model.flexengine_attention = {"mode": mode, "backend": resolved, "window": window, "block_size": block_size,
+                                  "dense_chunk": dense_chunk}
     log.info("attention: mode=%s backend=%s (requested %s) window=%s", mode, resolved, backend, window)
     return model
+
+
+def mask_kwargs(model: nn.Module, document_ids_BS: Tensor) -> dict:
+    """Keyword arguments carrying one batch's mask for a patched model ({} under HF's own sdpa); build them once
+    per batch and pass them to `model(...)` or its decoder."""
+    attn = model.flexengine_attention
+    if attn["backend"] == "sdpa":
+        return {}
+    mask = build_batch_mask(attn["mode"], attn["backend"], document_ids_BS, attn["window"], attn["block_size"],
+                            attn["dense_chunk"])
+    return {MASK_KWARG: mask}
 
 
 def _remove_hook(model: nn.Module) -> None:
