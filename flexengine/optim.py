@@ -25,6 +25,9 @@ _TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
 _AO_8BIT_BLOCK = 256
 
 
+EMBEDDING_STATE_BYTES = 8.0  # adamw_8bit: fp32 exp_avg + exp_avg_sq per input-embedding element
+
+
 def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> Tuple[float, float]:
     """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
 
@@ -35,7 +38,8 @@ def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.
     if name == "adamw":
         return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
     if name == "adamw_8bit":
-        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0  # the input embedding keeps fp32 states (see below)
+        # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
+        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
     if name == "adamw_bf16":
         return 4.0, 0.0  # two bf16 states
     if name == "adamw_cpu_offload":
@@ -132,9 +136,10 @@ def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) ->
     further than under fp32 AdamW in 5 steps). torchao keeps states it finds already initialised.
     """
     embedding = model.get_input_embeddings().weight
-    if embedding.requires_grad:
-        opt.state[embedding] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(embedding),
-                                "exp_avg_sq": torch.zeros_like(embedding)}
+    if embedding.requires_grad:  # fp32 whatever the weights' dtype (torchao updates in fp32, then copies in)
+        opt.state[embedding] = {"step": torch.tensor(0.0),
+                                "exp_avg": torch.zeros_like(embedding, dtype=torch.float32),
+                                "exp_avg_sq": torch.zeros_like(embedding, dtype=torch.float32)}
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:

@@ -123,6 +123,23 @@ def test_adamw_bf16_needs_bf16_weights(tiny_llama):
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
 
 
+@pytest.mark.slow  # torchao compiles its bf16 step (minutes on a shared 2-core machine)
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
+def test_adamw_8bit_embedding_states_are_fp32_with_bf16_weights(tiny_llama):
+    """The docstring's promise: full-precision states for the embedding even when the weights are bf16."""
+    model = tiny_llama.to(torch.bfloat16).train()
+    opt = build_optimizer(model, OptimConfig(name="adamw_8bit"), CPU)
+    embedding = model.get_input_embeddings().weight
+    assert opt.state[embedding]["exp_avg"].dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    state = opt.state[embedding]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert state["exp_avg"].abs().sum() > 0  # the step wrote into them (not replaced by torchao's own)
+    assert embedding.dtype == torch.bfloat16
+
+
 def test_state_bytes_table_and_bad_name():
     assert optimizer_state_bytes_per_param("adamw", torch.bfloat16) == (4.0, 0.0)
     device_8bit, _ = optimizer_state_bytes_per_param("adamw_8bit")
