@@ -48,15 +48,21 @@ def format_table(plan: dict) -> str:
                 "workspace_bytes", "total_bytes", "budget_bytes"):
         lines.append(f"  {key.replace('_bytes', ''):<12} {_gib(plan[key])}")
     lines += ["", f"  {'policy':<16} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
-                  f"{'recompute':>10} {'offload/step':>14}"]
+                  f"{'recompute':>10} {'offload/step':>14} {'extra time':>10}"]
     for r in plan["candidates"]:
         lines.append(f"  {r['label']:<16} {_gib(max(r['activation_bytes_per_block'])):>16} "
                      f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} {'yes' if r['fits'] else 'no':>5} "
-                     f"{100 * r['recompute_flops_fraction']:>9.1f}% {_gib(r['offload_bytes_per_step']):>14}")
+                     f"{100 * r['recompute_flops_fraction']:>9.1f}% {_gib(r['offload_bytes_per_step']):>14} "
+                     f"{100 * r['cost']:>9.1f}%")
+    lines += ["", "  every term of the chosen policy's step:"]
+    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
+    lines.append("  assumed (sources in flexengine/memory/planner.py): " + ", ".join(
+        f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
+        for k, v in plan["assumptions"].items()))
     lines.append("")
     if plan["fits"]:
         lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); recompute {100 * plan['recompute_flops_fraction']:.1f}% "
-                     f"of step FLOPs; offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
+                     f"of step FLOPs + {plan['recompute_pointwise_s'] * 1e3:.0f} ms of pointwise ops; offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
                      f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
     else:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))

@@ -16,8 +16,13 @@ h hidden, a query heads, k kv heads, d head_dim, f intermediate, p bytes per act
 RoPE's products save only the shared cos/sin tables (they do not require grad). No [S, S] term: flash/flex
 attention keeps O(S) per head, where the published formula's 5as/h term is the S^2 score/softmax/dropout.
 Per batch, outside the blocks: rotary cos/sin (2 T d p), the final norm ((4 + p) T h), the loss inputs
-(T h p) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S] bool mask
+(T h p + 16 T) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S] bool mask
 (held by checkpoint closures) once per batch. Validated against flexengine.memory.meter in tests/memory.
+
+The step adds weights, grads, optimizer states (adamw_8bit: the input embedding's in fp32), backward's
+workspace, offload buffers in flight, FSDP's unsharded buffers and the CUDA reserve: `evaluate` returns every
+term by name and the plan prints them. Recompute costs FLOPs (at ASSUMED_MFU) plus the bytes its pointwise ops
+move (at the memory bandwidth): SAC keeps every matmul but still re-runs norms, RoPE and SwiGLU.
 """
 
 from __future__ import annotations
@@ -30,8 +35,20 @@ from flexengine.config import HardwareConfig, MemoryConfig
 from flexengine.memory.policy import select_layers
 
 GiB = 2**30
-ASSUMED_MFU = 0.4  # for turning FLOPs into seconds when weighing recompute against offload traffic
-CUDA_RESERVE_BYTES = 1 * GiB  # CUDA context + allocator fragmentation headroom on a GPU
+# The constants below are not derived from our code path; each names its source and is printed with every plan
+# (`assumptions` in the JSON, the last lines of the table).
+# Turns FLOPs into seconds when weighing recompute against offload traffic. torchtitan (docs/performance.md)
+# reports 56.8-58.2 % MFU for Llama 3 8B with FSDP2 + compile on 64 A100s; a single-GPU 7B run with long rows
+# and a flex mask reaches less, so the planner assumes 0.4. Only ratios of times use it (recompute vs PCIe).
+ASSUMED_MFU = 0.4
+# CUDA context + caching-allocator headroom on a GPU: the context alone takes 0.5-0.8 GiB on the first CUDA
+# call (PyTorch forum threads 73021 and 81330: 723 MiB and ~800 MiB), the rest absorbs fragmentation.
+CUDA_RESERVE_BYTES = 1 * GiB
+# Memory bandwidth (GB/s) for memory-bound pointwise recompute, by hardware.name substring (vendor datasheets:
+# A100 80GB SXM 2039, H100 SXM 3350, H200 4800); cpu: assumed 10 (a copy of 512 MiB measured 2.3 GB/s on
+# this project's shared 2-core build machine under load); anything else: the A100 figure.
+HBM_GB_S = {"h200": 4800.0, "h100": 3350.0, "a100": 2039.0, "cpu": 10.0}
+DEFAULT_HBM_GB_S = 2039.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,17 @@ class ModelShape:
     layers: int
     vocab: int
     params: int
+    tied: bool = False  # lm_head shares the input embedding
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus lm_head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block."""
+        return (self.params - self.embedding_params - self.hidden) // self.layers
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
@@ -57,8 +85,9 @@ class ModelShape:
         per_layer = h * (a * d + 2 * k * d) + a * d * h + 3 * h * f + 2 * h
         if getattr(cfg, "attention_bias", False):
             per_layer += a * d + 2 * k * d + h
-        embeddings = V * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
-        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h)
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        embeddings = V * h * (1 if tied else 2)
+        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied)
 
     def lora_params(self, r: int, target_modules: list[str]) -> int:
         """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
@@ -136,6 +165,34 @@ def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0
             "gate_up_proj": 4 * T * h * m.intermediate, "down_proj": 2 * T * h * m.intermediate}
 
 
+def pointwise_bytes(m: ModelShape, w: Workload) -> dict[str, int]:
+    """Bytes written by the pointwise ops of one block's forward, by op, read from HF's LLaMA code path.
+
+    LlamaRMSNorm: to(fp32), pow, mean, +eps/rsqrt, x*rsqrt (all fp32), to(dtype), weight* (two per block);
+    apply_rotary_pos_emb per q/k: x*cos, rotate_half (neg of one half, cat), *sin, add = 4.5 tensors of x's
+    size; SwiGLU: silu(gate), *up; two residual adds."""
+    T, p, h, f = w.tokens, w.act_bytes, m.hidden, m.intermediate
+    ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    casts = (4 + p) * h if p < 4 else 0  # to(fp32) and back are no-ops for fp32 activations
+    norm = T * ((8 + p) * h + casts + 12)  # pow, x*rsqrt (fp32), weight* (p), mean/+eps/rsqrt (fp32 per token)
+    return {"norm1": norm, "rope": int(4.5 * p * T * (ad + kd)), "norm2": norm, "swiglu": 2 * p * T * f,
+            "residual": 2 * p * T * h}
+
+
+# Which pointwise ops each recompute granularity re-runs (a checkpoint around self_attn/mlp leaves the norms
+# and residual adds outside; op-level SAC recomputes every pointwise op of the block).
+_POINTWISE_RECOMPUTED = {"block": ("norm1", "rope", "norm2", "swiglu", "residual"),
+                         "ops": ("norm1", "rope", "norm2", "swiglu", "residual"),
+                         "attention": ("rope",), "mlp": ("swiglu",)}
+
+
+def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity: str) -> int:
+    """Bytes moved by the pointwise ops one block re-runs in backward: each recomputed output is written once
+    and read once by its consumer (2x its bytes). Memory-bound: time = bytes / memory bandwidth."""
+    ops = pointwise_bytes(m, w)
+    return 2 * sum(ops[name] for name in _POINTWISE_RECOMPUTED[granularity])
+
+
 def recompute_flops_per_block(m: ModelShape, w: Workload, granularity: str, attended_fraction: float = 0.5,
                               count_attention_core: bool = True) -> float:
     """Extra forward FLOPs backward spends re-running one checkpointed block at `granularity`.
@@ -155,7 +212,8 @@ def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, 
     T, p = w.tokens, w.act_bytes
     n = w.micro_batch * (w.seq_len - 1)  # next-token targets (all valid: the worst case)
     out = {"rotary_cos_sin": 2 * T * m.head_dim * p, "final_norm": (4 + p) * T * m.hidden + 4 * T,
-           "loss_inputs": n * m.hidden * p + 17 * n}  # hidden rows + int64 row indices/targets + bool keep
+           "loss_inputs": n * m.hidden * p + 16 * n}  # hidden rows (lm_head's input), int64 row index
+    # (index_select's backward) and int64 targets (cross-entropy's backward); the positions come from the loader
     if w.chunk_size <= 0 or n <= w.chunk_size:
         out["log_probs"] = 4 * n * m.vocab  # CE keeps fp32 log-softmax of all [tokens, vocab]
     if w.backend == "dense" and checkpointed:
@@ -179,6 +237,7 @@ class ActivationEstimate:
     other_bytes: int
     offloaded_bytes: int
     recompute_flops: float  # extra forward FLOPs per micro-batch (attention core at the given attended fraction)
+    recompute_pointwise_bytes: int = 0  # bytes the re-run pointwise ops move per micro-batch (memory-bound)
 
 
 def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5,
@@ -187,7 +246,7 @@ def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, atten
     chosen = set(select_layers(memory.layers, m.layers)) if memory.policy != "none" else set()
     recompute = memory.policy in ("full", "selective")
     offload = memory.policy == "offload" or memory.offload
-    per_block, host, flops = [], 0, 0.0
+    per_block, host, flops, pointwise = [], 0, 0.0, 0
     for i in range(m.layers):
         sel = i in chosen
         gran = memory.granularity if (sel and recompute) else None
@@ -196,10 +255,11 @@ def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, atten
         host += off
         if gran is not None:
             flops += recompute_flops_per_block(m, w, gran, attended_fraction, count_attention_core)
+            pointwise += recompute_pointwise_bytes_per_block(m, w, gran)
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = bool(chosen) and recompute and memory.granularity != "mlp"
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
-    return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops)
+    return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops, pointwise)
 
 
 # -- the step budget and the choice -----------------------------------------------------------------------
@@ -230,27 +290,71 @@ class PlanInputs:
     grad_accum: int = 1
     optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
     trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
+    embedding_state_bytes: Optional[float] = None  # per input-embedding element when its optimizer states differ
+    # from the rest (adamw_8bit keeps them in fp32: optim.EMBEDDING_STATE_BYTES); None = like every parameter
+    fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
+    # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
 
 
 def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     world = max(1, x.hardware.world_size)  # FSDP shards weights, grads and optimizer states
     trainable = m.params * x.trainable_fraction
     state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else x.dtype_bytes
-    return {"weights_bytes": int(m.params * x.dtype_bytes / world), "grads_bytes": int(trainable * x.dtype_bytes / world),
-            "optimizer_bytes": int(2 * trainable * state / world)}  # AdamW: exp_avg + exp_avg_sq
+    out = {"weights_bytes": int(m.params * x.dtype_bytes / world),
+           "grads_bytes": int(trainable * x.dtype_bytes / world)}
+    if x.embedding_state_bytes is not None and x.trainable_fraction >= 1.0:
+        embedding = m.vocab * m.hidden  # the input embedding's states replace its share of the others
+        out["optimizer_bytes"] = int(2 * (trainable - embedding) * state / world)
+        out["embedding_optimizer_bytes"] = int(embedding * x.embedding_state_bytes / world)
+    else:
+        out["optimizer_bytes"] = int(2 * trainable * state / world)  # AdamW: exp_avg + exp_avg_sq
+    return out
+
+
+def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    """Unsharded FSDP2 buffers (parallel.apply_fsdp), 0 for one process.
+
+    Each block is fully_shard-ed on its own: its weights are all-gathered for forward and again for backward,
+    and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
+    embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
+    block until its reduce-scatter, in the fp32 reduce dtype; the root's (lm_head's from the start of backward)
+    until the root's reduce-scatter at its end, in the compute dtype."""
+    world = max(1, x.hardware.world_size)
+    if world == 1:
+        return {}
+    gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
+    root = m.embedding_params + m.hidden
+    root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
+    return {"fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
+            "fsdp_unsharded_grads_bytes": int(m.block_params * x.trainable_fraction * 4 + root_trainable * gathered)}
+
+
+def hbm_gb_s(hardware: HardwareConfig) -> float:
+    """Memory bandwidth of the target (HBM_GB_S by hardware.name, else DEFAULT_HBM_GB_S)."""
+    name = (hardware.name or "").lower() if hardware.device != "cpu" else "cpu"
+    return next((v for key, v in HBM_GB_S.items() if key in name), DEFAULT_HBM_GB_S)
+
+
+def assumptions(hardware: HardwareConfig) -> dict[str, float]:
+    """The constants a plan rests on (sources in the comments above their definitions)."""
+    return {"assumed_mfu": ASSUMED_MFU, "cuda_reserve_bytes": CUDA_RESERVE_BYTES if hardware.device != "cpu" else 0,
+            "memory_gb_s": hbm_gb_s(hardware), "pcie_gb_s": hardware.pcie_gb_s,
+            "peak_tflops": hardware.peak_tflops}
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
-    """Total bytes, fit and cost of one concrete policy."""
+    """Total bytes (by term), fit and cost of one concrete policy."""
     w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
     act = estimate_activations(m, w, memory)
     static = _static_bytes(m, x)
     on_gpu = x.hardware.device != "cpu"
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
-    workspace = max(block_bytes(m, w, None, False)[0], loss_transient_bytes(m, w))
-    workspace += CUDA_RESERVE_BYTES if on_gpu else 0
+    backward = max(block_bytes(m, w, None, False)[0], loss_transient_bytes(m, w))
     offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
-    total = sum(static.values()) + act.total_bytes + workspace + offload_resident
+    terms = {**static, "activation_bytes": act.total_bytes, "backward_workspace_bytes": backward,
+             "offload_in_flight_bytes": offload_resident,
+             "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0, **fsdp_bytes(m, x)}
+    total = sum(terms.values())
     budget = int(x.hardware.memory_gb * GiB)
     blocks_flops = m.layers * sum(block_forward_flops(m, w).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
@@ -258,12 +362,16 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds
     exposed_s = max(0.0, traffic - compute_s / 3) + max(0.0, traffic - 2 * compute_s / 3)  # D2H || fwd, H2D || bwd
     recompute_fraction = act.recompute_flops / step_flops if step_flops else 0.0  # extra FLOPs / step FLOPs
+    # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
+    pointwise_s = act.recompute_pointwise_bytes / (hbm_gb_s(x.hardware) * 1e9)
+    recompute_s = recompute_fraction * compute_s + pointwise_s
     return {"activation_bytes": act.total_bytes, "activation_bytes_per_block": act.per_block,
-            "offloaded_bytes": act.offloaded_bytes, "workspace_bytes": workspace + offload_resident,
-            "total_bytes": total, "budget_bytes": budget, "fits": total <= budget,
-            "recompute_flops_fraction": recompute_fraction,
+            "offloaded_bytes": act.offloaded_bytes,
+            "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
+            "total_bytes": total, "budget_bytes": budget, "fits": total <= budget, "terms": terms,
+            "recompute_flops_fraction": recompute_fraction, "recompute_pointwise_s": pointwise_s,
             "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
-            "offload_exposed_s": exposed_s, "cost": recompute_fraction + exposed_s / max(compute_s, 1e-12),
+            "offload_exposed_s": exposed_s, "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
             **static}
 
 
@@ -286,9 +394,11 @@ def plan_memory(hf_config, x: PlanInputs) -> dict:
         "activation_bytes_per_block": {r["label"]: r["activation_bytes_per_block"] for r in rows},
         "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
-        "workspace_bytes": best["workspace_bytes"], "total_bytes": best["total_bytes"],
+        "workspace_bytes": best["workspace_bytes"], "total_bytes": best["total_bytes"], "terms": best["terms"],
+        "assumptions": assumptions(x.hardware),
         "budget_bytes": best["budget_bytes"], "fits": best["fits"], "policy": best["label"],
         "memory": best["memory"], "recompute_flops_fraction": best["recompute_flops_fraction"],
+        "recompute_pointwise_s": best["recompute_pointwise_s"],
         "offload_bytes_per_step": best["offload_bytes_per_step"],
         "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
         "candidates": rows, "suggestions": [] if fitting else suggestions(m, x),
@@ -337,7 +447,7 @@ def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
     import torch
 
     from flexengine.model import build_hf_config
-    from flexengine.optim import optimizer_state_bytes_per_param
+    from flexengine.optim import EMBEDDING_STATE_BYTES, optimizer_state_bytes_per_param
 
     state_device_bytes, _ = optimizer_state_bytes_per_param(job.optim.name, getattr(torch, dtype))
     trainable = 1.0
@@ -347,7 +457,9 @@ def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
     return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
                       dtype_bytes=4 if dtype == "float32" else 2, hardware=job.hardware,
                       chunk_size=job.loss.chunk_size, backend=backend, grad_accum=job.train.grad_accum,
-                      optimizer_state_bytes=state_device_bytes / 2, trainable_fraction=trainable)
+                      optimizer_state_bytes=state_device_bytes / 2, trainable_fraction=trainable,
+                      embedding_state_bytes=EMBEDDING_STATE_BYTES if job.optim.name == "adamw_8bit" else None,
+                      fsdp_param_bytes=2 if on_cuda and job.parallel.mixed_precision else None)
 
 
 def _cuda_available() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,3 +113,94 @@ def test_plan_says_what_would_fit():
     text = " ".join(plan["suggestions"])
     assert "LoRA" in text and "GPUs" in text
     assert len(CANDIDATES) == len(plan["candidates"])
+
+
+def _deepseek_inputs(**overrides) -> tuple:
+    import yaml
+    from pathlib import Path
+
+    arch = yaml.safe_load((Path(__file__).parents[2] / "flexengine/conf/model/deepseek7b.yaml").read_text())["arch"]
+    cfg = build_hf_config(ModelConfig(name="deepseek7b", init="random", arch=arch))
+    a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
+    return cfg, PlanInputs(**{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100,
+                              "chunk_size": 1024, **overrides})
+
+
+def test_every_term_is_named_and_adds_up_to_the_total():
+    cfg, x = _deepseek_inputs()
+    plan = plan_memory(cfg, x)
+    assert sum(plan["terms"].values()) == plan["total_bytes"]
+    assert plan["terms"]["cuda_reserve_bytes"] == plan["assumptions"]["cuda_reserve_bytes"] == 2**30
+    assert plan["assumptions"]["assumed_mfu"] == 0.4 and plan["assumptions"]["memory_gb_s"] == 2039
+
+
+def test_adamw_8bit_counts_fp32_embedding_states():
+    """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding (issue #16)."""
+    from flexengine.optim import EMBEDDING_STATE_BYTES
+
+    cfg, x = _deepseek_inputs(optimizer_state_bytes=1.0)
+    plain = plan_memory(cfg, x)["terms"]
+    with_fp32 = plan_memory(cfg, dataclasses.replace(x, embedding_state_bytes=EMBEDDING_STATE_BYTES))["terms"]
+    assert with_fp32["embedding_optimizer_bytes"] == 102400 * 4096 * 8 == pytest.approx(3.36e9, rel=0.01)
+    # the embedding's 8-bit states are replaced, not added to
+    assert plain["optimizer_bytes"] - with_fp32["optimizer_bytes"] == 2 * 102400 * 4096
+
+
+def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
+    cfg, x = _deepseek_inputs()
+    m = ModelShape.from_hf_config(cfg)
+    one = plan_memory(cfg, x)["terms"]
+    assert "fsdp_gathered_weights_bytes" not in one  # one process: nothing is gathered
+    node = dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=8), fsdp_param_bytes=2)
+    terms = plan_memory(cfg, node)["terms"]
+    root = 2 * 102400 * 4096 + 4096
+    assert m.block_params == 4096 * 4096 * 4 + 3 * 4096 * 11008 + 2 * 4096
+    assert terms["fsdp_gathered_weights_bytes"] == (2 * m.block_params + root) * 2
+    assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * 4 + root * 2
+
+
+def test_sac_recompute_is_not_free():
+    """Pointwise recompute is memory-bound: SAC costs time although it re-runs no matmul."""
+    cfg, x = _deepseek_inputs()
+    rows = {r["label"]: r for r in plan_memory(cfg, x)["candidates"]}
+    sac = rows["op-level SAC"]
+    assert sac["recompute_flops_fraction"] == 0.0
+    assert 0.005 < sac["cost"] < rows["full"]["cost"]
+    assert rows["none"]["cost"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
+    """Bytes written by every non-matmul op of one decoder block's forward (a dispatch mode counts fresh output
+    storages) against the planner's per-op derivation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flexengine.memory.planner import pointwise_bytes
+
+    skip = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    class Written(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if func not in skip and func.overloadpacket is not torch.ops.aten.copy_:
+                for t in (out if isinstance(out, (tuple, list)) else [out]):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                        Written.total += t.numel() * t.element_size()
+            return out
+
+    B, S = 1, 256
+    model = clone_model(small).to(dtype)
+    model.set_attn_implementation("sdpa")
+    layer = model.model.layers[0]
+    hidden = torch.randn(B, S, 128, dtype=dtype)
+    pos = torch.arange(S)[None]
+    cos_sin = model.model.rotary_emb(hidden, pos)
+    with Written():
+        layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    p = torch.empty((), dtype=dtype).element_size()
+    expected = sum(pointwise_bytes(ModelShape.from_hf_config(small.config), Workload(B, S, p, "flex")).values())
+    assert expected == pytest.approx(Written.total, rel=0.02)
