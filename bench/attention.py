@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
-import tempfile
 
 import numpy as np
 import torch
@@ -55,15 +55,17 @@ def bench_mask_build(seq_lens: list[int], mean_lens: list[int]) -> list[dict]:
     for seq_len in seq_lens:
         for mean_len in mean_lens:
             doc = canonical_document_ids(_doc_layout(seq_len, mean_len, rng)[None])
-            ours = _timed(lambda: build_batch_mask("packed_doc", "flex", doc, None, 128))
+            ours = _timed(lambda doc=doc: build_batch_mask("packed_doc", "flex", doc, None, 128))
             row = {"seq_len": seq_len, "mean_doc_len": mean_len, "documents": int(doc.max()) + 1,
                    "flexengine_s": ours, "torch_create_block_mask_s": None}
             if seq_len <= TORCH_BUILDER_MAX_S:
                 mod = get_mask_mod("packed_doc", doc, None)
-                row["torch_create_block_mask_s"] = _timed(lambda: _create_block_mask(mod, 1, seq_len, doc.device, 128), 1)
+                row["torch_create_block_mask_s"] = _timed(
+                    lambda mod=mod, seq_len=seq_len, doc=doc: _create_block_mask(mod, 1, seq_len, doc.device, 128), 1)
             rows.append(row)
+            theirs = row["torch_create_block_mask_s"]
             print(f"mask build S={seq_len:>6} docs={row['documents']:>4}: flexengine {ours * 1e3:8.1f} ms  "
-                  f"torch {row['torch_create_block_mask_s'] if row['torch_create_block_mask_s'] is None else round(row['torch_create_block_mask_s'] * 1e3, 1)} ms")
+                  f"torch {theirs if theirs is None else round(theirs * 1e3, 1)} ms")
     return rows
 
 
@@ -94,7 +96,8 @@ def bench_throughput(steps: int, seq_len: int, micro_batch: int) -> dict:
         with tempfile.TemporaryDirectory() as out:
             with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
                 cfg = compose("config", overrides=[
-                    f"attn={attn}", f"data.seq_len={seq_len}", f"train.max_steps={steps}", f"train.micro_batch={micro_batch}",
+                    f"attn={attn}", f"data.seq_len={seq_len}", f"train.max_steps={steps}",
+                    f"train.micro_batch={micro_batch}",
                     "train.grad_accum=1", "train.save_final=false", "train.progress=false",
                     f"train.output_dir={out}",
                 ])
@@ -119,25 +122,28 @@ def write_outputs(report: dict) -> None:
              "| seq_len | documents | flexengine block-level (ms) | torch create_block_mask eager (ms) |",
              "|---|---|---|---|"]
     for r in report["mask_build"]:
-        torch_ms = "not run (too slow on CPU)" if r["torch_create_block_mask_s"] is None else f"{r['torch_create_block_mask_s'] * 1e3:.1f}"
+        theirs = r["torch_create_block_mask_s"]
+        torch_ms = "not run (too slow on CPU)" if theirs is None else f"{theirs * 1e3:.1f}"
         lines.append(f"| {r['seq_len']} | {r['documents']} | {r['flexengine_s'] * 1e3:.1f} | {torch_ms} |")
     lines += ["", f"## Block sparsity (fraction of causal blocks computed, window {report['window']})", "",
-              "| seq_len | mean doc len | causal | packed_doc | sliding_window | packed_sliding |", "|---|---|---|---|---|---|"]
+              "| seq_len | mean doc len | causal | packed_doc | sliding_window | packed_sliding |",
+              "|---|---|---|---|---|---|"]
     for r in report["sparsity"]:
         lines.append(f"| {r['seq_len']} | {r['mean_doc_len']} | {r['causal']:.3f} | {r['packed_doc']:.3f} | "
                      f"{r['sliding_window']:.3f} | {r['packed_sliding']:.3f} |")
     t = report.get("throughput")
     if t:
-        lines += ["", f"## Useful tokens/s on the demo corpus (tiny LLaMA, seq_len {report['throughput_seq_len']}, "
-                  f"micro_batch {report['throughput_micro_batch']}, {report['throughput_steps']} steps each; causal = one document "
-                  "per row padded to the batch's longest, HF SDPA; packed_doc = bfd rows, dense chunked reference "
-                  "backend (FlexAttention has no CPU backward))", "",
+        lines += ["", (f"## Useful tokens/s on the demo corpus (tiny LLaMA, seq_len {report['throughput_seq_len']}, "
+                       f"micro_batch {report['throughput_micro_batch']}, {report['throughput_steps']} steps each; "
+                       "causal = one document per row padded to the batch's longest, HF SDPA; packed_doc = bfd rows, "
+                       "dense chunked reference backend (FlexAttention has no CPU backward))"), "",
                   "| attn | useful tok/s | tok/s | useful fraction | final loss |", "|---|---|---|---|---|"]
         for attn in ("causal", "packed_doc"):
             r = t[attn]
             lines.append(f"| {attn} | {r['useful_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
                          f"{r['useful_token_fraction']:.3f} | {r['final_loss']:.3f} |")
-        lines += ["", f"**packed_doc / causal useful tokens/s: {t['speedup_useful_tokens_per_s']:.2f}x** (target >= 2x)"]
+        speedup = t["speedup_useful_tokens_per_s"]
+        lines += ["", f"**packed_doc / causal useful tokens/s: {speedup:.2f}x** (target >= 2x)"]
     (RESULTS / "attention.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib

@@ -31,7 +31,8 @@ def run_one(attn: str, memory: str, steps: int, work: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     row = {"attn": attn, "memory": memory, "process_s": time.perf_counter() - t0}
     if proc.returncode != 0:
-        return {**row, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}"}
+        stderr = proc.stderr.strip()
+        return {**row, "error": stderr.splitlines()[-1] if stderr else f"rc {proc.returncode}"}
     s = json.loads((out / "summary.json").read_text())
     return {**row, "tokens_per_s": s["tokens_per_s"], "useful_tokens_per_s": s["useful_tokens_per_s"],
             "useful_token_fraction": s["useful_token_fraction"], "peak_rss_gib": s["peak_memory_bytes"] / 2**30,
@@ -47,7 +48,8 @@ def write_results(rows: list[dict], steps: int) -> None:
     (RESULTS / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cols = ("attn", "memory", "backend", "useful_tokens_per_s", "tokens_per_s", "useful_token_fraction",
             "block_sparsity", "peak_rss_gib", "final_loss")
-    lines = [f"# e2e grid ({meta['note']}, {steps} steps)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [f"# e2e grid ({meta['note']}, {steps} steps)", "", "| " + " | ".join(cols) + " |",
+             "|" + "---|" * len(cols)]
     for r in rows:
         cells = [("ERROR: " + r["error"]) if "error" in r and c == "backend" else r.get(c) for c in cols]
         lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v if v is not None else "—")
@@ -62,8 +64,10 @@ def write_results(rows: list[dict], steps: int) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
     labels = [f"{r['attn']}\n{r['memory']}" for r in rows]
-    for ax, key, title in ((axes[0], "useful_tokens_per_s", "useful tokens/s"), (axes[1], "peak_rss_gib", "peak RSS (GiB)")):
-        ax.bar(range(len(rows)), [r.get(key) or 0 for r in rows], color=["tab:orange" if r["attn"] == "causal" else "tab:blue" for r in rows])
+    colors = ["tab:orange" if r["attn"] == "causal" else "tab:blue" for r in rows]
+    for ax, key, title in ((axes[0], "useful_tokens_per_s", "useful tokens/s"),
+                           (axes[1], "peak_rss_gib", "peak RSS (GiB)")):
+        ax.bar(range(len(rows)), [r.get(key) or 0 for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
         ax.set_title(title)
     fig.suptitle("flexengine e2e on CPU: attention mode x memory policy")

@@ -162,7 +162,7 @@ def check_step_time(seq_lens=(8192, 32768)) -> dict:
                 batches = padded_batches(lengths, ONE_B["vocab_size"], per_batch=4)
             apply_memory_policy(model, MemoryConfig(policy="full"))  # both sides recompute every block
 
-            def step():
+            def step(model=model, batches=batches):
                 for b in batches:
                     fwd_bwd(model, b, chunk=4096)
                 model.zero_grad(set_to_none=True)
@@ -239,7 +239,8 @@ def check_doctor() -> dict:
     n = report["numbers"]
     return {"ok": n["attn_backend"] == "flex" and n["recompiles_after_warmup"] == 0,
             "numbers": {k: n[k] for k in ("attn_backend", "mask_backends_seen", "recompiles_after_warmup",
-                                           "graph_breaks", "useful_tokens_per_s", "mfu", "time_split", "block_sparsity")},
+                                           "graph_breaks", "useful_tokens_per_s", "mfu", "time_split",
+                                           "block_sparsity")},
             "suggestions": report["suggestions"]}
 
 

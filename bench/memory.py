@@ -120,8 +120,9 @@ def main() -> None:
                   + (" peak CUDA (GiB) |" if args.gpu else "") + " Pareto |",
                   "|---|---|---|---|---|---|" + ("---|" if args.gpu else "") + "---|"]
         for r in rows:
-            lines.append(f"| {r['policy']} | {r['activation_bytes'] / 2**20:.1f} | {r['offloaded_bytes'] / 2**20:.1f} | "
-                         f"{r['planner_bytes'] / 2**20:.1f} | {100 * r['planner_error']:+.2f}% | {r['step_s']:.3f} |"
+            lines.append(f"| {r['policy']} | {r['activation_bytes'] / 2**20:.1f} | "
+                         f"{r['offloaded_bytes'] / 2**20:.1f} | {r['planner_bytes'] / 2**20:.1f} | "
+                         f"{100 * r['planner_error']:+.2f}% | {r['step_s']:.3f} |"
                          + (f" {r['peak_cuda_bytes'] / 2**30:.2f} |" if args.gpu else "")
                          + (" * |" if r["policy"] in front else " |"))
         lines.append("")
@@ -132,8 +133,9 @@ def main() -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=1))
     (RESULTS / f"{stem}.md").write_text(f"# Activation memory vs step time ({results['device']}, torch "
                                         f"{torch.__version__})\n\nMeter = bytes alive for backward after one forward "
-                                        "(device only; offloaded host copies apart). Step = fastest of 3 forward+backward steps; on a shared 2-core "
-                                        "CPU the times are noisy. * = on the Pareto front.\n\n"
+                                        "(device only; offloaded host copies apart). Step = fastest of 3 "
+                                        "forward+backward steps; on a shared 2-core CPU the times are noisy. "
+                                        "* = on the Pareto front.\n\n"
                                         + text + "\n")
     plot(results, RESULTS / f"{stem}.png")
 

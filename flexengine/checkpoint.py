@@ -66,7 +66,8 @@ def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)]
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"checkpoint {directory} does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
 
 
 def load_trainer_state(directory: Path) -> dict:

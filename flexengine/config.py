@@ -44,7 +44,8 @@ class LoraConfig:
         if self.r < 0:
             raise UserError(f"model.lora.r={self.r} must be >= 0 (0 = no LoRA, full fine-tune).")
         if self.r > 0 and not self.target_modules:
-            raise UserError("model.lora.target_modules is empty: name the Linear layers to adapt, e.g. [q_proj,v_proj].")
+            raise UserError("model.lora.target_modules is empty: name the Linear layers to adapt, "
+                            "e.g. [q_proj,v_proj].")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.lora.dropout={self.dropout} must be in [0, 1).")
 
@@ -169,7 +170,8 @@ class DataConfig:
         if self.seq_len <= 0:
             raise UserError(f"data.seq_len={self.seq_len} must be a positive number of tokens, e.g. data.seq_len=4096.")
         if self.source != "demo" and not self.path:
-            raise UserError(f"data={self.source} needs data.path, e.g. data={self.source} data.path=/data/train.{self.source}")
+            raise UserError(f"data={self.source} needs data.path, "
+                            f"e.g. data={self.source} data.path=/data/train.{self.source}")
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
         if self.source == "demo" and self.format != "text":

@@ -62,7 +62,8 @@ def load_model(model: ModelConfig, device: torch.device) -> torch.nn.Module:
             lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
     else:
         if not any(Path(model.path).glob("*.safetensors")) and not any(Path(model.path).glob("*.bin")):
-            raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
+            raise UserError(f"model.path={model.path!r} holds no *.safetensors weights "
+                            "(use model.init=random for none).")
         lm = AutoModelForCausalLM.from_pretrained(
             model.path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code,
             use_safetensors=None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
@@ -42,17 +42,18 @@ def _gib(n: float) -> str:
 
 def format_table(plan: dict) -> str:
     """The plan as a human-readable table."""
-    lines = [f"model: {plan['hf_config'].get('model_type')}  seq_len={plan['seq_len']}  "
-             f"micro_batch={plan['micro_batch']}  dtype={plan['dtype']}", ""]
+    lines = [(f"model: {plan['hf_config'].get('model_type')}  seq_len={plan['seq_len']}  "
+              f"micro_batch={plan['micro_batch']}  dtype={plan['dtype']}"), ""]
     for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "logits_bytes",
                 "workspace_bytes", "total_bytes", "budget_bytes"):
         lines.append(f"  {key.replace('_bytes', ''):<12} {_gib(plan[key])}")
-    lines += ["", f"  {'policy':<16} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
-                  f"{'recompute':>10} {'offload/step':>14} {'extra time':>10}"]
+    lines += ["", (f"  {'policy':<16} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
+                   f"{'recompute':>10} {'offload/step':>14} {'extra time':>10}")]
     for r in plan["candidates"]:
         lines.append(f"  {r['label']:<16} {_gib(max(r['activation_bytes_per_block'])):>16} "
-                     f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} {'yes' if r['fits'] else 'no':>5} "
-                     f"{100 * r['recompute_flops_fraction']:>9.1f}% {_gib(r['offload_bytes_per_step']):>14} "
+                     f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} "
+                     f"{'yes' if r['fits'] else 'no':>5} {100 * r['recompute_flops_fraction']:>9.1f}% "
+                     f"{_gib(r['offload_bytes_per_step']):>14} "
                      f"{100 * r['cost']:>9.1f}%")
     lines += ["", "  every term of the chosen policy's step:"]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
@@ -61,15 +62,18 @@ def format_table(plan: dict) -> str:
         for k, v in plan["assumptions"].items()))
     lines.append("")
     if plan["fits"]:
-        lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); recompute {100 * plan['recompute_flops_fraction']:.1f}% "
-                     f"of step FLOPs + {plan['recompute_pointwise_s'] * 1e3:.0f} ms of pointwise ops; offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
+        lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); "
+                     f"recompute {100 * plan['recompute_flops_fraction']:.1f}% of step FLOPs "
+                     f"+ {plan['recompute_pointwise_s'] * 1e3:.0f} ms of pointwise ops; "
+                     f"offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
                      f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
     else:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
     node = plan.get("node_of_8")
     if node:
-        lines.append(f"on 8 such GPUs (FSDP shards weights, grads and optimizer states): total {_gib(node['total_bytes'])}"
-                     f" per GPU, policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
+        lines.append("on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
+                     f"total {_gib(node['total_bytes'])} per GPU, policy {node['policy']}, "
+                     f"recompute {100 * node['recompute_flops_fraction']:.1f}%"
                      + ("" if node["fits"] else " (still does not fit)"))
     return "\n".join(lines)
 

@@ -17,9 +17,9 @@ from flexengine.data.corpus import build_corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import plan_packing
 from flexengine.errors import UserError
+from flexengine.lora import apply_lora
 from flexengine.memory import apply_memory_policy
 from flexengine.memory.report import activation_summary, resolve_memory
-from flexengine.lora import apply_lora
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
 from flexengine.parallel import apply_parallel, init_distributed, main_rank_first, rank_device, shutdown_distributed
 from flexengine.trainer import Trainer

@@ -79,7 +79,7 @@ def find_job_dirs(sweep_dir: Path) -> list[Path]:
 def job_row(job_dir: Path, job: str) -> dict:
     """One table row: the job's overrides and numbers from summary.json, or its error from error.json."""
     overrides = _read_yaml(job_dir / ".hydra" / "overrides.yaml") or []
-    row: dict = {c: None for c in COLUMNS}
+    row: dict = dict.fromkeys(COLUMNS)
     row.update(job=job, overrides=" ".join(overrides), dir=str(job_dir), error="")
     summary_path, error_path = job_dir / SUMMARY_FILE, job_dir / ERROR_FILE
     if error_path.is_file():

@@ -24,8 +24,13 @@ from flexengine.errors import UserError
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
 from flexengine.optim import build_optimizer, build_scheduler
-from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, load_checkpoint_all_ranks,
-                                 save_checkpoint_all_ranks)
+from flexengine.parallel import (
+    DistInfo,
+    LossForward,
+    grad_norm_value,
+    load_checkpoint_all_ranks,
+    save_checkpoint_all_ranks,
+)
 from flexengine.profiling import start_profiler
 
 log = logging.getLogger(__name__)
@@ -62,15 +67,15 @@ class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
     def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, out_dir: Path,
-                 device: torch.device, dist: DistInfo = DistInfo(), train_module: Optional[nn.Module] = None):
+                 device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
-        self.out_dir, self.device, self.dist = out_dir, device, dist
+        self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
         self.state = TrainState()
-        self.metrics = MetricsWriter(out_dir / "tb" if dist.is_main else None)
+        self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None)
         self.attn = getattr(model, "flexengine_attention", {"backend": "sdpa", "mode": "causal", "window": None})
         self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
         self._stop_signal: Optional[int] = None  # set by this process's signal handler

@@ -51,7 +51,7 @@ def test_training_still_composes_without_plan_key():
     """The planner's schema is registered only by its CLI: training configs never gain a `plan` key."""
     from hydra import compose, initialize_config_module
 
-    import flexengine.plan  # noqa: F401  (importing must not register anything)
+    import flexengine.plan
     import flexengine.train  # noqa: F401
 
     with initialize_config_module("flexengine.conf", version_base="1.3"):

@@ -9,8 +9,8 @@ from flexengine.attention.masks import (
 from flexengine.attention.patch import MASK_KWARG, mask_kwargs, patch_attention, resolve_backend
 
 __all__ = [
-    "BatchMask",
     "MASK_KWARG",
+    "BatchMask",
     "build_batch_mask",
     "document_ids_from_position_ids",
     "get_mask_mod",

@@ -74,7 +74,7 @@ def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int
     Blocks that may attend but not fully are "partial": the mask_mod decides per element inside them, so the
     result is exact even where the partial test is conservative (windowed documents).
     """
-    B, S = document_ids_BS.shape
+    S = document_ids_BS.shape[1]
     any_allowed, all_allowed = block_occupancy(mode, document_ids_BS, window, block_size)
     partial = any_allowed & ~all_allowed
     kv_num, kv_idx = _ordered_blocks(partial)
@@ -85,7 +85,8 @@ def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int
     )
 
 
-def block_occupancy(mode: str, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> tuple[Tensor, Tensor]:
+def block_occupancy(mode: str, document_ids_BS: Tensor, window: Optional[int],
+                    block_size: int) -> tuple[Tensor, Tensor]:
     """(some pair may attend, every pair attends) per (q block, kv block): two [B, nq, nk] bool tensors.
 
     document_ids_BS must be monotonic along each row (`canonical_document_ids`). A ragged tail is padded with

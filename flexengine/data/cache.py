@@ -77,7 +77,7 @@ class _NpyAppender:
 
     def __init__(self, path: Path, dtype: Any):
         self.path, self.dtype, self.length = path, np.dtype(dtype), 0
-        self.file = open(path, "wb")
+        self.file = open(path, "wb")  # noqa: SIM115 -- held open across append() calls, closed by close()
         self.file.seek(_NPY_HEADER_BYTES)
 
     def append(self, array: np.ndarray) -> None:

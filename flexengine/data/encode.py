@@ -122,7 +122,8 @@ class Encoder:
             i = int(bad[0])
             return Rejected(
                 "token_id_out_of_range",
-                f"{doc.where}: input_ids[{i}]={int(ids[i])} is outside the tokenizer's vocabulary (0..{self.vocab_size - 1})",
+                f"{doc.where}: input_ids[{i}]={int(ids[i])} is outside the tokenizer's vocabulary "
+                f"(0..{self.vocab_size - 1})",
             )
         mask = None if labels is None else np.asarray(labels, dtype=np.int64) != -100
         return Encoded(ids.astype(TOKEN_DTYPE), mask)

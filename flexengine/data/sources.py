@@ -88,7 +88,7 @@ def _check_messages(value: Any, name: str) -> tuple[Optional[str], str]:
     if not isinstance(value, list) or not value:
         return "bad_messages", f"{name!r} must be a non-empty list of {{'role': ..., 'content': ...}} turns"
     for i, turn in enumerate(value):
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
             return "bad_messages", f"{name}[{i}] must be an object with string 'role' and 'content'"
     if not any(turn["role"] == "assistant" for turn in value):
         return "no_assistant_turn", f"{name!r} has no assistant turn, so nothing in it would be trained on"

@@ -25,7 +25,7 @@ STRATEGIES = ("bfd", "greedy", "none")
 def length_summary(lengths: np.ndarray) -> dict:
     """Count, total, mean and percentiles of document lengths in tokens."""
     lengths = np.asarray(lengths)
-    summary = {"documents": int(len(lengths)), "tokens": int(lengths.sum()), "mean": float(lengths.mean())}
+    summary = {"documents": len(lengths), "tokens": int(lengths.sum()), "mean": float(lengths.mean())}
     summary.update({f"p{q}": int(v) for q, v in zip(PERCENTILES, np.percentile(lengths, PERCENTILES, method="lower"))})
     return summary
 
@@ -63,8 +63,9 @@ def format_report(summary: dict, strategies: list[dict], seq_len: int, micro_bat
     ]
     for r in strategies:
         lines.append(
-            f"{'':16}{r['strategy']:<9} {r['rows']:<7} {100 * r['useful_token_fraction']:6.2f}%  {r['documents_per_row']:8.2f}"
-            f"  {r['documents_split']:<6} {r['documents_truncated']:<10} {r['documents_dropped']:<8} {r['pack_s']:.3f}"
+            f"{'':16}{r['strategy']:<9} {r['rows']:<7} {100 * r['useful_token_fraction']:6.2f}%  "
+            f"{r['documents_per_row']:8.2f}  {r['documents_split']:<6} {r['documents_truncated']:<10} "
+            f"{r['documents_dropped']:<8} {r['pack_s']:.3f}"
         )
         if "batched_useful_fraction" in r:
             lines.append(

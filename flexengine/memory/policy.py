@@ -50,10 +50,12 @@ def select_layers(spec: str, n_layers: int) -> list[int]:
             return []
         indices = sorted({int(i) for i in spec.split(",")})
     except ValueError:
-        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k> or a list like 0,3,7") from None
+        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k> "
+                        "or a list like 0,3,7") from None
     bad = [i for i in indices if not 0 <= i < n_layers]
     if bad:
-        raise UserError(f"memory.layers={spec!r}: blocks {bad} do not exist (the model has {n_layers}: 0..{n_layers - 1})")
+        raise UserError(f"memory.layers={spec!r}: blocks {bad} do not exist "
+                        f"(the model has {n_layers}: 0..{n_layers - 1})")
     return indices
 
 

@@ -80,7 +80,8 @@ def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
     from tokenizers.processors import TemplateProcessing
 
     bos = demo_tokenizer.convert_tokens_to_ids("<|pad|>")  # stand-in for LLaMA's <s>
-    demo_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|pad|> $A", special_tokens=[("<|pad|>", bos)])
+    demo_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|pad|> $A", special_tokens=[("<|pad|>", bos)])
     result = Encoder(demo_tokenizer, "text").encode_batch([RawDoc("a:1", "import os")])[0]
     assert result.ids.tolist() == demo_tokenizer("import os")["input_ids"] + [demo_tokenizer.eos_token_id]
     assert result.ids[0] == bos

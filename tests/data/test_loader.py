@@ -54,7 +54,7 @@ def test_each_epoch_is_a_seeded_permutation():
 
 
 def test_ranks_split_each_global_batch():
-    corpus, plan = _corpus_and_plan()
+    _, plan = _corpus_and_plan()
     rt = row_token_counts(plan)
     full = epoch_order(rt, 0, 0, 2, world_size=1)  # micro_batch 2 x 1 rank
     shards = [epoch_order(rt, 0, 0, 1, rank=r, world_size=2) for r in range(2)]
@@ -82,7 +82,8 @@ def test_trimmed_batches_and_their_useful_fraction(bucket):
         useful, slots = useful + real, slots + batch["input_ids"].numel()
     assert loader.useful_fraction(0) == pytest.approx(useful / slots)
     order = epoch_order(loader.row_tokens, 5, 0, 4, bucket=bucket)
-    assert batch_useful_fraction(loader.row_tokens, order, 4, SEQ_LEN, False) == pytest.approx(useful / (len(order) * SEQ_LEN))
+    expected = useful / (len(order) * SEQ_LEN)
+    assert batch_useful_fraction(loader.row_tokens, order, 4, SEQ_LEN, False) == pytest.approx(expected)
 
 
 def test_every_row_is_read_each_epoch_even_when_batches_do_not_divide_it():

@@ -35,7 +35,8 @@ def _reassemble(plan, batch, n_docs: int) -> list[np.ndarray]:
     for r, row in enumerate(plan.rows):
         for d, (doc, start, _) in enumerate(row):
             pieces[doc].append((start, ids[r][doc_ids[r] == d]))
-    return [np.concatenate([t for _, t in sorted(pieces[i], key=lambda p: p[0])] or [np.zeros(0, int)]) for i in range(n_docs)]
+    return [np.concatenate([t for _, t in sorted(pieces[i], key=lambda p: p[0])] or [np.zeros(0, int)])
+            for i in range(n_docs)]
 
 
 @pytest.mark.parametrize("strategy", ["bfd", "greedy", "none"])
@@ -98,12 +99,13 @@ def test_rows_restart_positions_and_mask_document_starts():
     batch = materialise_rows(plan.rows, tokens, offsets, SEQ_LEN, pad_id=0)
     for r, row in enumerate(plan.rows):
         at = 0
-        for d, (doc, start, length) in enumerate(row):
+        for d, (_, _, length) in enumerate(row):
             span = slice(at, at + length)
             assert batch["position_ids"][r, span].tolist() == list(range(length))
             assert (batch["document_ids"][r, span] == d).all()
             assert batch["labels"][r, at] == IGNORE_INDEX  # never learn to predict a new document's start
-            assert batch["labels"][r, at + 1 : at + length].tolist() == batch["input_ids"][r, at + 1 : at + length].tolist()
+            inside = slice(at + 1, at + length)
+            assert batch["labels"][r, inside].tolist() == batch["input_ids"][r, inside].tolist()
             at += length
         assert (batch["labels"][r, at:] == IGNORE_INDEX).all()  # padding
         assert (batch["document_ids"][r, at:] == len(row)).all()  # padding is its own document

@@ -39,7 +39,8 @@ def test_bad_text_record_raises_with_file_and_line(tmp_path, write_lines, line, 
 
 def test_skip_counts_every_bad_record_by_reason(tmp_path, write_lines):
     lines = [GOOD] + [line for line, _, _ in BAD_TEXT_LINES] * 2 + [GOOD]
-    docs, counts = _read(DataConfig(source="jsonl", path=str(write_lines(tmp_path / "d.jsonl", lines)), on_error="skip"))
+    path = write_lines(tmp_path / "d.jsonl", lines)
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), on_error="skip"))
     assert len(docs) == 2
     assert counts == {reason: 2 for _, reason, _ in BAD_TEXT_LINES}
 

@@ -174,7 +174,7 @@ def test_offload_never_copies_frozen_lora_base_weights():
         apply_memory_policy(model, MemoryConfig(policy="offload"))
         ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(128)[None]}
-        report, _ = measure_activations(model, lambda: forward_loss_sum(model, batch))
+        report, _ = measure_activations(model, lambda model=model, batch=batch: forward_loss_sum(model, batch))
         offloaded[r] = report.as_dict()["activation_offloaded_bytes"]
     weight_bytes = sum(p.numel() * 4 for n, p in make_llama().named_parameters() if "layers" in n)
     assert offloaded[4] < offloaded[0] + weight_bytes / 10  # adapters add a little; base weights would add a lot
