@@ -9,9 +9,8 @@ them (everything else -- embeddings, rotary tables, the mask, the loss -- is "ot
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,17 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_HOST_COPY_DEPTH = [0]  # >0 while activation offload copies to host: those bytes are reported apart
-
-
-@contextlib.contextmanager
-def host_copies() -> Iterator[None]:
-    """Mark tensors created inside as offloaded host copies (used by flexengine.memory.offload)."""
-    _HOST_COPY_DEPTH[0] += 1
-    try:
-        yield
-    finally:
-        _HOST_COPY_DEPTH[0] -= 1
+from flexengine.memory.offload import making_host_copies
+from flexengine.memory.policy import decoder_layers
 
 
 @dataclass
@@ -68,7 +58,7 @@ class _AliveOutputs(TorchDispatchMode):
                 continue
             # keyed by the StorageImpl: a freed storage's key may be reused, then the newer record wins
             self.records[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), self.block,
-                                            _HOST_COPY_DEPTH[0] > 0)
+                                            making_host_copies())
         return out
 
 
@@ -78,8 +68,6 @@ def measure_activations(model: nn.Module, forward: Callable[[], Tensor],
 
     Keep the returned output alive if you want to call backward on it; the report is taken before it returns.
     """
-    from flexengine.memory.policy import decoder_layers
-
     layers = layers if layers is not None else decoder_layers(model)
     mode = _AliveOutputs()
     handles = []

@@ -17,7 +17,22 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from flexengine.memory.meter import host_copies
+_HOST_COPY_DEPTH = [0]  # >0 while this module copies saved tensors to host (the meter reports those bytes apart)
+
+
+@contextlib.contextmanager
+def host_copies() -> Iterator[None]:
+    """Mark tensors created inside as offloaded host copies of saved activations."""
+    _HOST_COPY_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_COPY_DEPTH[0] -= 1
+
+
+def making_host_copies() -> bool:
+    """Whether the tensors being created now are offload's host copies (read by flexengine.memory.meter)."""
+    return _HOST_COPY_DEPTH[0] > 0
 
 
 class _Group:
