@@ -55,9 +55,9 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     flex = resolve_backend(job.attn.backend, device) == "flex"
     try:
         loader = RowLoader(
-            corpus, plan, job.data.seq_len, job.train.micro_batch, pad_token_id(tokenizer), seed=job.train.seed,
-            shuffle=job.data.shuffle, bucket=job.data.bucket, trim_padding=job.data.packing == "none" and not flex,
-            rank=dist_info.rank, world_size=dist_info.world_size,
+            corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
+            pad_id=pad_token_id(tokenizer), seed=job.train.seed, shuffle=job.data.shuffle, bucket=job.data.bucket,
+            trim_padding=job.data.packing == "none" and not flex, rank=dist_info.rank, world_size=dist_info.world_size,
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None
@@ -69,8 +69,9 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                         "use attn.backend=dense (or auto).")
     try:
-        patch_attention(model, job.attn.mode, job.attn.window, job.attn.backend, job.attn.block_size,
-                        job.attn.compile, job.attn.dense_chunk, device)
+        patch_attention(model, job.attn.mode, window=job.attn.window, backend=job.attn.backend,
+                        block_size=job.attn.block_size, compile=job.attn.compile, dense_chunk=job.attn.dense_chunk,
+                        device=device)
     except ValueError as e:  # e.g. a sliding mode with no window on a model without its own
         raise UserError(f"attn={job.attn.mode}: {e}") from None
     memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
@@ -79,7 +80,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     if job.train.compile:
         apply_compile(model, job.train.compile_backend)
     train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size)
-    trainer = Trainer(job, model, tokenizer, loader, out_dir, device, dist_info, train_module)
+    trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
+                      train_module=train_module)
     trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/

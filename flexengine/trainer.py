@@ -66,7 +66,7 @@ def _set_rng_state(state: dict) -> None:
 class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
-    def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, out_dir: Path,
+    def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, *, out_dir: Path,
                  device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()

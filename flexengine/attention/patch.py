@@ -34,7 +34,8 @@ def _flex_fn(compile: bool):
     if not compile:
         return flex_attention
     if _compiled_flex is None:
-        # dynamic=False: automatic-dynamic recompiles on a new length fail on CPU (see DESIGN.md); rows are fixed.
+        # dynamic=False: automatic-dynamic recompiles on a new length fail on CPU (docs/architecture.md, "Facts");
+        # rows are fixed.
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
@@ -45,6 +46,7 @@ def flexengine_attention(
     key: Tensor,
     value: Tensor,
     attention_mask: Optional[Tensor],
+    *,
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     **kwargs,
@@ -107,6 +109,7 @@ def _resolve_window(model: nn.Module, mode: str, window: Optional[int]) -> Optio
 def patch_attention(
     model: nn.Module,
     mode: str = "packed_doc",
+    *,
     window: Optional[int] = None,
     backend: str = "auto",
     block_size: int = 128,

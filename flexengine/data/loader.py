@@ -18,7 +18,7 @@ def row_token_counts(plan: PackPlan) -> np.ndarray:
 
 
 def epoch_order(
-    row_tokens: np.ndarray, seed: int, epoch: int, micro_batch: int, shuffle: bool = True, bucket: bool = False,
+    row_tokens: np.ndarray, *, seed: int, epoch: int, micro_batch: int, shuffle: bool = True, bucket: bool = False,
     rank: int = 0, world_size: int = 1,
 ) -> np.ndarray:
     """Row indices one rank reads in one epoch, consecutive micro_batch rows forming a batch; depends only on
@@ -61,6 +61,7 @@ class RowLoader:
         self,
         corpus: Corpus,
         plan: PackPlan,
+        *,
         seq_len: int,
         micro_batch: int,
         pad_id: int,
@@ -86,7 +87,8 @@ class RowLoader:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """Row indices of this rank for one epoch, grouped so consecutive micro_batch rows form a batch."""
         return epoch_order(
-            self.row_tokens, self.seed, epoch, self.micro_batch, self.shuffle, self.bucket, self.rank, self.world_size
+            self.row_tokens, seed=self.seed, epoch=epoch, micro_batch=self.micro_batch, shuffle=self.shuffle,
+            bucket=self.bucket, rank=self.rank, world_size=self.world_size,
         )
 
     def useful_fraction(self, epoch: int = 0) -> float:

@@ -47,7 +47,7 @@ def compare_strategies(
         if strategy == "none" and plan.stats.rows >= micro_batch:
             row_tokens = row_token_counts(plan)
             for name, bucket in (("batched_useful_fraction", False), ("bucketed_useful_fraction", True)):
-                order = epoch_order(row_tokens, seed, 0, micro_batch, shuffle=True, bucket=bucket)
+                order = epoch_order(row_tokens, seed=seed, epoch=0, micro_batch=micro_batch, bucket=bucket)
                 result[name] = batch_useful_fraction(row_tokens, order, micro_batch, seq_len, trim_padding=True)
         results.append(result)
     return results

@@ -21,7 +21,7 @@ def _corpus_and_plan(strategy: str = "bfd", n: int = 50):
 
 
 def _loader(corpus, plan, **kw) -> RowLoader:
-    return RowLoader(corpus, plan, SEQ_LEN, kw.pop("micro_batch", 2), pad_id=0, **kw)
+    return RowLoader(corpus, plan, seq_len=SEQ_LEN, micro_batch=kw.pop("micro_batch", 2), pad_id=0, **kw)
 
 
 def _take(loader: RowLoader, n: int) -> list[torch.Tensor]:
@@ -46,18 +46,21 @@ def test_each_epoch_is_a_seeded_permutation():
     corpus, plan = _corpus_and_plan()
     loader = _loader(corpus, plan, seed=3, micro_batch=1)
     n = len(plan.rows)
-    epochs = [epoch_order(loader.row_tokens, 3, e, 1) for e in range(2)]
+    def order(seed: int, epoch: int, **kw) -> np.ndarray:
+        return epoch_order(loader.row_tokens, seed=seed, epoch=epoch, micro_batch=1, **kw)
+
+    epochs = [order(3, e) for e in range(2)]
     assert sorted(epochs[0].tolist()) == list(range(n)) and not np.array_equal(epochs[0], epochs[1])
-    assert np.array_equal(epochs[0], epoch_order(loader.row_tokens, 3, 0, 1))  # same seed -> same order
-    assert not np.array_equal(epochs[0], epoch_order(loader.row_tokens, 4, 0, 1))
-    assert np.array_equal(epoch_order(loader.row_tokens, 3, 0, 1, shuffle=False), np.arange(n))
+    assert np.array_equal(epochs[0], order(3, 0))  # same seed -> same order
+    assert not np.array_equal(epochs[0], order(4, 0))
+    assert np.array_equal(order(3, 0, shuffle=False), np.arange(n))
 
 
 def test_ranks_split_each_global_batch():
     _, plan = _corpus_and_plan()
     rt = row_token_counts(plan)
-    full = epoch_order(rt, 0, 0, 2, world_size=1)  # micro_batch 2 x 1 rank
-    shards = [epoch_order(rt, 0, 0, 1, rank=r, world_size=2) for r in range(2)]
+    full = epoch_order(rt, seed=0, epoch=0, micro_batch=2, world_size=1)  # micro_batch 2 x 1 rank
+    shards = [epoch_order(rt, seed=0, epoch=0, micro_batch=1, rank=r, world_size=2) for r in range(2)]
     assert np.array_equal(np.stack(shards, axis=1).reshape(-1), full[: 2 * len(shards[0])])
 
 
@@ -81,7 +84,7 @@ def test_trimmed_batches_and_their_useful_fraction(bucket):
         assert int(batch["useful_tokens"]) == real
         useful, slots = useful + real, slots + batch["input_ids"].numel()
     assert loader.useful_fraction(0) == pytest.approx(useful / slots)
-    order = epoch_order(loader.row_tokens, 5, 0, 4, bucket=bucket)
+    order = epoch_order(loader.row_tokens, seed=5, epoch=0, micro_batch=4, bucket=bucket)
     expected = useful / (len(order) * SEQ_LEN)
     assert batch_useful_fraction(loader.row_tokens, order, 4, SEQ_LEN, False) == pytest.approx(expected)
 
