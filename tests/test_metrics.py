@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flexengine.metrics import TAGS, train_flops_per_token
 from flexengine.run import run_training
 from flexengine.train import to_job_config
-from tests.conftest import make_llama
+from tests.helpers import make_llama
 
 
 def _accumulator(log_dir):

@@ -12,7 +12,7 @@ import torch
 from flexengine.config import OptimConfig
 from flexengine.errors import UserError
 from flexengine.optim import CPUOffloadAdamW, build_optimizer, build_scheduler, optimizer_state_bytes_per_param
-from tests.conftest import clone_model
+from tests.helpers import clone_model
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from flexengine import pack_documents, patch_attention
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.loss import causal_lm_loss_sum
-from tests.conftest import clone_model, make_llama, make_mistral
+from tests.helpers import clone_model, make_llama, make_mistral
 
 ATOL = 1e-5
 

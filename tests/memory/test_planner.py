@@ -21,7 +21,7 @@ from flexengine.memory.planner import (
     plan_memory,
 )
 from flexengine.model import build_hf_config
-from tests.conftest import clone_model, make_llama
+from tests.helpers import clone_model, make_llama
 
 MEASURED_POLICIES = [
     MemoryConfig(), MemoryConfig(policy="full"), MemoryConfig(policy="full", layers="every_2"),

@@ -12,7 +12,7 @@ from flexengine.errors import UserError
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import apply_memory_policy, decoder_layers, select_layers
 from flexengine.memory.planner import ModelShape, Workload, recompute_flops_per_block
-from tests.conftest import clone_model, make_llama
+from tests.helpers import clone_model, make_llama
 
 B, S = 2, 64
 
@@ -162,7 +162,7 @@ def test_offload_never_copies_frozen_lora_base_weights():
     from flexengine.loss import forward_loss_sum
     from flexengine.memory import apply_memory_policy
     from flexengine.memory.meter import measure_activations
-    from tests.conftest import make_llama
+    from tests.helpers import make_llama
 
     offloaded = {}
     for r in (0, 4):
