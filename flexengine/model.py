@@ -48,7 +48,8 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
                 f"model.arch.model_type={model_type!r} is not a model family transformers knows "
                 "(e.g. llama, mistral, qwen2)."
             ) from None
-    # A KV cache is useless in training, and with it on HF skips packed-sequence handling (see DESIGN.md).
+    # A KV cache is useless in training, and with it on HF skips packed-sequence handling
+    # (docs/architecture.md, "Facts").
     config.use_cache = False
     return config
 

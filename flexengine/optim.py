@@ -81,7 +81,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, groups: List[dict], **adamw_kwargs):
-        pin = torch.cuda.is_available()  # pinned host memory needs an accelerator (see DESIGN.md)
+        pin = torch.cuda.is_available()  # pinned host memory needs an accelerator (docs/architecture.md, "Facts")
         self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
         host_groups = []
         for group in groups:

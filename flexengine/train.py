@@ -1,4 +1,4 @@
-"""Entry point: `python -m flexengine.train [overrides]`. The only module that imports Hydra.
+"""Entry point: `python -m flexengine.train [overrides]`. Hydra stops here: the library below sees a JobConfig.
 
 Composes conf/ against the dataclass schemas of flexengine.config (a misspelled key or a wrong type fails at
 composition), converts the DictConfig once into a typed JobConfig, and hands it to `run_training`.
