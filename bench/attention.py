@@ -24,6 +24,7 @@ import torch
 
 from flexengine.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
 from flexengine.attention.masks import get_mask_mod
+from flexengine.config import AttnMode
 
 RESULTS = Path(__file__).parent / "results"
 TORCH_BUILDER_MAX_S = 32768  # eager create_block_mask on CPU: ~1 s at 8K, ~40 s at 32K, minutes beyond
@@ -55,11 +56,11 @@ def bench_mask_build(seq_lens: list[int], mean_lens: list[int]) -> list[dict]:
     for seq_len in seq_lens:
         for mean_len in mean_lens:
             doc = canonical_document_ids(_doc_layout(seq_len, mean_len, rng)[None])
-            ours = _timed(lambda doc=doc: build_batch_mask("packed_doc", "flex", doc, None, 128))
+            ours = _timed(lambda doc=doc: build_batch_mask(doc, documents=True, window=None, backend="flex"))
             row = {"seq_len": seq_len, "mean_doc_len": mean_len, "documents": int(doc.max()) + 1,
                    "flexengine_s": ours, "torch_create_block_mask_s": None}
             if seq_len <= TORCH_BUILDER_MAX_S:
-                mod = get_mask_mod("packed_doc", doc, None)
+                mod = get_mask_mod(doc)
                 row["torch_create_block_mask_s"] = _timed(
                     lambda mod=mod, seq_len=seq_len, doc=doc: _create_block_mask(mod, 1, seq_len, doc.device, 128), 1)
             rows.append(row)
@@ -77,7 +78,9 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
         doc = torch.stack([_doc_layout(seq_len, mean_len, rng) for _ in range(4)])
         row = {"seq_len": seq_len, "mean_doc_len": mean_len}
         for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
-            row[mode] = float(build_batch_mask(mode, "flex", doc, window, 128).block_sparsity)
+            m = AttnMode(mode)
+            mask = build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None, backend="flex")
+            row[mode] = float(mask.block_sparsity)
         rows.append(row)
         print(f"sparsity S={seq_len} mean doc {mean_len:>5}: " + " ".join(f"{m}={row[m]:.3f}" for m in
                                                                           ("packed_doc", "packed_sliding")))

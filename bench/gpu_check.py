@@ -116,8 +116,8 @@ def check_grads() -> dict:
     for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2)):
         for mode in ("packed_doc", "packed_sliding"):
             flex, dense = make_llama(TINY, dtype), make_llama(TINY, dtype)
-            patch_attention(flex, mode, window=64, backend="flex", compile=True)
-            patch_attention(dense, mode, window=64, backend="dense")
+            patch_attention(flex, mode=mode, window=64, backend="flex", compile=True)
+            patch_attention(dense, mode=mode, window=64, backend="dense")
             batch = packed_batch(lengths, TINY["vocab_size"])
             lf, ld = forward_loss_sum(flex, batch), forward_loss_sum(dense, batch)
             lf.backward()
@@ -136,7 +136,7 @@ def check_recompiles() -> dict:
 
     torch._dynamo.reset()
     model = make_llama(TINY, torch.bfloat16)
-    patch_attention(model, "packed_doc", backend="flex", compile=True)
+    patch_attention(model, mode="packed_doc", backend="flex", compile=True)
     frames = []
     for seed in range(5):
         fwd_bwd(model, packed_batch(doc_lengths(2048, 200, 2048, seed), TINY["vocab_size"], seed))
@@ -155,7 +155,7 @@ def check_step_time(seq_lens=(8192, 32768)) -> dict:
         for name in ("flex_packed", "sdpa_padded"):
             model = make_llama(ONE_B, torch.bfloat16)
             if name == "flex_packed":
-                patch_attention(model, "packed_doc", backend="flex", compile=True)
+                patch_attention(model, mode="packed_doc", backend="flex", compile=True)
                 batches = [packed_batch(lengths, ONE_B["vocab_size"])]
             else:
                 model.set_attn_implementation("sdpa")
@@ -194,7 +194,7 @@ def check_memory(S: int = 8192) -> dict:
     for name, memory in policies.items():
         try:
             model = make_llama(MID, torch.bfloat16)
-            patch_attention(model, "packed_doc", backend="flex", compile=True)
+            patch_attention(model, mode="packed_doc", backend="flex", compile=True)
             apply_memory_policy(model, memory)
             fwd_bwd(model, batch, chunk=2048)  # warm-up: compile, allocator
             model.zero_grad(set_to_none=True)

@@ -63,7 +63,7 @@ def run_policy(arch: dict, memory: MemoryConfig, device: torch.device, steps: in
     """Meter one forward, then time `steps` forward+backward steps."""
     gpu = device.type == "cuda"
     model = build(arch, device, torch.bfloat16 if gpu else torch.float32)
-    patch_attention(model, "causal", backend="flex" if gpu else "dense")
+    patch_attention(model, mode="causal", backend="flex" if gpu else "dense")
     apply_memory_policy(model, memory)
     model.train()
     S = arch["seq_len"]

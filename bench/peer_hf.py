@@ -113,7 +113,7 @@ def flexengine_recipe(token_budget: int, micro_batch: int, memory: str, eval_set
         useful, slots, steps = useful + m["useful_tokens"], slots + m["tokens"], steps + 1
     wall = time.perf_counter() - t0
     trainer.metrics.close()
-    return {"recipe": f"flexengine: attn=packed_doc memory={memory} ({trainer.attn['backend']})", "steps": steps,
+    return {"recipe": f"flexengine: attn=packed_doc memory={memory} ({trainer.attn.backend.value})", "steps": steps,
             "useful_tokens": useful, "token_slots": slots, "wall_s": wall, "useful_tokens_per_s": useful / wall,
             "useful_token_fraction": useful / slots, "eval_loss": eval_loss(trainer.model, eval_set)}
 

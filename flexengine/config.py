@@ -8,11 +8,33 @@ Cross-field rules live in `__post_init__` and raise `UserError` naming the key t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from flexengine.errors import UserError
 
-ATTN_MODES = ("causal", "packed_doc", "sliding_window", "packed_sliding")
+
+
+class AttnMode(Enum):
+    """attn.mode as a composition of two masks on top of causal: per-document and sliding-window."""
+
+    CAUSAL = "causal"  # one document per row (padded)
+    PACKED_DOC = "packed_doc"  # packed documents, each attending only to itself
+    SLIDING_WINDOW = "sliding_window"  # one document per row, the last `window` keys
+    PACKED_SLIDING = "packed_sliding"  # both
+
+    @property
+    def documents(self) -> bool:
+        """Rows hold several documents separated by the mask (positions restart per document)."""
+        return self in (AttnMode.PACKED_DOC, AttnMode.PACKED_SLIDING)
+
+    @property
+    def windowed(self) -> bool:
+        """Queries see only a sliding window of keys (the model's own, or attn.window)."""
+        return self in (AttnMode.SLIDING_WINDOW, AttnMode.PACKED_SLIDING)
+
+
+ATTN_MODES = tuple(m.value for m in AttnMode)
 ATTN_BACKENDS = ("auto", "flex", "dense", "sdpa")
 PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
@@ -87,7 +109,8 @@ class AttnConfig:
 
     mode: str = "causal"  # causal | packed_doc | sliding_window | packed_sliding
     backend: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense | sdpa (HF's own, padded baseline)
-    window: Optional[int] = None  # sliding window in tokens (HF `sliding_window` semantics); None = model's own
+    window: Optional[int] = None  # sliding modes: window in tokens (HF `sliding_window` semantics) on the
+    # model's windowed layers (every layer if it has none); None = the model's own, per layer (`layer_types`)
     block_size: int = 128  # FlexAttention block size in tokens (also the unit of reported block sparsity)
     compile: bool = True  # compile flex_attention (uncompiled flex materialises scores: slow and memory hungry)
     dense_chunk: int = 512  # dense backend: queries per SDPA call; keys before the chunk's first document skipped
@@ -101,11 +124,19 @@ class AttnConfig:
             raise UserError(f"attn.dense_chunk={self.dense_chunk} must be a positive number of query tokens.")
         if self.window is not None and self.window <= 0:
             raise UserError(f"attn.window={self.window} must be a positive number of tokens (or null).")
+        if self.window is not None and not self.attn_mode.windowed:
+            raise UserError(f"attn.window={self.window} is set but attn={self.mode} has no sliding window; "
+                            "use attn=packed_sliding (or attn=sliding_window), or drop attn.window.")
+
+    @property
+    def attn_mode(self) -> AttnMode:
+        """attn.mode as the enum the rest of the code dispatches on."""
+        return AttnMode(self.mode)
 
     @property
     def packs_documents(self) -> bool:
         """Whether rows hold several documents separated by the mask (else one document per row)."""
-        return self.mode in ("packed_doc", "packed_sliding")
+        return self.attn_mode.documents
 
 
 @dataclass

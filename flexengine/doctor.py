@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from flexengine.attention import MASK_KWARG
+from flexengine.attention import MASK_KWARG, AttnBackend
 from flexengine.checkpoint import write_json_atomic
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
@@ -103,7 +103,7 @@ class StepProbe:
             def wrapper(batch):
                 kwargs = fn(batch)
                 mask = kwargs.get(MASK_KWARG)
-                probe.mask_backends[mask.backend if mask is not None else "hf:" + _attn_impl(trainer.model)] += 1
+                probe.mask_backends[mask.spec.backend.value if mask is not None else "hf:" + _attn_impl(trainer.model)] += 1
                 return kwargs
             return probe.timed("mask", wrapper)
 
@@ -240,7 +240,7 @@ def planner_report(trainer, micro_batch: int, seq_len: int) -> dict:
     job, model = trainer.job, trainer.model
     try:
         dtype_bytes = next(model.parameters()).element_size()
-        backend = "dense" if trainer.attn["backend"] == "dense" else "flex"  # HF sdpa keeps O(S) like flex
+        backend = "dense" if trainer.attn.backend is AttnBackend.DENSE else "flex"  # HF sdpa keeps O(S) like flex
         inputs = planner.PlanInputs(seq_len=seq_len, micro_batch=micro_batch, dtype_bytes=dtype_bytes,
                                     hardware=job.hardware, chunk_size=job.loss.chunk_size, backend=backend,
                                     grad_accum=job.train.grad_accum)
@@ -299,7 +299,7 @@ def build_report(trainer, per_step: list, counts: dict, probe: StepProbe, memory
     phase_s = {p: sum(s["phases"][p] for s in measured) for p in PHASES}
     sparsity = [s["block_sparsity"] for s in measured if s["block_sparsity"] is not None]
     numbers = {
-        "device": str(device), "attn_mode": trainer.attn["mode"], "attn_backend": trainer.attn["backend"],
+        "device": str(device), "attn_mode": job.attn.mode, "attn_backend": trainer.attn.backend.value,
         "attn_backend_requested": job.attn.backend, "attn_implementation": _attn_impl(trainer.model),
         "mask_backends_seen": dict(probe.mask_backends), "attn_compile": job.attn.compile,
         "train_compile": job.train.compile, "steps_measured": len(measured),

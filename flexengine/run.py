@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
-from flexengine.attention import patch_attention, resolve_backend
+from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.checkpoint import write_json_atomic
-from flexengine.compile import apply_compile
+from flexengine.compile import apply_compile, needs_compiled_blocks
 from flexengine.config import JobConfig
 from flexengine.data.corpus import build_corpus
 from flexengine.data.loader import RowLoader
@@ -42,7 +42,11 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     device = resolve_device(job.hardware.device)
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
-    build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+    hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+    if job.attn.backend == "flex" and device.type == "cpu":
+        raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
+                        "use attn.backend=dense (or auto).")
+    attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     tokenizer = load_tokenizer(job.model)
     with main_rank_first(dist_info):  # one rank tokenizes into the cache, the others read it
         corpus = build_corpus(job.data, tokenizer)
@@ -52,7 +56,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
     # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
     # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
-    flex = resolve_backend(job.attn.backend, device) == "flex"
+    flex = attention.backend is AttnBackend.FLEX
     try:
         loader = RowLoader(
             corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
@@ -65,19 +69,14 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
-    if job.attn.backend == "flex" and device.type == "cpu":
-        raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
-                        "use attn.backend=dense (or auto).")
-    try:
-        patch_attention(model, job.attn.mode, window=job.attn.window, backend=job.attn.backend,
-                        block_size=job.attn.block_size, compile=job.attn.compile, dense_chunk=job.attn.dense_chunk,
-                        device=device)
-    except ValueError as e:  # e.g. a sliding mode with no window on a model without its own
-        raise UserError(f"attn={job.attn.mode}: {e}") from None
+    apply_attention(model, attention)
     memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
     apply_memory_policy(model, memory)
     memory_report = activation_summary(model, job, memory, device)
-    if job.train.compile:
+    must_compile = needs_compiled_blocks(model)
+    if job.train.compile or must_compile:
+        if not job.train.compile:
+            log.info("compile: train.compile=false, but %s: compiling the decoder blocks", must_compile)
         apply_compile(model, job.train.compile_backend)
     train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size)
     trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, mask_kwargs
 from flexengine.checkpoint import find_latest_checkpoint
 from flexengine.config import JobConfig
@@ -24,13 +25,8 @@ from flexengine.errors import UserError
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
 from flexengine.optim import build_optimizer, build_scheduler
-from flexengine.parallel import (
-    DistInfo,
-    LossForward,
-    grad_norm_value,
-    load_checkpoint_all_ranks,
-    save_checkpoint_all_ranks,
-)
+from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, load_checkpoint_all_ranks,
+                                 save_checkpoint_all_ranks)
 from flexengine.profiling import start_profiler
 
 log = logging.getLogger(__name__)
@@ -76,7 +72,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
         self.state = TrainState()
         self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None)
-        self.attn = getattr(model, "flexengine_attention", {"backend": "sdpa", "mode": "causal", "window": None})
+        self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
@@ -85,7 +81,11 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------------------
     def _mask_kwargs(self, batch: dict) -> dict:
         """Build the batch's attention mask once, here, so every layer shares it (and we can log sparsity)."""
-        return mask_kwargs(self.model, batch["document_ids"]) if hasattr(self.model, "flexengine_attention") else {}
+        return mask_kwargs(self.model, batch["document_ids"])
+
+    @property
+    def _patched_attention(self) -> bool:
+        return self.attn is not None and self.attn.backend.patched
 
     def train_step(self) -> dict:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
@@ -253,8 +253,8 @@ class Trainer:
             "final_loss": s.losses[-1] if s.losses else None,
             "losses": list(s.losses),
             "skipped_nonfinite_steps": s.skipped_nonfinite,
-            "block_sparsity": s.block_sparsity_sum / max(1, s.step) if self.attn["backend"] != "sdpa" else None,
-            "attention": dict(self.attn),
+            "block_sparsity": s.block_sparsity_sum / max(1, s.step) if self._patched_attention else None,
+            "attention": self.attn.as_dict() if self.attn is not None else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "wall_s": self.wall_s,
             "stopped_by_signal": self._stop_signal,
@@ -262,7 +262,8 @@ class Trainer:
 
     def _hparams(self) -> dict:
         j = self.job
-        return {"model": j.model.name, "attn": j.attn.mode, "backend": self.attn["backend"],
+        return {"model": j.model.name, "attn": j.attn.mode,
+                "backend": self.attn.backend.value if self.attn is not None else "hf",
                 "memory": j.memory.policy, "seq_len": j.data.seq_len, "packing": j.data.packing,
                 "micro_batch": j.train.micro_batch, "grad_accum": j.train.grad_accum, "lr": j.optim.lr}
 

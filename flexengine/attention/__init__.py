@@ -1,4 +1,4 @@
-"""Attention rewrite: mask functions, per-batch masks, and the patch that routes HF attention through them."""
+"""Attention rewrite: the resolved spec, mask functions, per-batch masks, and the patch that routes HF attention."""
 
 from flexengine.attention.block_mask import BatchMask, build_batch_mask
 from flexengine.attention.masks import (
@@ -6,16 +6,22 @@ from flexengine.attention.masks import (
     get_mask_mod,
     position_ids_from_document_ids,
 )
-from flexengine.attention.patch import MASK_KWARG, mask_kwargs, patch_attention, resolve_backend
+from flexengine.attention.patch import MASK_KWARG, LayerMasks, apply_attention, mask_kwargs, patch_attention
+from flexengine.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec, resolve_backend
 
 __all__ = [
     "MASK_KWARG",
+    "AttentionSpec",
+    "AttnBackend",
     "BatchMask",
+    "LayerMasks",
+    "apply_attention",
     "build_batch_mask",
     "document_ids_from_position_ids",
     "get_mask_mod",
     "mask_kwargs",
     "patch_attention",
     "position_ids_from_document_ids",
+    "resolve_attention_spec",
     "resolve_backend",
 ]

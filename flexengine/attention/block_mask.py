@@ -26,7 +26,8 @@ class DenseChunk:
 class BatchMask:
     """Everything the attention layers of one forward share: a BlockMask (flex) or dense chunks (dense)."""
 
-    mode: str
+    documents: bool  # per-document mask (packed rows)
+    window: Optional[int]  # sliding window in tokens, None = none
     backend: str  # "flex" or "dense"
     block_mask: Optional[BlockMask] = None  # flex: [B, 1, S/block, S/block] block structure
     dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
@@ -62,7 +63,7 @@ def _ordered_blocks(blocks_BQK: Tensor) -> tuple[Tensor, Tensor]:
     return num[:, None], indices[:, None]
 
 
-def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> BlockMask:
+def document_block_mask(documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> BlockMask:
     """BlockMask for causal/document/window masks computed at block level: O((S/block)^2) per row, no [S, S].
 
     Valid because packed document ids never decrease along a row (documents are contiguous runs; callers pass
@@ -75,17 +76,17 @@ def document_block_mask(mode: str, document_ids_BS: Tensor, window: Optional[int
     result is exact even where the partial test is conservative (windowed documents).
     """
     S = document_ids_BS.shape[1]
-    any_allowed, all_allowed = block_occupancy(mode, document_ids_BS, window, block_size)
+    any_allowed, all_allowed = block_occupancy(documents, document_ids_BS, window, block_size)
     partial = any_allowed & ~all_allowed
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(all_allowed)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-        mask_mod=get_mask_mod(mode, document_ids_BS, window), seq_lengths=(S, S),
+        mask_mod=get_mask_mod(document_ids_BS if documents else None, window), seq_lengths=(S, S),
     )
 
 
-def block_occupancy(mode: str, document_ids_BS: Tensor, window: Optional[int],
+def block_occupancy(documents: bool, document_ids_BS: Tensor, window: Optional[int],
                     block_size: int) -> tuple[Tensor, Tensor]:
     """(some pair may attend, every pair attends) per (q block, kv block): two [B, nq, nk] bool tensors.
 
@@ -104,13 +105,13 @@ def block_occupancy(mode: str, document_ids_BS: Tensor, window: Optional[int],
     strictly_below = q[:, None] > q[None, :]
     any_allowed = below_or_diag.expand(B, n, n).clone()
     all_allowed = strictly_below.expand(B, n, n).clone()
-    if mode in ("packed_doc", "packed_sliding"):
+    if documents:
         overlap = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
         single = lo == hi
         same_single = single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
         any_allowed &= overlap
         all_allowed &= same_single
-    if mode in ("sliding_window", "packed_sliding"):
+    if window is not None:
         gap = (q[:, None] - q[None, :]) * block_size  # q block start - kv block start
         any_allowed &= (gap - (block_size - 1)) < window  # closest pair: first q vs last kv
         all_allowed &= (gap + (block_size - 1)) < window  # farthest pair: last q vs first kv
@@ -133,42 +134,45 @@ def _causal_block_count(B: int, S: int, block_size: int) -> int:
 
 
 def build_batch_mask(
-    mode: str,
-    backend: str,
     document_ids_BS: Tensor,
-    window: Optional[int] = None,
+    *,
+    documents: bool,
+    window: Optional[int],
+    backend: str,
     block_size: int = 128,
     dense_chunk: int = 512,
 ) -> BatchMask:
-    """The mask for one batch of rows [B, S] under an attention mode, for the flex or dense backend.
+    """The mask for one batch of rows [B, S] (causal, + per document, + sliding window) for flex or dense.
 
     dense_chunk: queries per SDPA call of the dense backend (its keys start at the chunk's earliest document).
     """
     B, S = document_ids_BS.shape
     device = document_ids_BS.device
     document_ids_BS = canonical_document_ids(document_ids_BS)
-    mask_mod = get_mask_mod(mode, document_ids_BS, window)
+    mask_mod = get_mask_mod(document_ids_BS if documents else None, window)
     causal_blocks = _causal_block_count(B, S, block_size)
     if backend == "flex":
         if S % block_size == 0:
-            block_mask = document_block_mask(mode, document_ids_BS, window, block_size)
+            block_mask = document_block_mask(documents, document_ids_BS, window, block_size)
         else:  # ragged last block: let torch evaluate the mask_mod per element
             block_mask = _create_block_mask(mask_mod, B, S, device, block_size)
         computed = block_mask.kv_num_blocks.sum()
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()
-        return BatchMask(mode, backend, block_mask=block_mask, computed_blocks=computed, causal_blocks=causal_blocks)
+        return BatchMask(documents, window, backend, block_mask=block_mask, computed_blocks=computed,
+                         causal_blocks=causal_blocks)
     if backend == "dense":
-        chunks = _dense_chunks(mode, mask_mod, document_ids_BS, window, dense_chunk)
+        chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(
-            mode, backend, dense_chunks=chunks,
-            computed_blocks=block_occupancy(mode, document_ids_BS, window, block_size)[0].sum(),
+            documents, window, backend, dense_chunks=chunks,
+            computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
             causal_blocks=causal_blocks,
         )
     raise ValueError(f"unknown mask backend {backend!r}")
 
 
-def _dense_chunks(mode: str, mask_mod, document_ids_BS: Tensor, window: Optional[int], chunk: int) -> list[DenseChunk]:
+def _dense_chunks(documents: bool, mask_mod, document_ids_BS: Tensor, window: Optional[int],
+                  chunk: int) -> list[DenseChunk]:
     # Keys before the earliest document start of a query chunk (or before its window) can never be attended,
     # so each chunk's SDPA call skips them: dense cost follows the documents, not S^2. Exact either way: the
     # mask still decides inside the kept range. Reading the starts costs one host sync per batch (CPU backend).
@@ -176,8 +180,8 @@ def _dense_chunks(mode: str, mask_mod, document_ids_BS: Tensor, window: Optional
     q_starts = list(range(0, S, chunk))
     idx = torch.tensor(q_starts, device=document_ids_BS.device)
     doc_start = idx - position_ids_from_document_ids(document_ids_BS)[:, idx]  # [B, chunks]
-    kv_starts = doc_start.min(dim=0).values if mode in ("packed_doc", "packed_sliding") else torch.zeros_like(idx)
-    if window is not None and mode in ("sliding_window", "packed_sliding"):
+    kv_starts = doc_start.min(dim=0).values if documents else torch.zeros_like(idx)
+    if window is not None:
         kv_starts = torch.maximum(kv_starts, (idx - window + 1).clamp(min=0))
     chunks = []
     for q_start, kv_start in zip(q_starts, kv_starts.tolist()):

@@ -1,4 +1,4 @@
-"""Pure mask functions in FlexAttention's `mask_mod` signature, and their composition per attention mode.
+"""Pure mask functions in FlexAttention's `mask_mod` signature, and their composition.
 
 Each function answers "may query `q_idx` attend to key `kv_idx`?" with tensor ops only, so the very same
 function feeds `create_block_mask` (flex backend, evaluated per block under vmap) and a dense boolean mask
@@ -40,19 +40,14 @@ def get_sliding_window_mask_mod(window: int) -> MaskMod:
     return sliding_window
 
 
-def get_mask_mod(mode: str, document_ids_BS: Optional[Tensor] = None, window: Optional[int] = None) -> MaskMod:
-    """The composed mask for an attention mode: causal, packed_doc, sliding_window or packed_sliding."""
+def get_mask_mod(document_ids_BS: Optional[Tensor] = None, window: Optional[int] = None) -> MaskMod:
+    """Causal, and with document ids per-document, and with a window sliding: the masks composed (attention-gym's
+    `generate_doc_mask_mod` idea: "packed X" is X and a document mask, not a new mode)."""
     mods: list[MaskMod] = [causal_mask]
-    if mode in ("packed_doc", "packed_sliding"):
-        if document_ids_BS is None:
-            raise ValueError(f"attention mode {mode!r} needs document ids (or position ids that restart at 0)")
+    if document_ids_BS is not None:
         mods.append(get_document_mask_mod(document_ids_BS))
-    if mode in ("sliding_window", "packed_sliding"):
-        if window is None:
-            raise ValueError(f"attention mode {mode!r} needs a window size")
+    if window is not None:
         mods.append(get_sliding_window_mask_mod(window))
-    if mode not in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
-        raise ValueError(f"unknown attention mode {mode!r}")
     composed = and_masks(*mods) if len(mods) > 1 else mods[0]
     composed.__name__ = "_and_".join(m.__name__ for m in mods)
     return composed

@@ -1,13 +1,16 @@
 """Rewrite a loaded HF causal LM's attention through transformers' own registry (no forked modelling code).
 
-`patch_attention` registers one attention function under the name "flexengine" and a forward pre-hook on the
-model. The hook builds the batch's mask once from `position_ids` (or `document_ids`) and hands it to every
-layer as a keyword argument; transformers forwards extra model kwargs unchanged to the attention function.
+`apply_attention(model, spec)` registers one attention function under the name "flexengine" and a forward
+pre-hook on the decoder. The hook builds the batch's masks once from `position_ids` (or `document_ids`) -- one
+per distinct window of the spec -- and hands them to every layer as a keyword argument; transformers forwards
+extra model kwargs unchanged to the attention function, which picks its layer's mask by the `sliding_window`
+HF's layer passes (a constant shared by all layers of one kind, so compiled blocks share their graph).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,9 +18,11 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
 
+from flexengine.applied import applied, attention_spec
 from flexengine.attention.block_mask import BatchMask, build_batch_mask
 from flexengine.attention.masks import document_ids_from_position_ids, position_ids_from_document_ids
-from flexengine.config import ATTN_BACKENDS, ATTN_MODES
+from flexengine.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
+from flexengine.config import AttnConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,28 @@ def _flex_fn(compile: bool):
     return _compiled_flex
 
 
+@dataclass
+class LayerMasks:
+    """One batch's masks for every layer: keyed by the `sliding_window` HF's layer passes (see AttentionSpec)."""
+
+    spec: AttentionSpec
+    by_hf_window: dict  # HF's sliding_window (None, or tokens) -> BatchMask
+
+    def for_layer(self, hf_window: Optional[int]) -> BatchMask:
+        """The mask of a layer that received `sliding_window=hf_window` from HF."""
+        mask = self.by_hf_window.get(hf_window)
+        if mask is None:
+            raise RuntimeError(f"flexengine attention: a layer passed sliding_window={hf_window}, which the model "
+                               f"config did not announce ({sorted(map(str, self.by_hf_window))})")
+        return mask
+
+    @property
+    def block_sparsity(self) -> Tensor:
+        """Fraction of a causal mask's blocks computed, averaged over the layers; 0-d tensor (no host sync)."""
+        per_layer = [self.by_hf_window[w].block_sparsity for w in self.spec.hf_windows]
+        return torch.stack(per_layer).float().mean()
+
+
 def flexengine_attention(
     module: nn.Module,
     query: Tensor,
@@ -52,8 +79,8 @@ def flexengine_attention(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """AttentionInterface function: q [B, Hq, S, D], k/v [B, Hkv, S, D] -> ([B, S, Hq, D], None)."""
-    mask: Optional[BatchMask] = kwargs.get(MASK_KWARG)
-    if mask is None:
+    masks: Optional[LayerMasks] = kwargs.get(MASK_KWARG)
+    if masks is None:
         raise RuntimeError(
             "flexengine attention was called without its batch mask: call the patched model itself "
             "(model(input_ids=..., position_ids=...)), not an inner module"
@@ -61,11 +88,12 @@ def flexengine_attention(
     for unsupported in ("softcap", "s_aux"):  # Gemma-2 logit soft-capping, attention sinks
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"flexengine attention does not implement {unsupported!r} (this model uses it)")
+    mask = masks.for_layer(kwargs.get("sliding_window"))
     gqa = query.shape[1] != key.shape[1]
-    if mask.backend == "flex":
+    if mask.block_mask is not None:  # flex
         if dropout:
             raise NotImplementedError("FlexAttention has no attention dropout; set the model's attention_dropout=0")
-        flex = _flex_fn(getattr(module, "_flexengine_compile", True))
+        flex = _flex_fn(masks.spec.compile)
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
     else:
         outs = [
@@ -82,67 +110,28 @@ def flexengine_attention(
 AttentionInterface.register(ATTN_IMPLEMENTATION, flexengine_attention)
 
 
-def resolve_backend(backend: str, device: Optional[torch.device] = None) -> str:
-    """auto -> flex on CUDA, dense on CPU; anything else unchanged."""
-    if backend != "auto":
-        return backend
-    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-    return "flex" if on_cuda else "dense"
+def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
+    """Make an HF causal LM attend as `spec` says; returns the same model, changed in place.
 
-
-def _resolve_window(model: nn.Module, mode: str, window: Optional[int]) -> Optional[int]:
-    native = getattr(model.config, "sliding_window", None)
-    if mode in ("sliding_window", "packed_sliding"):
-        window = window if window is not None else native
-        if window is None:
-            raise ValueError(f"attention mode {mode!r} needs a window: pass window= (attn.window=...)")
-        return window
-    if native is not None and getattr(model.config, "use_sliding_window", True):
-        log.warning(
-            "model has a native sliding_window=%s but attention mode %r attends to whole documents; "
-            "use mode='packed_sliding' (attn=packed_sliding) to keep the model's window",
-            native, mode,
-        )
-    return None
-
-
-def patch_attention(
-    model: nn.Module,
-    mode: str = "packed_doc",
-    *,
-    window: Optional[int] = None,
-    backend: str = "auto",
-    block_size: int = 128,
-    compile: bool = True,
-    dense_chunk: int = 512,
-    device: Optional[torch.device] = None,
-) -> nn.Module:
-    """Make an HF causal LM attend per document / per window; returns the same model, patched in place.
-
-    After patching, `model(input_ids=..., position_ids=...)` treats every run of positions that restarts at 0
-    as its own document (or pass `document_ids=` [B, S]). backend: auto | flex | dense | sdpa (HF's own
-    attention, unpatched: the padded one-document-per-row baseline). device: where the model runs (decides
-    `auto`; default: CUDA if available).
+    After it, `model(input_ids=..., position_ids=...)` treats every run of positions that restarts at 0 as its own
+    document (or pass `document_ids=` [B, S]). Recorded in `model.flexengine.attention`.
     """
-    if mode not in ATTN_MODES:
-        raise ValueError(f"mode={mode!r}: choose one of {ATTN_MODES}")
-    if backend not in ATTN_BACKENDS:
-        raise ValueError(f"backend={backend!r}: choose one of {ATTN_BACKENDS}")
-    _remove_hook(model)
-    if backend == "sdpa":
-        if mode != "causal":
-            raise ValueError(f"backend='sdpa' is HF's own causal attention; mode={mode!r} needs flex or dense")
+    if len(spec.layer_windows) != model.config.num_hidden_layers:
+        raise ValueError(f"the spec has {len(spec.layer_windows)} layer windows, the model "
+                         f"{model.config.num_hidden_layers} layers: resolve it from this model's config")
+    record = applied(model)
+    if record.mask_hook is not None:
+        record.mask_hook.remove()
+        record.mask_hook = None
+    record.attention = spec
+    if not spec.backend.patched:
         model.set_attn_implementation("sdpa")
-        model.flexengine_attention = {"mode": mode, "backend": "sdpa", "window": None}
-        log.info("attention: mode=causal backend=sdpa (HF's own, one document per row)")
+        log.info("attention: %s (HF's own, one document per row)", spec.describe())
         return model
-    resolved = resolve_backend(backend, device)
-    if resolved == "flex":
-        _check_flex_can_run(compile)
-    window = _resolve_window(model, mode, window)
+    if spec.backend is AttnBackend.FLEX:
+        _check_flex_can_run(spec.compile)
+        _flex_fn(spec.compile)  # created here: made lazily inside a traced checkpoint it is a side effect
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    for module in model.modules():
-        module._flexengine_compile = compile
 
     def build_mask_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get(MASK_KWARG) is not None:  # the caller built it already (e.g. the trainer, ahead of time)
@@ -157,9 +146,10 @@ def patch_attention(
                 kwargs["position_ids"] = position_ids_from_document_ids(document_ids)
         elif position_ids is not None:
             document_ids = document_ids_from_position_ids(position_ids.expand(B, S))
-        elif mode in ("packed_doc", "packed_sliding"):
+        elif spec.documents:
             raise ValueError(
-                f"attention mode {mode!r} needs position_ids that restart at 0 per document (or document_ids)"
+                f"attention mode {spec.mode.value!r} needs position_ids that restart at 0 per document "
+                "(or document_ids)"
             )
         else:
             document_ids = torch.zeros(B, S, dtype=torch.int32, device=ref.device)
@@ -167,29 +157,47 @@ def patch_attention(
         return args, kwargs
 
     # On the decoder (not the LM head wrapper) so that calls to the decoder alone (chunked loss) also get masks.
-    model._flexengine_hook = model.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
-    model.flexengine_attention = {"mode": mode, "backend": resolved, "window": window, "block_size": block_size,
-                                  "dense_chunk": dense_chunk}
-    log.info("attention: mode=%s backend=%s (requested %s) window=%s", mode, resolved, backend, window)
+    record.mask_hook = model.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
+    log.info("attention: %s", spec.describe())
     return model
 
 
+def patch_attention(
+    model: nn.Module,
+    *,
+    mode: str = "packed_doc",
+    window: Optional[int] = None,
+    backend: str = "auto",
+    block_size: int = 128,
+    compile: bool = True,
+    dense_chunk: int = 512,
+    device: Optional[torch.device] = None,
+) -> nn.Module:
+    """Library shortcut: AttnConfig fields -> `resolve_attention_spec` -> `apply_attention` (raises UserError).
+
+    backend: auto | flex | dense | sdpa (HF's own attention, unpatched: the padded one-document-per-row
+    baseline). window: None = the model's own (per layer). device: where the model runs (decides `auto`).
+    """
+    attn = AttnConfig(mode=mode, backend=backend, window=window, block_size=block_size, compile=compile,
+                      dense_chunk=dense_chunk)
+    return apply_attention(model, resolve_attention_spec(attn, model.config, device=device))
+
+
 def mask_kwargs(model: nn.Module, document_ids_BS: Tensor) -> dict:
-    """Keyword arguments carrying one batch's mask for a patched model ({} under HF's own sdpa); build them once
-    per batch and pass them to `model(...)` or its decoder."""
-    attn = model.flexengine_attention
-    if attn["backend"] == "sdpa":
+    """Keyword arguments carrying one batch's masks for a patched model ({} when its attention is HF's own);
+    build them once per batch and pass them to `model(...)` or its decoder."""
+    spec = attention_spec(model)
+    if spec is None or not spec.backend.patched:
         return {}
-    mask = build_batch_mask(attn["mode"], attn["backend"], document_ids_BS, attn["window"], attn["block_size"],
-                            attn["dense_chunk"])
-    return {MASK_KWARG: mask}
-
-
-def _remove_hook(model: nn.Module) -> None:
-    hook = getattr(model, "_flexengine_hook", None)
-    if hook is not None:
-        hook.remove()
-        model._flexengine_hook = None
+    built: dict = {}  # window -> mask: layers with the same window share one mask
+    by_hf = {}
+    for hf_window, window in spec.mask_windows.items():
+        if window not in built:
+            built[window] = build_batch_mask(document_ids_BS, documents=spec.documents, window=window,
+                                             backend=spec.backend.value, block_size=spec.block_size,
+                                             dense_chunk=spec.dense_chunk)
+        by_hf[hf_window] = built[window]
+    return {MASK_KWARG: LayerMasks(spec, by_hf)}
 
 
 def _check_flex_can_run(compile: bool) -> None:

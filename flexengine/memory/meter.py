@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from flexengine.memory.offload import making_host_copies
-from flexengine.memory.policy import decoder_layers
+from flexengine.memory.layers import decoder_layers
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """CPU activation offload per decoder block: saved tensors go to (pinned) host memory during forward and come
 back one block ahead of their use in backward, with the copies on a side CUDA stream so they overlap compute.
 
-The hooks wrap the block's `__call__` (a per-instance subclass, the trick FSDP2 uses), so they sit outside
-the block's forward: outside `torch.compile` (dynamo cannot trace saved-tensor hooks; around a compiled region
-they cause no break and no recompile) and outside a checkpoint (hooks inside one would disable it; outside, they
+The hooks wrap the block's `__call__` (`flexengine.memory.policy.MemoryBlock`, one class shared by every
+block), so they sit outside the block's forward: outside `torch.compile` (dynamo cannot trace saved-tensor hooks;
+around a compiled region they cause no break and no recompile) and outside a checkpoint (hooks inside one would disable it; outside, they
 see only the checkpoint's positional inputs). On CPU the same path runs without pinning or streams.
 """
 
@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Iterator, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 _HOST_COPY_DEPTH = [0]  # >0 while this module copies saved tensors to host (the meter reports those bytes apart)
@@ -93,20 +93,10 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
 class OffloadManager:
     """Saved-tensor hooks for the blocks it is attached to; one side stream per model."""
 
-    def __init__(self, min_bytes: int = 1024):
+    def __init__(self, min_bytes: int = 1024):  # blocks enter `block(index, kwargs)` around each call
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
         self._stream: Optional[torch.cuda.Stream] = None
         self._last: Optional[weakref.ref] = None
-
-    def attach(self, layer: nn.Module, index: int) -> None:
-        """Offload the saved tensors of every call of `layer` (block `index`)."""
-        cls, manager = type(layer), self
-
-        def __call__(module: nn.Module, *args, **kwargs):
-            with manager.block(index, kwargs):
-                return cls.__call__(module, *args, **kwargs)
-
-        layer.__class__ = type(f"Offloaded{cls.__name__}", (cls,), {"__call__": __call__})
 
     @contextlib.contextmanager
     def block(self, index: int, kwargs: dict) -> Iterator[None]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.config import HardwareConfig, MemoryConfig
-from flexengine.memory.policy import select_layers
+from flexengine.memory.layers import select_layers
 
 GiB = 2**30
 # The constants below are not derived from our code path; each names its source and is printed with every plan

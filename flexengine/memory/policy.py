@@ -1,62 +1,36 @@
 """Which decoder blocks recompute or offload their activations in backward, applied in place to an HF model.
 
-Every policy works per selected block and is non-reentrant, so it composes with keyword arguments (rotary
-embeddings, masks), with `torch.compile(fullgraph=True)` on the block, and with activation offload:
-- granularity=block: the whole block is recomputed (saves only its input hidden state);
-- granularity=attention / mlp: only that sub-module is recomputed (saves its normalised input);
-- granularity=ops: op-level SAC — matmul and attention outputs are kept, pointwise ops are recomputed;
-- offload: the block's saved tensors (or, under checkpointing, its saved inputs) live in CPU memory.
+Every block that a policy changes gets the same wrapper class, `MemoryBlock` mixed into its own class once per
+HF class (the way FSDP2 does it), and its policy as data (`memory_spec`). So all blocks share one compiled
+graph whatever the policy -- a per-block class would make each block its own graph and hit the recompile limit
+(`FailOnRecompileLimitHit` at 9+ layers under fullgraph). Every policy is non-reentrant, so it composes with
+keyword arguments (rotary embeddings, masks), with `torch.compile(fullgraph=True)` on the block, and with
+activation offload:
+- Recompute.BLOCK: the whole block is recomputed (saves only its input hidden state);
+- Recompute.ATTENTION / MLP: only that sub-module is recomputed (saves its normalised input);
+- Recompute.OPS: op-level SAC -- matmul and attention outputs are kept, pointwise ops are recomputed; with
+  flex the block must be compiled, so that SAC sees flex inside the block's graph (`compile.needs_compiled_blocks`);
+- offload: the block's saved tensors (or, under checkpointing, its saved inputs) live in CPU memory. The hooks
+  run in `MemoryBlock.__call__`, outside the compiled forward and outside the checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from flexengine.applied import applied
 from flexengine.config import MemoryConfig
 from flexengine.errors import UserError
+from flexengine.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.memory.offload import OffloadManager
+from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
 
 log = logging.getLogger(__name__)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder blocks (HF causal LMs keep it at get_decoder().layers)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UserError(f"{type(model).__name__}: cannot find its decoder blocks (expected get_decoder().layers)")
-    return layers
-
-
-def select_layers(spec: str, n_layers: int) -> list[int]:
-    """Block indices for memory.layers: all | every_<n> | first_<k> | last_<k> | "0,3,7"."""
-    spec = str(spec).strip()
-    try:
-        if spec == "all":
-            return list(range(n_layers))
-        if spec.startswith("every_"):
-            n = int(spec[len("every_"):])
-            return list(range(n - 1, n_layers, n)) if n > 0 else []
-        if spec.startswith("first_"):
-            return list(range(min(int(spec[len("first_"):]), n_layers)))
-        if spec.startswith("last_"):
-            k = int(spec[len("last_"):])
-            return list(range(max(0, n_layers - k), n_layers))
-        if spec in ("", "none"):
-            return []
-        indices = sorted({int(i) for i in spec.split(",")})
-    except ValueError:
-        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k> "
-                        "or a list like 0,3,7") from None
-    bad = [i for i in indices if not 0 <= i < n_layers]
-    if bad:
-        raise UserError(f"memory.layers={spec!r}: blocks {bad} do not exist "
-                        f"(the model has {n_layers}: 0..{n_layers - 1})")
-    return indices
 
 
 def _saved_ops() -> set:
@@ -84,68 +58,79 @@ def _sac_context():
     return create_selective_checkpoint_contexts(save_matmuls_and_attention)
 
 
-def wrap_checkpoint(module: nn.Module, context_fn: Optional[Callable] = None) -> None:
-    """Recompute `module` in backward: its forward becomes a non-reentrant checkpoint of itself."""
-    inner = module.forward
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+class MemoryBlock(nn.Module):
+    """Mixed into a block's (or sub-module's) class: checkpoint / SAC in `forward`, offload in `__call__`.
 
-    def forward(*args, **kwargs):
-        # non-reentrant: works with kwargs, compile and activation offload hooks
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    Never instantiated: `wrap_module` swaps an existing module's class and sets the three attributes below.
+    """
 
-    module.forward = forward  # instance attribute: parameter names and state_dict keys stay HF's
+    memory_spec: MemorySpec  # what this module's own forward does (Recompute.BLOCK on a wrapped sub-module)
+    memory_index: int  # decoder block index (offload groups prefetch one block ahead)
+    memory_offload: Optional[OffloadManager]  # the model's offload manager, when this module offloads
+
+    def forward(self, *args, **kwargs):
+        recompute = self.memory_spec.recompute
+        if recompute is Recompute.BLOCK:  # non-reentrant: works with kwargs, compile and offload hooks
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+        if recompute is Recompute.OPS:
+            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_sac_context, **kwargs)
+        return super().forward(*args, **kwargs)  # ATTENTION / MLP: the sub-module recomputes itself
+
+    def __call__(self, *args, **kwargs):
+        # Outside the compiled region (nn.Module.compile compiles _call_impl, which __call__ calls) and outside
+        # the checkpoint (hooks inside one would disable it; here they see only its positional inputs).
+        if self.memory_offload is None:
+            return super().__call__(*args, **kwargs)
+        with self.memory_offload.block(self.memory_index, kwargs):
+            return super().__call__(*args, **kwargs)
 
 
-def _submodule(layer: nn.Module, name: str, granularity: str) -> nn.Module:
+_MEMORY_CLASSES: dict[type, type] = {}
+
+
+def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager]) -> None:
+    """Give `module` the shared MemoryBlock class of its HF class and this policy (idempotent)."""
+    cls = type(module)
+    if not isinstance(module, MemoryBlock):
+        if cls not in _MEMORY_CLASSES:
+            _MEMORY_CLASSES[cls] = type(f"Memory{cls.__name__}", (MemoryBlock, cls), {})
+        module.__class__ = _MEMORY_CLASSES[cls]  # parameter names and state_dict keys stay HF's
+    module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
+
+
+def _submodule(layer: nn.Module, name: str, recompute: Recompute) -> nn.Module:
     sub = getattr(layer, name, None)
     if not isinstance(sub, nn.Module):
         raise UserError(
-            f"memory.granularity={granularity}: {type(layer).__name__} has no `{name}` sub-module; "
+            f"memory.granularity={recompute.value}: {type(layer).__name__} has no `{name}` sub-module; "
             "use memory.granularity=block"
         )
     return sub
 
 
-def apply_block_policy(layer: nn.Module, granularity: str) -> None:
-    """Checkpoint one decoder block at the given granularity (block | attention | mlp | ops)."""
-    if granularity == "block":
-        wrap_checkpoint(layer)
-    elif granularity == "attention":
-        wrap_checkpoint(_submodule(layer, "self_attn", granularity))
-    elif granularity == "mlp":
-        wrap_checkpoint(_submodule(layer, "mlp", granularity))
-    elif granularity == "ops":
-        wrap_checkpoint(layer, _sac_context)
-    else:
-        raise UserError(f"memory.granularity={granularity!r}: choose block, attention, mlp or ops")
+def apply_block_spec(layer: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager]) -> None:
+    """Apply one block's MemorySpec in place (a block whose spec changes nothing is left as it is)."""
+    if not spec.changes_block and not isinstance(layer, MemoryBlock):
+        return
+    sub_name = {Recompute.ATTENTION: "self_attn", Recompute.MLP: "mlp"}.get(spec.recompute)
+    if sub_name is not None:
+        wrap_module(_submodule(layer, sub_name, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
+    wrap_module(layer, spec, index, offload if spec.offload else None)
 
 
 def apply_memory_policy(model: nn.Module, memory: MemoryConfig) -> list[int]:
-    """Apply memory.policy to the selected blocks in place; returns the indices of the blocks it changed."""
-    if memory.policy == "none":
-        return []
-    if memory.policy == "auto":
-        raise UserError(
-            "memory.policy=auto must be resolved to a concrete policy by the planner first "
-            "(flexengine.memory.planner.resolve_auto_memory); run.py does this for training"
-        )
+    """Apply memory.* to the selected blocks in place (recorded in `model.flexengine.memory`); returns the
+    indices of the blocks it changed."""
     layers = decoder_layers(model)
-    chosen = select_layers(memory.layers, len(layers))
-    recompute = memory.policy in ("full", "selective")
-    offload = memory.policy == "offload" or memory.offload
-    manager = OffloadManager() if offload else None
-    for i in chosen:
-        if recompute:
-            apply_block_policy(layers[i], memory.granularity)
-        if manager is not None:
-            # Hooks go around the block's __call__, outside any compiled region and outside the checkpoint,
-            # so under checkpointing only the checkpoint's inputs are offloaded.
-            manager.attach(layers[i], i)
-    if manager is not None:
-        model._flexengine_offload = manager  # keeps one manager (one side stream) per model
-    log.info(
-        "memory: policy=%s granularity=%s offload=%s on %d of %d blocks %s",
-        memory.policy, memory.granularity if recompute else "-", offload, len(chosen), len(layers), chosen,
-    )
+    specs = block_memory_specs(memory, len(layers))
+    record = applied(model)
+    if any(s.offload for s in specs) and record.offload is None:
+        record.offload = OffloadManager()  # one manager (one side stream) per model
+    for i, (layer, spec) in enumerate(zip(layers, specs)):
+        apply_block_spec(layer, spec, i, record.offload)
+    record.memory = specs
+    chosen = [i for i, s in enumerate(specs) if s.changes_block]
+    if memory.policy != "none":
+        log.info("memory: policy=%s (%s) on %d of %d blocks %s", memory.policy,
+                 specs[chosen[0]].describe() if chosen else "-", len(chosen), len(layers), chosen)
     return chosen
-

@@ -8,6 +8,8 @@ import logging
 import torch
 from torch import nn
 
+from flexengine.applied import attention_spec
+from flexengine.attention.spec import AttnBackend
 from flexengine.config import JobConfig, MemoryConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory.meter import measure_activations
@@ -34,7 +36,8 @@ def activation_summary(model: nn.Module, job: JobConfig, memory: MemoryConfig, d
     """activation_bytes(_per_block) for summary.json: measured by the meter on one synthetic forward when the
     blocks run eagerly with dense/sdpa attention (the dispatch mode neither mixes with compiled blocks nor has a
     rule for the flex_attention higher-order op), else the planner's estimate."""
-    flex = getattr(model, "flexengine_attention", {}).get("backend") == "flex"
+    spec = attention_spec(model)
+    flex = spec is not None and spec.backend is AttnBackend.FLEX
     if not job.train.compile and not flex:
         B, S = job.train.micro_batch, job.data.seq_len
         ids = torch.zeros(B, S, dtype=torch.long, device=device)

@@ -4,6 +4,13 @@ import pytest
 import torch
 
 from flexengine.attention.block_mask import build_batch_mask
+from flexengine.config import AttnMode
+
+
+def _mask(doc, mode, backend, window=100, block_size=128):
+    m = AttnMode(mode)
+    return build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None, backend=backend,
+                            block_size=block_size)
 
 
 def _layout(seq_len, lengths):
@@ -19,16 +26,16 @@ def _layout(seq_len, lengths):
 def test_flex_and_dense_count_the_same_blocks(mode):
     seq_len, block = 512, 128
     doc = torch.stack([_layout(seq_len, [3, 200, 40, 150]), _layout(seq_len, [512]), _layout(seq_len, [30])])
-    dense = build_batch_mask(mode, "dense", doc, window=100, block_size=block)
-    flex = build_batch_mask(mode, "flex", doc, window=100, block_size=block)
+    dense = _mask(doc, mode, "dense", block_size=block)
+    flex = _mask(doc, mode, "flex", block_size=block)
     assert int(dense.computed_blocks) == int(flex.computed_blocks)
     assert dense.causal_blocks == flex.causal_blocks == 3 * 4 * 5 // 2
 
 
 def test_block_sparsity_drops_with_many_short_documents():
     seq_len = 1024
-    one_doc = build_batch_mask("packed_doc", "dense", _layout(seq_len, [seq_len])[None], block_size=128)
-    many = build_batch_mask("packed_doc", "dense", _layout(seq_len, [128] * 8)[None], block_size=128)
+    one_doc = _mask(_layout(seq_len, [seq_len])[None], "packed_doc", "dense")
+    many = _mask(_layout(seq_len, [128] * 8)[None], "packed_doc", "dense")
     assert float(one_doc.block_sparsity) == 1.0
     assert float(many.block_sparsity) == pytest.approx(8 / 36)  # 8 diagonal blocks of 36 causal ones
 
@@ -49,8 +56,10 @@ def test_block_level_builder_equals_torch_create_block_mask(mode):
             total += n
         rows.append(_layout(seq_len, lengths))
     doc = canonical_document_ids(torch.stack(rows))
-    ours = document_block_mask(mode, doc, 200, block)
-    torch_built = _create_block_mask(get_mask_mod(mode, doc, 200), 3, seq_len, doc.device, block)
+    m = AttnMode(mode)
+    window = 200 if m.windowed else None
+    ours = document_block_mask(m.documents, doc, window, block)
+    torch_built = _create_block_mask(get_mask_mod(doc if m.documents else None, window), 3, seq_len, doc.device, block)
     assert torch.equal(ours.to_dense(), torch_built.to_dense())
     # "full" blocks skip the mask_mod: they must be exactly torch's (a wrong full block would leak attention)
     assert torch.equal(ours.full_kv_num_blocks, torch_built.full_kv_num_blocks)

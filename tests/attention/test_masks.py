@@ -3,6 +3,7 @@
 import torch
 
 from flexengine.attention.block_mask import dense_mask_from_mod
+from flexengine.config import AttnMode
 from flexengine.attention.masks import (
     document_ids_from_position_ids,
     get_mask_mod,
@@ -27,7 +28,8 @@ def _brute_force(mode, doc, window):
 def test_every_mode_matches_brute_force_definition():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3]])
     for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
-        mod = get_mask_mod(mode, doc, window=3)
+        m = AttnMode(mode)
+        mod = get_mask_mod(doc if m.documents else None, window=3 if m.windowed else None)
         dense = dense_mask_from_mod(mod, 1, range(doc.shape[1]), range(doc.shape[1]), doc.device)[0, 0]
         assert torch.equal(dense, _brute_force(mode, doc[0], 3)), mode
 
@@ -47,6 +49,6 @@ def test_position_ids_restart_per_document_and_round_trip():
 
 
 def test_composed_mask_has_a_descriptive_name():
-    assert get_mask_mod("packed_sliding", torch.zeros(1, 4, dtype=torch.long), 2).__name__ == (
+    assert get_mask_mod(torch.zeros(1, 4, dtype=torch.long), 2).__name__ == (
         "causal_mask_and_same_document_and_sliding_window_2"
     )

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from flexengine import pack_documents, patch_attention
+from flexengine.applied import attention_spec
+from flexengine.config import AttnMode
+from flexengine.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.loss import causal_lm_loss_sum
 from tests.helpers import clone_model, make_llama, make_mistral
@@ -85,7 +88,7 @@ def test_sliding_window_equals_hf_mistral_sliding_window():
 def test_window_defaults_to_the_models_own_sliding_window():
     reference = make_mistral(sliding_window=6)
     patched = patch_attention(clone_model(reference), mode="sliding_window", backend="dense")
-    assert patched.flexengine_attention["window"] == 6
+    assert attention_spec(patched).layer_windows == (6, 6)
 
 
 def test_packed_sliding_equals_each_document_alone_with_window():
@@ -123,8 +126,9 @@ def _layouts(seq_len):
 def test_flex_forward_equals_dense_forward(mode):
     seq_len = 256
     reference = make_llama()
-    dense = patch_attention(clone_model(reference), mode=mode, window=32, backend="dense")
-    flex = patch_attention(clone_model(reference), mode=mode, window=32, backend="flex", compile=False)
+    window = 32 if AttnMode(mode).windowed else None
+    dense = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense")
+    flex = patch_attention(clone_model(reference), mode=mode, window=window, backend="flex", compile=False)
     for name, lengths in _layouts(seq_len).items():
         batch = pack_documents(_docs(lengths, seed=len(lengths)), seq_len=seq_len, strategy="greedy")
         kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
@@ -154,7 +158,7 @@ def test_compiled_flex_does_not_recompile_for_new_document_layouts():
 def test_sdpa_backend_leaves_hf_attention_in_place():
     model = patch_attention(make_llama(), mode="causal", backend="sdpa")
     assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(ValueError, match="sdpa"):
+    with pytest.raises(UserError, match="sdpa"):
         patch_attention(make_llama(), mode="packed_doc", backend="sdpa")
 
 
@@ -162,8 +166,9 @@ def test_sdpa_backend_leaves_hf_attention_in_place():
 def test_chunked_dense_equals_one_dense_call_with_gradients(mode):
     """Skipping keys before each query chunk's first document changes nothing, forward or backward."""
     reference = make_llama()
-    whole = patch_attention(clone_model(reference), mode=mode, window=24, backend="dense", dense_chunk=4096)
-    chunked = patch_attention(clone_model(reference), mode=mode, window=24, backend="dense", dense_chunk=16)
+    window = 24 if AttnMode(mode).windowed else None
+    whole = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=4096)
+    chunked = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=16)
     batch = pack_documents(_docs([40, 3, 70, 9, 30, 50], seed=3), seq_len=112, strategy="greedy")
     for model in (whole, chunked):
         out = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"])

@@ -44,7 +44,7 @@ def test_estimate_within_5_percent_of_meter(small, B, S, chunk):
     batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
     for memory in MEASURED_POLICIES:
         model = clone_model(small)
-        patch_attention(model, "packed_doc", backend="dense")
+        patch_attention(model, mode="packed_doc", backend="dense")
         apply_memory_policy(model, memory)
         model.train()
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, chunk))
@@ -66,7 +66,7 @@ def test_meter_sees_sac_cache_and_checkpoint_closures(small):
     for label, memory in [("none", MemoryConfig()), ("ops", MemoryConfig(policy="selective", granularity="ops")),
                           ("full", MemoryConfig(policy="full"))]:
         model = clone_model(small)
-        patch_attention(model, "packed_doc", backend="dense")
+        patch_attention(model, mode="packed_doc", backend="dense")
         apply_memory_policy(model, memory)
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch))
         per_block[label] = report.per_block[1]

@@ -60,14 +60,14 @@ def base():
 @pytest.fixture(scope="module")
 def reference(base):
     model = clone_model(base)
-    patch_attention(model, "packed_doc", backend="dense")
+    patch_attention(model, mode="packed_doc", backend="dense")
     return _grads(model, MemoryConfig())
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_gives_reference_grads(base, reference, name):
     model = clone_model(base)
-    patch_attention(model, "packed_doc", backend="dense")
+    patch_attention(model, mode="packed_doc", backend="dense")
     loss, grads = _grads(model, POLICIES[name], chunk_size=37)  # chunked loss composes with every policy
     torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=1e-5)
     for n, g in reference[1].items():
@@ -124,9 +124,9 @@ def test_backward_flops_match_claimed_recompute(base, granularity):
     """FlopCounterMode counts matmuls (not the CPU flash-attention kernel): the extra FLOPs of a policy must be
     exactly the planner's recompute claim without the attention core."""
     plain = clone_model(base)
-    patch_attention(plain, "packed_doc", backend="dense")
+    patch_attention(plain, mode="packed_doc", backend="dense")
     policy = clone_model(base)
-    patch_attention(policy, "packed_doc", backend="dense")
+    patch_attention(policy, mode="packed_doc", backend="dense")
     layers = "every_2"
     apply_memory_policy(policy, MemoryConfig(policy="full" if granularity == "block" else "selective",
                                              granularity=granularity, layers=layers))
@@ -144,7 +144,7 @@ def test_compiled_block_has_no_graph_break(base, reference, name):
     """fullgraph=True on aot_eager raises on any graph break; grads must still match eager."""
     torch._dynamo.reset()
     model = clone_model(base)
-    patch_attention(model, "packed_doc", backend="dense")
+    patch_attention(model, mode="packed_doc", backend="dense")
     apply_memory_policy(model, POLICIES[name])
     for layer in decoder_layers(model):
         layer.compile(backend="aot_eager", fullgraph=True)
@@ -170,7 +170,7 @@ def test_offload_never_copies_frozen_lora_base_weights():
         model.train()
         if r:
             model = apply_lora(model, LoraConfig(r=r))
-        patch_attention(model, "packed_doc", backend="dense")
+        patch_attention(model, mode="packed_doc", backend="dense")
         apply_memory_policy(model, MemoryConfig(policy="offload"))
         ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(128)[None]}

@@ -1,0 +1,42 @@
+"""The decoder blocks of an HF causal LM, and which of them memory.layers selects."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flexengine.errors import UserError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder blocks (HF causal LMs keep it at get_decoder().layers)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UserError(f"{type(model).__name__}: cannot find its decoder blocks (expected get_decoder().layers)")
+    return layers
+
+
+def select_layers(spec: str, n_layers: int) -> list[int]:
+    """Block indices for memory.layers: all | every_<n> | first_<k> | last_<k> | "0,3,7"."""
+    spec = str(spec).strip()
+    try:
+        if spec == "all":
+            return list(range(n_layers))
+        if spec.startswith("every_"):
+            n = int(spec[len("every_"):])
+            return list(range(n - 1, n_layers, n)) if n > 0 else []
+        if spec.startswith("first_"):
+            return list(range(min(int(spec[len("first_"):]), n_layers)))
+        if spec.startswith("last_"):
+            k = int(spec[len("last_"):])
+            return list(range(max(0, n_layers - k), n_layers))
+        if spec in ("", "none"):
+            return []
+        indices = sorted({int(i) for i in spec.split(",")})
+    except ValueError:
+        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k> "
+                        "or a list like 0,3,7") from None
+    bad = [i for i in indices if not 0 <= i < n_layers]
+    if bad:
+        raise UserError(f"memory.layers={spec!r}: blocks {bad} do not exist "
+                        f"(the model has {n_layers}: 0..{n_layers - 1})")
+    return indices

@@ -1,0 +1,124 @@
+"""AttentionSpec: windows come from the model (per layer), are logged with their source, and really apply."""
+
+import logging
+
+import pytest
+import torch
+from transformers import MistralConfig, Qwen2Config, Qwen2ForCausalLM
+
+from flexengine.applied import attention_spec
+from flexengine.attention import MASK_KWARG, apply_attention, mask_kwargs, patch_attention, resolve_attention_spec
+from flexengine.attention.spec import AttnBackend
+from flexengine.config import AttnConfig, AttnMode
+from flexengine.errors import UserError
+from tests.conftest import TINY_LLAMA, clone_model, make_llama
+
+QWEN_MIXED = dict(TINY_LLAMA, num_hidden_layers=4, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+
+
+def _qwen_mixed(seed: int = 0) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 whose layers 2 and 3 use a 6-token window and layers 0 and 1 full attention (layer_types)."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN_MIXED)).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def test_window_defaults_to_the_mistral_config_not_a_yaml_value():
+    config = MistralConfig(**{**TINY_LLAMA, "sliding_window": 4096})
+    spec = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), config)
+    assert spec.layer_windows == (4096, 4096)
+    assert "sliding_window=4096" in spec.window_source
+
+
+def test_per_layer_windows_follow_layer_types():
+    config = Qwen2Config(**QWEN_MIXED)
+    assert config.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    spec = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), config)
+    assert spec.layer_windows == (None, None, 6, 6)
+    assert "layer_types" in spec.window_source
+    # attn.window overrides the window on the model's windowed layers only
+    spec = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense", window=3), config)
+    assert spec.layer_windows == (None, None, 3, 3)
+    assert "attn.window=3" in spec.window_source
+
+
+def test_per_layer_windows_equal_hf_eager_qwen2():
+    """Independent reference: HF's own eager attention with its per-layer sliding masks."""
+    reference = _qwen_mixed()
+    patched = patch_attention(clone_model(reference), mode="sliding_window", backend="dense")
+    assert attention_spec(patched).layer_windows == (None, None, 6, 6)
+    ids = torch.randint(0, 256, (2, 30))  # 5x the window
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        got = patched(input_ids=ids).logits
+        everywhere = patch_attention(clone_model(reference), mode="sliding_window", window=6,
+                                     backend="dense")
+        # a window on every layer would differ: proves the full-attention layers stayed full
+        windows_everywhere = apply_attention(everywhere, _every_layer(attention_spec(everywhere), 6))
+        wrong = windows_everywhere(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (wrong - want).abs().max().item() > 1e-3
+
+
+def _every_layer(spec, window):
+    from dataclasses import replace
+
+    return replace(spec, layer_windows=(window,) * len(spec.layer_windows))
+
+
+def test_one_mask_per_distinct_window_per_batch():
+    model = patch_attention(_qwen_mixed(), mode="packed_sliding", backend="dense")
+    masks = mask_kwargs(model, torch.zeros(1, 16, dtype=torch.int32))[MASK_KWARG]
+    assert set(masks.by_hf_window) == {None, 6}
+    assert masks.for_layer(None).window is None and masks.for_layer(6).window == 6
+    with pytest.raises(RuntimeError, match="sliding_window=5"):
+        masks.for_layer(5)
+
+
+def test_the_log_names_the_window_and_where_it_came_from(caplog):
+    with caplog.at_level(logging.INFO, logger="flexengine.attention.patch"):
+        patch_attention(_qwen_mixed(), mode="packed_sliding", backend="dense")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:"))
+    assert "none on 2 layers, 6 on 2 layers" in line and "layer_types" in line
+
+
+def test_a_sliding_mode_without_any_window_is_a_clear_error():
+    with pytest.raises(UserError, match="attn.window"):
+        resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), make_llama().config)
+
+
+def test_a_window_with_a_mode_that_has_none_is_refused():
+    with pytest.raises(UserError, match="attn.window=64"):
+        AttnConfig(mode="packed_doc", window=64)
+
+
+def test_whole_document_mode_on_a_windowed_model_warns_and_records_it(caplog):
+    config = MistralConfig(**{**TINY_LLAMA, "sliding_window": 8})
+    with caplog.at_level(logging.WARNING):
+        spec = resolve_attention_spec(AttnConfig(mode="packed_doc", backend="dense"), config)
+    assert spec.layer_windows == (None, None)
+    assert "not used" in spec.window_source and "packed_sliding" in caplog.text
+
+
+def test_modes_compose_masks_without_mode_strings():
+    for mode in AttnMode:
+        spec = resolve_attention_spec(AttnConfig(mode=mode.value, backend="dense",
+                                                 window=4 if mode.windowed else None), make_llama().config)
+        assert spec.documents == mode.documents
+        assert (spec.layer_windows[0] is not None) == mode.windowed
+        assert spec.backend is AttnBackend.DENSE
+
+
+def test_no_shipped_attn_yaml_hard_codes_a_window():
+    from pathlib import Path
+
+    import yaml
+
+    import flexengine.conf
+
+    conf = Path(flexengine.conf.__file__).parent
+    for path in sorted(conf.rglob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        attn = data if path.parent.name == "attn" else (data.get("attn") or {})
+        assert "window" not in attn, f"{path.relative_to(conf)} hard-codes attn.window={attn.get('window')}"
