@@ -22,6 +22,7 @@ from flexengine.checkpoint import find_latest_checkpoint
 from flexengine.config import JobConfig
 from flexengine.data.loader import RowLoader
 from flexengine.errors import UserError
+from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
 from flexengine.optim import build_optimizer, build_scheduler
@@ -77,6 +78,29 @@ class Trainer:
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.wall_s = 0.0
+        self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
+
+    def add_hooks(self, hooks: StepHooks) -> None:
+        """Register step callbacks (flexengine.hooks.StepHooks)."""
+        self.hooks.append(hooks)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time one phase for the hooks that ask for it (device synchronised on both sides), else nothing."""
+        timed = [h for h in self.hooks if h.timed]
+        if not timed:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        for h in timed:
+            h.on_phase(self, name, time.perf_counter() - t0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def _mask_kwargs(self, batch: dict) -> dict:
@@ -89,7 +113,10 @@ class Trainer:
 
     def train_step(self) -> dict:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
-        micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
+        for h in self.hooks:
+            h.on_step_start(self, self.state.step + 1)
+        with self._phase("data"):
+            micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
         # The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share.
         # One all-reduce carries the window's valid-token count and the ranks' stop votes (a signal may reach
         # the ranks a step apart; all of them must stop after the same step, or the collectives would hang).
@@ -102,10 +129,12 @@ class Trainer:
         sparsity = []
         for batch in micro_batches:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            mask_kwargs = self._mask_kwargs(batch)
-            with self._autocast():
+            with self._phase("mask"):
+                mask_kwargs = self._mask_kwargs(batch)
+            with self._phase("forward"), self._autocast():
                 micro_loss = self.train_module(batch, **mask_kwargs)
-            (micro_loss / n_valid).backward()
+            with self._phase("backward"):
+                (micro_loss / n_valid).backward()
             loss_sum += micro_loss.detach()
             if mask_kwargs:
                 sparsity.append(mask_kwargs[MASK_KWARG].block_sparsity)
@@ -123,7 +152,8 @@ class Trainer:
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
-            self.optimizer.step()
+            with self._phase("optimizer"):
+                self.optimizer.step()
         elif self.job.train.skip_nonfinite:
             self.state.skipped_nonfinite += 1
             log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
@@ -137,10 +167,13 @@ class Trainer:
         self.scheduler.step()
         tokens = sum(b["input_ids"].numel() for b in micro_batches)
         useful = sum(int(b["useful_tokens"]) for b in micro_batches)
-        return {
+        metrics = {
             "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful,
             "block_sparsity": sparsity_value if sparsity else None,
         }
+        for h in self.hooks:
+            h.on_step_end(self, self.state.step + 1, metrics)
+        return metrics
 
     def _autocast(self):
         if self.device.type == "cuda":
