@@ -250,10 +250,14 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # fsdp: free gathered block weights after forward (re-gathered in
     # backward); false keeps them, one all-gather less per block for the memory of a full block per rank
     mixed_precision: bool = True  # fsdp on CUDA: bf16 compute weights, fp32 gradient reduction (CPU: ignored)
+    data_timeout_s: float = 7200.0  # ranks > 0 wait this long for rank 0 to tokenize the corpus (a CPU-side
+    # gloo barrier of its own: NCCL's 10-minute default timeout stays for training collectives)
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
         _check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.data_timeout_s <= 0:
+            raise UserError(f"parallel.data_timeout_s={self.data_timeout_s} must be a positive number of seconds.")
 
 
 @dataclass

@@ -11,7 +11,6 @@ verdicts and concrete suggestions, prints a report and writes doctor.json. Nothi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time

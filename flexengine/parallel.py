@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -97,9 +98,17 @@ def _allreduce_sum_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, device: torch.device) -> None:
-    """FSDP2: fully_shard each decoder block, then the root (embeddings, final norm, lm_head), in place."""
+def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, device: torch.device,
+               weights_from_rank0: bool = False) -> None:
+    """FSDP2: fully_shard each decoder block, then the root (embeddings, final norm, lm_head), in place.
+
+    weights_from_rank0: only rank 0 holds the real weights (the others a placeholder of the same shapes); its
+    full state dict is broadcast into every rank's shards once the model is sharded.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # rank 0's full tensors, kept alive until broadcast; every other rank contributes nothing
+    full = {k: v.detach() for k, v in model.state_dict().items()} if weights_from_rank0 and _rank() == 0 else {}
 
     kwargs = {}
     if device.type == "cuda" and parallel.mixed_precision:
@@ -113,23 +122,64 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; factor 1 needs none)
     log.info("fsdp: %d decoder blocks + root sharded over %d ranks%s", len(layers), dist.get_world_size(),
              " (bf16 params, fp32 reduce)" if kwargs else "")
+    if weights_from_rank0:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        log.info("fsdp: weights broadcast from rank 0 into the shards (%d tensors)", len(full) if full else -1)
 
 
 def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, device: torch.device,
-                   chunk_size: int = 0) -> nn.Module:
-    """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP."""
+                   chunk_size: int = 0, weights_from_rank0: bool = False) -> nn.Module:
+    """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP.
+
+    weights_from_rank0: ranks > 0 built the model without reading the checkpoint (`loads_weights`); rank 0's
+    weights reach them here, by broadcast (FSDP2: into the shards; DDP: its constructor broadcasts rank 0).
+    """
     root = LossForward(model, chunk_size)
     if not dist.is_initialized():
         return root
     if parallel.strategy == "fsdp":
-        apply_fsdp(root, model, parallel, device)
+        apply_fsdp(root, model, parallel, device, weights_from_rank0=weights_from_rank0)
         return root
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None)
+    # init_sync (the default) broadcasts rank 0's parameters and buffers to every rank
+    ddp = DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None,
+                                  init_sync=True)
     ddp.register_comm_hook(None, _allreduce_sum_hook)
     log.info("ddp: full replica on each of %d ranks", info.world_size)
     return ddp
+
+
+def loads_weights(info: DistInfo) -> bool:
+    """Whether this rank reads the checkpoint from disk: only rank 0 of a job (one host copy per node, not one
+    per rank); the others build placeholders of the same shapes and receive rank 0's weights in apply_parallel."""
+    return info.is_main
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Forward + backward of one micro-batch, reducing gradients across ranks only if `enabled` (the last
+    micro-batch of an accumulation window): DDP's no_sync, FSDP2's set_requires_gradient_sync. Skipped
+    reductions leave unsharded gradients accumulating locally until the window's last backward."""
+    if enabled or not dist.is_initialized():
+        yield
+        return
+    no_sync = getattr(module, "no_sync", None)  # DDP
+    if no_sync is not None:
+        with no_sync():
+            yield
+        return
+    set_sync = getattr(module, "set_requires_gradient_sync", None)  # an FSDP2 module (the root)
+    if set_sync is None:
+        yield
+        return
+    set_sync(False)
+    try:
+        yield
+    finally:
+        set_sync(True)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -237,13 +287,22 @@ def barrier() -> None:
 
 
 @contextlib.contextmanager
-def main_rank_first(info: DistInfo) -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. fills the tokenizer cache), the other ranks after it (cache hits)."""
+def main_rank_first(info: DistInfo, timeout_s: float = 7200.0) -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. fills the tokenizer cache), the other ranks after it (cache hits).
+
+    The wait goes through a CPU (gloo) group with its own `timeout_s`: tokenizing a large corpus can take longer
+    than NCCL's default 10-minute collective timeout, which must stay short for real hangs in training.
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank creates it
     if not info.is_main:
-        barrier()
+        dist.barrier(group=group)
     yield
     if info.is_main:
-        barrier()
+        dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def shutdown_distributed() -> None:

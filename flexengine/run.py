@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +22,8 @@ from flexengine.lora import apply_lora
 from flexengine.memory import apply_memory_policy
 from flexengine.memory.report import activation_summary, resolve_memory
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
-from flexengine.parallel import apply_parallel, init_distributed, main_rank_first, rank_device, shutdown_distributed
+from flexengine.parallel import (apply_parallel, init_distributed, loads_weights, main_rank_first, rank_device,
+                                 shutdown_distributed)
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
                         "use attn.backend=dense (or auto).")
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     tokenizer = load_tokenizer(job.model)
-    with main_rank_first(dist_info):  # one rank tokenizes into the cache, the others read it
+    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
         corpus = build_corpus(job.data, tokenizer)
     plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
     log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
@@ -65,7 +67,14 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None
-    model = load_model(job.model, device)
+    # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
+    # rank 0's weights by broadcast once wrapped (apply_parallel).
+    from_rank0 = dist_info.world_size > 1 and job.model.init == "pretrained"
+    if from_rank0 and not loads_weights(dist_info):
+        log.info("model: rank %d skips reading %s; its weights come from rank 0", dist_info.rank, job.model.path)
+        model = load_model(dataclasses.replace(job.model, init="random"), device)
+    else:
+        model = load_model(job.model, device)
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
@@ -78,7 +87,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         if not job.train.compile:
             log.info("compile: train.compile=false, but %s: compiling the decoder blocks", must_compile)
         apply_compile(model, job.train.compile_backend)
-    train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size)
+    train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size,
+                                  weights_from_rank0=from_rank0)
     trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
                       train_module=train_module)
     trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}

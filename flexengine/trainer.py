@@ -26,7 +26,7 @@ from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
 from flexengine.optim import build_optimizer, build_scheduler
-from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, load_checkpoint_all_ranks,
+from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, gradient_sync, load_checkpoint_all_ranks,
                                  save_checkpoint_all_ranks)
 from flexengine.profiling import start_profiler
 
@@ -127,14 +127,16 @@ class Trainer:
         n_valid = counts[0].clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
         sparsity = []
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with self._phase("mask"):
                 mask_kwargs = self._mask_kwargs(batch)
-            with self._phase("forward"), self._autocast():
-                micro_loss = self.train_module(batch, **mask_kwargs)
-            with self._phase("backward"):
-                (micro_loss / n_valid).backward()
+            # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2)
+            with gradient_sync(self.train_module, enabled=i == len(micro_batches) - 1):
+                with self._phase("forward"), self._autocast():
+                    micro_loss = self.train_module(batch, **mask_kwargs)
+                with self._phase("backward"):
+                    (micro_loss / n_valid).backward()
             loss_sum += micro_loss.detach()
             if mask_kwargs:
                 sparsity.append(mask_kwargs[MASK_KWARG].block_sparsity)

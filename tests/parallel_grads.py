@@ -1,0 +1,48 @@
+"""One real training step, under torchrun or alone: rank 0 saves the gradients the optimizer is about to apply
+(full tensors) of a first grad_accum=2 step, and the collectives of it and of a grad_accum=1 step.
+Driven by tests/test_parallel.py.
+
+usage: python tests/parallel_grads.py OUT_DIR [train overrides...]
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    """Build the run like training does, take two steps, save {"grads", "collectives"} to OUT/grads.pt."""
+    from flexengine.doctor import compose_job
+    from flexengine.run import build_trainer
+
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(compose_job([*overrides, f"train.output_dir={out}"]), out)
+    grads: dict = {}
+
+    def capture(optimizer, args, kwargs) -> None:  # a step pre-hook: after clipping, before the update
+        for name, p in trainer.model.named_parameters():
+            if p.grad is not None:  # full_tensor() gathers an FSDP2 shard (a collective: every rank calls it)
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grads[name] = g.detach().float().cpu().clone()
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    collectives, first = {}, {}
+    for accum in (2, 1):  # the same number of gradient reductions is the proof of one sync per window
+        trainer.job.train.grad_accum = accum
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            trainer.train_step()
+        collectives[accum] = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+        first = first or dict(grads)  # the first step's: same weights on every run, before any update
+    if trainer.dist.is_main:
+        torch.save({"grads": first, "collectives": collectives}, out / "grads.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    main(Path(sys.argv[1]), sys.argv[2:])
