@@ -56,7 +56,7 @@ class DoctorHooks(StepHooks):
         self._t0 = 0.0
 
     def on_step_start(self, trainer, step: int) -> None:
-        trainer._sync()
+        trainer.sync_device()
         self._phases.clear()
         self._t0 = time.perf_counter()
 
@@ -64,7 +64,7 @@ class DoctorHooks(StepHooks):
         self._phases[name] += seconds
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
-        trainer._sync()
+        trainer.sync_device()
         total = time.perf_counter() - self._t0
         phases = {p: self._phases.get(p, 0.0) for p in STEP_PHASES}
         phases["other"] = max(0.0, total - sum(phases.values()))

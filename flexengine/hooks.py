@@ -18,7 +18,8 @@ class StepHooks:
     timed: bool = False
 
     def on_step_start(self, trainer: Any, step: int) -> None:
-        """Before step `step` (1-based: the step about to run) loads its first micro-batch."""
+        """Before a step loads its first micro-batch; `step` = the trainer's completed steps + 1 (a driver that
+        calls `train_step` itself, like the doctor, does not advance that count)."""
 
     def on_phase(self, trainer: Any, name: str, seconds: float) -> None:
         """One phase (see PHASES) of the current step took `seconds` (called per micro-batch where it repeats)."""

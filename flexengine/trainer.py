@@ -91,14 +91,15 @@ class Trainer:
         if not timed:
             yield
             return
-        self._sync()
+        self.sync_device()
         t0 = time.perf_counter()
         yield
-        self._sync()
+        self.sync_device()
         for h in timed:
             h.on_phase(self, name, time.perf_counter() - t0)
 
-    def _sync(self) -> None:
+    def sync_device(self) -> None:
+        """Wait for queued device work (timers then measure it; a no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -12,6 +12,7 @@ from flexengine.compile import CompileWatch, apply_compile, needs_compiled_block
 from flexengine.config import MemoryConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import apply_memory_policy
+from flexengine.memory.planner import ModelShape, Workload, recompute_flops_per_block
 from tests.conftest import clone_model, make_llama
 
 S = 64
@@ -68,8 +69,8 @@ def test_every_memory_policy_shares_one_graph_across_32_blocks():
         assert len(set(applied(model).memory)) == kinds
 
 
-def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, dict]:
-    """Flex forwards inside the compiled backward graphs of a 2-block LLaMA, and its grads."""
+def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, int, dict]:
+    """Flex forwards and matmuls inside the compiled backward graphs of a 2-block LLaMA, and its grads."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -93,18 +94,23 @@ def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, di
     model.train()
     forward_loss_sum(model, _batch()).backward()
     flex = torch.ops.higher_order.flex_attention
-    n = sum(node.target is flex for gm in backward_graphs for node in gm.graph.nodes)
-    return n, {k: p.grad for k, p in model.named_parameters()}
+    nodes = [node.target for gm in backward_graphs for node in gm.graph.nodes]
+    mm = sum(t in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) for t in nodes)
+    return sum(t is flex for t in nodes), mm, {k: p.grad for k, p in model.named_parameters()}
 
 
 @pytest.mark.slow
 def test_sac_saves_flex_attention_instead_of_recomputing_it(monkeypatch):
     sac = MemoryConfig(policy="selective", granularity="ops")
-    recomputed, grads = _flex_graphs_in_backward(sac, monkeypatch)
+    recomputed, sac_mm, grads = _flex_graphs_in_backward(sac, monkeypatch)
     assert recomputed == 0, "op-level SAC re-ran flex attention in backward"
-    # the check can fail: full checkpointing does recompute flex in backward
-    full, _ = _flex_graphs_in_backward(MemoryConfig(policy="full"), monkeypatch)
-    assert full >= 1
+    # the planner's figure for ops is 0 recompute FLOPs: backward runs exactly the matmuls of no policy
+    _, plain_mm, _ = _flex_graphs_in_backward(MemoryConfig(), monkeypatch)
+    assert sac_mm == plain_mm and recompute_flops_per_block(ModelShape(64, 4, 2, 16, 128, 2, 256, 0),
+                                                            Workload(1, S), "ops") == 0
+    # the check can fail: full checkpointing does recompute flex (and the matmuls) in backward
+    full, full_mm, _ = _flex_graphs_in_backward(MemoryConfig(policy="full"), monkeypatch)
+    assert full >= 1 and full_mm > plain_mm
     reference = patch_attention(make_llama(), mode="packed_doc", backend="dense")
     forward_loss_sum(reference.train(), _batch()).backward()
     for name, p in reference.named_parameters():

@@ -12,7 +12,6 @@ import torch
 
 from flexengine.doctor import compose_job, diagnose, format_report, main
 from flexengine.hooks import StepHooks
-from flexengine.memory import decoder_layers
 from flexengine.run import build_trainer
 
 FAST = ["debug=fast", "train.grad_accum=1"]
@@ -73,13 +72,15 @@ def test_too_small_a_card_asks_for_checkpointing(tmp_path):
     assert not report["numbers"]["memory"]["fits"]
 
 
-class _EvalAtStep(StepHooks):
-    """A planted recompile: from step 4 on the blocks run in eval mode (a guard of their compiled graph)."""
+class _SmallerBatchAtStep(StepHooks):
+    """A planted recompile: from the 4th step on, batches have one row instead of two (a new input shape)."""
+
+    calls = 0
 
     def on_step_start(self, trainer, step: int) -> None:
-        if step == 4:
-            for layer in decoder_layers(trainer.model):
-                layer.eval()
+        self.calls += 1  # the doctor drives train_step itself, so the trainer's step counter stays put
+        if self.calls == 4:
+            trainer.loader.micro_batch = 1
 
 
 @pytest.mark.slow
@@ -91,10 +92,10 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
     healthy = diagnose(job, tmp_path, steps=1, trainer=trainer)["numbers"]
     assert healthy["graphs_compiled_warmup"] >= 1 and healthy["graphs_compiled_after_warmup"] == 0
     assert healthy["compile_backend"] == "aot_eager"
-    trainer.add_hooks(_EvalAtStep())
-    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # step 3 warms up, step 4 is measured
+    trainer.add_hooks(_SmallerBatchAtStep())
+    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # the 3rd step warms up, the 4th is measured
     n = report["numbers"]
-    assert n["recompiles_after_warmup"] >= 1 and "training" in " ".join(n["recompile_reasons"])
+    assert n["recompiles_after_warmup"] >= 1 and "size mismatch" in " ".join(n["recompile_reasons"])
     assert check(report, "compile")["verdict"] == "warn"
 
 
