@@ -1,5 +1,5 @@
 """One real training step, under torchrun or alone: rank 0 saves the gradients the optimizer is about to apply
-(full tensors) of a first grad_accum=2 step, and the collectives of it and of a grad_accum=1 step.
+(full tensors) of a first grad_accum=2 step, and the collectives of a later grad_accum=2 and grad_accum=1 step.
 Driven by tests/test_parallel.py.
 
 usage: python tests/parallel_grads.py OUT_DIR [train overrides...]
@@ -15,7 +15,7 @@ import torch
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    """Build the run like training does, take two steps, save {"grads", "collectives"} to OUT/grads.pt."""
+    """Build the run like training does, take three steps, save {"grads", "collectives"} to OUT/grads.pt."""
     from flexengine.doctor import compose_job
     from flexengine.run import build_trainer
 
@@ -31,7 +31,9 @@ def main(out: Path, overrides: list[str]) -> None:
 
     trainer.optimizer.register_step_pre_hook(capture)
     collectives, first = {}, {}
-    for accum in (2, 1):  # the same number of gradient reductions is the proof of one sync per window
+    # the same number of gradient reductions at grad_accum 2 and 1 is the proof of one sync per window; the
+    # first step only warms up (DDP rebuilds its buckets after it) and gives the gradients
+    for accum in (2, 2, 1):
         trainer.job.train.grad_accum = accum
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             trainer.train_step()

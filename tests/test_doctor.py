@@ -73,13 +73,13 @@ def test_too_small_a_card_asks_for_checkpointing(tmp_path):
 
 
 class _SmallerBatchAtStep(StepHooks):
-    """A planted recompile: from the 4th step on, batches have one row instead of two (a new input shape)."""
+    """A planted recompile: from its 2nd step on, batches have one row instead of two (a new input shape)."""
 
     calls = 0
 
     def on_step_start(self, trainer, step: int) -> None:
         self.calls += 1  # the doctor drives train_step itself, so the trainer's step counter stays put
-        if self.calls == 4:
+        if self.calls == 2:
             trainer.loader.micro_batch = 1
 
 
@@ -93,7 +93,7 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
     assert healthy["graphs_compiled_warmup"] >= 1 and healthy["graphs_compiled_after_warmup"] == 0
     assert healthy["compile_backend"] == "aot_eager"
     trainer.add_hooks(_SmallerBatchAtStep())
-    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # the 3rd step warms up, the 4th is measured
+    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # one warm-up step, then the planted one
     n = report["numbers"]
     assert n["recompiles_after_warmup"] >= 1 and "size mismatch" in " ".join(n["recompile_reasons"])
     assert check(report, "compile")["verdict"] == "warn"
