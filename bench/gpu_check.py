@@ -48,7 +48,8 @@ def collect_gpu_tests(timeout_s: float = 120) -> tuple[list[str], dict]:
     ids = [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
     functions = sorted({re.sub(r"\[.*\]$", "", i) for i in ids})
     if rc != 0 or not functions:  # 5 = no tests collected: a vacuous pass is a failure here
-        return [], {"ok": False, "returncode": rc, "error": "no gpu tests collected" if rc == 5 else "collection failed",
+        error = "no gpu tests collected" if rc == 5 else "collection failed"
+        return [], {"ok": False, "returncode": rc, "error": error,
                     "tail": out.splitlines()[-20:]}
     return functions, {"ok": True, "tests": functions}
 
@@ -87,7 +88,8 @@ def run_script_check(name: str, timeout_s: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json")
-    parser.add_argument("--budget-s", type=float, default=380.0, help="skip (as failed) checks that would start after this")
+    parser.add_argument("--budget-s", type=float, default=380.0,
+                        help="skip (as failed) checks that would start after this")
     parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -100,10 +102,10 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2, default=str))
 
     try:
-        rc, env = _run([sys.executable, "-c", "import json, torch; p = torch.cuda.get_device_properties(0) if "
-                        "torch.cuda.is_available() else None; print(json.dumps({'torch': torch.__version__, "
-                        "'cuda': torch.version.cuda, 'gpu': p.name if p else None, "
-                        "'memory_gib': p.total_memory / 2**30 if p else None}))"], 60)
+        probe = ("import json, torch; p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; "
+                 "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+                 "'gpu': p.name if p else None, 'memory_gib': p.total_memory / 2**30 if p else None}))")
+        rc, env = _run([sys.executable, "-c", probe], 60)
         result["env"].update(json.loads(env.splitlines()[-1]) if rc == 0 else {"error": env})
         if not result["env"].get("gpu"):
             result["checks"]["cuda"] = {"ok": False, "error": "no CUDA device visible: nothing was checked"}

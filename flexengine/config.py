@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional
 from flexengine.errors import UserError
 
 
-
 class AttnMode(Enum):
     """attn.mode as a composition of two masks on top of causal: per-document and sliding-window."""
 

@@ -193,7 +193,8 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
                              f"recompiles), {breaks} graph breaks",
                              "each recompile stalls a step; each graph break splits a block's graph"
                              + (f"; guards that failed: {reasons}" if reasons else ""),
-                             "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks"))
+                             "keep shapes fixed (pack every row to data.seq_len) and look at "
+                             "TORCH_LOGS=recompiles,graph_breaks"))
     elif on_cuda and not job.train.compile:
         checks.append(_check("compile", "warn", "decoder blocks run eagerly", "",
                              "compile the decoder blocks: train.compile=true"))
@@ -207,7 +208,8 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
         f"{n['padding_waste']:.0%} of the tokens computed are padding: "
         + ("enable attn=packed_doc (packs documents with per-document masks)" if not job.attn.packs_documents
            else "use data.packing=bfd, or a data.seq_len closer to your document lengths"))
-    checks.append(_check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion))
+    checks.append(_check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "",
+                         suggestion))
     sp = n["block_sparsity"]
     checks.append(_check("block sparsity", "info", "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
                          "share of a causal mask's attention blocks actually computed (lower = more skipped)"))
@@ -219,7 +221,8 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
                          "raise train.micro_batch or check data.num_workers and the mask backend"))
     mfu = n["mfu"]
     verdict = "warn" if on_cuda and mfu < 0.2 else "info"
-    checks.append(_check("throughput", verdict, f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, "
+    checks.append(_check("throughput", verdict,
+                         f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, "
                          f"MFU {mfu:.1%} of {n['peak_tflops']} TFLOP/s", "MFU counts useful tokens only",
                          "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above"))
     checks.extend(memory_checks(job, n["memory"]))
@@ -270,7 +273,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m flexengine.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="the same overrides as python -m flexengine.train")
     parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after 1 warm-up step)")
-    parser.add_argument("--out", type=Path, default=None, help="output dir (default train.output_dir or outputs/doctor/<time>)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output dir (default train.output_dir or outputs/doctor/<time>)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:

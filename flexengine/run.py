@@ -22,8 +22,14 @@ from flexengine.lora import apply_lora
 from flexengine.memory import apply_memory_policy
 from flexengine.memory.report import activation_summary, resolve_memory
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
-from flexengine.parallel import (apply_parallel, init_distributed, loads_weights, main_rank_first, rank_device,
-                                 shutdown_distributed)
+from flexengine.parallel import (
+    apply_parallel,
+    init_distributed,
+    loads_weights,
+    main_rank_first,
+    rank_device,
+    shutdown_distributed,
+)
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)

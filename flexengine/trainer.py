@@ -26,8 +26,14 @@ from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
 from flexengine.optim import build_optimizer, build_scheduler
-from flexengine.parallel import (DistInfo, LossForward, grad_norm_value, gradient_sync, load_checkpoint_all_ranks,
-                                 save_checkpoint_all_ranks)
+from flexengine.parallel import (
+    DistInfo,
+    LossForward,
+    grad_norm_value,
+    gradient_sync,
+    load_checkpoint_all_ranks,
+    save_checkpoint_all_ranks,
+)
 from flexengine.profiling import start_profiler
 
 log = logging.getLogger(__name__)

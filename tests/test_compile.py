@@ -13,7 +13,7 @@ from flexengine.config import MemoryConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import apply_memory_policy
 from flexengine.memory.planner import ModelShape, Workload, recompute_flops_per_block
-from tests.conftest import clone_model, make_llama
+from tests.helpers import clone_model, make_llama
 
 S = 64
 
@@ -71,10 +71,9 @@ def test_every_memory_policy_shares_one_graph_across_32_blocks():
 
 def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, int, dict]:
     """Flex forwards and matmuls inside the compiled backward graphs of a 2-block LLaMA, and its grads."""
+    import torch.nn.attention.flex_attention as fa
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
-
-    import torch.nn.attention.flex_attention as fa
 
     # FlexAttention refuses CPU inputs that require grad (its CPU backward kernel is missing); its math
     # implementation, which aot_eager runs, works on CPU: let it, to inspect the partitioned graphs here.

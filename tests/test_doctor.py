@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from flexengine.doctor import compose_job, diagnose, format_report, main

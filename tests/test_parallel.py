@@ -176,7 +176,7 @@ def test_pretrained_weights_are_read_by_rank_0_only_and_broadcast(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from flexengine.data.demo import load_demo_tokenizer
-    from tests.conftest import TINY_LLAMA
+    from tests.helpers import TINY_LLAMA
 
     model_dir = tmp_path / "pretrained"
     torch.manual_seed(7)

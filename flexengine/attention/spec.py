@@ -63,9 +63,9 @@ class AttentionSpec:
     def as_dict(self) -> dict:
         """JSON-ready form (summary.json, doctor)."""
         windows = sorted({w for w in self.layer_windows if w is not None})
+        one = len(windows) == 1 and None not in self.layer_windows  # the same window on every layer
         return {"mode": self.mode.value, "backend": self.backend.value, "documents": self.documents,
-                "window": windows[0] if len(windows) == 1 and None not in self.layer_windows else
-                (None if not windows else windows), "layer_windows": list(self.layer_windows),
+                "window": windows[0] if one else (windows or None), "layer_windows": list(self.layer_windows),
                 "window_source": self.window_source, "block_size": self.block_size, "compile": self.compile}
 
     def describe(self) -> str:

@@ -1,7 +1,7 @@
 """Activation memory per decoder block: checkpoint / SAC / CPU offload policies, a meter, and a planner."""
 
-from flexengine.memory.meter import ActivationReport, measure_activations
 from flexengine.memory.layers import decoder_layers, select_layers
+from flexengine.memory.meter import ActivationReport, measure_activations
 from flexengine.memory.policy import apply_memory_policy
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
 

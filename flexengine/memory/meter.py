@@ -18,8 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from flexengine.memory.offload import making_host_copies
 from flexengine.memory.layers import decoder_layers
+from flexengine.memory.offload import making_host_copies
 
 
 @dataclass

@@ -3,8 +3,9 @@ back one block ahead of their use in backward, with the copies on a side CUDA st
 
 The hooks wrap the block's `__call__` (`flexengine.memory.policy.MemoryBlock`, one class shared by every
 block), so they sit outside the block's forward: outside `torch.compile` (dynamo cannot trace saved-tensor hooks;
-around a compiled region they cause no break and no recompile) and outside a checkpoint (hooks inside one would disable it; outside, they
-see only the checkpoint's positional inputs). On CPU the same path runs without pinning or streams.
+around a compiled region they cause no break and no recompile) and outside a checkpoint (hooks inside one would
+disable it; outside, they see only the checkpoint's positional inputs). On CPU the same path runs without pinning
+or streams.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 import torch
 
 from flexengine.attention.block_mask import dense_mask_from_mod
-from flexengine.config import AttnMode
 from flexengine.attention.masks import (
     document_ids_from_position_ids,
     get_mask_mod,
     position_ids_from_document_ids,
 )
+from flexengine.config import AttnMode
 
 
 def _brute_force(mode, doc, window):

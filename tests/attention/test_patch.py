@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from flexengine import pack_documents, patch_attention
 from flexengine.applied import attention_spec
 from flexengine.config import AttnMode
-from flexengine.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
+from flexengine.errors import UserError
 from flexengine.loss import causal_lm_loss_sum
 from tests.helpers import clone_model, make_llama, make_mistral
 

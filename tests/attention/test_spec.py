@@ -11,7 +11,7 @@ from flexengine.attention import MASK_KWARG, apply_attention, mask_kwargs, patch
 from flexengine.attention.spec import AttnBackend
 from flexengine.config import AttnConfig, AttnMode
 from flexengine.errors import UserError
-from tests.conftest import TINY_LLAMA, clone_model, make_llama
+from tests.helpers import TINY_LLAMA, clone_model, make_llama
 
 QWEN_MIXED = dict(TINY_LLAMA, num_hidden_layers=4, use_sliding_window=True, sliding_window=6, max_window_layers=2)
 
