@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of flexengine in one script, <= 8 minutes on one H200; one JSON at ${OUT:-bench/results}/gpu_check.json.
-# Each check runs in its own try/except inside bench/gpu_check.py and the JSON is rewritten after every check, so
-# a failure or the time limit still leaves the other checks' numbers. Exit status 0 only if every check passed.
-#   bash bench/gpu_check.sh                 # all checks
-#   bash bench/gpu_check.sh --only grads    # a subset (grads recompiles step_time memory doctor pytest_gpu)
+# Each check runs in its own process (bench/gpu_check.py: every `gpu` test function in tests/gpu/, then the scripted
+# checks of bench/gpu_check_scripts.py) and the JSON is rewritten after every check and on the way out, so a crash,
+# a CUDA error or the time limit still leaves the other checks' numbers. A skipped or uncollected GPU test fails.
+# Exit status 0 only if every check passed.
+#   bash bench/gpu_check.sh                    # all checks
+#   bash bench/gpu_check.sh --only flex doctor # checks whose name contains one of these words
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The first interpreter whose torch sees a GPU (the project venv, else the machine's python3); PYTHON= overrides.

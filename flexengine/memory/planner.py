@@ -318,15 +318,19 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
     embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
     block until its reduce-scatter, in the fp32 reduce dtype; the root's (lm_head's from the start of backward)
-    until the root's reduce-scatter at its end, in the compute dtype."""
+    until the root's reduce-scatter at its end, in the compute dtype. With grad_accum > 1 the trainer reduces once
+    per accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False) until the last
+    micro-batch), so every block's unsharded gradient lives through the window."""
     world = max(1, x.hardware.world_size)
     if world == 1:
         return {}
     gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
     root = m.embedding_params + m.hidden
     root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
+    unsharded_blocks = m.layers if x.grad_accum > 1 else 1
     return {"fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
-            "fsdp_unsharded_grads_bytes": int(m.block_params * x.trainable_fraction * 4 + root_trainable * gathered)}
+            "fsdp_unsharded_grads_bytes": int(unsharded_blocks * m.block_params * x.trainable_fraction * 4
+                                              + root_trainable * gathered)}
 
 
 def hbm_gb_s(hardware: HardwareConfig) -> float:

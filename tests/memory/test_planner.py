@@ -167,6 +167,9 @@ def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
     assert m.block_params == 4096 * 4096 * 4 + 3 * 4096 * 11008 + 2 * 4096
     assert terms["fsdp_gathered_weights_bytes"] == (2 * m.block_params + root) * 2
     assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * 4 + root * 2
+    # accumulating over micro-batches, gradients are reduced once per window: every block's stays unsharded
+    window = plan_memory(cfg, dataclasses.replace(node, grad_accum=8))["terms"]
+    assert window["fsdp_unsharded_grads_bytes"] == m.layers * m.block_params * 4 + root * 2
 
 
 def test_sac_recompute_is_not_free():
