@@ -7,6 +7,7 @@ Cross-field rules live in `__post_init__` and raise `UserError` naming the key t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -43,11 +44,43 @@ MODEL_INITS = ("pretrained", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
+ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+
+
+@dataclass
+class RopeScalingConfig:
+    """HF RoPE scaling (model.rope_scaling.*) for positions past the trained context; rope_type=null: none.
+
+    E.g. model.rope_scaling={rope_type:yarn,factor:2.0}. Written into the HF config's rope_parameters before the
+    model is built, so checkpoints (config.json) load the same way. Unset (null) keys take HF's defaults."""
+
+    rope_type: Optional[str] = None  # null (no scaling) | linear | dynamic | yarn | llama3
+    factor: float = 1.0  # supported context / trained context (>= 1)
+    original_max_position_embeddings: Optional[int] = None  # yarn/llama3: trained context; null = the config's
+    low_freq_factor: Optional[float] = None  # llama3 (required there; Llama-3.1 uses 1.0)
+    high_freq_factor: Optional[float] = None  # llama3 (required there; Llama-3.1 uses 4.0)
+    attention_factor: Optional[float] = None  # yarn: cos/sin scale; null = 0.1 ln(factor) + 1
+    beta_fast: Optional[float] = None  # yarn: extrapolation boundary in rotations (HF default 32)
+    beta_slow: Optional[float] = None  # yarn: interpolation boundary in rotations (HF default 1)
+
+    def __post_init__(self) -> None:
+        if self.rope_type is None:
+            return
+        _check_choice("model.rope_scaling.rope_type", self.rope_type, ROPE_SCALING_TYPES)
+        if self.factor < 1:
+            raise UserError(f"model.rope_scaling.factor={self.factor} must be >= 1 (supported context / trained "
+                            f"context), e.g. model.rope_scaling={{rope_type:{self.rope_type},factor:2.0}}.")
+
+    def as_hf(self) -> dict:
+        """The keys HF's rope_parameters takes ({} without scaling)."""
+        if self.rope_type is None:
+            return {}
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass
@@ -84,6 +117,8 @@ class ModelConfig:
     # states then live in bf16: what fits a 7B on one 80 GB card; model.dtype=float32 + FSDP for fp32 masters)
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # positions past the trained context
+    allow_long_context: bool = False  # train documents longer than the (scaled) context anyway, positions untrained
 
     def __post_init__(self) -> None:
         _check_choice("model.init", self.init, MODEL_INITS)

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from flexengine.config import ModelConfig
 from flexengine.data.demo import load_demo_tokenizer
 from flexengine.errors import UserError
+from flexengine.rope import apply_rope_scaling
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_hf_config(model: ModelConfig) -> PretrainedConfig:
-    """The HF config of the model (from model.path/config.json or model.arch), with use_cache off for training."""
+    """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
+    use_cache off for training."""
     if model.path is not None:
         path = Path(model.path)
         if not path.is_dir():
@@ -51,6 +53,7 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     # A KV cache is useless in training, and with it on HF skips packed-sequence handling
     # (docs/architecture.md, "Facts").
     config.use_cache = False
+    apply_rope_scaling(config, model.rope_scaling.as_hf())
     return config
 
 

@@ -2,7 +2,9 @@
 
 Composes the same conf/ as training (plus a `plan` node: format=table|json) and prints the memory plan of one
 step: weights, grads, optimizer states, activations per block for every policy, logits, workspace, total vs the
-card's budget, and the policy `memory=auto` would choose. Reads only the model's HF config: no weights.
+card's budget, and the policy `memory=auto` would choose; and the model's trained context against data.seq_len
+(with data.path and the model's tokenizer, against the documents' length percentiles). Reads only the model's HF
+config: no weights.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ def format_table(plan: dict) -> str:
                      f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
     else:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
+    ctx = plan["context"]
+    lines.append(f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
+                 + ("fit it" if ctx["rows_within_supported"] else
+                    f"can hold documents past it (training stops unless every document is <= {ctx['supported_context']}"
+                    " tokens; see model.rope_scaling)"))
+    if "documents" in ctx:
+        d = ctx["documents"]
+        lines.append(f"  documents: p50={d['p50']} p90={d['p90']} p99={d['p99']} max={d['p100']}; "
+                     f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
+                     f"{d['documents_over_supported']} longer than {ctx['supported_context']}")
     node = plan.get("node_of_8")
     if node:
         lines.append("on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
@@ -78,6 +90,24 @@ def format_table(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def context_report(job: JobConfig, hf_config) -> dict:
+    """Trained and supported context vs data.seq_len; with data.path and the model's own tokenizer, also where
+    the documents' lengths fall (tokenized through the same cache as training)."""
+    from flexengine.rope import context_limits
+
+    limits = context_limits(hf_config)
+    report = {"trained_context": limits.trained, "supported_context": limits.supported, "describe": limits.describe(),
+              "rows_within_supported": job.data.seq_len <= limits.supported}
+    if job.data.source != "demo" and (job.model.path or job.model.tokenizer):
+        from flexengine.data.corpus import build_corpus
+        from flexengine.data.stats import context_summary, length_summary
+        from flexengine.model import load_tokenizer
+
+        lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
+        report["documents"] = {**length_summary(lengths), **context_summary(lengths, limits.trained, limits.supported)}
+    return report
+
+
 def build_plan(job: JobConfig) -> dict:
     """The memory plan of a JobConfig (model architecture only)."""
     from flexengine.memory.planner import plan_inputs, plan_memory
@@ -85,6 +115,7 @@ def build_plan(job: JobConfig) -> dict:
 
     hf_config = build_hf_config(job.model)
     plan = plan_memory(hf_config, plan_inputs(job))
+    plan["context"] = context_report(job, hf_config)
     if job.hardware.device != "cpu" and job.hardware.world_size < 8:  # what a full node changes
         node_job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, world_size=8))
         node = plan_memory(hf_config, plan_inputs(node_job))
@@ -100,7 +131,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.model.path is None:
         cfg.model.init = "random"  # the planner reads only the architecture
     if cfg.data.source != "demo" and not cfg.data.path:
-        cfg.data.source = "demo"  # the planner never reads documents; only data.seq_len matters
+        cfg.data.source = "demo"  # no documents to compare with the context: only data.seq_len matters
     fmt = cfg.plan.format
     try:
         if fmt not in ("table", "json"):

@@ -30,6 +30,7 @@ from flexengine.parallel import (
     rank_device,
     shutdown_distributed,
 )
+from flexengine.rope import check_context, context_limits
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
     if plan.stats.rows == 0:
         raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
+    check_context(plan.stats.longest_piece, context_limits(hf_config), job.data.seq_len, job.data.long_docs,
+                  job.model.allow_long_context)
     # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
     # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
     flex = attention.backend is AttnBackend.FLEX

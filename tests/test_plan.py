@@ -33,6 +33,26 @@ def test_plan_json_for_deepseek7b_on_a100():
     assert parts < plan["total_bytes"]
     assert len(plan["activation_bytes_per_block"]["none"]) == 30
     assert plan["weights_bytes"] == pytest.approx(6.91e9 * 2, rel=0.01)
+    assert plan["context"]["trained_context"] == 4096 and not plan["context"]["rows_within_supported"]
+
+
+def test_plan_reports_documents_against_the_trained_context(tmp_path):
+    """With data.path and a tokenizer, the planner tokenizes (cached) and places the lengths against the context."""
+    from flexengine.data.demo import load_demo_tokenizer
+    from flexengine.model import build_hf_config
+    from flexengine.plan import context_report
+    from tests.test_train import make_job
+
+    tokenizer_dir = tmp_path / "tok"
+    load_demo_tokenizer().save_pretrained(str(tokenizer_dir))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": "x = 1\n" * n}) + "\n" for n in (5, 20, 80, 200)))
+    job = make_job(tmp_path, "data=jsonl", f"data.path={path}", "data.num_workers=0", f"model.tokenizer={tokenizer_dir}",
+                   "model.arch.max_position_embeddings=256", "model.rope_scaling={rope_type:linear,factor:4.0}")
+    report = context_report(job, build_hf_config(job.model))
+    assert (report["trained_context"], report["supported_context"]) == (256, 1024)
+    docs = report["documents"]
+    assert docs["documents"] == 4 and docs["documents_over_trained"] == 2 and docs["documents_over_supported"] == 0
 
 
 def test_plan_table_and_nothing_fits():

@@ -46,6 +46,7 @@ class PackStats:
         return self.pieces / max(1, self.rows)
 
     pieces: int = 0  # document pieces placed (documents after splitting, minus dropped)
+    longest_piece: int = 0  # tokens of the longest piece in a row: the highest position a row reaches + 1
 
     def as_dict(self) -> dict:
         """Plain dict for logs and summary.json."""
@@ -144,6 +145,7 @@ def plan_packing(lengths: Sequence[int], seq_len: int, strategy: str = "bfd", lo
     stats.rows = len(rows)
     stats.pieces = len(pieces)
     stats.tokens = sum(p[2] for p in pieces)
+    stats.longest_piece = max((p[2] for p in pieces), default=0)
     return PackPlan(rows=rows, stats=stats)
 
 

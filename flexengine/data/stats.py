@@ -30,6 +30,27 @@ def length_summary(lengths: np.ndarray) -> dict:
     return summary
 
 
+def context_summary(lengths: np.ndarray, trained: int, supported: int) -> dict:
+    """Where the document lengths fall against the model's trained and (RoPE-scaled) supported context."""
+    lengths = np.asarray(lengths)
+    over = lengths > trained
+    return {"trained_context": int(trained), "supported_context": int(supported),
+            "documents_within_trained": float(1.0 - over.mean()) if len(lengths) else 1.0,
+            "documents_over_trained": int(over.sum()), "documents_over_supported": int((lengths > supported).sum()),
+            "tokens_past_trained": int(np.clip(lengths - trained, 0, None).sum())}
+
+
+def format_context(summary: dict, context: dict, describe: str) -> str:
+    """One paragraph: the length percentiles against the trained/supported context."""
+    marks = "  ".join(f"p{q}={summary[f'p{q}']}{'*' if summary[f'p{q}'] > context['trained_context'] else ''}"
+                      for q in PERCENTILES if q >= 50)
+    return (f"context: model {describe}\n"
+            f"  {100 * context['documents_within_trained']:.1f}% of documents within {context['trained_context']} "
+            f"positions; {context['documents_over_trained']} longer ({context['tokens_past_trained']:,} tokens past it), "
+            f"{context['documents_over_supported']} longer than the supported {context['supported_context']}\n"
+            f"  {marks}   (* = past the trained context)")
+
+
 def compare_strategies(
     lengths: np.ndarray, seq_len: int, long_docs: str = "split", micro_batch: int = 1, seed: int = 0
 ) -> list[dict]:
@@ -111,10 +132,12 @@ def main() -> None:
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _stats(cfg: DictConfig) -> None:
         from flexengine.data.corpus import build_corpus
-        from flexengine.model import load_tokenizer
+        from flexengine.model import build_hf_config, load_tokenizer
+        from flexengine.rope import context_limits
 
         try:
             job = to_job_config(cfg)
+            limits = context_limits(build_hf_config(job.model))
             corpus = build_corpus(job.data, load_tokenizer(job.model))
         except UserError as e:
             print(f"\nflexengine: error: {e}\n", file=sys.stderr)
@@ -122,11 +145,13 @@ def main() -> None:
         d = job.data
         summary = length_summary(corpus.lengths)
         strategies = compare_strategies(corpus.lengths, d.seq_len, d.long_docs, job.train.micro_batch, job.train.seed)
+        context = context_summary(corpus.lengths, limits.trained, limits.supported)
         print(format_report(summary, strategies, d.seq_len, job.train.micro_batch))
+        print(format_context(summary, context, limits.describe()))
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         report = {
             "seq_len": d.seq_len, "long_docs": d.long_docs, "micro_batch": job.train.micro_batch,
-            "skipped": corpus.skipped, "lengths": summary, "strategies": strategies,
+            "skipped": corpus.skipped, "lengths": summary, "strategies": strategies, "context": context,
         }
         write_json_atomic(out_dir / "data_stats.json", report)
         plot_length_histogram(corpus.lengths, d.seq_len, out_dir / "data_stats.png")

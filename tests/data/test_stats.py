@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from flexengine.data.packing import plan_packing
-from flexengine.data.stats import compare_strategies, format_report, length_summary
+from flexengine.data.stats import compare_strategies, context_summary, format_context, format_report, length_summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,13 +37,22 @@ def test_compare_strategies_reports_each_plan():
     assert "bfd" in format_report(length_summary(lengths), list(results.values()), 128, 4)
 
 
+def test_context_summary_against_trained_and_supported_context():
+    lengths = np.array([100, 4096, 4096, 6000, 9000])
+    c = context_summary(lengths, 4096, 8192)
+    assert (c["documents_over_trained"], c["documents_over_supported"]) == (2, 1)
+    assert c["tokens_past_trained"] == 1904 + 4904 and c["documents_within_trained"] == 0.6
+    text = format_context(length_summary(lengths), c, "trained on 4096 positions")
+    assert "60.0% of documents within 4096" in text and "p100=9000*" in text and "p50=4096 " in text
+
+
 def test_cli_prints_and_writes_json_and_png(tmp_path, write_jsonl, demo_tokenizer, cache_root):
     rng = np.random.default_rng(0)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "x = 1\n" * int(n)} for n in rng.integers(1, 200, 40)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXENGINE_CACHE": str(cache_root)}  # demo tokenizer reused
     out = subprocess.run(
         [sys.executable, "-m", "flexengine.data.stats", "data=jsonl", f"data.path={path}", "data.seq_len=256",
-         f"hydra.run.dir={tmp_path / 'run'}"],
+         "model.arch.max_position_embeddings=512", f"hydra.run.dir={tmp_path / 'run'}"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -51,6 +60,10 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, write_jsonl, demo_tokenize
     report = json.loads((tmp_path / "run" / "data_stats.json").read_text())
     assert report["lengths"]["documents"] == 40 and report["seq_len"] == 256
     assert [s["strategy"] for s in report["strategies"]] == ["bfd", "greedy", "none"]
+    assert "context: model trained on 512 positions" in out.stdout
+    over = report["context"]["documents_over_trained"]
+    assert report["context"]["trained_context"] == 512 and 0 < over < 40  # docs of 4..800 tokens
+    assert report["context"]["documents_within_trained"] == (40 - over) / 40
     assert (tmp_path / "run" / "data_stats.png").stat().st_size > 1000
 
 
