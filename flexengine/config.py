@@ -173,6 +173,21 @@ class AttnConfig:
         return self.attn_mode.documents
 
 
+def _parse_tiled_mlp(value: Any) -> Any:
+    """memory.tiled_mlp: 0/off -> 0, a positive number of tokens per tile, or 'auto' (the planner decides)."""
+    if value in (None, False, "off", "none"):
+        return 0
+    if value == "auto":
+        return value
+    tokens = value if isinstance(value, int) and not isinstance(value, bool) else -1
+    if isinstance(value, str) and value.strip().isdigit():
+        tokens = int(value)
+    if tokens < 0:
+        raise UserError(f"memory.tiled_mlp={value!r}: give tokens per tile (e.g. memory.tiled_mlp=4096), 0 for "
+                        "off, or auto (the planner tiles when that makes the step fit)")
+    return tokens
+
+
 @dataclass
 class MemoryConfig:
     """Activation memory policy per decoder block (see flexengine.memory)."""
@@ -183,8 +198,13 @@ class MemoryConfig:
     layers: str = "all"  # all | every_<n> | first_<k> | last_<k> | comma list of block indices, e.g. "0,3,7"
     granularity: str = "block"  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
     offload: bool = False  # with full/selective: also keep the checkpoint inputs in (pinned) CPU memory
+    # MLP over tiles of this many tokens (B x S flattened), each recomputed in backward: the tokens x
+    # intermediate_size tensors exist one tile at a time | 0 = off | auto = the planner tiles (hidden_size tokens
+    # per tile) when that is what makes the step fit. Composes with every policy but selective/mlp.
+    tiled_mlp: Any = 0
 
     def __post_init__(self) -> None:
+        self.tiled_mlp = _parse_tiled_mlp(self.tiled_mlp)
         _check_choice("memory.policy", self.policy, MEMORY_POLICIES)
         _check_choice("memory.granularity", self.granularity, MEMORY_GRANULARITIES)
         if self.policy == "full" and self.granularity != "block":
@@ -195,6 +215,9 @@ class MemoryConfig:
         if self.policy in ("none", "offload") and self.offload:
             raise UserError(f"memory.offload=true offloads checkpoint inputs; memory.policy={self.policy} has none. "
                             "Use memory=offload to offload every saved tensor, or memory=full memory.offload=true.")
+        if self.tiled_mlp and self.policy == "selective" and self.granularity == "mlp":
+            raise UserError(f"memory.tiled_mlp={self.tiled_mlp} already recomputes the MLP (per tile) and "
+                            "memory.granularity=mlp would recompute it again around the tiles: use one of them.")
 
 
 @dataclass
@@ -272,6 +295,7 @@ class HardwareConfig:
     memory_gb: float = 16.0  # per-device memory budget the planner fits into
     peak_tflops: float = 1.0  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU
     pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
+    host_memory_gb: float = 0.0  # pinned host memory offloaded activations may use, per device (0 = unchecked)
     world_size: int = 1  # devices in the job (torchrun sets the real value)
 
 

@@ -49,10 +49,10 @@ def format_table(plan: dict) -> str:
     for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "logits_bytes",
                 "workspace_bytes", "total_bytes", "budget_bytes"):
         lines.append(f"  {key.replace('_bytes', ''):<12} {_gib(plan[key])}")
-    lines += ["", (f"  {'policy':<16} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
+    lines += ["", (f"  {'policy':<28} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
                    f"{'recompute':>10} {'offload/step':>14} {'extra time':>10}")]
     for r in plan["candidates"]:
-        lines.append(f"  {r['label']:<16} {_gib(max(r['activation_bytes_per_block'])):>16} "
+        lines.append(f"  {r['label']:<28} {_gib(max(r['activation_bytes_per_block'])):>16} "
                      f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} "
                      f"{'yes' if r['fits'] else 'no':>5} {100 * r['recompute_flops_fraction']:>9.1f}% "
                      f"{_gib(r['offload_bytes_per_step']):>14} "
@@ -114,11 +114,12 @@ def build_plan(job: JobConfig) -> dict:
     from flexengine.model import build_hf_config
 
     hf_config = build_hf_config(job.model)
-    plan = plan_memory(hf_config, plan_inputs(job))
+    tiled = job.memory.tiled_mlp or "auto"  # the table weighs tiling unless a tile size is given
+    plan = plan_memory(hf_config, plan_inputs(job), tiled)
     plan["context"] = context_report(job, hf_config)
     if job.hardware.device != "cpu" and job.hardware.world_size < 8:  # what a full node changes
         node_job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, world_size=8))
-        node = plan_memory(hf_config, plan_inputs(node_job))
+        node = plan_memory(hf_config, plan_inputs(node_job), tiled)
         plan["node_of_8"] = {k: node[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")}
     return plan
 

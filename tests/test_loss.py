@@ -78,3 +78,33 @@ def test_host_computed_positions_give_the_same_loss():
                                               ignore_index=-100, reduction="sum")
     for chunk in (0, 5):
         torch.testing.assert_close(causal_lm_loss_sum(hidden, labels, head, chunk, index), plain)
+
+
+@pytest.mark.slow
+def test_chunked_loss_bounds_memory_at_128k_tokens():
+    """131,072 tokens, vocab 4096: whole fp32 logits would be 2 GiB (and their gradient as much again); chunks of
+    1024 keep the working set within the planner's estimate (hidden rows + one chunk's logits, log-probs and
+    gradient), and the value equals plain CE summed over slices."""
+    from flexengine.memory.meter import measure_peak_bytes
+    from flexengine.memory.planner import ModelShape, Workload, constant_bytes, loss_transient_bytes
+
+    torch.manual_seed(0)
+    S, H, V, chunk = 131_072, 16, 4096, 1024
+    hidden = torch.randn(1, S, H, requires_grad=True)
+    lm_head = torch.nn.Linear(H, V, bias=False)
+    labels = torch.randint(0, V, (1, S))
+    out = {}
+    peak = measure_peak_bytes(lambda: out.update(loss=causal_lm_loss_sum(hidden, labels, lm_head, chunk)) or
+                              out["loss"].backward())
+    shape = ModelShape(hidden=H, heads=1, kv_heads=1, head_dim=H, intermediate=H, layers=0, vocab=V, params=0)
+    w = Workload(1, S, 4, "flex", chunk)
+    planned = constant_bytes(shape, w, False)["loss_inputs"] + loss_transient_bytes(shape, w)
+    planned += 2 * S * H * 4 + V * H * 4  # the gradients of hidden and lm_head, which backward returns
+    assert "log_probs" not in constant_bytes(shape, w, False)  # chunked: no whole-sequence log-probs
+    assert peak < 4 * S * V / 8  # an eighth of the whole logits, for scale
+    assert peak == pytest.approx(planned, rel=0.25)
+    with torch.no_grad():
+        ends = [(i, min(i + 8192, S - 1)) for i in range(0, S - 1, 8192)]
+        want = sum(F.cross_entropy(lm_head(hidden[0, i:j]).float(), labels[0, i + 1:j + 1], reduction="sum")
+                   for i, j in ends)
+    torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-5, atol=1e-2)

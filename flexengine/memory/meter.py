@@ -98,3 +98,36 @@ def measure_activations(model: nn.Module, forward: Callable[[], Tensor],
     peak = torch.cuda.max_memory_allocated() - base if cuda else None
     report = ActivationReport(sum(per_block) + other, per_block, other, offloaded, peak)
     return report, out
+
+
+class _PeakLive(TorchDispatchMode):
+    """Peak bytes of op outputs alive at once (weak refs to their storages): a working set on any device."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.alive[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        live = 0
+        for key, (ref, nbytes) in list(self.alive.items()):
+            if ref.expired():
+                del self.alive[key]
+            else:
+                live += nbytes
+        self.peak = max(self.peak, live)
+        return out
+
+
+def measure_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensors created inside `fn()` and alive at the same time (forward, recompute and backward
+    alike; tensors that existed before are not counted). Eager only: a dispatch mode skips compiled frames."""
+    mode = _PeakLive()
+    with mode:
+        fn()
+    return mode.peak

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from flexengine.config import HardwareConfig, MemoryConfig
 from flexengine.memory.layers import select_layers
+from flexengine.memory.tiled_mlp import auto_tile_tokens
 
 GiB = 2**30
 # The constants below are not derived from our code path; each names its source and is printed with every plan
@@ -107,11 +108,17 @@ class Workload:
     act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
     backend: str = "flex"  # flex | dense (the CPU reference; adds S^2 mask terms)
     chunk_size: int = 0  # loss.chunk_size
+    mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
 
     @property
     def tokens(self) -> int:
         """T = B x S."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def mlp_tiled(self) -> bool:
+        """Whether the MLP really runs in more than one tile (tiled_mlp_forward skips a single tile)."""
+        return 0 < self.mlp_tile < self.tokens
 
 
 def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
@@ -145,6 +152,10 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
 def block_bytes(m: ModelShape, w: Workload, recompute: Optional[str], offload: bool) -> tuple[int, int]:
     """(device bytes, host bytes) one block holds. recompute: None | block | attention | mlp | ops."""
     inv = block_inventory(m, w)
+    if w.mlp_tiled and recompute != "ops":
+        # per-tile checkpoints keep only views of the MLP input (norm2's output, already counted). Under SAC the
+        # tiles' matmul outputs still land in its cache: measured unchanged.
+        inv["mlp"] = {}
     if recompute is None:
         held = sum(sum(part.values()) for part in inv.values())
     elif recompute == "block":
@@ -154,6 +165,16 @@ def block_bytes(m: ModelShape, w: Workload, recompute: Optional[str], offload: b
     else:  # attention | mlp: that sub-layer keeps only its (already counted) normalised input
         held = sum(sum(part.values()) for name, part in inv.items() if name != recompute)
     return (0, held) if offload else (held, 0)
+
+
+def block_working_bytes(m: ModelShape, w: Workload) -> int:
+    """Bytes of one block's tensors re-materialised at once in backward (its recompute, or the activation
+    gradients of its size): the whole inventory, whose MLP part also has two gradients of [tokens, intermediate]
+    in flight (measured: ~6 such tensors at the MLP's backward peak) -- for one tile when the MLP is tiled."""
+    inv = block_inventory(m, w)
+    mlp = sum(inv.pop("mlp").values()) * 6 // 4
+    tiled = mlp * min(w.mlp_tile, w.tokens) // w.tokens if w.mlp_tiled else mlp
+    return sum(sum(part.values()) for part in inv.values()) + tiled
 
 
 def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0.5) -> dict[str, float]:
@@ -243,6 +264,7 @@ class ActivationEstimate:
 def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5,
                          count_attention_core: bool = True) -> ActivationEstimate:
     """Bytes a forward under `memory` (a concrete policy) holds for backward, per block and in total."""
+    w = dataclasses.replace(w, mlp_tile=resolve_tiles(memory, m).tiled_mlp)
     chosen = set(select_layers(memory.layers, m.layers)) if memory.policy != "none" else set()
     recompute = memory.policy in ("full", "selective")
     offload = memory.policy == "offload" or memory.offload
@@ -256,10 +278,20 @@ def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, atten
         if gran is not None:
             flops += recompute_flops_per_block(m, w, gran, attended_fraction, count_attention_core)
             pointwise += recompute_pointwise_bytes_per_block(m, w, gran)
+        if w.mlp_tiled:  # every tile re-runs gate_proj + up_proj and SwiGLU in backward (FlopCounterMode-checked)
+            flops += recompute_flops_per_block(m, w, "mlp", attended_fraction, count_attention_core)
+            pointwise += recompute_pointwise_bytes_per_block(m, w, "mlp")
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = bool(chosen) and recompute and memory.granularity != "mlp"
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
     return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops, pointwise)
+
+
+def resolve_tiles(memory: MemoryConfig, m: ModelShape) -> MemoryConfig:
+    """memory.tiled_mlp=auto as a number: ALST's hidden_size tokens per tile."""
+    if memory.tiled_mlp != "auto":
+        return memory
+    return dataclasses.replace(memory, tiled_mlp=auto_tile_tokens(m.hidden))
 
 
 # -- the step budget and the choice -----------------------------------------------------------------------
@@ -274,6 +306,9 @@ CANDIDATES: list[tuple[str, MemoryConfig]] = [
     ("full", MemoryConfig(policy="full")),
     ("offload", MemoryConfig(policy="offload")),
     ("full + offload", MemoryConfig(policy="full", offload=True)),
+    # Long rows: the MLP's tokens x intermediate tensors exist one tile at a time, also inside the recompute.
+    ("full + tiled MLP", MemoryConfig(policy="full", tiled_mlp="auto")),
+    ("full + offload + tiled MLP", MemoryConfig(policy="full", offload=True, tiled_mlp="auto")),
 ]
 
 
@@ -348,18 +383,20 @@ def assumptions(hardware: HardwareConfig) -> dict[str, float]:
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     """Total bytes (by term), fit and cost of one concrete policy."""
-    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    memory = resolve_tiles(memory, m)
+    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size, memory.tiled_mlp)
     act = estimate_activations(m, w, memory)
     static = _static_bytes(m, x)
     on_gpu = x.hardware.device != "cpu"
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
-    backward = max(block_bytes(m, w, None, False)[0], loss_transient_bytes(m, w))
+    backward = max(block_working_bytes(m, w), loss_transient_bytes(m, w))
     offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
     terms = {**static, "activation_bytes": act.total_bytes, "backward_workspace_bytes": backward,
              "offload_in_flight_bytes": offload_resident,
              "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0, **fsdp_bytes(m, x)}
     total = sum(terms.values())
     budget = int(x.hardware.memory_gb * GiB)
+    host_budget = int(x.hardware.host_memory_gb * GiB) or None
     blocks_flops = m.layers * sum(block_forward_flops(m, w).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
     compute_s = step_flops / (x.hardware.peak_tflops * 1e12 * ASSUMED_MFU)
@@ -369,22 +406,45 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
     pointwise_s = act.recompute_pointwise_bytes / (hbm_gb_s(x.hardware) * 1e9)
     recompute_s = recompute_fraction * compute_s + pointwise_s
-    return {"activation_bytes": act.total_bytes, "activation_bytes_per_block": act.per_block,
+    return {"memory": dataclasses.asdict(memory),
+            "step_s": compute_s + recompute_s + exposed_s,  # at ASSUMED_MFU, per micro-batch
+            "activation_bytes": act.total_bytes, "activation_bytes_per_block": act.per_block,
             "offloaded_bytes": act.offloaded_bytes,
             "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
-            "total_bytes": total, "budget_bytes": budget, "fits": total <= budget, "terms": terms,
+            "total_bytes": total, "budget_bytes": budget, "terms": terms,
+            "fits": total <= budget and (host_budget is None or act.offloaded_bytes <= host_budget),
             "recompute_flops_fraction": recompute_fraction, "recompute_pointwise_s": pointwise_s,
             "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
             "offload_exposed_s": exposed_s, "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
             **static}
 
 
-def plan_memory(hf_config, x: PlanInputs) -> dict:
+def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
+    """The policies the planner weighs, given memory.tiled_mlp: auto (with and without tiling), 0 (never tiled)
+    or a number of tokens (every policy tiled so, except selective/mlp, which recomputes the MLP whole)."""
+    if tiled_mlp == "auto":
+        return list(CANDIDATES)
+    plain = [(label, mem) for label, mem in CANDIDATES if not mem.tiled_mlp]
+    if not tiled_mlp:
+        return plain
+    return [(f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp)) for label, mem in plain
+            if not (mem.policy == "selective" and mem.granularity == "mlp")]
+
+
+def resolve_tiled_mlp(hf_config, x: PlanInputs, memory: MemoryConfig) -> MemoryConfig:
+    """A given policy with memory.tiled_mlp=auto: untiled if that fits (no extra recompute), else tiled."""
+    m = ModelShape.from_hf_config(hf_config)
+    untiled = dataclasses.replace(memory, tiled_mlp=0)
+    return untiled if evaluate(m, x, untiled)["fits"] else resolve_tiles(memory, m)
+
+
+def plan_memory(hf_config, x: PlanInputs, tiled_mlp: Any = "auto") -> dict:
     """Every candidate policy's bytes and cost, the cheapest that fits, and what to change if none does."""
     m = ModelShape.from_hf_config(hf_config)
     # On a CPU "device" host memory is the device memory: offloading saves nothing.
-    candidates = [(label, mem) for label, mem in CANDIDATES if x.hardware.device != "cpu" or not _offloads(mem)]
-    rows = [{"label": label, "memory": dataclasses.asdict(mem), **evaluate(m, x, mem)} for label, mem in candidates]
+    candidates = [(label, mem) for label, mem in candidates_for(tiled_mlp)
+                  if x.hardware.device != "cpu" or not _offloads(mem)]
+    rows = [{"label": label, **evaluate(m, x, mem)} for label, mem in candidates]
     fitting = [r for r in rows if r["fits"]]
     # Ties (e.g. fully overlapped offload vs none) go to the earlier, simpler candidate.
     best = (min(fitting, key=lambda r: (round(r["cost"], 4), rows.index(r))) if fitting

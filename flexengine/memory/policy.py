@@ -11,11 +11,14 @@ activation offload:
 - Recompute.OPS: op-level SAC -- matmul and attention outputs are kept, pointwise ops are recomputed; with
   flex the block must be compiled, so that SAC sees flex inside the block's graph (`compile.needs_compiled_blocks`);
 - offload: the block's saved tensors (or, under checkpointing, its saved inputs) live in CPU memory. The hooks
-  run in `MemoryBlock.__call__`, outside the compiled forward and outside the checkpoint.
+  run in `MemoryBlock.__call__`, outside the compiled forward and outside the checkpoint;
+- mlp_tile: the block's `mlp` runs over token tiles, each its own checkpoint (flexengine.memory.tiled_mlp), inside
+  whatever the block itself does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -29,6 +32,7 @@ from flexengine.errors import UserError
 from flexengine.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.memory.offload import OffloadManager
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
+from flexengine.memory.tiled_mlp import tiled_mlp_forward
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class MemoryBlock(nn.Module):
     memory_offload: Optional[OffloadManager]  # the model's offload manager, when this module offloads
 
     def forward(self, *args, **kwargs):
+        if self.memory_spec.mlp_tile:  # on the block's `mlp` (apply_block_spec): hidden states in, per token
+            return tiled_mlp_forward(super().forward, *args, tile_tokens=self.memory_spec.mlp_tile, **kwargs)
         recompute = self.memory_spec.recompute
         if recompute is Recompute.BLOCK:  # non-reentrant: works with kwargs, compile and offload hooks
             return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
@@ -115,7 +121,15 @@ def apply_block_spec(layer: nn.Module, spec: MemorySpec, index: int, offload: Op
     sub_name = {Recompute.ATTENTION: "self_attn", Recompute.MLP: "mlp"}.get(spec.recompute)
     if sub_name is not None:
         wrap_module(_submodule(layer, sub_name, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
-    wrap_module(layer, spec, index, offload if spec.offload else None)
+    if spec.mlp_tile:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise UserError(f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `mlp` sub-module to "
+                            "tile; use memory.tiled_mlp=0")
+        wrap_module(mlp, MemorySpec(mlp_tile=spec.mlp_tile), index, None)
+    own = dataclasses.replace(spec, mlp_tile=0)  # the tiles belong to the mlp's forward, not the block's
+    if own.changes_block or isinstance(layer, MemoryBlock):
+        wrap_module(layer, own, index, offload if spec.offload else None)
 
 
 def apply_memory_policy(model: nn.Module, memory: MemoryConfig) -> list[int]:
@@ -130,7 +144,7 @@ def apply_memory_policy(model: nn.Module, memory: MemoryConfig) -> list[int]:
         apply_block_spec(layer, spec, i, record.offload)
     record.memory = specs
     chosen = [i for i, s in enumerate(specs) if s.changes_block]
-    if memory.policy != "none":
+    if memory.policy != "none" or memory.tiled_mlp:
         log.info("memory: policy=%s (%s) on %d of %d blocks %s", memory.policy,
                  specs[chosen[0]].describe() if chosen else "-", len(chosen), len(layers), chosen)
     return chosen

@@ -13,16 +13,24 @@ from flexengine.attention.spec import AttnBackend
 from flexengine.config import JobConfig, MemoryConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory.meter import measure_activations
-from flexengine.memory.planner import ModelShape, Workload, estimate_activations, plan_inputs, plan_memory
+from flexengine.memory.planner import (
+    ModelShape, Workload, estimate_activations, plan_inputs, plan_memory, resolve_tiled_mlp,
+)
 
 log = logging.getLogger(__name__)
 
 
 def resolve_memory(job: JobConfig, hf_config) -> MemoryConfig:
-    """memory.policy=auto -> the planner's cheapest policy that fits (logged); any other policy unchanged."""
+    """memory.policy=auto -> the planner's cheapest policy that fits (logged); memory.tiled_mlp=auto -> tiled
+    only if the untiled policy does not fit; anything else unchanged."""
     if job.memory.policy != "auto":
-        return job.memory
-    plan = plan_memory(hf_config, plan_inputs(job))
+        if job.memory.tiled_mlp != "auto":
+            return job.memory
+        memory = resolve_tiled_mlp(hf_config, plan_inputs(job), job.memory)
+        log.info("memory.tiled_mlp=auto: %s", f"{memory.tiled_mlp} tokens per tile" if memory.tiled_mlp else
+                 "off (the step fits untiled)")
+        return memory
+    plan = plan_memory(hf_config, plan_inputs(job), job.memory.tiled_mlp)
     memory = MemoryConfig(**plan["memory"])
     level = logging.INFO if plan["fits"] else logging.WARNING
     log.log(level, "memory=auto: planner chose %r (%s; %.1f of %.1f GiB, recompute %.1f%% of step FLOPs)%s",
