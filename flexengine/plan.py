@@ -1,4 +1,5 @@
 """`python -m flexengine.plan model=deepseek7b data.seq_len=6144 hardware=a100_80g [plan.format=json]`
+`python -m flexengine.plan model=deepseek7b hardware=a100_80g plan.max_seq_len=true [plan.png=maxlen.png]`
 
 Composes the same conf/ as training (plus a `plan` node: format=table|json) and prints the memory plan of one
 step: weights, grads, optimizer states, activations per block for every policy, logits, workspace, total vs the
@@ -13,6 +14,8 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -29,6 +32,8 @@ class PlanOptions:
     """Options of the planner CLI."""
 
     format: str = "table"  # table | json
+    max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
+    png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
 
 
 @dataclass
@@ -108,6 +113,52 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
+def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
+    """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
+    from flexengine.memory.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
+    from flexengine.memory.planner import plan_inputs
+    from flexengine.model import build_hf_config
+    from flexengine.rope import context_limits
+
+    hf_config = build_hf_config(job.model)
+    x = plan_inputs(job)
+    tiled = job.memory.tiled_mlp or "auto"
+    rows = max_seq_len_table(hf_config, x, tiled)
+    longest = max((r["max_seq_len"] for r in rows), default=0)
+    lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
+    curves = memory_curves(hf_config, x, lengths, tiled)
+    report = {"model": job.model.name, "hardware": job.hardware.name, "world_size": x.hardware.world_size,
+              "micro_batch": x.micro_batch, "dtype_bytes": x.dtype_bytes, "trainable_fraction": x.trainable_fraction,
+              "budget_bytes": int(x.hardware.memory_gb * GiB), "policies": rows, "lengths": lengths,
+              "curves_gib": curves, "context": context_limits(hf_config).describe()}
+    if png is not None:
+        lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
+        plot_memory_vs_seq_len(curves, lengths, x.hardware.memory_gb, png,
+                               f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}")
+        report["png"] = str(png)
+    return report
+
+
+def format_max_seq_len(report: dict) -> str:
+    """The max_seq_len report as a table."""
+    lines = [f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
+             f"(x{report['world_size']}), micro_batch={report['micro_batch']}, budget {_gib(report['budget_bytes'])}",
+             "", f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"]
+    for r in report["policies"]:
+        if not r["max_seq_len"]:
+            lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
+            continue
+        lines.append(f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
+                     f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%")
+    best = max(report["policies"], key=lambda r: r["max_seq_len"])
+    lines += ["", f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
+              "(rows past it need model.rope_scaling, or documents within it)",
+              "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)"]
+    if "png" in report:
+        lines.append(f"memory vs seq_len: {report['png']}")
+    return "\n".join(lines)
+
+
 def build_plan(job: JobConfig) -> dict:
     """The memory plan of a JobConfig (model architecture only)."""
     from flexengine.memory.planner import plan_inputs, plan_memory
@@ -137,7 +188,12 @@ def main(cfg: DictConfig) -> None:
     try:
         if fmt not in ("table", "json"):
             raise UserError(f"plan.format={fmt!r}: choose table or json")
-        plan = build_plan(to_job_config(cfg))
+        job = to_job_config(cfg)
+        if cfg.plan.max_seq_len:
+            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
+            print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
+            return
+        plan = build_plan(job)
     except UserError as e:
         print(f"\nflexengine: error: {e}\n", file=sys.stderr)
         sys.exit(2)

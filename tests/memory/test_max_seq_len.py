@@ -1,0 +1,59 @@
+"""The longest seq_len per policy: the boundary is exact, ordered as the policies' bytes, and the CLI draws it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from flexengine.config import HardwareConfig, ModelConfig
+from flexengine.memory.max_seq_len import longest_fitting, max_seq_len_table
+from flexengine.memory.planner import ModelShape, PlanInputs, candidates_for, evaluate
+from flexengine.model import build_hf_config
+
+ROOT = Path(__file__).parents[2]
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, host_memory_gb=128)
+
+
+def _deepseek():
+    arch = yaml.safe_load((ROOT / "flexengine/conf/model/deepseek7b.yaml").read_text())["arch"]
+    return build_hf_config(ModelConfig(init="random", arch=arch))
+
+
+def test_longest_fitting_is_the_boundary():
+    cfg = _deepseek()
+    m = ModelShape.from_hf_config(cfg)
+    x = PlanInputs(seq_len=0, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024)
+    for label, memory in candidates_for("auto"):
+        n = longest_fitting(m, x, memory)
+        if n:
+            assert evaluate(m, dataclasses.replace(x, seq_len=n), memory)["fits"], label
+        assert not evaluate(m, dataclasses.replace(x, seq_len=n + 128), memory)["fits"], label
+
+
+def test_long_rows_need_checkpointing_offload_and_tiles():
+    rows = {r["label"]: r for r in max_seq_len_table(_deepseek(), PlanInputs(
+        seq_len=0, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))}
+    n = {label: r["max_seq_len"] for label, r in rows.items()}
+    assert n["none"] < n["full"] < n["full + offload"] < n["full + offload + tiled MLP"]
+    assert n["full"] < n["full + tiled MLP"]
+    assert n["full + offload + tiled MLP"] >= 65536  # a 7B full fine-tune past 64K tokens on one 80 GB card
+    best = rows["full + offload + tiled MLP"]
+    assert best["memory"]["tiled_mlp"] == 4096 and best["memory"]["offload"]
+    assert best["step_s"] > rows["full"]["step_s"] > 0  # longer rows, more recompute: slower steps
+
+
+def test_cli_table_json_and_png(tmp_path):
+    png = tmp_path / "maxlen.png"
+    proc = subprocess.run([sys.executable, "-m", "flexengine.plan", "model=deepseek7b", "hardware=a100_80g",
+                           "train.micro_batch=1", "model.lora.r=16", "plan.max_seq_len=true", f"plan.png={png}",
+                           "plan.format=json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["trainable_fraction"] < 0.01 and report["micro_batch"] == 1
+    assert {r["label"] for r in report["policies"]} >= {"none", "full", "full + offload + tiled MLP"}
+    assert max(report["curves_gib"]["none"]) > 80 and png.stat().st_size > 10_000
