@@ -141,9 +141,11 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
 
 def format_max_seq_len(report: dict) -> str:
     """The max_seq_len report as a table."""
-    lines = [f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
-             f"(x{report['world_size']}), micro_batch={report['micro_batch']}, budget {_gib(report['budget_bytes'])}",
-             "", f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"]
+    head = (f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} "
+            f"{'recompute':>10}")
+    lines = [(f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
+              f"(x{report['world_size']}), micro_batch={report['micro_batch']}, budget {_gib(report['budget_bytes'])}"),
+             "", head]
     for r in report["policies"]:
         if not r["max_seq_len"]:
             lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
@@ -151,8 +153,8 @@ def format_max_seq_len(report: dict) -> str:
         lines.append(f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
                      f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%")
     best = max(report["policies"], key=lambda r: r["max_seq_len"])
-    lines += ["", f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
-              "(rows past it need model.rope_scaling, or documents within it)",
+    lines += ["", (f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
+                   "(rows past it need model.rope_scaling, or documents within it)"),
               "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)"]
     if "png" in report:
         lines.append(f"memory vs seq_len: {report['png']}")

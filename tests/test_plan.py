@@ -47,8 +47,9 @@ def test_plan_reports_documents_against_the_trained_context(tmp_path):
     load_demo_tokenizer().save_pretrained(str(tokenizer_dir))
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": "x = 1\n" * n}) + "\n" for n in (5, 20, 80, 200)))
-    job = make_job(tmp_path, "data=jsonl", f"data.path={path}", "data.num_workers=0", f"model.tokenizer={tokenizer_dir}",
-                   "model.arch.max_position_embeddings=256", "model.rope_scaling={rope_type:linear,factor:4.0}")
+    job = make_job(tmp_path, "data=jsonl", f"data.path={path}", "data.num_workers=0",
+                   f"model.tokenizer={tokenizer_dir}", "model.arch.max_position_embeddings=256",
+                   "model.rope_scaling={rope_type:linear,factor:4.0}")
     report = context_report(job, build_hf_config(job.model))
     assert (report["trained_context"], report["supported_context"]) == (256, 1024)
     docs = report["documents"]

@@ -46,7 +46,8 @@ def format_context(summary: dict, context: dict, describe: str) -> str:
                       for q in PERCENTILES if q >= 50)
     return (f"context: model {describe}\n"
             f"  {100 * context['documents_within_trained']:.1f}% of documents within {context['trained_context']} "
-            f"positions; {context['documents_over_trained']} longer ({context['tokens_past_trained']:,} tokens past it), "
+            f"positions; {context['documents_over_trained']} longer "
+            f"({context['tokens_past_trained']:,} tokens past it), "
             f"{context['documents_over_supported']} longer than the supported {context['supported_context']}\n"
             f"  {marks}   (* = past the trained context)")
 

@@ -47,8 +47,8 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: i
         if n:
             at = evaluate(m, dataclasses.replace(x, seq_len=n), memory)
             row.update(memory=at["memory"], total_bytes=at["total_bytes"], step_s=at["step_s"],
-                       tokens_per_s=x.micro_batch * n / at["step_s"], recompute_flops_fraction=at["recompute_flops_fraction"],
-                       offloaded_bytes=at["offloaded_bytes"])
+                       tokens_per_s=x.micro_batch * n / at["step_s"], offloaded_bytes=at["offloaded_bytes"],
+                       recompute_flops_fraction=at["recompute_flops_fraction"])
         rows.append(row)
     return rows
 

@@ -14,7 +14,12 @@ from flexengine.config import JobConfig, MemoryConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory.meter import measure_activations
 from flexengine.memory.planner import (
-    ModelShape, Workload, estimate_activations, plan_inputs, plan_memory, resolve_tiled_mlp,
+    ModelShape,
+    Workload,
+    estimate_activations,
+    plan_inputs,
+    plan_memory,
+    resolve_tiled_mlp,
 )
 
 log = logging.getLogger(__name__)

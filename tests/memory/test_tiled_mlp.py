@@ -14,8 +14,13 @@ from flexengine.errors import UserError
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import apply_memory_policy, decoder_layers, measure_activations
 from flexengine.memory.meter import measure_peak_bytes
-from flexengine.memory.planner import ModelShape, Workload, block_working_bytes, estimate_activations, \
-    recompute_flops_per_block
+from flexengine.memory.planner import (
+    ModelShape,
+    Workload,
+    block_working_bytes,
+    estimate_activations,
+    recompute_flops_per_block,
+)
 from tests.helpers import clone_model, make_llama
 
 B, S = 2, 64  # 128 tokens: tiles of 48 leave an uneven last tile of 32
@@ -118,7 +123,7 @@ def test_only_one_tile_of_the_intermediate_is_ever_alive():
     peaks = {}
     for tile in (0, 128):
         model = _model(base, MemoryConfig(policy="full", tiled_mlp=tile))
-        peaks[tile] = measure_peak_bytes(lambda: forward_loss_sum(model, batch).backward())
+        peaks[tile] = measure_peak_bytes(lambda m=model: forward_loss_sum(m, batch).backward())
     shape = ModelShape.from_hf_config(base.config)
     saved = block_working_bytes(shape, Workload(1, 1024, 4, "dense")) - block_working_bytes(
         shape, Workload(1, 1024, 4, "dense", mlp_tile=128))
