@@ -80,7 +80,7 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
         for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
             m = AttnMode(mode)
             mask = build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None, backend="flex")
-            row[mode] = float(mask.block_sparsity)
+            row[mode] = float(mask.block_density)
         rows.append(row)
         print(f"sparsity S={seq_len} mean doc {mean_len:>5}: " + " ".join(f"{m}={row[m]:.3f}" for m in
                                                                           ("packed_doc", "packed_sliding")))
@@ -89,24 +89,20 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
 
 def bench_throughput(steps: int, seq_len: int, micro_batch: int) -> dict:
     """Useful tokens/s, packed_doc vs the padded causal baseline, same model and number of steps."""
-    from hydra import compose, initialize_config_module
-
     from flexengine.run import run_training
-    from flexengine.train import to_job_config
+    from flexengine.cli import compose_job
 
     results = {}
     for attn in ("causal", "packed_doc"):
         with tempfile.TemporaryDirectory() as out:
-            with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-                cfg = compose("config", overrides=[
-                    f"attn={attn}", f"data.seq_len={seq_len}", f"train.max_steps={steps}",
-                    f"train.micro_batch={micro_batch}",
-                    "train.grad_accum=1", "train.save_final=false", "train.progress=false",
-                    f"train.output_dir={out}",
-                ])
-            s = run_training(to_job_config(cfg), Path(out))
+            job = compose_job([
+                f"attn={attn}", f"data.seq_len={seq_len}", f"train.max_steps={steps}",
+                f"train.micro_batch={micro_batch}", "train.grad_accum=1", "train.save_final=false",
+                "train.progress=false", f"train.output_dir={out}",
+            ])
+            s = run_training(job, Path(out))
         results[attn] = {k: s[k] for k in ("useful_tokens_per_s", "tokens_per_s", "useful_token_fraction",
-                                           "wall_s", "final_loss", "useful_tokens_seen", "block_sparsity")}
+                                           "wall_s", "final_loss", "useful_tokens_seen", "block_density")}
         print(f"{attn:>10}: {s['useful_tokens_per_s']:8.0f} useful tok/s, useful fraction "
               f"{s['useful_token_fraction']:.3f}, {s['wall_s']:.1f} s")
     results["speedup_useful_tokens_per_s"] = (

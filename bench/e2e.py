@@ -36,7 +36,7 @@ def run_one(attn: str, memory: str, steps: int, work: Path) -> dict:
     s = json.loads((out / "summary.json").read_text())
     return {**row, "tokens_per_s": s["tokens_per_s"], "useful_tokens_per_s": s["useful_tokens_per_s"],
             "useful_token_fraction": s["useful_token_fraction"], "peak_rss_gib": s["peak_memory_bytes"] / 2**30,
-            "block_sparsity": s["block_sparsity"], "initial_loss": s["initial_loss"], "final_loss": s["final_loss"],
+            "block_density": s["block_density"], "initial_loss": s["initial_loss"], "final_loss": s["final_loss"],
             "backend": s["attention"]["backend"], "steps": s["steps"], "wall_s": s["wall_s"]}
 
 
@@ -47,7 +47,7 @@ def write_results(rows: list[dict], steps: int) -> None:
             "micro_batch 2; peak memory is process peak RSS (weights, data and interpreter included)"}
     (RESULTS / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cols = ("attn", "memory", "backend", "useful_tokens_per_s", "tokens_per_s", "useful_token_fraction",
-            "block_sparsity", "peak_rss_gib", "final_loss")
+            "block_density", "peak_rss_gib", "final_loss")
     lines = [f"# e2e grid ({meta['note']}, {steps} steps)", "", "| " + " | ".join(cols) + " |",
              "|" + "---|" * len(cols)]
     for r in rows:

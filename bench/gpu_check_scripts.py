@@ -152,7 +152,7 @@ def check_doctor() -> dict:
     n = report["numbers"]
     return {"ok": n["attn_backend"] == "flex" and n["recompiles_after_warmup"] == 0 and n["graph_breaks"] == 0,
             "numbers": {k: n[k] for k in ("attn_backend", "graphs_compiled_warmup", "recompiles_after_warmup",
-                                           "graph_breaks", "useful_tokens_per_s", "mfu", "time_split", "block_sparsity",
+                                           "graph_breaks", "useful_tokens_per_s", "mfu", "time_split", "block_density",
                                            "memory")},
             "suggestions": report["suggestions"]}
 

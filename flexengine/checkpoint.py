@@ -80,3 +80,44 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
+
+
+BEST_LINK = "best"  # checkpoints/best -> step_<N> of the lowest eval loss
+
+
+def mark_best(root: Path, step_dir: Path) -> Path:
+    """Point root/best at step_dir (a relative symlink, swapped atomically); returns the link."""
+    link = root / BEST_LINK
+    tmp = root / f".tmp_{BEST_LINK}_{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(step_dir.name, tmp, target_is_directory=True)
+    os.replace(tmp, link)
+    return link
+
+
+def best_checkpoint(root: Path) -> Optional[Path]:
+    """The checkpoint root/best points at, if it exists."""
+    link = root / BEST_LINK
+    return (root / os.readlink(link)) if link.is_symlink() and link.exists() else None
+
+
+def prune_checkpoints(root: Path, keep_last: int, protect: tuple = ()) -> list[Path]:
+    """Delete all but the newest keep_last step_<N> directories, never one in `protect` or the best; returns
+    the deleted directories. keep_last <= 0 keeps everything."""
+    if keep_last <= 0 or not root.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    keep = {p.resolve() for _, p in steps[-keep_last:]}
+    keep |= {Path(p).resolve() for p in protect if p is not None}
+    best = best_checkpoint(root)
+    if best is not None:
+        keep.add(best.resolve())
+    deleted = []
+    for _, path in steps:
+        if path.resolve() not in keep:
+            shutil.rmtree(path)
+            deleted.append(path)
+    if deleted:
+        log.info("train.keep_last=%d: deleted %s", keep_last, ", ".join(p.name for p in deleted))
+    return deleted

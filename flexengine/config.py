@@ -38,13 +38,14 @@ ATTN_MODES = tuple(m.value for m in AttnMode)
 ATTN_BACKENDS = ("auto", "flex", "dense", "sdpa")
 PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
-DATA_FORMATS = ("text", "chat", "pretokenized")
-DATA_SOURCES = ("demo", "jsonl", "parquet")
+DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
+DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
 MODEL_INITS = ("pretrained", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
+SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
@@ -145,7 +146,7 @@ class AttnConfig:
     backend: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense | sdpa (HF's own, padded baseline)
     window: Optional[int] = None  # sliding modes: window in tokens (HF `sliding_window` semantics) on the
     # model's windowed layers (every layer if it has none); None = the model's own, per layer (`layer_types`)
-    block_size: int = 128  # FlexAttention block size in tokens (also the unit of reported block sparsity)
+    block_size: int = 128  # FlexAttention block size in tokens (also the unit of the reported block density)
     compile: bool = True  # compile flex_attention (uncompiled flex materialises scores: slow and memory hungry)
     dense_chunk: int = 512  # dense backend: queries per SDPA call; keys before the chunk's first document skipped
 
@@ -228,14 +229,36 @@ class LossConfig:
 
 
 @dataclass
+class MixSource:
+    """One source of a data mixture (data.mix): read with data.*'s format and fields."""
+
+    path: str = ""  # file, directory or glob, like data.path
+    weight: float = 1.0  # share of the training tokens (weights are normalised); a source is repeated or
+    # subsampled (whole documents) to reach it
+    source: Optional[str] = None  # jsonl | parquet | hf; None = data.source
+    name: Optional[str] = None  # label in the packing report; None = the path
+
+
+@dataclass
 class DataConfig:
     """Where documents come from and how they are packed into rows."""
 
-    source: str = "demo"  # demo (Python stdlib sources, offline) | jsonl | parquet
-    path: Optional[str] = None  # file, directory or glob (several separated by commas) for jsonl/parquet
-    format: str = "text"  # text | chat | pretokenized
+    source: str = "demo"  # demo (Python stdlib sources, offline) | jsonl | parquet | hf (HF `datasets`: local
+    # JSON/Parquet/Arrow files via load_dataset, or a save_to_disk directory via load_from_disk; never the hub)
+    path: Optional[str] = None  # file, directory or glob (several separated by commas) for jsonl/parquet/hf
+    hf_split: str = "train"  # source=hf: the split of a saved DatasetDict
+    mix: List[MixSource] = field(default_factory=list)  # several sources with weights instead of data.path, e.g.
+    # data.mix='[{path: /d/code.jsonl, weight: 3}, {path: /d/chat.jsonl, weight: 1}]'; shares per source reported
+    format: str = "text"  # text | chat | pretokenized | mixed (text and chat records, by data.format_field)
     text_field: str = "text"  # record field holding the document text (format=text)
     messages_field: str = "messages"  # record field holding the chat turns (format=chat)
+    format_field: str = "format"  # format=mixed: the record field saying "text" or "chat" for that record
+    train_on: str = "assistant"  # chat: assistant (completion-only loss: the replies and their end-of-turn
+    # markers) | all (full-sequence loss)
+    assistant_mask: str = "template"  # chat: where replies are found. template: the chat template's
+    # {% generation %} markers (transformers' return_assistant_tokens_mask) | prefix: render turn by turn
+    long_chats: str = "truncate"  # chat longer than seq_len: truncate (after the last assistant turn that fits)
+    # | drop | split (mid-turn, by data.long_docs: an explicit choice); truncated and dropped ones are counted
     max_docs: Optional[int] = None  # use only the first N documents (None = all)
     on_error: str = "raise"  # raise: stop at the first bad record with file:line | skip: skip and count
     seq_len: int = 1024  # tokens per packed row
@@ -248,6 +271,9 @@ class DataConfig:
     num_workers: int = 2  # tokenization processes; 0 or 1 = in this process (the Rust tokenizer's own threads)
     shuffle: bool = True  # shuffle packed rows each epoch (seeded by train.seed, resumable)
     demo_max_files: int = 400  # demo corpus: number of stdlib source files read
+    eval_path: Optional[str] = None  # held-out documents (same source and format as data.path); None = split
+    eval_fraction: float = 0.0  # with no eval_path: this fraction of the documents is held out for evaluation
+    # (whole documents, chosen by a hash of their tokens: stable across runs and seeds); 0 = no held-out set
 
     def __post_init__(self) -> None:
         _check_choice("data.source", self.source, DATA_SOURCES)
@@ -255,17 +281,43 @@ class DataConfig:
         _check_choice("data.packing", self.packing, PACKING_STRATEGIES)
         _check_choice("data.long_docs", self.long_docs, LONG_DOC_POLICIES)
         _check_choice("data.on_error", self.on_error, ("raise", "skip"))
+        _check_choice("data.train_on", self.train_on, ("assistant", "all"))
+        _check_choice("data.assistant_mask", self.assistant_mask, ("template", "prefix"))
+        _check_choice("data.long_chats", self.long_chats, ("truncate", "drop", "split"))
         if self.seq_len <= 0:
             raise UserError(f"data.seq_len={self.seq_len} must be a positive number of tokens, e.g. data.seq_len=4096.")
-        if self.source != "demo" and not self.path:
+        if self.mix:
+            if self.path:
+                raise UserError("data.path and data.mix are both set: a mixture names its files in data.mix[*].path.")
+            for i, part in enumerate(self.mix):
+                part.source = part.source or self.source
+                _check_choice(f"data.mix[{i}].source", part.source, DATA_SOURCES[1:])
+                if not part.path:
+                    raise UserError(f"data.mix[{i}] has no path.")
+                if not part.weight > 0:
+                    raise UserError(f"data.mix[{i}].weight={part.weight} must be positive.")
+        elif self.source != "demo" and not self.path:
             raise UserError(f"data={self.source} needs data.path, "
                             f"e.g. data={self.source} data.path=/data/train.{self.source}")
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
-        if self.source == "demo" and self.format != "text":
+        if self.source == "demo" and self.format != "text" and not self.mix:
             raise UserError(f"data=demo is plain text; data.format={self.format} needs data=jsonl or data=parquet.")
         if self.num_workers < 0:
             raise UserError(f"data.num_workers={self.num_workers} must be >= 0 (0 = tokenize in this process).")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise UserError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1) (0 = no held-out split).")
+        if self.eval_path and self.eval_fraction:
+            raise UserError(f"data.eval_path and data.eval_fraction={self.eval_fraction} both set: use one (the "
+                            "held-out set comes from a file, or from splitting data.path), e.g. data.eval_fraction=0.")
+        if self.eval_path and self.source == "demo":
+            raise UserError("data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
+                            "splits itself with data.eval_fraction.")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether a held-out set is configured."""
+        return bool(self.eval_path) or self.eval_fraction > 0
 
 
 @dataclass
@@ -273,8 +325,10 @@ class OptimConfig:
     """AdamW and its schedule."""
 
     lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    schedule: str = "cosine"  # cosine | linear (to 0) | constant | constant_with_warmup | warmup_stable_decay
+    min_lr_ratio: float = 0.1  # cosine and warmup_stable_decay end at lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup, in optimizer steps
+    decay_fraction: float = 0.2  # warmup_stable_decay: the last fraction of the steps decays (cosine)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -284,6 +338,13 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check_choice("optim.name", self.name, ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload"))
+        _check_choice("optim.schedule", self.schedule, SCHEDULES)
+        if self.warmup_steps < 0:
+            raise UserError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise UserError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1].")
 
 
 @dataclass
@@ -292,7 +353,7 @@ class HardwareConfig:
 
     name: str = "cpu"
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    memory_gb: float = 16.0  # per-device memory budget the planner fits into
+    memory_gb: float = 16.0  # per-device memory budget the planner fits into, in GiB (2**30 bytes)
     peak_tflops: float = 1.0  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU
     pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
     host_memory_gb: float = 0.0  # pinned host memory offloaded activations may use, per device (0 = unchecked)
@@ -322,21 +383,31 @@ class ParallelConfig:
 class TrainConfig:
     """The training loop."""
 
-    max_steps: int = 120  # optimizer steps
+    max_steps: int = 120  # optimizer steps (ignored when train.epochs is set)
+    epochs: Optional[float] = None  # train this many passes over the packed rows instead (max_steps computed)
     micro_batch: int = 2  # packed rows per forward
     grad_accum: int = 2  # micro-batches per optimizer step
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only at the end)
     save_final: bool = True  # checkpoint at the end of the run
     resume: Optional[str] = None  # auto (latest checkpoint in this run dir or train.output_dir) | path to step_<N>
     seed: int = 0
-    log_every: int = 1  # optimizer steps between TensorBoard/console logs
+    log_every: int = 1  # optimizer steps between log lines (console, metrics.jsonl, TensorBoard)
+    keep_last: int = 0  # keep the newest N step_<N> checkpoints (never the best or the resumed-from); 0 = all
+    eval_every: int = 0  # evaluate the held-out set every N optimizer steps (and always at the end); 0 = end only
+    eval_batches: int = 0  # micro-batches per evaluation, the same ones each time; 0 = the whole held-out set
+    save_best: bool = True  # with a held-out set: checkpoint each new best eval loss (checkpoints/best points to
+    # it); only in runs that write checkpoints at all (save_final or save_every)
+    early_stop_patience: int = 0  # stop after this many evaluations without a new best eval loss; 0 = never
+    sample_prompts: List[str] = field(default_factory=list)  # greedily continued into TensorBoard text
+    sample_every: int = 0  # optimizer steps between samples (and at the end); 0 = with every evaluation
+    sample_tokens: int = 32  # new tokens generated per prompt
     skip_nonfinite: bool = False  # skip (and count) a step whose loss is NaN/Inf instead of stopping
     compile: bool = False  # torch.compile each decoder block (fullgraph)
     compile_backend: str = "inductor"
     output_dir: Optional[str] = None  # None = Hydra's run dir
     profile: bool = False  # record a torch.profiler trace
     profile_steps: int = 3
-    progress: bool = True  # tqdm progress bar with ETA
+    progress: bool = True  # tqdm progress bar, only when stderr is a terminal (job logs get the log lines)
     merge_lora_on_save: bool = False  # with model.lora.r > 0: checkpoints hold base+adapter merged weights
     # (a plain HF model) next to the adapter files; false: adapters only (small, needs the base to load)
 
@@ -344,8 +415,15 @@ class TrainConfig:
         for key in ("max_steps", "micro_batch", "grad_accum"):
             if getattr(self, key) <= 0:
                 raise UserError(f"train.{key}={getattr(self, key)} must be a positive integer.")
-        if self.save_every < 0:
-            raise UserError(f"train.save_every={self.save_every} must be >= 0 (0 = only at the end).")
+        for key in ("save_every", "keep_last", "eval_every", "eval_batches", "early_stop_patience", "sample_every"):
+            if getattr(self, key) < 0:
+                raise UserError(f"train.{key}={getattr(self, key)} must be >= 0 (0 = off / default).")
+        if self.log_every <= 0:
+            raise UserError(f"train.log_every={self.log_every} must be a positive number of steps.")
+        if self.epochs is not None and self.epochs <= 0:
+            raise UserError(f"train.epochs={self.epochs} must be positive (or null to use train.max_steps).")
+        if self.sample_tokens <= 0:
+            raise UserError(f"train.sample_tokens={self.sample_tokens} must be positive.")
 
 
 @dataclass
@@ -376,6 +454,9 @@ class JobConfig:
                 f"attn={self.attn.mode} masks packed documents but data.packing=none puts one per row; "
                 "use data.packing=bfd (or attn=causal for the padded baseline)."
             )
+        if self.train.early_stop_patience and not self.data.has_eval:
+            raise UserError(f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
+                            "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path.")
         if not self.attn.packs_documents and self.data.packing != "none":
             raise UserError(
                 f"attn={self.attn.mode} has no per-document mask, so packing several documents into one row "

@@ -23,6 +23,7 @@ import torch
 
 from flexengine.applied import applied
 from flexengine.checkpoint import write_json_atomic
+from flexengine.cli import compose_job, fail
 from flexengine.compile import CompileWatch
 from flexengine.config import JobConfig, MemoryConfig
 from flexengine.errors import UserError
@@ -33,16 +34,6 @@ from flexengine.memory.planner import ModelShape, evaluate, plan_inputs, plan_me
 log = logging.getLogger(__name__)
 
 PHASES = (*STEP_PHASES, "other")
-
-
-def compose_job(overrides: list[str]) -> JobConfig:
-    """Compose conf/ with the same overrides `python -m flexengine.train` takes, into a validated JobConfig."""
-    from hydra import compose, initialize_config_module
-
-    from flexengine.train import to_job_config  # registers the dataclass schema with Hydra's ConfigStore
-
-    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-        return to_job_config(compose("config", overrides=list(overrides)))
 
 
 class DoctorHooks(StepHooks):
@@ -138,7 +129,7 @@ def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
     wall = sum(s["time_s"] for s in measured)
     tokens, useful = sum(s["tokens"] for s in measured), sum(s["useful_tokens"] for s in measured)
     phase_s = {p: sum(s["phases"][p] for s in measured) for p in PHASES}
-    sparsity = [s["block_sparsity"] for s in measured if s["block_sparsity"] is not None]
+    sparsity = [s["block_density"] for s in measured if s["block_density"] is not None]
     warm, steady = compiles["warmup"], compiles["measured"]
     numbers = {
         "device": str(device), "attention": spec.as_dict() if spec is not None else None,
@@ -150,7 +141,7 @@ def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
         "recompile_reasons": warm.reasons + steady.reasons,
         "graph_breaks": warm.graph_breaks + steady.graph_breaks,
         "useful_token_fraction": useful / max(1, tokens), "padding_waste": 1 - useful / max(1, tokens),
-        "block_sparsity": sum(sparsity) / len(sparsity) if sparsity else None,
+        "block_density": sum(sparsity) / len(sparsity) if sparsity else None,
         "step_s": wall / len(measured), "tokens_per_s": tokens / wall, "useful_tokens_per_s": useful / wall,
         "mfu": useful / wall * trainer.flops_per_token / (job.hardware.peak_tflops * 1e12),
         "peak_tflops": job.hardware.peak_tflops, "time_split": {p: phase_s[p] / wall for p in PHASES},
@@ -210,8 +201,8 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
            else "use data.packing=bfd, or a data.seq_len closer to your document lengths"))
     checks.append(_check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "",
                          suggestion))
-    sp = n["block_sparsity"]
-    checks.append(_check("block sparsity", "info", "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
+    sp = n["block_density"]
+    checks.append(_check("block density", "info", "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
                          "share of a causal mask's attention blocks actually computed (lower = more skipped)"))
     # time split and throughput
     split = n["time_split"]
@@ -282,8 +273,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         out = args.out or Path(job.train.output_dir or Path("outputs/doctor") / time.strftime("%Y-%m-%d/%H-%M-%S"))
         report = diagnose(job, out, steps=args.steps)
     except UserError as e:
-        print(f"\nflexengine: error: {e}\n", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
     print(format_report(report))
     print(f"\nwritten: {out / 'doctor.json'}")
     return report

@@ -1,7 +1,9 @@
-"""Run metrics: TensorBoard scalars under stable tags, throughput/MFU arithmetic, peak memory."""
+"""Run metrics: TensorBoard scalars under stable tags + metrics.jsonl, throughput/MFU arithmetic, peak memory."""
 
 from __future__ import annotations
 
+import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -20,7 +22,8 @@ TAGS = {
     "mfu": "perf/mfu",
     "peak_memory_bytes": "memory/peak_bytes",
     "useful_token_fraction": "data/useful_token_fraction",
-    "block_sparsity": "attn/block_sparsity",
+    # fraction of a causal mask's blocks the document mask computes (FlexAttention's "sparsity" is 1 - this)
+    "block_density": "attn/block_density",
 }
 
 
@@ -45,22 +48,48 @@ def train_flops_per_token(model: nn.Module, seq_len: int, attended_fraction: flo
 
 
 class MetricsWriter:
-    """TensorBoard writer that knows our tag names; a no-op off rank 0."""
+    """TensorBoard writer that knows our tag names, plus metrics.jsonl (one JSON object per logged step and per
+    evaluation); a no-op off rank 0."""
 
-    def __init__(self, log_dir: Optional[Path]):
+    def __init__(self, log_dir: Optional[Path], jsonl_path: Optional[Path] = None):
         self.writer = None
+        self.jsonl_path = jsonl_path
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(log_dir))
 
-    def scalars(self, values: dict, step: int) -> None:
-        """Log each known metric under its stable tag (unknown keys go under `extra/`)."""
-        if self.writer is None:
+    def scalars(self, values: dict, step: int, kind: str = "train") -> None:
+        """Log each metric: train keys under their stable tag (unknown ones under `extra/`), other kinds under
+        `<kind>/<key>` (eval/loss, eval/ppl); the same values go to metrics.jsonl as {"type": kind, "step", ...}."""
+        values = {k: v for k, v in values.items() if v is not None}
+        if self.writer is not None:
+            for key, value in values.items():
+                tag = TAGS.get(key, f"extra/{key}") if kind == "train" else f"{kind}/{key}"
+                self.writer.add_scalar(tag, float(value), step)
+        self.record({"type": kind, "step": step, **values})
+
+    def record(self, record: dict) -> None:
+        """Append one JSON object to metrics.jsonl (non-finite floats as null: JSON has no NaN)."""
+        if self.jsonl_path is None:
             return
-        for key, value in values.items():
-            if value is not None:
-                self.writer.add_scalar(TAGS.get(key, f"extra/{key}"), float(value), step)
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text entry (TensorBoard's TEXT tab)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop metrics.jsonl records past `step` (a resumed run repeats the steps after its checkpoint)."""
+        if self.jsonl_path is None or not self.jsonl_path.is_file():
+            return
+        lines = self.jsonl_path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def section(self, prefix: str, values: dict, step: int) -> None:
         """Log the numeric entries of a report under `<prefix>/<key>` (e.g. the packing report at step 0)."""

@@ -10,7 +10,6 @@ The planner asks `optimizer_state_bytes_per_param` what each choice costs on the
 
 from __future__ import annotations
 
-import math
 from typing import List, Tuple
 
 import torch
@@ -168,12 +167,38 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
 
 
 def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
-    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    """The learning-rate schedule optim.schedule names, from transformers.get_scheduler (a LambdaLR).
 
-    def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        progress = (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    transformers' schedules give factor 0 at their step 0, so a run's first update would be wasted: update k
+    (0-based) here uses the factor of step k + 1 over a horizon of max_steps + 1 steps, so the first update
+    warms up at lr / warmup_steps and the last one still moves (linear and decay-to-zero end there).
+    """
+    from transformers import get_scheduler
 
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    warmup = min(optim.warmup_steps, max_steps)
+    horizon = max_steps + 1
+    kwargs: dict = {}
+    name = optim.schedule
+    if name == "cosine":  # to lr * min_lr_ratio, not to 0
+        name, kwargs = "cosine_with_min_lr", {"min_lr_rate": optim.min_lr_ratio}
+    elif name == "warmup_stable_decay":
+        decay = max(1, round(optim.decay_fraction * max_steps))
+        kwargs = {"num_decay_steps": min(decay, horizon - warmup), "min_lr_ratio": optim.min_lr_ratio,
+                  "decay_type": "cosine"}
+    elif name not in ("linear", "constant", "constant_with_warmup"):
+        raise UserError(f"optim.schedule={name!r} is not valid; choose one of cosine, linear, constant, "
+                        "constant_with_warmup, warmup_stable_decay.")
+    scheduler = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=horizon,
+                              scheduler_specific_kwargs=kwargs or None)
+    scheduler.lr_lambdas = [_shifted(f, horizon) for f in scheduler.lr_lambdas]
+    for group, base_lr, factor in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the first update, with the shift
+    scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+    return scheduler
+
+
+def _shifted(factor, horizon: int):
+    def next_step_factor(step: int) -> float:
+        return factor(min(step + 1, horizon))  # past the end: the final value (a cosine would rise again)
+
+    return next_step_factor

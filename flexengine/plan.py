@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Optional
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
 
@@ -72,7 +72,7 @@ def format_table(plan: dict) -> str:
         lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); "
                      f"recompute {100 * plan['recompute_flops_fraction']:.1f}% of step FLOPs "
                      f"+ {plan['recompute_pointwise_s'] * 1e3:.0f} ms of pointwise ops; "
-                     f"offload {plan['offload_bytes_per_step'] / 1e9:.2f} GB/step "
+                     f"offload {plan['offload_bytes_per_step'] / GiB:.2f} GiB/step "
                      f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
     else:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
@@ -177,11 +177,9 @@ def build_plan(job: JobConfig) -> dict:
     return plan
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
-    from flexengine.train import to_job_config
-
     if cfg.model.path is None:
         cfg.model.init = "random"  # the planner reads only the architecture
     if cfg.data.source != "demo" and not cfg.data.path:
@@ -197,14 +195,13 @@ def main(cfg: DictConfig) -> None:
             return
         plan = build_plan(job)
     except UserError as e:
-        print(f"\nflexengine: error: {e}\n", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
     print(json.dumps(plan, indent=1) if fmt == "json" else format_table(plan))
 
 
 def cli() -> None:
     """Register the planner schema (only here, so training never sees a `plan` key) and run."""
-    ConfigStore.instance().store(name="job_schema", node=PlanJobConfig)
+    register_schema(PlanJobConfig)
     # No run directory or log files for a read-only report; stdout stays pure JSON with plan.format=json.
     defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
                 "hydra/hydra_logging=disabled"]

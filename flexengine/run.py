@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.checkpoint import write_json_atomic
 from flexengine.compile import apply_compile, needs_compiled_blocks
-from flexengine.config import JobConfig
+from flexengine.config import DataConfig, JobConfig
 from flexengine.data.corpus import build_corpus
-from flexengine.data.loader import RowLoader
+from flexengine.data.loader import HeldOut, RowLoader
+from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import plan_packing
+from flexengine.data.split import split_documents
 from flexengine.errors import UserError
 from flexengine.lora import apply_lora
 from flexengine.memory import apply_memory_policy
 from flexengine.memory.report import activation_summary, resolve_memory
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
 from flexengine.parallel import (
+    DistInfo,
     apply_parallel,
     init_distributed,
     loads_weights,
@@ -45,6 +50,73 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _rounded(report: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}
+
+
+def eval_source(data: DataConfig) -> DataConfig:
+    """data.eval_path read like data.path (same source, format and fields), all of its documents."""
+    return dataclasses.replace(data, path=data.eval_path, eval_path=None, max_docs=None, mix=[])
+
+
+def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
+    """train.epochs -> train.max_steps: optimizer steps covering that many passes over this rank's rows."""
+    steps = max(1, math.ceil(job.train.epochs * batches_per_epoch / job.train.grad_accum))
+    log.info("train.epochs=%g: %d micro-batches per epoch / grad_accum %d -> max_steps=%d", job.train.epochs,
+             batches_per_epoch, job.train.grad_accum, steps)
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=steps))
+
+
+def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
+               ) -> tuple[RowLoader, Optional[HeldOut], dict]:
+    """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
+    flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
+    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
+        corpus, source_of = build_sources(job.data, tokenizer)
+        eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus
+    train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, job.data.eval_fraction)
+    if job.data.eval_path:
+        eval_docs = np.arange(len(eval_corpus))
+    mix_report = None
+    if source_of is not None:  # each source's weight as its share of the training tokens
+        train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
+        log.info("data mix: %s", format_mix_report(mix_report))
+    plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, train_docs)
+    log.info("data: %s", _rounded(plan.stats.as_dict()))
+    if plan.stats.rows == 0:
+        raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
+    # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
+    # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
+    trim = job.data.packing == "none" and not flex
+    try:
+        loader = RowLoader(
+            corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
+            pad_id=pad_token_id(tokenizer), seed=job.train.seed, shuffle=job.data.shuffle, bucket=job.data.bucket,
+            trim_padding=trim, rank=dist_info.rank, world_size=dist_info.world_size,
+        )
+    except ValueError as e:
+        raise UserError(f"{e}.") from None
+    report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
+    if mix_report is not None:
+        report["mix"] = mix_report
+    if job.data.format in ("chat", "mixed"):
+        report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": job.data.long_chats}
+    if not len(eval_docs):
+        return loader, None, report
+    # packed and masked exactly like the training rows
+    eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)
+    if eval_plan.stats.rows == 0:
+        raise UserError("data: every held-out document was dropped (data.long_docs=drop?); nothing to evaluate.")
+    report["eval"] = {**eval_plan.stats.as_dict(), "documents_skipped": eval_corpus.skipped,
+                      "source": job.data.eval_path or f"{len(eval_docs)} of {len(corpus)} documents "
+                                                      f"(data.eval_fraction={job.data.eval_fraction})"}
+    log.info("eval data: %s", _rounded(report["eval"]))
+    held_out = HeldOut(eval_corpus, eval_plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
+                       pad_id=pad_token_id(tokenizer), trim_padding=trim, max_batches=job.train.eval_batches,
+                       rank=dist_info.rank, world_size=dist_info.world_size)
+    return loader, held_out, report
+
+
 def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
     torch.manual_seed(job.train.seed)
@@ -57,25 +129,13 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
                         "use attn.backend=dense (or auto).")
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     tokenizer = load_tokenizer(job.model)
-    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
-        corpus = build_corpus(job.data, tokenizer)
-    plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
-    log.info("data: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in plan.stats.as_dict().items()})
-    if plan.stats.rows == 0:
-        raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
-    check_context(plan.stats.longest_piece, context_limits(hf_config), job.data.seq_len, job.data.long_docs,
+    loader, eval_data, data_report = build_data(job, tokenizer, dist_info,
+                                                flex=attention.backend is AttnBackend.FLEX)
+    longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
+    check_context(longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs,
                   job.model.allow_long_context)
-    # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
-    # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
-    flex = attention.backend is AttnBackend.FLEX
-    try:
-        loader = RowLoader(
-            corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
-            pad_id=pad_token_id(tokenizer), seed=job.train.seed, shuffle=job.data.shuffle, bucket=job.data.bucket,
-            trim_padding=job.data.packing == "none" and not flex, rank=dist_info.rank, world_size=dist_info.world_size,
-        )
-    except ValueError as e:
-        raise UserError(f"{e}.") from None
+    if job.train.epochs is not None:
+        job = with_epochs(job, loader.batches_per_epoch)
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
     # rank 0's weights by broadcast once wrapped (apply_parallel).
     from_rank0 = dist_info.world_size > 1 and job.model.init == "pretrained"
@@ -99,8 +159,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size,
                                   weights_from_rank0=from_rank0)
     trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
-                      train_module=train_module)
-    trainer.data_report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
+                      train_module=train_module, eval_data=eval_data)
+    trainer.data_report = data_report
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b

@@ -13,17 +13,17 @@ import csv
 import json
 import logging
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from flexengine.cli import ERROR_FILE, write_job_error  # noqa: F401  (write_job_error: part of this module's API)
+
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
-ERROR_FILE = "error.json"
 # (column, summary.json key, scale): the numbers each row reports.
 METRICS = (
     ("tokens_per_s", "tokens_per_s", 1.0),
@@ -35,29 +35,6 @@ METRICS = (
     ("wall_s", "wall_s", 1.0),
 )
 COLUMNS = ("job", "overrides", "status", *(m[0] for m in METRICS), "error", "dir")
-
-
-def write_job_error(job_dir: Path, exc: BaseException) -> Path:
-    """Record a failed run as job_dir/error.json (type, message, traceback) for the sweep summary."""
-    job_dir.mkdir(parents=True, exist_ok=True)
-    path = job_dir / ERROR_FILE
-    record = {
-        "type": type(exc).__name__,
-        "message": str(exc).strip(),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-    path.write_text(json.dumps(record, indent=2))
-    return path
-
-
-def free_memory() -> None:
-    """Release a failed run's memory before the next job of the sweep (its CUDA cache above all)."""
-    import gc
-
-    gc.collect()
-    torch = sys.modules.get("torch")  # never import torch just for this
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _read_yaml(path: Path) -> Any:
@@ -84,11 +61,11 @@ def job_row(job_dir: Path, job: str) -> dict:
     summary_path, error_path = job_dir / SUMMARY_FILE, job_dir / ERROR_FILE
     if error_path.is_file():
         error = json.loads(error_path.read_text())
-        row["status"] = "failed"
+        row["status"] = "interrupted" if error.get("type") == "KeyboardInterrupt" else "failed"
         row["error"] = f"{error.get('type', 'Error')}: {error.get('message', '')}".strip()
     elif summary_path.is_file():
         summary = json.loads(summary_path.read_text())
-        row["status"] = "ok"
+        row["status"] = summary.get("status", "ok")  # "interrupted": stopped by Ctrl-C / SIGTERM mid-run
         for column, key, scale in METRICS:
             value = summary.get(key)
             if isinstance(value, (int, float)):
@@ -124,31 +101,60 @@ def write_markdown(rows: list[dict], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(rows: list[dict], path: Path) -> None:
-    """Bar charts of useful tokens/s, peak memory and final loss per run; failed runs are marked."""
+def _curves(job_dir: Path) -> tuple[list[float], list[tuple[int, float]]]:
+    """(train loss per step, [(step, eval loss)]) of one job, from its summary.json."""
+    path = job_dir / SUMMARY_FILE
+    if not path.is_file():
+        return [], []
+    summary = json.loads(path.read_text())
+    evals = (summary.get("eval") or {}).get("history") or []
+    return list(summary.get("losses") or []), [(e["step"], e["loss"]) for e in evals]
+
+
+def write_plot(rows: list[dict], path: Path):
+    """Loss curves of every job overlaid (train solid, eval dashed with markers), and bars of useful tokens/s and
+    peak memory with their values; each job keeps one colour, labelled by the overrides that vary. Returns the
+    (closed) matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = varying_overrides(rows)
-    panels = (("useful_tokens_per_s", "useful tokens/s"), ("peak_memory_gib", "peak memory (GiB)"),
-              ("final_loss", "final loss"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 1.2 + 0.45 * len(rows)), squeeze=False)
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(rows))]
+    fig = plt.figure(figsize=(15, 4.5 + 0.25 * len(rows)))
+    grid = fig.add_gridspec(1, 3, width_ratios=[1.6, 1, 1])
+    ax = fig.add_subplot(grid[0])
+    for row, label, color in zip(rows, labels, colors):
+        train, evals = _curves(Path(row["dir"]))
+        if train:
+            ax.plot(range(1, len(train) + 1), train, color=color, label=f"{label} ({row['status']})"
+                    if row["status"] != "ok" else label)
+        if evals:
+            ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (train solid, eval dashed)")
+    ax.set_title("loss")
+    if ax.lines:
+        ax.legend(fontsize=8, loc="upper right")
     y = list(range(len(rows)))
-    for ax, (key, title) in zip(axes[0], panels):
+    for slot, (key, title, fmt) in enumerate((("useful_tokens_per_s", "useful tokens/s", "{:,.0f}"),
+                                              ("peak_memory_gib", "peak memory (GiB)", "{:.2f}")), start=1):
+        bar_ax = fig.add_subplot(grid[slot])
         values = [r[key] if r[key] is not None else 0.0 for r in rows]
-        colors = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows]
-        ax.barh(y, values, color=colors)
-        for i, r in enumerate(rows):
-            if r["status"] != "ok":
-                ax.text(0, i, f" {r['status'].upper()}", va="center", color="tab:red")
-        ax.set_yticks(y, labels if ax is axes[0][0] else [""] * len(rows))
-        ax.invert_yaxis()
-        ax.set_title(title)
+        bars = bar_ax.barh(y, values, color=colors)
+        for bar, r, v in zip(bars, rows, values):
+            text = fmt.format(v) if r[key] is not None else r["status"].upper()
+            bar_ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {text}", va="center", fontsize=8,
+                        color="black" if r[key] is not None else "tab:red")
+        bar_ax.set_yticks(y, labels, fontsize=8) if slot == 1 else bar_ax.set_yticks(y, [""] * len(rows))
+        bar_ax.invert_yaxis()
+        bar_ax.set_xlim(0, max(values + [1e-9]) * 1.3)  # room for the printed values
+        bar_ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig  # closed, but still inspectable (tests read its lines, legend and printed values)
 
 
 def summarize_sweep(sweep_dir: Path) -> list[dict]:
@@ -158,6 +164,10 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
     if not rows:
         log.warning("sweep summary: no job directories (.hydra/overrides.yaml) under %s", sweep_dir)
         return rows
+    if all(r["status"] == "missing" for r in rows):  # e.g. `data.stats -m`: not training jobs at all
+        log.info("sweep summary: no job under %s wrote %s or %s (not a training sweep); nothing summarised",
+                 sweep_dir, SUMMARY_FILE, ERROR_FILE)
+        return []
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
@@ -168,7 +178,7 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
     except Exception as e:  # a missing font/backend must not cost the user the table
         log.warning("sweep summary: could not draw sweep_summary.png (%s)", e)
     failed = sum(r["status"] != "ok" for r in rows)
-    log.info("sweep summary: %d runs (%d failed) -> %s", len(rows), failed, sweep_dir / "sweep_summary.md")
+    log.info("sweep summary: %d runs (%d not ok) -> %s", len(rows), failed, sweep_dir / "sweep_summary.md")
     return rows
 
 

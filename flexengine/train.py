@@ -1,7 +1,9 @@
-"""Entry point: `python -m flexengine.train [overrides]`. Hydra stops here: the library below sees a JobConfig.
+"""Entry point: `flexengine-train [overrides]` (= `python -m flexengine.train`). Hydra stops here.
 
 Composes conf/ against the dataclass schemas of flexengine.config (a misspelled key or a wrong type fails at
-composition), converts the DictConfig once into a typed JobConfig, and hands it to `run_training`.
+composition), converts the DictConfig once into a typed JobConfig, prints it in short form, and hands it to
+`run_training`. Hydra's own flags work as usual: `--cfg job` prints the composed config, `--config-dir DIR`
+adds a directory of the user's own configs (see `flexengine copy`), `-m` runs a sweep.
 """
 
 from __future__ import annotations
@@ -11,33 +13,18 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from flexengine.cli import (CONFIG_PATH, fail, format_job_short, free_memory, register_schema, to_job_config,
+                            write_job_error)
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
-from flexengine.sweep import free_memory, write_job_error
+
+__all__ = ["main", "to_job_config", "run_dir"]
 
 log = logging.getLogger("flexengine")
-
-ConfigStore.instance().store(name="job_schema", node=JobConfig)
-
-
-def to_job_config(cfg: DictConfig) -> JobConfig:
-    """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError)."""
-    try:
-        job = OmegaConf.to_object(cfg)
-    except UserError:
-        raise
-    except Exception as e:  # OmegaConf wraps errors raised inside __post_init__
-        cause = e.__cause__ or e.__context__
-        if isinstance(cause, UserError):
-            raise cause from None
-        raise UserError(f"invalid configuration: {e}") from None
-    assert isinstance(job, JobConfig)
-    return job
 
 
 def run_dir(job: JobConfig) -> Path:
@@ -47,25 +34,52 @@ def run_dir(job: JobConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> dict:
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _main(cfg: DictConfig) -> dict:
     """Hydra task: compose -> JobConfig -> train -> summary.json."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    job_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         job = to_job_config(cfg)  # config mistakes fail here, before the heavy imports below
+        log.info("config (full: %s/.hydra/config.yaml):\n%s", job_dir, format_job_short(job))
         from flexengine.run import run_training
 
-        return run_training(job, run_dir(job), OmegaConf.to_container(cfg, resolve=True))
+        summary = run_training(job, run_dir(job), OmegaConf.to_container(cfg, resolve=True))
+    except KeyboardInterrupt as e:  # Ctrl-C outside the training loop (which stops cleanly by itself)
+        write_job_error(job_dir, e)
+        if multirun:
+            _stop_sweep(Path(hydra_cfg.sweep.dir))
+        raise
     except Exception as e:  # UserError, OOM, ...: error.json makes a failed run a row of the sweep summary
-        write_job_error(Path(HydraConfig.get().runtime.output_dir), e)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
+        write_job_error(job_dir, e)
+        if not multirun:
             if isinstance(e, UserError):
-                print(f"\nflexengine: error: {e}\n", file=sys.stderr)
-                sys.exit(2)
+                fail(e)
             raise
         # Hydra's basic launcher would abort the whole sweep on a raised exception: log it and go on.
         log.error("run failed, the sweep goes on (%s: %s)", type(e).__name__, e)
+    else:
+        if multirun and summary.get("status") == "interrupted":
+            _stop_sweep(Path(hydra_cfg.sweep.dir))  # Ctrl-C stops the whole sweep, not just this job
+            sys.exit(130)
+        return summary
     free_memory()  # outside `except`: the traceback no longer holds the failed run's tensors
     return {"status": "failed"}
+
+
+def _stop_sweep(sweep_dir: Path) -> None:
+    """An interrupted sweep ends here (Hydra's end-of-sweep callback will not run): summarise what ran."""
+    from flexengine.sweep import summarize_sweep
+
+    log.warning("interrupted: the sweep stops after this job; summary of the jobs that ran:")
+    summarize_sweep(sweep_dir)
+
+
+def main() -> None:
+    """Console entry point: register the schema, then let Hydra parse sys.argv."""
+    register_schema(JobConfig)
+    _main()
 
 
 if __name__ == "__main__":

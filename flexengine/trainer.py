@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,10 +20,11 @@ from torch import nn
 
 from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, mask_kwargs
-from flexengine.checkpoint import find_latest_checkpoint
+from flexengine.checkpoint import find_latest_checkpoint, mark_best, prune_checkpoints
 from flexengine.config import JobConfig
-from flexengine.data.loader import RowLoader
+from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.errors import UserError
+from flexengine.evaluate import evaluate_loss, greedy_continue
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
@@ -48,7 +51,11 @@ class TrainState:
     useful_tokens_seen: int = 0  # real document tokens processed
     losses: list = field(default_factory=list)  # per optimizer step
     skipped_nonfinite: int = 0
-    block_sparsity_sum: float = 0.0
+    block_density_sum: float = 0.0
+    evals: list = field(default_factory=list)  # {"step", "loss", "ppl", "tokens"} per evaluation
+    best_eval_loss: float = math.inf
+    best_step: int = 0
+    evals_since_best: int = 0  # for train.early_stop_patience
 
 
 def _rng_state() -> dict:
@@ -70,19 +77,28 @@ class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
     def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, *, out_dir: Path,
-                 device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None):
+                 device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None,
+                 eval_data: Optional[HeldOut] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
+        self.eval_data = eval_data  # the held-out rows; None = no held-out set
         self.state = TrainState()
-        self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None)
+        self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None,
+                                     out_dir / "metrics.jsonl" if self.dist.is_main else None)
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
+        self.stopped_early = False  # train.early_stop_patience ran out
+        self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
+        self._saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
+        self._last_sample_step = -1
+        self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
+        self._loop_start, self._loop_start_step = time.perf_counter(), 0
         self.wall_s = 0.0
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
 
@@ -111,7 +127,7 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def _mask_kwargs(self, batch: dict) -> dict:
-        """Build the batch's attention mask once, here, so every layer shares it (and we can log sparsity)."""
+        """Build the batch's attention mask once, here, so every layer shares it (and we can log its density)."""
         return mask_kwargs(self.model, batch["document_ids"])
 
     @property
@@ -133,7 +149,7 @@ class Trainer:
             torch.distributed.all_reduce(counts)
         n_valid = counts[0].clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
-        sparsity = []
+        density = []
         for i, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with self._phase("mask"):
@@ -146,23 +162,25 @@ class Trainer:
                     (micro_loss / n_valid).backward()
             loss_sum += micro_loss.detach()
             if mask_kwargs:
-                sparsity.append(mask_kwargs[MASK_KWARG].block_sparsity)
+                density.append(mask_kwargs[MASK_KWARG].block_density)
         loss = loss_sum / n_valid
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
         grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
         ))
-        block_sparsity = torch.stack(sparsity).float().mean() if sparsity else torch.full((), float("nan"))
-        # the one host sync per step: loss, grad norm and sparsity come back together
-        loss_value, norm_value, sparsity_value, stop_votes = torch.stack(
-            [loss.float(), grad_norm.float().to(loss.device), block_sparsity.to(loss.device), counts[1].float()]
+        block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
+        # the one host sync per step: loss, grad norm and density come back together
+        loss_value, norm_value, density_value, stop_votes = torch.stack(
+            [loss.float(), grad_norm.float().to(loss.device), block_density.to(loss.device), counts[1].float()]
         ).tolist()
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        lr = self.optimizer.param_groups[0]["lr"]  # this update's lr (read before the scheduler moves on)
         if finite:
             with self._phase("optimizer"):
                 self.optimizer.step()
+            self.scheduler.step()  # counts updates: a skipped step leaves the schedule where it was
         elif self.job.train.skip_nonfinite:
             self.state.skipped_nonfinite += 1
             log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
@@ -173,12 +191,11 @@ class Trainer:
                 "(and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         tokens = sum(b["input_ids"].numel() for b in micro_batches)
         useful = sum(int(b["useful_tokens"]) for b in micro_batches)
         metrics = {
-            "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful,
-            "block_sparsity": sparsity_value if sparsity else None,
+            "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful, "lr": lr,
+            "block_density": density_value if density else None,
         }
         for h in self.hooks:
             h.on_step_end(self, self.state.step + 1, metrics)
@@ -191,7 +208,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
-        """Run to train.max_steps (or a stop signal); returns the run summary."""
+        """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
         cfg = self.job.train
         with self._signals_request_stop():
             self._loop()
@@ -199,8 +216,11 @@ class Trainer:
         if stopped:
             log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
                         self.state.step)
-        already_saved = cfg.save_every and self.state.step % cfg.save_every == 0
-        if (cfg.save_final or stopped) and not already_saved:
+        elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
+            self.evaluate()  # the end of the run is always evaluated
+        if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
+            self.sample()
+        if (cfg.save_final or stopped) and self._saved_step != self.state.step:
             self.save()
         summary = self.summary()
         self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
@@ -214,48 +234,139 @@ class Trainer:
         self.model.train()
         profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
                     if cfg.profile else None)
-        start, window_t, window_tokens, window_useful = time.perf_counter(), time.perf_counter(), 0, 0
-        while self.state.step < cfg.max_steps and not self._should_stop():
-            m = self.train_step()
-            if profiler is not None:
-                profiler.step()
-            self.state.step += 1
-            self.state.losses.append(m["loss"])
-            self.state.tokens_seen += m["tokens"]
-            self.state.useful_tokens_seen += m["useful_tokens"]
-            self.state.block_sparsity_sum += m["block_sparsity"] or 0.0
-            window_tokens, window_useful = window_tokens + m["tokens"], window_useful + m["useful_tokens"]
-            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.max_steps:
-                dt = time.perf_counter() - window_t
-                self._log(m, window_tokens / dt, window_useful / dt)
-                window_t, window_tokens, window_useful = time.perf_counter(), 0, 0
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{m['loss']:.3f}")
-            if cfg.save_every and self.state.step % cfg.save_every == 0:
-                self.save()
-        self.wall_s += time.perf_counter() - start
+        self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
+        window = {"t": time.perf_counter(), "tokens": 0, "useful": 0}
+        redirect = _tqdm_logging() if progress is not None else contextlib.nullcontext()
+        with redirect:
+            while self.state.step < cfg.max_steps and not self._should_stop() and not self.stopped_early:
+                m = self.train_step()
+                if profiler is not None:
+                    profiler.step()
+                self._count(m)
+                window["tokens"] += m["tokens"]
+                window["useful"] += m["useful_tokens"]
+                step = self.state.step
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    dt = time.perf_counter() - window["t"]
+                    self._log(m, window["tokens"] / dt, window["useful"] / dt)
+                    window = {"t": time.perf_counter(), "tokens": 0, "useful": 0}
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{m['loss']:.3f}")
+                if cfg.save_every and step % cfg.save_every == 0:
+                    self.save()
+                if self.eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0:
+                    self.evaluate()
+                    window["t"] += self._last_eval_s  # evaluation is not training time
+                if cfg.sample_prompts and self._sample_due(step):
+                    self.sample()
+        self.wall_s += time.perf_counter() - self._loop_start - self._paused_s
+        self._paused_s = 0.0
         if profiler is not None:
             profiler.stop()
         if progress is not None:
             progress.close()
 
+    def _count(self, m: dict) -> None:
+        s = self.state
+        s.step += 1
+        s.losses.append(m["loss"])
+        s.tokens_seen += m["tokens"]
+        s.useful_tokens_seen += m["useful_tokens"]
+        s.block_density_sum += m["block_density"] or 0.0
+
+    def _sample_due(self, step: int) -> bool:
+        every = self.job.train.sample_every
+        if every:
+            return step % every == 0
+        return bool(self.state.evals) and self.state.evals[-1]["step"] == step  # with every evaluation
+
     def _log(self, m: dict, tokens_per_s: float, useful_per_s: float) -> None:
         peak_flops = self.job.hardware.peak_tflops * 1e12
         self.metrics.scalars({
-            "loss": m["loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": m["grad_norm"],
+            "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
             "tokens_per_s": tokens_per_s, "useful_tokens_per_s": useful_per_s,
             "mfu": useful_per_s * self.flops_per_token / peak_flops,
             "peak_memory_bytes": peak_memory_bytes(self.device),
-            "useful_token_fraction": m["useful_tokens"] / m["tokens"], "block_sparsity": m["block_sparsity"],
+            "useful_token_fraction": m["useful_tokens"] / m["tokens"], "block_density": m["block_density"],
         }, self.state.step)
+        if self.dist.is_main:
+            log.info("%s", format_step_line(self.state.step, self.job.train.max_steps, m, useful_per_s,
+                                            self._eta_s()))
+
+    def _eta_s(self) -> float:
+        """Seconds left at the mean step time of this process so far (evaluation pauses excluded)."""
+        done = self.state.step - self._loop_start_step
+        elapsed = time.perf_counter() - self._loop_start - self._paused_s
+        return elapsed / max(1, done) * (self.job.train.max_steps - self.state.step)
 
     def _progress_bar(self):
-        if not self.job.train.progress or not self.dist.is_main:
+        """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""
+        if not self.job.train.progress or not self.dist.is_main or not sys.stderr.isatty():
             return None
         from tqdm.auto import tqdm
 
         return tqdm(total=self.job.train.max_steps, initial=self.state.step, desc="train", unit="step")
+
+    # -- evaluation and samples ---------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience."""
+        start = time.perf_counter()
+        self.model.eval()
+        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._mask_kwargs,
+                               self._autocast)
+        self.model.train()
+        s, cfg = self.state, self.job.train
+        record = {"step": s.step, **result}
+        s.evals.append(record)
+        self.metrics.scalars({"loss": result["loss"], "ppl": result["ppl"]}, s.step, kind="eval")
+        improved = result["loss"] < s.best_eval_loss
+        if improved:
+            s.best_eval_loss, s.best_step, s.evals_since_best = result["loss"], s.step, 0
+        else:
+            s.evals_since_best += 1
+        log.info("eval step %d: loss %.4f | ppl %.2f | %d tokens | best %.4f (step %d)", s.step, result["loss"],
+                 result["ppl"], result["tokens"], s.best_eval_loss, s.best_step)
+        if improved and self._saves_best:
+            path = self.save() if self._saved_step != s.step else self.out_dir / "checkpoints" / f"step_{s.step}"
+            if self.dist.is_main:
+                mark_best(path.parent, path)
+            self._prune()  # the previous best may be past keep_last now
+        if cfg.early_stop_patience and s.evals_since_best >= cfg.early_stop_patience:
+            self.stopped_early = True
+            log.warning("early stop at step %d: no better eval loss in %d evaluations (best %.4f at step %d)",
+                        s.step, s.evals_since_best, s.best_eval_loss, s.best_step)
+        self._last_eval_s = time.perf_counter() - start
+        self._paused_s += self._last_eval_s
+        return record
+
+    @property
+    def _saves_best(self) -> bool:
+        """train.save_best, in a run that writes checkpoints at all (save_final or save_every)."""
+        cfg = self.job.train
+        return cfg.save_best and bool(cfg.save_final or cfg.save_every)
+
+    def sample(self) -> list[str]:
+        """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>)."""
+        if self.dist.world_size > 1:  # the sharded model runs only through its root module
+            if self._last_sample_step < 0:
+                log.warning("train.sample_prompts: sampling is skipped under torchrun (world size %d)",
+                            self.dist.world_size)
+            self._last_sample_step = self.state.step
+            return []
+        start = time.perf_counter()
+        cfg = self.job.train
+        self.model.eval()
+        with self._autocast():
+            texts = greedy_continue(self.model, self.tokenizer, cfg.sample_prompts, cfg.sample_tokens, self.device,
+                                    pad_to=self.job.attn.block_size)
+        self.model.train()
+        for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
+            self.metrics.text(f"samples/{i}", f"**{prompt}**{text}", self.state.step)
+            self.metrics.record({"type": "sample", "step": self.state.step, "prompt": prompt, "text": text})
+        self._last_sample_step = self.state.step
+        self._paused_s += time.perf_counter() - start
+        return texts
 
     def _should_stop(self) -> bool:
         if torch.distributed.is_initialized():
@@ -295,12 +406,24 @@ class Trainer:
             "final_loss": s.losses[-1] if s.losses else None,
             "losses": list(s.losses),
             "skipped_nonfinite_steps": s.skipped_nonfinite,
-            "block_sparsity": s.block_sparsity_sum / max(1, s.step) if self._patched_attention else None,
+            "block_density": s.block_density_sum / max(1, s.step) if self._patched_attention else None,
             "attention": self.attn.as_dict() if self.attn is not None else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "wall_s": self.wall_s,
             "stopped_by_signal": self._stop_signal,
+            "status": "interrupted" if self._should_stop() else "ok",
+            "stopped_early": self.stopped_early,
+            "eval": self._eval_summary(),
         }
+
+    def _eval_summary(self) -> Optional[dict]:
+        s = self.state
+        if not s.evals:
+            return None
+        best = self.out_dir / "checkpoints" / f"step_{s.best_step}"
+        return {"loss": s.evals[-1]["loss"], "ppl": s.evals[-1]["ppl"], "best_loss": s.best_eval_loss,
+                "best_step": s.best_step, "best_checkpoint": str(best) if self._saves_best else None,
+                "history": list(s.evals)}
 
     def _hparams(self) -> dict:
         j = self.job
@@ -321,8 +444,17 @@ class Trainer:
         """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
         lora = self.job.model.lora
         merge = lora if lora.r > 0 and self.job.train.merge_lora_on_save else None
-        return save_checkpoint_all_ranks(self.out_dir / "checkpoints", self.state.step, self.model, self.tokenizer,
-                                         self.trainer_state(), merge_lora=merge)
+        root = self.out_dir / "checkpoints"
+        path = save_checkpoint_all_ranks(root, self.state.step, self.model, self.tokenizer, self.trainer_state(),
+                                         merge_lora=merge)
+        self._saved_step = self.state.step
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
+        if self.dist.is_main:
+            prune_checkpoints(self.out_dir / "checkpoints", self.job.train.keep_last, protect=(self.resumed_from,))
 
     def resume(self, spec: str) -> Optional[Path]:
         """train.resume: auto (latest under out_dir/checkpoints, if any) or a step_<N> directory."""
@@ -347,7 +479,34 @@ class Trainer:
         except ValueError as e:
             raise UserError(f"train.resume={spec}: {e}") from None
         _set_rng_state(state["rng"])
-        self.state = TrainState(**state["train"])
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        saved = state["train"]
+        if "block_sparsity_sum" in saved:  # checkpoints written before the rename
+            saved = {**saved, "block_density_sum": saved["block_sparsity_sum"]}
+        self.state = TrainState(**{k: v for k, v in saved.items() if k in known})
         self.wall_s = state.get("wall_s", 0.0)
+        self.resumed_from = path
+        self._saved_step = self.state.step
+        self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
         log.info("resumed from %s at step %d", path, self.state.step)
         return path
+
+
+def _tqdm_logging():
+    """Log records printed above the progress bar instead of through it."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_step_line(step: int, max_steps: int, m: dict, useful_per_s: float, eta_s: float) -> str:
+    """The plain-text progress line: readable in a job log where a progress bar is not."""
+    return (f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.3g} | grad norm {m['grad_norm']:.3g} | "
+            f"{useful_per_s:,.0f} useful tok/s | ETA {_duration(eta_s)}")

@@ -35,7 +35,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
     assert n["attn_backend"] == "dense" and n["attention"]["documents"] is True
     assert n["useful_token_fraction"] > 0.9
     assert n["recompiles_after_warmup"] == 0 and n["graphs_compiled_after_warmup"] == 0 and n["graph_breaks"] == 0
-    assert 0 < n["block_sparsity"] <= 1
+    assert 0 < n["block_density"] <= 1
     split = n["time_split"]
     assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer"] > 0 and split["data"] > 0
     assert sum(split.values()) == pytest.approx(1.0, abs=1e-6)
@@ -47,7 +47,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
 def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
     report = main([*FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
     n = report["numbers"]
-    assert n["attn_backend"] == "sdpa" and n["block_sparsity"] is None
+    assert n["attn_backend"] == "sdpa" and n["block_density"] is None
     assert n["useful_token_fraction"] < 0.9
     assert check(report, "useful tokens")["verdict"] in ("warn", "bad")
     assert any("attn=packed_doc" in s for s in report["suggestions"])

@@ -6,21 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from flexengine.config import LoraConfig
 from flexengine.errors import UserError
 from flexengine.lora import adapter_to_model_keys, apply_lora, merge_lora_state_dict
 from flexengine.run import build_trainer
-from flexengine.train import to_job_config
+from flexengine.cli import compose_job
 
 FAST = ["debug=fast", "optim.warmup_steps=1", "optim.lr=1e-2", "model.lora.r=4", "model.lora.alpha=8"]
 
 
 def make_job(tmp_path: Path, *overrides: str):
-    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-        cfg = compose("config", overrides=[*FAST, f"train.output_dir={tmp_path}", *overrides])
-    return to_job_config(cfg)
+    return compose_job([*FAST, f"train.output_dir={tmp_path}", *overrides])
 
 
 def _base_state(peft_model) -> dict:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from torch.utils.flop_counter import FlopCounterMode
 
 from flexengine.metrics import TAGS, train_flops_per_token
 from flexengine.run import run_training
-from flexengine.train import to_job_config
+from flexengine.cli import compose_job
 from tests.helpers import make_llama
 
 
@@ -24,10 +23,9 @@ def _accumulator(log_dir):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-        cfg = compose("config", overrides=["debug=fast", "attn=packed_doc", "train.max_steps=3",
-                                           "train.save_final=false", f"train.output_dir={out}"])
-    summary = run_training(to_job_config(cfg), out)
+    job = compose_job(["debug=fast", "attn=packed_doc", "train.max_steps=3", "train.save_final=false",
+                       f"train.output_dir={out}"])
+    summary = run_training(job, out)
     return out, summary
 
 

@@ -182,3 +182,45 @@ def test_cpu_offload_adamw_resume_restores_exact_fp32_masters():
     for (_, want), (_, got) in zip(opt._pairs, restored._pairs):
         assert torch.equal(want, got)
     assert any(not torch.equal(m, p.float()) for (p, m) in opt._pairs)  # bf16 weights alone would not do
+
+
+def _lrs(schedule: str, max_steps: int = 20, **kw) -> list[float]:
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = build_scheduler(opt, OptimConfig(lr=1.0, schedule=schedule, **kw), max_steps=max_steps)
+    lrs = []
+    for _ in range(max_steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_every_schedule_warms_up_from_a_nonzero_lr_and_never_wastes_an_update():
+    for schedule in ("cosine", "linear", "constant_with_warmup", "warmup_stable_decay"):
+        lrs = _lrs(schedule, warmup_steps=4, min_lr_ratio=0.0)
+        assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]), schedule
+        assert all(lr > 0 for lr in lrs), schedule  # the last update still moves, even decaying to 0
+    assert _lrs("constant", warmup_steps=4) == pytest.approx([1.0] * 20)  # no warmup at all
+    assert _lrs("constant_with_warmup", warmup_steps=4)[4:] == pytest.approx([1.0] * 16)
+
+
+def test_cosine_and_linear_decay_monotonically_to_their_floor():
+    cos = _lrs("cosine", warmup_steps=2, min_lr_ratio=0.1)
+    lin = _lrs("linear", warmup_steps=2)
+    for lrs in (cos, lin):
+        assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert 0.1 < cos[-1] < 0.11  # one step before the floor (the horizon is max_steps + 1)
+    assert lin[-1] == pytest.approx(1 / 19)  # linear: (horizon - step) / (horizon - warmup) = 1 / 19
+
+
+def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_fraction():
+    lrs = _lrs("warmup_stable_decay", max_steps=20, warmup_steps=2, decay_fraction=0.25, min_lr_ratio=0.1)
+    # decay: the last 5 of 21 schedule steps (indices 16..20); updates 0..19 use steps 1..20
+    assert lrs[1:15] == pytest.approx([1.0] * 14)
+    assert all(a > b for a, b in zip(lrs[15:], lrs[16:])) and lrs[-1] >= 0.1 and lrs[-1] < 0.3
+
+
+def test_unknown_schedule_names_the_choices():
+    with pytest.raises(UserError, match="optim.schedule.*warmup_stable_decay"):
+        OptimConfig(schedule="poly")

@@ -72,9 +72,10 @@ def test_training_still_composes_without_plan_key():
     """The planner's schema is registered only by its CLI: training configs never gain a `plan` key."""
     from hydra import compose, initialize_config_module
 
-    import flexengine.plan
-    import flexengine.train  # noqa: F401
+    import flexengine.plan  # noqa: F401  (importing must not register anything)
+    from flexengine.cli import register_schema
 
+    register_schema()  # what training's entry point registers
     with initialize_config_module("flexengine.conf", version_base="1.3"):
         cfg = compose("config", overrides=["memory=auto"])
     assert "plan" not in cfg and cfg.memory.policy == "auto"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-from hydra import compose, initialize_config_module
 
 from flexengine.profiling import profile_schedule
 from flexengine.run import run_training
-from flexengine.train import to_job_config
+from flexengine.cli import compose_job
 
 
 def test_schedule_skips_first_steps_only_when_there_is_room():
@@ -23,11 +22,9 @@ def test_schedule_skips_first_steps_only_when_there_is_room():
 
 
 def test_profiled_run_writes_trace_and_top_ops(tmp_path):
-    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-        cfg = compose("config", overrides=["debug=fast", "train.max_steps=3", "train.profile=true",
-                                           "train.profile_steps=1", "train.save_final=false",
-                                           f"train.output_dir={tmp_path}"])
-    summary = run_training(to_job_config(cfg), tmp_path)
+    job = compose_job(["debug=fast", "train.max_steps=3", "train.profile=true", "train.profile_steps=1",
+                       "train.save_final=false", f"train.output_dir={tmp_path}"])
+    summary = run_training(job, tmp_path)
     assert summary["steps"] == 3  # profiling does not change the loop
     traces = list((tmp_path / "tb" / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1

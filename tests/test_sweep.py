@@ -96,3 +96,70 @@ def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
     assert float(table[1]["final_loss"]) == pytest.approx(summary["final_loss"])
     assert table[1]["steps"] == "2"
     assert (sweep / "sweep_summary.md").is_file() and (sweep / "sweep_summary.png").is_file()
+
+
+def test_plot_overlays_loss_curves_and_prints_bar_values(tmp_path):
+    from flexengine.sweep import job_row, write_plot
+
+    rows = []
+    for num, lr in enumerate(("1e-3", "3e-3")):
+        d = _job(tmp_path, num, ["debug=fast", f"optim.lr={lr}"])
+        summary = {"useful_tokens_per_s": 1234.0 * (num + 1), "peak_memory_bytes": (num + 1) * 2**30,
+                   "losses": [5.0, 4.0, 3.5, 3.0], "final_loss": 3.0, "steps": 4, "status": "ok",
+                   "eval": {"history": [{"step": 2, "loss": 4.2}, {"step": 4, "loss": 3.4}]}}
+        (d / "summary.json").write_text(json.dumps(summary))
+        rows.append(job_row(d, str(num)))
+    fig = write_plot(rows, tmp_path / "p.png")
+    loss_ax, speed_ax, memory_ax = fig.axes
+    assert len(loss_ax.lines) == 4  # train + eval per job
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == ["optim.lr=1e-3", "optim.lr=3e-3"]
+    assert [t.get_text().strip() for t in speed_ax.texts] == ["1,234", "2,468"]
+    assert [t.get_text().strip() for t in memory_ax.texts] == ["1.00", "2.00"]
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_interrupted_job_row_and_non_training_sweep(tmp_path):
+    from flexengine.sweep import job_row
+
+    d = _job(tmp_path / "a", 0, ["x=1"])
+    (d / "summary.json").write_text(json.dumps({"status": "interrupted", "steps": 3}))
+    assert job_row(d, "0")["status"] == "interrupted"
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+        write_job_error(_job(tmp_path / "a", 1, ["x=2"]), e)
+    assert [r["status"] for r in summarize_sweep(tmp_path / "a")] == ["interrupted", "interrupted"]
+    # jobs that are not training runs (no summary.json / error.json): no misleading summary
+    for num in (0, 1):
+        (_job(tmp_path / "b", num, [f"data.seq_len={num}"]) / "data_stats.json").write_text("{}")
+    assert summarize_sweep(tmp_path / "b") == [] and not (tmp_path / "b" / "sweep_summary.csv").exists()
+
+
+def test_stats_multirun_writes_no_training_summary(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flexengine.data.stats", "-m", "debug=fast", "data.num_workers=0",
+                           "data.seq_len=128,256", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(tmp_path.glob("*/data_stats.json"))) == 2
+    assert not (tmp_path / "sweep_summary.csv").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_whole_multirun_and_marks_the_job_interrupted(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "flexengine.train", "-m", "debug=fast", "train.max_steps=200",
+                             "data.num_workers=0", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    for line in proc.stdout:  # wait until the first job is really training
+        if "step 2/200" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 130, out[-3000:]
+    table = _read_csv(tmp_path / "sweep_summary.csv")
+    assert [r["status"] for r in table] == ["interrupted"]  # the second job never started
+    assert int(table[0]["steps"]) < 200
+    assert not (tmp_path / "1").exists()

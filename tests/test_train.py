@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from flexengine.config import JobConfig
 from flexengine.run import build_trainer, run_training
-from flexengine.train import to_job_config
+from flexengine.cli import compose_job
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "optim.warmup_steps=2"]
@@ -21,9 +20,7 @@ FAST = ["data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "o
 
 def make_job(tmp_path: Path, *overrides: str) -> JobConfig:
     """Compose conf/ exactly like the entry point does, with overrides, into a JobConfig."""
-    with initialize_config_module(version_base="1.3", config_module="flexengine.conf"):
-        cfg = compose("config", overrides=[*FAST, f"train.output_dir={tmp_path}", *overrides])
-    return to_job_config(cfg)
+    return compose_job([*FAST, f"train.output_dir={tmp_path}", *overrides])
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -37,7 +34,7 @@ def test_default_entry_point_runs_and_writes_everything(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("steps", "tokens_seen", "useful_tokens_seen", "tokens_per_s", "useful_tokens_per_s",
-                "initial_loss", "final_loss", "losses", "peak_memory_bytes", "wall_s", "config", "block_sparsity"):
+                "initial_loss", "final_loss", "losses", "peak_memory_bytes", "wall_s", "config", "block_density"):
         assert key in summary, key
     assert summary["steps"] == 6 and len(summary["losses"]) == 6
     assert summary["final_loss"] < summary["initial_loss"]
@@ -165,6 +162,9 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     summary = trainer.train()
     assert summary["skipped_nonfinite_steps"] == 1 and summary["steps"] == 3
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # other steps updated
+    assert trainer.scheduler.last_epoch == 2  # the skipped step did not advance the schedule
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[1] == lrs[2]  # step 3 used the lr step 2 would have used
 
 
 def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):

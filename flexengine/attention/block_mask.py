@@ -35,8 +35,9 @@ class BatchMask:
     causal_blocks: int = 0  # blocks a plain causal mask of the same shape would touch
 
     @property
-    def block_sparsity(self) -> Tensor:
-        """Fraction of a causal mask's blocks actually computed (1.0 = no saving); call .item() when logging."""
+    def block_density(self) -> Tensor:
+        """Fraction of a causal mask's blocks actually computed (1.0 = no saving; FlexAttention calls 1 minus
+        the fraction of all blocks computed its sparsity); call .item() when logging."""
         return self.computed_blocks / self.causal_blocks
 
 

@@ -61,9 +61,9 @@ class LayerMasks:
         return mask
 
     @property
-    def block_sparsity(self) -> Tensor:
+    def block_density(self) -> Tensor:
         """Fraction of a causal mask's blocks computed, averaged over the layers; 0-d tensor (no host sync)."""
-        per_layer = [self.by_hf_window[w].block_sparsity for w in self.spec.hf_windows]
+        per_layer = [self.by_hf_window[w].block_density for w in self.spec.hf_windows]
         return torch.stack(per_layer).float().mean()
 
 

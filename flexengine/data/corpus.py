@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from flexengine.config import DataConfig
 from flexengine.data.cache import CorpusWriter, cache_key, cache_key_inputs, corpus_cache_dir, load_entry
-from flexengine.data.encode import Encoder, Rejected, encode_in_worker, init_worker
+from flexengine.data.encode import Dropped, Encoder, Rejected, encode_in_worker, init_worker
 from flexengine.data.sources import BadRecords, RawDoc, iter_raw_docs, source_files
 from flexengine.errors import UserError
 
@@ -38,6 +38,7 @@ class Corpus:
     offsets: np.ndarray  # [documents + 1] int64
     loss_mask: Optional[np.ndarray] = None  # [total_tokens] bool, False = not trained on (chat prompts); None = all
     skipped: dict = field(default_factory=dict)  # reason -> count of records skipped (data.on_error=skip)
+    chats: dict = field(default_factory=dict)  # conversations longer than seq_len: {"truncated": n, "dropped": n}
     cache_path: Optional[Path] = None  # the cache entry this corpus was loaded from
     cache_hit: bool = False  # True when no tokenization happened in this process
 
@@ -97,25 +98,31 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
     """Read, check and encode every document into a new cache entry; returns its directory."""
     start = time.perf_counter()
     bad = BadRecords(data.on_error)
-    encoder = Encoder(tokenizer, data.format, data.add_eos)
+    encoder = Encoder.from_config(tokenizer, data)
     writer = CorpusWriter(directory, with_mask=data.format != "text")
+    chats = {"truncated": 0, "dropped": 0}  # data.long_chats at work (a policy, not bad records)
     total = len(files) if data.source == "demo" else data.max_docs  # JSONL/Parquet record counts are unknown
     bar = tqdm(total=total, unit="doc", desc="tokenize", disable=None, leave=False)
     try:
         for doc, result in encode_stream(encoder, iter_raw_docs(data, bad, files), data.num_workers):
             if isinstance(result, Rejected):
                 bad.report(result.reason, result.message)
+            elif isinstance(result, Dropped):
+                chats["dropped"] += 1
             elif len(result.ids) == 0:  # packing would have nothing to place: count it here, not silently
                 bad.report("empty_document", f"{doc.where}: tokenized to zero tokens")
             else:
                 writer.append(result.ids, result.loss_mask)
+                chats["truncated"] += result.truncated
                 bar.update(1)
         if not writer.lengths:
             raise UserError(
-                f"data: no usable documents in {data.path or 'the demo corpus'} (skipped: {bad.counts or 'none'})."
+                f"data: no usable documents in {data.path or 'the demo corpus'} (skipped: {bad.counts or 'none'}; "
+                f"conversations longer than data.seq_len dropped: {chats['dropped']})."
             )
         seconds = time.perf_counter() - start
-        meta = {"key": key_inputs, "skipped": bad.counts, "tokenize_s": seconds, "num_workers": data.num_workers}
+        meta = {"key": key_inputs, "skipped": bad.counts, "tokenize_s": seconds, "num_workers": data.num_workers,
+                "chats": chats}
         writer.commit(meta)
     except BaseException:
         writer.abort()
@@ -146,4 +153,8 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
     skipped = dict(meta["skipped"])
     if skipped:
         log.warning("data: skipped %d bad records %s (data.on_error=skip)", sum(skipped.values()), skipped)
-    return Corpus(tokens, offsets, loss_mask, skipped, cache_path=directory, cache_hit=hit)
+    chats = dict(meta.get("chats", {}))
+    if any(chats.values()):
+        log.warning("data: conversations longer than data.seq_len=%d: %d truncated at a turn boundary, %d dropped "
+                    "(data.long_chats=%s)", data.seq_len, chats["truncated"], chats["dropped"], data.long_chats)
+    return Corpus(tokens, offsets, loss_mask, skipped, chats=chats, cache_path=directory, cache_hit=hit)

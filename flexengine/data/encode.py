@@ -1,20 +1,28 @@
-"""Turn checked records into token ids (+ which tokens are trained on): text, chat, or pretokenized.
+"""Turn checked records into token ids (+ which tokens are trained on): text, chat, pretokenized or mixed.
 
 - text: the tokenizer's own special tokens (e.g. LLaMA's BOS) + EOS appended when data.add_eos.
-- chat: the conversation rendered with the tokenizer's chat template and tokenized as one string; only the
-  assistant turns (their content and end-of-turn marker) are trained on, every prompt token is masked.
+- chat: the conversation through the tokenizer's own chat template (`apply_chat_template`). With
+  data.train_on=assistant only the assistant replies (and their end-of-turn markers) are trained on: found by
+  the template's {% generation %} markers (transformers' `return_assistant_tokens_mask`), or with
+  data.assistant_mask=prefix by rendering the conversation turn by turn. A conversation longer than
+  data.seq_len is cut after the last assistant turn that fits, or dropped (data.long_chats), and counted.
 - pretokenized: input_ids as given; labels of -100 mark tokens not trained on.
+- mixed: each record is text or chat, as its data.format_field says.
 An `Encoder` is picklable and stateless per call, so worker processes can each hold one.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from flexengine.config import DataConfig
 from flexengine.data.sources import RawDoc
 from flexengine.errors import UserError
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 TOKEN_DTYPE = np.int32  # every real vocabulary fits; halves the cache and the page cache it occupies
 
@@ -24,6 +32,14 @@ class Encoded(NamedTuple):
 
     ids: np.ndarray  # [tokens] int32
     loss_mask: Optional[np.ndarray]  # [tokens] bool or None
+    truncated: bool = False  # a conversation cut at a turn boundary to fit data.seq_len
+
+
+class Dropped(NamedTuple):
+    """A record left out by a configured policy (not an error): counted, never raised."""
+
+    reason: str
+    message: str  # starts with the record's location
 
 
 class Rejected(NamedTuple):
@@ -33,27 +49,62 @@ class Rejected(NamedTuple):
     message: str  # starts with the record's location
 
 
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template.get("default", "") if isinstance(template, dict) else template
+
+
 class Encoder:
     """Encodes batches of RawDoc for one format with one tokenizer."""
 
-    def __init__(self, tokenizer, fmt: str, add_eos: bool = True):
-        if fmt == "chat":
-            if not getattr(tokenizer, "chat_template", None):
+    def __init__(self, tokenizer, fmt: str, add_eos: bool = True, *, train_on: str = "assistant",
+                 assistant_mask: str = "template", max_len: Optional[int] = None, long_chats: str = "split"):
+        self.tokenizer, self.format, self.add_eos = tokenizer, fmt, add_eos
+        self.train_on, self.max_len, self.long_chats = train_on, max_len, long_chats
+        self.mask_source = assistant_mask
+        if fmt in ("chat", "mixed"):
+            template = _template_text(tokenizer)
+            if not template:
                 raise UserError(
-                    "data.format=chat needs a tokenizer with a chat template; this one has none. Use the model's "
+                    f"data.format={fmt} needs a tokenizer with a chat template; this one has none. Use the model's "
                     "instruct tokenizer (model.tokenizer=...) or data.format=text."
                 )
-            if not getattr(tokenizer, "is_fast", False):
-                raise UserError("data.format=chat needs a fast (Rust) tokenizer for token offsets; this one is slow.")
-        self.tokenizer, self.format, self.add_eos = tokenizer, fmt, add_eos
+            if assistant_mask == "template" and not _GENERATION_TAG.search(template):
+                if train_on == "assistant":
+                    raise UserError(
+                        "data.train_on=assistant: this tokenizer's chat template has no {% generation %} markers, so "
+                        "it cannot say which tokens are the assistant's (transformers' return_assistant_tokens_mask). "
+                        "Use data.assistant_mask=prefix (finds each reply by rendering the conversation turn by "
+                        "turn; needs a template that renders earlier turns unchanged), or data.train_on=all "
+                        "(full-sequence loss), or a tokenizer whose template marks {% generation %}."
+                    )
+                self.mask_source = "prefix"  # train_on=all: turn boundaries (for truncation) only
+            if self.mask_source == "prefix" and not getattr(tokenizer, "is_fast", False):
+                raise UserError("data.assistant_mask=prefix needs a fast (Rust) tokenizer for token offsets; "
+                                "this one is slow.")
         self.vocab_size = len(tokenizer)
 
+    @classmethod
+    def from_config(cls, tokenizer, data: DataConfig) -> "Encoder":
+        """The encoder data.* describes."""
+        return cls(tokenizer, data.format, data.add_eos, train_on=data.train_on, assistant_mask=data.assistant_mask,
+                   max_len=data.seq_len, long_chats=data.long_chats)
+
     def encode_batch(self, docs: Sequence[RawDoc]) -> list[Any]:
-        """Encoded or Rejected per document, in order."""
+        """Encoded, Rejected or Dropped per document, in order."""
         if self.format == "text":
             return self._encode_texts(docs)
         if self.format == "chat":
             return [self._encode_chat(doc) for doc in docs]
+        if self.format == "mixed":  # payload: (kind, value); texts still go through the batched path
+            texts = [i for i, d in enumerate(docs) if d.payload[0] == "text"]
+            out: list[Any] = [None] * len(docs)
+            for i, enc in zip(texts, self._encode_texts([RawDoc(docs[i].where, docs[i].payload[1]) for i in texts])):
+                out[i] = enc
+            for i, doc in enumerate(docs):
+                if out[i] is None:
+                    out[i] = self._encode_chat(RawDoc(doc.where, doc.payload[1]))
+            return out
         return [self._encode_pretokenized(doc) for doc in docs]
 
     def _encode_texts(self, docs: Sequence[RawDoc]) -> list[Any]:
@@ -100,19 +151,38 @@ class Encoder:
             spans.append((len(before), len(through)))
         return text, spans
 
-    def _encode_chat(self, doc: RawDoc) -> Any:
-        try:
-            text, spans = self.assistant_char_spans(doc.payload)
-        except Exception as e:  # jinja raises TemplateError / exceptions the template itself raises
-            return Rejected("chat_template_error", f"{doc.where}: chat template failed: {e}")
+    def _chat_ids_and_mask(self, messages: list) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the rendered conversation and its assistant-token mask."""
+        if self.mask_source == "template":
+            enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+            return np.asarray(enc["input_ids"], dtype=TOKEN_DTYPE), np.asarray(enc["assistant_masks"], dtype=bool)
+        text, spans = self.assistant_char_spans(messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.fromiter((s for s, _ in enc["offset_mapping"]), dtype=np.int64)
         mask = np.zeros(len(starts), dtype=bool)
         for a, b in spans:
             mask |= (starts >= a) & (starts < b)
+        return np.asarray(enc["input_ids"], dtype=TOKEN_DTYPE), mask
+
+    def _encode_chat(self, doc: RawDoc) -> Any:
+        try:
+            ids, mask = self._chat_ids_and_mask(doc.payload)
+        except Exception as e:  # jinja raises TemplateError / exceptions the template itself raises
+            return Rejected("chat_template_error", f"{doc.where}: chat template failed: {e}")
         if not mask.any():
             return Rejected("no_assistant_turn", f"{doc.where}: the chat template rendered no assistant tokens")
-        return Encoded(np.asarray(enc["input_ids"], dtype=TOKEN_DTYPE), mask)
+        truncated = False
+        if self.max_len is not None and len(ids) > self.max_len and self.long_chats != "split":
+            # turn boundaries: where an assistant reply (with its end-of-turn marker) ends
+            ends = np.flatnonzero(mask & ~np.append(mask[1:], False)) + 1
+            fitting = ends[ends <= self.max_len]
+            if self.long_chats == "drop" or not len(fitting):
+                return Dropped("chat_too_long", f"{doc.where}: {len(ids)} tokens > data.seq_len={self.max_len}"
+                                                + ("" if self.long_chats == "drop" else
+                                                   " and its first assistant turn ends beyond it"))
+            ids, mask, truncated = ids[: fitting[-1]], mask[: fitting[-1]], True
+        return Encoded(ids, mask if self.train_on == "assistant" else None, truncated)
 
     def _encode_pretokenized(self, doc: RawDoc) -> Any:
         ids_list, labels = doc.payload

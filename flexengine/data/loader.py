@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +49,51 @@ def batch_useful_fraction(
     batches = row_tokens[order].reshape(-1, micro_batch)
     width = batches.max(axis=1) if trim_padding else np.full(len(batches), seq_len)
     return float(batches.sum() / max(1, (width * micro_batch).sum()))
+
+
+def make_batch(corpus: Corpus, plan: PackPlan, rows: Sequence[int], seq_len: int, pad_id: int,
+               trim_padding: bool = False) -> dict[str, torch.Tensor]:
+    """The micro-batch of the given plan rows (-1 = an all-padding row that has no target); trim_padding cuts
+    it to its longest row."""
+    segments = [plan.rows[r] if r >= 0 else [] for r in rows]
+    batch = materialise_rows(segments, corpus.tokens, corpus.offsets, seq_len, pad_id, corpus.loss_mask)
+    lengths = [sum(seg[2] for seg in row) for row in segments]
+    if trim_padding:
+        batch = {k: v[:, : max(1, max(lengths))] for k, v in batch.items()}
+    batch["useful_tokens"] = torch.tensor(sum(lengths))
+    batch["predicting_index"] = predicting_positions(batch["labels"])  # host-side: no device sync in the loss
+    return batch
+
+
+@dataclass
+class HeldOut:
+    """The held-out rows, served as this rank's micro-batches, each row exactly once, in plan order.
+
+    Every rank gets the same number of batches (collectives in the forward must pair up): the last global
+    batch is filled with all-padding rows, which carry no target and so add nothing to the eval loss.
+    max_batches > 0 keeps only the first that many global batches (the same rows at every evaluation).
+    """
+
+    corpus: Corpus
+    plan: PackPlan
+    seq_len: int
+    micro_batch: int
+    pad_id: int
+    trim_padding: bool = False
+    max_batches: int = 0
+    rank: int = 0
+    world_size: int = 1
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches (built lazily: a large held-out set never sits in memory as tensors)."""
+        global_batch = self.micro_batch * self.world_size
+        n = len(self.plan.rows)
+        order = np.concatenate([np.arange(n), np.full(-n % global_batch, -1)])
+        order = order.reshape(-1, self.world_size, self.micro_batch)
+        if self.max_batches > 0:
+            order = order[: self.max_batches]
+        for rows in order[:, self.rank]:
+            yield make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
 
 
 class RowLoader:
@@ -110,16 +156,7 @@ class RowLoader:
             self._order = self._epoch_order(self.epoch)
         rows = self._order[self.cursor : self.cursor + self.micro_batch]
         self.cursor += self.micro_batch
-        batch = materialise_rows(
-            [self.plan.rows[r] for r in rows], self.corpus.tokens, self.corpus.offsets, self.seq_len,
-            self.pad_id, self.corpus.loss_mask,
-        )
-        if self.trim_padding:
-            longest = int(self.row_tokens[rows].max())
-            batch = {k: v[:, :longest] for k, v in batch.items()}
-        batch["useful_tokens"] = torch.tensor(int(self.row_tokens[rows].sum()))
-        batch["predicting_index"] = predicting_positions(batch["labels"])  # host-side: no device sync in the loss
-        return batch
+        return make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

@@ -64,10 +64,11 @@ class PackPlan:
     stats: PackStats = field(default_factory=PackStats)
 
 
-def _pieces(lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats) -> list[Segment]:
+def _pieces(lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats,
+            documents: Sequence[int]) -> list[Segment]:
     pieces: list[Segment] = []
-    for doc, length in enumerate(lengths):
-        length = int(length)
+    for doc in documents:
+        doc, length = int(doc), int(lengths[doc])
         stats.tokens_in += length
         if length == 0:
             continue
@@ -128,12 +129,15 @@ def _greedy(pieces: list[Segment], seq_len: int) -> list[list[Segment]]:
     return rows
 
 
-def plan_packing(lengths: Sequence[int], seq_len: int, strategy: str = "bfd", long_docs: str = "split") -> PackPlan:
-    """Decide which document pieces go into which row of `seq_len` tokens."""
+def plan_packing(lengths: Sequence[int], seq_len: int, strategy: str = "bfd", long_docs: str = "split",
+                 documents: Optional[Sequence[int]] = None) -> PackPlan:
+    """Decide which document pieces go into which row of `seq_len` tokens. documents: the indices to pack
+    (e.g. the training side of a held-out split); None = all of them."""
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    stats = PackStats(documents=len(lengths), seq_len=seq_len)
-    pieces = _pieces(lengths, seq_len, long_docs, stats)
+    documents = range(len(lengths)) if documents is None else documents
+    stats = PackStats(documents=len(documents), seq_len=seq_len)
+    pieces = _pieces(lengths, seq_len, long_docs, stats, documents)
     if strategy == "bfd":
         rows = _best_fit_decreasing(pieces, seq_len)
     elif strategy == "greedy":

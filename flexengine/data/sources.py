@@ -18,7 +18,11 @@ from flexengine.data.demo import demo_source_files
 from flexengine.errors import UserError
 
 # Directory entries read for each source (explicit files and globs are read whatever their suffix).
-SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq")}
+SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq"),
+            "hf": (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".arrow")}
+# the `datasets` builder that reads each suffix (source=hf)
+HF_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",
+               ".arrow": "arrow"}
 PARQUET_BATCH_ROWS = 1024
 
 
@@ -65,11 +69,66 @@ def resolve_paths(spec: str, source: str = "jsonl") -> list[Path]:
     return paths
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
 def source_files(data: DataConfig) -> list[Path]:
     """The files the configured source reads, in reading order (also what the tokenized cache is keyed on)."""
     if data.source == "demo":
         return demo_source_files(data.demo_max_files)
+    if data.source == "hf" and is_saved_dataset(Path(data.path or "")):
+        return sorted(p for p in Path(data.path).rglob("*") if p.is_file())
     return resolve_paths(data.path or "", data.source)
+
+
+def _import_datasets():
+    """`datasets`, offline: local files and saved datasets need no hub, so none is ever contacted."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("data.source=hf needs the `datasets` package: pip install datasets "
+                        "(or read the files directly with data=jsonl / data=parquet).") from None
+    datasets.config.HF_DATASETS_OFFLINE = True  # also when it was imported before the variables were set
+    datasets.config.HF_HUB_OFFLINE = True
+    return datasets
+
+
+def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str]]]:
+    """Rows of a save_to_disk directory or of one local data file, through HF `datasets`."""
+    datasets = _import_datasets()
+    try:
+        if is_saved_dataset(path):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if data.hf_split not in ds:
+                    raise UserError(f"data.path={path}: no split {data.hf_split!r} (data.hf_split); it has "
+                                    f"{', '.join(ds)}.")
+                ds = ds[data.hf_split]
+        else:
+            from flexengine.data.cache import corpus_cache_dir
+
+            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), split="train",
+                                       cache_dir=str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets"))
+    except UserError:
+        raise
+    except Exception as e:  # datasets/pyarrow raise many types for unreadable files
+        raise UserError(f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
+                        "with file:line use data=jsonl.") from None
+    for row, record in enumerate(ds):
+        yield f"{path}:row {row}", record, None
+
+
+def _units(data: DataConfig, files: list[Path]) -> list[Path]:
+    """What iter_raw_docs opens one by one: the files, or the saved dataset directory as one unit."""
+    if data.source == "hf" and is_saved_dataset(Path(data.path or "")):
+        return [Path(data.path)]
+    return files
 
 
 def _check_text(value: Any, name: str) -> tuple[Optional[str], str]:
@@ -123,6 +182,16 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
     if data.format == "chat":
         value = record.get(data.messages_field)
         return (*_check_messages(value, data.messages_field), value)
+    if data.format == "mixed":  # the record says which it is
+        kind = record.get(data.format_field)
+        if kind == "text":
+            value = record.get(data.text_field)
+            return (*_check_text(value, data.text_field), (kind, value))
+        if kind == "chat":
+            value = record.get(data.messages_field)
+            return (*_check_messages(value, data.messages_field), (kind, value))
+        return ("bad_format_field", f"{data.format_field}={kind!r}: data.format=mixed needs \"text\" or \"chat\" in "
+                f"field {data.format_field!r} (data.format_field)", None)
     reason, message = _check_token_ids(record)
     return reason, message, (record.get("input_ids"), record.get("labels"))
 
@@ -158,13 +227,15 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
     """Checked documents of the configured source in file order, at most data.max_docs of them."""
     files = source_files(data) if files is None else files
     count = 0
-    for path in files:
+    for path in _units(data, files):
         if data.max_docs is not None and count >= data.max_docs:
             return
         if data.source == "demo":  # one document per stdlib file (DataConfig makes format=text)
             records = iter([(str(path), {data.text_field: path.read_text(encoding="utf-8", errors="replace")}, None)])
         elif data.source == "jsonl":
             records = _iter_jsonl(path)
+        elif data.source == "hf":
+            records = _iter_hf(path, data)
         else:
             column = {"text": data.text_field, "chat": data.messages_field, "pretokenized": "input_ids"}[data.format]
             records = _iter_parquet(path, column)

@@ -127,37 +127,46 @@ def main() -> None:
     from omegaconf import DictConfig
 
     from flexengine.checkpoint import write_json_atomic
+    from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
     from flexengine.errors import UserError
-    from flexengine.train import to_job_config  # also registers the config schema
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
     def _stats(cfg: DictConfig) -> None:
-        from flexengine.data.corpus import build_corpus
+        from flexengine.data.mix import build_sources, mix_documents
         from flexengine.model import build_hf_config, load_tokenizer
         from flexengine.rope import context_limits
 
         try:
             job = to_job_config(cfg)
             limits = context_limits(build_hf_config(job.model))
-            corpus = build_corpus(job.data, load_tokenizer(job.model))
+            corpus, source_of = build_sources(job.data, load_tokenizer(job.model))
+            lengths, mix_report = corpus.lengths, None
+            if source_of is not None:  # the documents the mixture trains on, repeats included
+                docs, mix_report = mix_documents(lengths, source_of, np.arange(len(corpus)), job.data.mix,
+                                                 job.train.seed)
+                lengths = lengths[docs]
         except UserError as e:
-            print(f"\nflexengine: error: {e}\n", file=sys.stderr)
-            sys.exit(2)
+            fail(e)
         d = job.data
-        summary = length_summary(corpus.lengths)
-        strategies = compare_strategies(corpus.lengths, d.seq_len, d.long_docs, job.train.micro_batch, job.train.seed)
-        context = context_summary(corpus.lengths, limits.trained, limits.supported)
+        summary = length_summary(lengths)
+        strategies = compare_strategies(lengths, d.seq_len, d.long_docs, job.train.micro_batch, job.train.seed)
+        context = context_summary(lengths, limits.trained, limits.supported)
         print(format_report(summary, strategies, d.seq_len, job.train.micro_batch))
         print(format_context(summary, context, limits.describe()))
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         report = {
             "seq_len": d.seq_len, "long_docs": d.long_docs, "micro_batch": job.train.micro_batch,
             "skipped": corpus.skipped, "lengths": summary, "strategies": strategies, "context": context,
+            "mix": mix_report,
         }
         write_json_atomic(out_dir / "data_stats.json", report)
-        plot_length_histogram(corpus.lengths, d.seq_len, out_dir / "data_stats.png")
+        plot_length_histogram(lengths, d.seq_len, out_dir / "data_stats.png")
         print(f"\nwrote {out_dir / 'data_stats.json'} and {out_dir / 'data_stats.png'}")
 
+    register_schema()
+    # a multirun of stats jobs is not a training sweep: no training summary (flexengine.sweep) for it
+    if not any(a.startswith(("~hydra.callbacks", "hydra.callbacks")) for a in sys.argv[1:]):
+        sys.argv.append("~hydra.callbacks.sweep_summary")
     _stats()
 
 

@@ -32,12 +32,12 @@ def test_flex_and_dense_count_the_same_blocks(mode):
     assert dense.causal_blocks == flex.causal_blocks == 3 * 4 * 5 // 2
 
 
-def test_block_sparsity_drops_with_many_short_documents():
+def test_block_density_drops_with_many_short_documents():
     seq_len = 1024
     one_doc = _mask(_layout(seq_len, [seq_len])[None], "packed_doc", "dense")
     many = _mask(_layout(seq_len, [128] * 8)[None], "packed_doc", "dense")
-    assert float(one_doc.block_sparsity) == 1.0
-    assert float(many.block_sparsity) == pytest.approx(8 / 36)  # 8 diagonal blocks of 36 causal ones
+    assert float(one_doc.block_density) == 1.0
+    assert float(many.block_density) == pytest.approx(8 / 36)  # 8 diagonal blocks of 36 causal ones
 
 
 @pytest.mark.parametrize("mode", ["causal", "packed_doc", "sliding_window", "packed_sliding"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexengine.data.encode import Encoded, Encoder, Rejected
+from flexengine.data.encode import Dropped, Encoded, Encoder, Rejected
 from flexengine.data.sources import RawDoc
 from flexengine.errors import UserError
 
@@ -17,8 +17,10 @@ CONVERSATION = [
 ]
 
 
-def test_chat_mask_matches_transformers_generation_mask(chat_tokenizer):
-    result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f.jsonl:1", CONVERSATION)])[0]
+@pytest.mark.parametrize("assistant_mask", ["template", "prefix"])
+def test_chat_mask_matches_transformers_generation_mask(chat_tokenizer, assistant_mask):
+    encoder = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask)
+    result = encoder.encode_batch([RawDoc("f.jsonl:1", CONVERSATION)])[0]
     reference = chat_tokenizer.apply_chat_template(
         CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
@@ -41,7 +43,7 @@ def test_chat_template_that_rewrites_history_is_rejected_with_location(chat_toke
         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("chat.jsonl:7", CONVERSATION)])[0]
+    result = Encoder(chat_tokenizer, "chat", assistant_mask="prefix").encode_batch([RawDoc("chat.jsonl:7", CONVERSATION)])[0]
     assert isinstance(result, Rejected) and result.reason == "chat_template_error"
     assert result.message.startswith("chat.jsonl:7: ")
 
@@ -85,3 +87,46 @@ def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
     result = Encoder(demo_tokenizer, "text").encode_batch([RawDoc("a:1", "import os")])[0]
     assert result.ids.tolist() == demo_tokenizer("import os")["input_ids"] + [demo_tokenizer.eos_token_id]
     assert result.ids[0] == bos
+
+
+def test_template_without_generation_markers_names_the_alternatives(chat_tokenizer):
+    chat_tokenizer.chat_template = chat_tokenizer.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    with pytest.raises(UserError, match="no \\{% generation %\\} markers.*data.assistant_mask=prefix.*data.train_on=all"):
+        Encoder(chat_tokenizer, "chat")
+    # the alternatives it names both work
+    prefix = Encoder(chat_tokenizer, "chat", assistant_mask="prefix").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    full = Encoder(chat_tokenizer, "chat", train_on="all").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert prefix.loss_mask.any() and not prefix.loss_mask.all()
+    assert full.loss_mask is None and full.ids.tolist() == prefix.ids.tolist()
+
+
+def test_full_sequence_loss_trains_every_token(chat_tokenizer):
+    result = Encoder(chat_tokenizer, "chat", train_on="all").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert result.loss_mask is None
+
+
+@pytest.mark.parametrize("assistant_mask", ["template", "prefix"])
+def test_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(chat_tokenizer, assistant_mask):
+    whole = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    n = len(whole.ids)
+    short = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=n - 1, long_chats="truncate")
+    cut = short.encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert isinstance(cut, Encoded) and cut.truncated
+    assert chat_tokenizer.decode(cut.ids.tolist()).endswith("It returns its argument.<|im_end|>\n")  # turn 1 whole
+    assert cut.ids.tolist() == whole.ids[: len(cut.ids)].tolist()
+    # nothing fits -> dropped (counted by the corpus), as with long_chats=drop
+    tiny = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=5, long_chats="truncate")
+    assert isinstance(tiny.encode_batch([RawDoc("f:9", CONVERSATION)])[0], Dropped)
+    drop = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="drop").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert isinstance(drop, Dropped) and drop.message.startswith("f:1: ")
+    # split leaves it whole: the packer splits it mid-turn, as the user asked
+    split = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="split").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert len(split.ids) == n and not split.truncated
+
+
+def test_mixed_records_encode_by_kind(chat_tokenizer):
+    enc = Encoder(chat_tokenizer, "mixed")
+    text, chat = enc.encode_batch([RawDoc("m:1", ("text", "def f(): pass")), RawDoc("m:2", ("chat", CONVERSATION))])
+    assert text.loss_mask is None and text.ids[-1] == chat_tokenizer.eos_token_id
+    assert chat.loss_mask.any() and not chat.loss_mask.all()

@@ -1,0 +1,65 @@
+"""Held-out evaluation and greedy samples, run by the trainer between steps.
+
+The eval loss is computed exactly like the training loss (same packed rows, masks and chunked CE through the
+same forward module), summed over every valid target of the held-out set on all ranks and divided once:
+sum(token CE) / valid targets, so it does not depend on how rows fall into batches or ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from flexengine.loss import count_valid_targets
+
+
+@torch.no_grad()
+def evaluate_loss(forward: nn.Module, batches: Iterable[dict], device: torch.device,
+                  mask_kwargs: Callable[[dict], dict], autocast: Callable) -> dict:
+    """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
+    for batch in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast():
+            loss_sum = forward(batch, **mask_kwargs(batch))
+        sums += torch.stack([loss_sum.double(), count_valid_targets(batch["labels"]).double()])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    total, tokens = sums.tolist()
+    loss = total / tokens if tokens else float("nan")
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": int(tokens)}
+
+
+def _padded_length(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@torch.no_grad()
+def greedy_continue(model: nn.Module, tokenizer, prompts: Sequence[str], new_tokens: int, device: torch.device,
+                    pad_to: int = 128) -> list[str]:
+    """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations.
+
+    No KV cache: each token re-runs the prompt so far, right-padded to a multiple of `pad_to` so a compiled
+    model sees one shape per prompt rather than one per token (causal attention: padding after a position
+    never changes its logits).
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    outputs = []
+    for prompt in prompts:
+        ids = list(tokenizer(prompt)["input_ids"])
+        start = len(ids)
+        width = _padded_length(start + new_tokens, pad_to)
+        for _ in range(new_tokens):
+            row = torch.full((1, width), pad_id, dtype=torch.long, device=device)
+            row[0, : len(ids)] = torch.tensor(ids, device=device)
+            positions = torch.arange(width, device=device)[None]
+            logits = model(input_ids=row, position_ids=positions).logits  # [1, width, vocab]
+            token = int(logits[0, len(ids) - 1].argmax())
+            ids.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+        outputs.append(tokenizer.decode(ids[start:], skip_special_tokens=False))
+    return outputs
