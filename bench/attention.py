@@ -89,8 +89,8 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
 
 def bench_throughput(steps: int, seq_len: int, micro_batch: int) -> dict:
     """Useful tokens/s, packed_doc vs the padded causal baseline, same model and number of steps."""
-    from flexengine.run import run_training
     from flexengine.cli import compose_job
+    from flexengine.run import run_training
 
     results = {}
     for attn in ("causal", "packed_doc"):

@@ -24,7 +24,8 @@ FAST = ["debug=fast", "data.num_workers=0"]
 COMMANDS = [
     ("train --help", ["-m", "flexengine.train", "--help"], None),
     ("train --cfg job", ["-m", "flexengine.train", "--cfg", "job", *FAST], None),
-    ("train (1 step)", ["-m", "flexengine.train", *FAST, "train.max_steps=1", "train.save_final=false"], ("step 1 ", "done:")),
+    ("train (1 step)", ["-m", "flexengine.train", *FAST, "train.max_steps=1", "train.save_final=false"],
+     ("step 1 ", "done:")),
     ("plan 7B", ["-m", "flexengine.plan", "model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g"], ("chosen",)),
     ("data.stats", ["-m", "flexengine.data.stats", *FAST], ("wrote",)),
     ("doctor (1 step)", ["-m", "flexengine.doctor", *FAST, "--steps", "1"], ("flexengine doctor",)),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict

@@ -17,12 +17,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from flexengine.cli import (CONFIG_PATH, fail, format_job_short, free_memory, register_schema, to_job_config,
-                            write_job_error)
+from flexengine.cli import (
+    CONFIG_PATH,
+    fail,
+    format_job_short,
+    free_memory,
+    register_schema,
+    to_job_config,
+    write_job_error,
+)
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
 
-__all__ = ["main", "to_job_config", "run_dir"]
+__all__ = ["main", "run_dir", "to_job_config"]
 
 log = logging.getLogger("flexengine")
 

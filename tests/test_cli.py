@@ -7,10 +7,10 @@ import importlib
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from flexengine.cli import compose_job, copy_config, format_job_short
 from flexengine.errors import UserError

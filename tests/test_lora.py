@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexengine.cli import compose_job
 from flexengine.config import LoraConfig
 from flexengine.errors import UserError
 from flexengine.lora import adapter_to_model_keys, apply_lora, merge_lora_state_dict
 from flexengine.run import build_trainer
-from flexengine.cli import compose_job
 
 FAST = ["debug=fast", "optim.warmup_steps=1", "optim.lr=1e-2", "model.lora.r=4", "model.lora.alpha=8"]
 

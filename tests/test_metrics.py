@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from flexengine.cli import compose_job
 from flexengine.metrics import TAGS, train_flops_per_token
 from flexengine.run import run_training
-from flexengine.cli import compose_job
 from tests.helpers import make_llama
 
 

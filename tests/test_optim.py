@@ -209,7 +209,7 @@ def test_cosine_and_linear_decay_monotonically_to_their_floor():
     cos = _lrs("cosine", warmup_steps=2, min_lr_ratio=0.1)
     lin = _lrs("linear", warmup_steps=2)
     for lrs in (cos, lin):
-        assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+        assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
     assert 0.1 < cos[-1] < 0.11  # one step before the floor (the horizon is max_steps + 1)
     assert lin[-1] == pytest.approx(1 / 19)  # linear: (horizon - step) / (horizon - warmup) = 1 / 19
 
@@ -218,7 +218,7 @@ def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_fraction()
     lrs = _lrs("warmup_stable_decay", max_steps=20, warmup_steps=2, decay_fraction=0.25, min_lr_ratio=0.1)
     # decay: the last 5 of 21 schedule steps (indices 16..20); updates 0..19 use steps 1..20
     assert lrs[1:15] == pytest.approx([1.0] * 14)
-    assert all(a > b for a, b in zip(lrs[15:], lrs[16:])) and lrs[-1] >= 0.1 and lrs[-1] < 0.3
+    assert all(a > b for a, b in itertools.pairwise(lrs[15:])) and lrs[-1] >= 0.1 and lrs[-1] < 0.3
 
 
 def test_unknown_schedule_names_the_choices():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-
+from flexengine.cli import compose_job
 from flexengine.profiling import profile_schedule
 from flexengine.run import run_training
-from flexengine.cli import compose_job
 
 
 def test_schedule_skips_first_steps_only_when_there_is_room():

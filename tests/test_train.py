@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexengine.cli import compose_job
 from flexengine.config import JobConfig
 from flexengine.run import build_trainer, run_training
-from flexengine.cli import compose_job
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "optim.warmup_steps=2"]

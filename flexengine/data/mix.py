@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 from typing import Optional
+
 import numpy as np
 
 from flexengine.config import DataConfig, MixSource
@@ -85,9 +86,9 @@ def mix_documents(lengths: np.ndarray, source_of: np.ndarray, candidates: np.nda
         cut = int(np.searchsorted(np.cumsum(lengths[order]), rest, side="left")) + (rest > 0)
         picked = np.concatenate([np.tile(docs, int(repeats)), order[:cut]])
         chosen.append(picked)
-        report.append({"source": part.name or part.path, "weight": float(weights[i]), "documents": int(len(docs)),
+        report.append({"source": part.name or part.path, "weight": float(weights[i]), "documents": len(docs),
                        "tokens_available": available, "tokens_used": int(lengths[picked].sum()),
-                       "documents_used": int(len(picked))})
+                       "documents_used": len(picked)})
     used = sum(r["tokens_used"] for r in report)
     for r in report:
         r["share"] = r["tokens_used"] / max(1, used)

@@ -190,8 +190,9 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
         if kind == "chat":
             value = record.get(data.messages_field)
             return (*_check_messages(value, data.messages_field), (kind, value))
-        return ("bad_format_field", f"{data.format_field}={kind!r}: data.format=mixed needs \"text\" or \"chat\" in "
-                f"field {data.format_field!r} (data.format_field)", None)
+        message = (f"{data.format_field}={kind!r}: data.format=mixed needs \"text\" or \"chat\" in field "
+                   f"{data.format_field!r} (data.format_field)")
+        return "bad_format_field", message, None
     reason, message = _check_token_ids(record)
     return reason, message, (record.get("input_ids"), record.get("labels"))
 

@@ -43,7 +43,8 @@ def test_chat_template_that_rewrites_history_is_rejected_with_location(chat_toke
         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    result = Encoder(chat_tokenizer, "chat", assistant_mask="prefix").encode_batch([RawDoc("chat.jsonl:7", CONVERSATION)])[0]
+    encoder = Encoder(chat_tokenizer, "chat", assistant_mask="prefix")
+    result = encoder.encode_batch([RawDoc("chat.jsonl:7", CONVERSATION)])[0]
     assert isinstance(result, Rejected) and result.reason == "chat_template_error"
     assert result.message.startswith("chat.jsonl:7: ")
 
@@ -92,7 +93,7 @@ def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
 def test_template_without_generation_markers_names_the_alternatives(chat_tokenizer):
     chat_tokenizer.chat_template = chat_tokenizer.chat_template.replace("{% generation %}", "").replace(
         "{% endgeneration %}", "")
-    with pytest.raises(UserError, match="no \\{% generation %\\} markers.*data.assistant_mask=prefix.*data.train_on=all"):
+    with pytest.raises(UserError, match=r"no \{% generation %\} markers.*data.assistant_mask=prefix.*train_on=all"):
         Encoder(chat_tokenizer, "chat")
     # the alternatives it names both work
     prefix = Encoder(chat_tokenizer, "chat", assistant_mask="prefix").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
@@ -118,10 +119,12 @@ def test_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(chat_t
     # nothing fits -> dropped (counted by the corpus), as with long_chats=drop
     tiny = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=5, long_chats="truncate")
     assert isinstance(tiny.encode_batch([RawDoc("f:9", CONVERSATION)])[0], Dropped)
-    drop = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="drop").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    drop = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="drop").encode_batch([RawDoc("f:1", CONVERSATION)])
+    drop = drop[0]
     assert isinstance(drop, Dropped) and drop.message.startswith("f:1: ")
     # split leaves it whole: the packer splits it mid-turn, as the user asked
-    split = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="split").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    split = Encoder(chat_tokenizer, "chat", max_len=n - 1, long_chats="split")
+    split = split.encode_batch([RawDoc("f:1", CONVERSATION)])[0]
     assert len(split.ids) == n and not split.truncated
 
 
