@@ -110,3 +110,15 @@ def test_paths_globs_directories_and_max_docs(tmp_path, write_jsonl):
     assert [d.payload for d in docs] == ["a.jsonl 0", "a.jsonl 1", "a.jsonl 2", "b.jsonl 0"]
     with pytest.raises(UserError, match="matches no jsonl file"):
         resolve_paths(f"{tmp_path}/missing*.jsonl")
+
+
+def test_mixed_file_reads_text_and_chat_records_by_their_field(tmp_path, write_jsonl):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"format": "text", "text": "print(1)"},
+                                             {"format": "chat", "messages": chat},
+                                             {"format": "audio", "text": "?"}])
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), format="mixed", on_error="skip"))
+    assert [d.payload for d in docs] == [("text", "print(1)"), ("chat", chat)]
+    assert counts == {"bad_format_field": 1}
+    with pytest.raises(UserError, match=r"m\.jsonl:3: format='audio'"):
+        _read(DataConfig(source="jsonl", path=str(path), format="mixed"))
