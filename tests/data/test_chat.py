@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from flexengine.cli import compose_job
 from flexengine.data.packing import IGNORE_INDEX

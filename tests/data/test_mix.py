@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from flexengine.cli import compose_job
 from flexengine.config import MixSource
