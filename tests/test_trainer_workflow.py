@@ -81,7 +81,7 @@ def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
         for row in held.plan.rows:
             for doc, start, length in row:
                 a = held.corpus.offsets[doc] + start
-                ids = torch.as_tensor(held.corpus.tokens[a:a + length], dtype=torch.long)[None]
+                ids = torch.tensor(held.corpus.tokens[a:a + length], dtype=torch.long)[None]
                 out = ref_model(input_ids=ids, labels=ids)
                 total += out.loss.item() * (length - 1)
                 count += length - 1
