@@ -34,6 +34,8 @@ class PlanOptions:
     format: str = "table"  # table | json
     max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
     png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
+    cp: int = 1  # context-parallel degree to plan for: hardware.world_size ranks, cp of them share each row
+    # (planned only: training with context parallelism is not implemented yet)
 
 
 @dataclass
@@ -113,7 +115,7 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
-def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
+def build_max_seq_len(job: JobConfig, png: Optional[Path], cp: int = 1) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.memory.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
     from flexengine.memory.planner import plan_inputs
@@ -121,20 +123,21 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     from flexengine.rope import context_limits
 
     hf_config = build_hf_config(job.model)
-    x = plan_inputs(job)
+    x = dataclasses.replace(plan_inputs(job), cp=cp)
     tiled = job.memory.tiled_mlp or "auto"
     rows = max_seq_len_table(hf_config, x, tiled)
     longest = max((r["max_seq_len"] for r in rows), default=0)
     lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
     curves = memory_curves(hf_config, x, lengths, tiled)
-    report = {"model": job.model.name, "hardware": job.hardware.name, "world_size": x.hardware.world_size,
+    report = {"model": job.model.name, "hardware": job.hardware.name, "world_size": x.hardware.world_size, "cp": cp,
               "micro_batch": x.micro_batch, "dtype_bytes": x.dtype_bytes, "trainable_fraction": x.trainable_fraction,
               "budget_bytes": int(x.hardware.memory_gb * GiB), "policies": rows, "lengths": lengths,
               "curves_gib": curves, "context": context_limits(hf_config).describe()}
     if png is not None:
         lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
+        cp_label = f", context parallel x{cp}" if cp > 1 else ""
         plot_memory_vs_seq_len(curves, lengths, x.hardware.memory_gb, png,
-                               f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}")
+                               f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}")
         report["png"] = str(png)
     return report
 
@@ -144,7 +147,8 @@ def format_max_seq_len(report: dict) -> str:
     head = (f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} "
             f"{'recompute':>10}")
     lines = [(f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
-              f"(x{report['world_size']}), micro_batch={report['micro_batch']}, budget {_gib(report['budget_bytes'])}"),
+              f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
+              f"budget {_gib(report['budget_bytes'])}"),
              "", head]
     for r in report["policies"]:
         if not r["max_seq_len"]:
@@ -189,8 +193,12 @@ def main(cfg: DictConfig) -> None:
         if fmt not in ("table", "json"):
             raise UserError(f"plan.format={fmt!r}: choose table or json")
         job = to_job_config(cfg)
+        cp = cfg.plan.cp
+        if cp < 1 or job.hardware.world_size % cp:
+            raise UserError(f"plan.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
+                            "(each row is shared by cp ranks), e.g. hardware.world_size=8 plan.cp=8")
         if cfg.plan.max_seq_len:
-            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
+            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None, cp)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
         plan = build_plan(job)

@@ -109,11 +109,24 @@ class Workload:
     backend: str = "flex"  # flex | dense (the CPU reference; adds S^2 mask terms)
     chunk_size: int = 0  # loss.chunk_size
     mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
+    doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
+    dense_chunk: int = 512  # dense backend: attn.dense_chunk, queries per SDPA call
 
     @property
     def tokens(self) -> int:
         """T = B x S."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def dense_mask_elements(self) -> int:
+        """Mask elements of the dense backend's per-chunk SDPA calls: each chunk's queries x the keys from the
+        earliest document start in it (exact for documents of doc_len tokens back to back)."""
+        total = 0
+        for q_start in range(0, self.seq_len, self.dense_chunk):
+            q_end = min(q_start + self.dense_chunk, self.seq_len)
+            kv_start = (q_start // self.doc_len) * self.doc_len if self.doc_len else 0
+            total += (q_end - q_start) * (q_end - kv_start)
+        return self.micro_batch * total
 
     @property
     def mlp_tiled(self) -> bool:
@@ -134,7 +147,9 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
     if w.backend == "flex":
         attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
     else:
-        attention["float_mask"] = p * w.micro_batch * w.seq_len**2
+        attention["float_mask"] = p * w.dense_mask_elements  # SDPA's float copy of each chunk's bool mask
+        if w.seq_len > w.dense_chunk:  # the chunks' outputs are concatenated [B, H, S, D]: o_proj gets a copy
+            attention["o_proj_input"] = p * T * ad
     mlp = {"gate": p * T * m.intermediate, "silu": p * T * m.intermediate, "up": p * T * m.intermediate,
            "down_input": p * T * m.intermediate}
     return {"norm1": norm(), "attention": attention, "norm2": norm(), "mlp": mlp}
@@ -238,7 +253,7 @@ def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, 
     if w.chunk_size <= 0 or n <= w.chunk_size:
         out["log_probs"] = 4 * n * m.vocab  # CE keeps fp32 log-softmax of all [tokens, vocab]
     if w.backend == "dense" and checkpointed:
-        out["bool_mask"] = w.micro_batch * w.seq_len**2  # kept alive by the checkpoint closures
+        out["bool_mask"] = w.dense_mask_elements  # the chunks' bool masks, kept alive by the checkpoint closures
     return out
 
 
@@ -329,6 +344,16 @@ class PlanInputs:
     # from the rest (adamw_8bit keeps them in fp32: optim.EMBEDDING_STATE_BYTES); None = like every parameter
     fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
     # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
+    cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
+    # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
+
+
+def gathered_kv_bytes(m: ModelShape, x: PlanInputs) -> int:
+    """Context parallelism's all-gathered K and V of the whole row for one block's attention, and their
+    gradients in its backward (torch's context_parallel, allgather rotation); 0 without CP."""
+    if x.cp <= 1:
+        return 0
+    return 4 * x.micro_batch * x.seq_len * m.kv_heads * m.head_dim * x.dtype_bytes
 
 
 def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
@@ -384,12 +409,15 @@ def assumptions(hardware: HardwareConfig) -> dict[str, float]:
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     """Total bytes (by term), fit and cost of one concrete policy."""
     memory = resolve_tiles(memory, m)
-    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size, memory.tiled_mlp)
-    act = estimate_activations(m, w, memory)
+    # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
+    w = Workload(x.micro_batch, -(-x.seq_len // x.cp), x.dtype_bytes, x.backend, x.chunk_size, memory.tiled_mlp)
+    # A causal row attends half its keys; local queries see all seq_len keys: S^2 / cp, i.e. (S / cp)^2 x cp.
+    attended = 0.5 * x.cp
+    act = estimate_activations(m, w, memory, attended_fraction=attended)
     static = _static_bytes(m, x)
     on_gpu = x.hardware.device != "cpu"
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
-    backward = max(block_working_bytes(m, w), loss_transient_bytes(m, w))
+    backward = max(block_working_bytes(m, w) + gathered_kv_bytes(m, x), loss_transient_bytes(m, w))
     offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
     terms = {**static, "activation_bytes": act.total_bytes, "backward_workspace_bytes": backward,
              "offload_in_flight_bytes": offload_resident,
@@ -397,7 +425,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     total = sum(terms.values())
     budget = int(x.hardware.memory_gb * GiB)
     host_budget = int(x.hardware.host_memory_gb * GiB) or None
-    blocks_flops = m.layers * sum(block_forward_flops(m, w).values())
+    blocks_flops = m.layers * sum(block_forward_flops(m, w, attended).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
     compute_s = step_flops / (x.hardware.peak_tflops * 1e12 * ASSUMED_MFU)
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds

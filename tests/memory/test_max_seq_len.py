@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flexengine.config import HardwareConfig, ModelConfig
@@ -57,3 +58,22 @@ def test_cli_table_json_and_png(tmp_path):
     assert report["trainable_fraction"] < 0.01 and report["micro_batch"] == 1
     assert {r["label"] for r in report["policies"]} >= {"none", "full", "full + offload + tiled MLP"}
     assert max(report["curves_gib"]["none"]) > 80 and png.stat().st_size > 10_000
+
+
+def test_context_parallel_divides_activations_and_adds_gathered_kv():
+    """cp ranks share a row: per-token bytes / cp, plus the whole row's K and V (and their gradients) in one
+    block's attention; the attention FLOPs per rank are S^2 / cp, so longer rows fit on 8 GPUs than on 1."""
+    from flexengine.memory.planner import gathered_kv_bytes
+
+    cfg = _deepseek()
+    m = ModelShape.from_hf_config(cfg)
+    node = dataclasses.replace(A100, world_size=8)
+    x1 = PlanInputs(seq_len=65536, micro_batch=1, dtype_bytes=2, hardware=node, chunk_size=1024)
+    x8 = dataclasses.replace(x1, cp=8)
+    full = candidates_for("auto")[6][1]  # "full"
+    e1, e8 = evaluate(m, x1, full), evaluate(m, x8, full)
+    assert e8["activation_bytes"] == pytest.approx(e1["activation_bytes"] / 8, rel=0.01)
+    assert gathered_kv_bytes(m, x8) == 4 * 65536 * 4096 * 2 and gathered_kv_bytes(m, x1) == 0
+    assert e8["terms"]["backward_workspace_bytes"] > evaluate(
+        m, dataclasses.replace(x1, seq_len=8192), full)["terms"]["backward_workspace_bytes"]
+    assert longest_fitting(m, x8, full) > 4 * longest_fitting(m, x1, full)
