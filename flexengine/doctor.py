@@ -29,6 +29,7 @@ from flexengine.errors import UserError
 from flexengine.hooks import PHASES as STEP_PHASES
 from flexengine.hooks import StepHooks
 from flexengine.memory.planner import ModelShape, evaluate, plan_inputs, plan_memory
+from flexengine.metrics import utilization
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,8 @@ def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
         "useful_token_fraction": useful / max(1, tokens), "padding_waste": 1 - useful / max(1, tokens),
         "block_density": sum(sparsity) / len(sparsity) if sparsity else None,
         "step_s": wall / len(measured), "tokens_per_s": tokens / wall, "useful_tokens_per_s": useful / wall,
-        "mfu": useful / wall * trainer.flops_per_token / (job.hardware.peak_tflops * 1e12),
+        "mfu": utilization(sum(s["model_flops"] for s in measured), wall, job.hardware.peak_tflops),
+        "hfu": utilization(sum(s["hardware_flops"] for s in measured), wall, job.hardware.peak_tflops),
         "peak_tflops": job.hardware.peak_tflops, "time_split": {p: phase_s[p] / wall for p in PHASES},
         "memory": memory, "losses": [s["loss"] for s in per_step],
     }
@@ -209,11 +211,13 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
     checks.append(_check("time split", verdict, ", ".join(f"{p} {split[p]:.0%}" for p in PHASES),
                          "", "" if verdict == "ok" else "data loading / mask building takes over 20% of the step: "
                          "raise train.micro_batch or check data.num_workers and the mask backend"))
-    mfu = n["mfu"]
-    verdict = "warn" if on_cuda and mfu < 0.2 else "info"
-    checks.append(_check("throughput", verdict,
-                         f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, "
-                         f"MFU {mfu:.1%} of {n['peak_tflops']} TFLOP/s", "MFU counts useful tokens only",
+    mfu, hfu = n["mfu"], n["hfu"]
+    verdict = "warn" if on_cuda and mfu is not None and mfu < 0.2 else "info"
+    util = ("MFU n/a (unknown peak)" if mfu is None else
+            f"MFU {mfu:.1%} (hardware FLOPs {hfu:.1%}) of {n['peak_tflops']} TFLOP/s")
+    checks.append(_check("throughput", verdict, f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, "
+                         + util, "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
+                         "padding, recompute and attention as the backend runs it (flexengine.flops)",
                          "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above"))
     checks.extend(memory_checks(job, n["memory"]))
     return checks

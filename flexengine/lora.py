@@ -31,12 +31,22 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    # plain LoRA only: merge_lora_state_dict folds W + (alpha / r) B A into Linear weights, nothing else
     config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                            use_rslora=False, use_dora=False)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft names the missing modules
         raise UserError(f"model.lora.target_modules={list(lora.target_modules)}: {e}") from None
+    not_linear = sorted({name.split(".lora_")[0].removeprefix(_PEFT_PREFIX) for name, _ in
+                         peft_model.named_parameters() if ".lora_" in name and not _LORA_KEY.match(name)})
+    if not_linear:
+        raise UserError(
+            f"model.lora.target_modules={list(lora.target_modules)} puts adapters on {not_linear[:3]}, which are not "
+            "Linear layers (e.g. the embedding); flexengine trains and merges Linear adapters only: target "
+            "projections such as q_proj, v_proj, gate_proj."
+        )
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     log.info("lora: r=%d alpha=%g on %s: %.2fM trainable of %.1fM parameters",
@@ -58,6 +68,9 @@ def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> D
         match = _LORA_KEY.match(key)
         if match:
             factors.setdefault(match["module"], {})[match["ab"]] = value
+        elif ".lora_" in key:  # embedding adapters, DoRA magnitudes, other adapter names: never copied as weights
+            raise ValueError(f"cannot merge adapter tensor {key!r}: only Linear LoRA factors "
+                             f"(.lora_A/B.{ADAPTER}.weight) merge into base weights")
         else:
             merged[key.replace(".base_layer.", ".")] = value
     for module, ab in factors.items():

@@ -1,4 +1,4 @@
-"""Run metrics: TensorBoard scalars under stable tags + metrics.jsonl, throughput/MFU arithmetic, peak memory."""
+"""Run metrics: TensorBoard scalars under stable tags + metrics.jsonl, FLOPs utilisation arithmetic, peak memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
 # Stable TensorBoard tags (other tools and tests read them back).
 TAGS = {
@@ -19,7 +18,8 @@ TAGS = {
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
     "useful_tokens_per_s": "perf/useful_tokens_per_s",
-    "mfu": "perf/mfu",
+    "mfu": "perf/mfu",  # model FLOPs utilisation (flexengine.flops)
+    "hfu": "perf/hfu",  # hardware FLOPs utilisation: executed FLOPs, recompute and padding included
     "peak_memory_bytes": "memory/peak_bytes",
     "useful_token_fraction": "data/useful_token_fraction",
     # fraction of a causal mask's blocks the document mask computes (FlexAttention's "sparsity" is 1 - this)
@@ -35,16 +35,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-def train_flops_per_token(model: nn.Module, seq_len: int, attended_fraction: float = 0.5) -> float:
-    """Forward+backward FLOPs per token: 6 x (non-embedding params) for the matmuls, plus attention scores and
-    values, 2 matmuls x 2 FLOPs x 3 (fwd+bwd) x layers x heads*head_dim x keys attended per query
-    (attended_fraction x seq_len; 0.5 for a full causal mask)."""
-    cfg = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    n_params -= model.get_input_embeddings().weight.numel()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len * attended_fraction
-    return 6 * n_params + attn
+def utilization(flops: float, seconds: float, peak_tflops: Optional[float]) -> Optional[float]:
+    """FLOPs / seconds as a fraction of the device's peak (None when the peak is unknown)."""
+    if not peak_tflops or seconds <= 0:
+        return None
+    return flops / seconds / (peak_tflops * 1e12)
 
 
 class MetricsWriter:

@@ -131,6 +131,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     tokenizer = load_tokenizer(job.model)
     loader, eval_data, data_report = build_data(job, tokenizer, dist_info,
                                                 flex=attention.backend is AttnBackend.FLEX)
+    loader.pin_memory = device.type == "cuda"  # pinned batches: the trainer's non_blocking copies really are
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
     check_context(longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs,
                   job.model.allow_long_context)

@@ -25,9 +25,10 @@ from flexengine.config import JobConfig
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.errors import UserError
 from flexengine.evaluate import evaluate_loss, greedy_continue
+from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
-from flexengine.metrics import MetricsWriter, peak_memory_bytes, train_flops_per_token
+from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
 from flexengine.optim import build_optimizer, build_scheduler
 from flexengine.parallel import (
     DistInfo,
@@ -56,6 +57,8 @@ class TrainState:
     best_eval_loss: float = math.inf
     best_step: int = 0
     evals_since_best: int = 0  # for train.early_stop_patience
+    model_flops: float = 0.0  # model FLOPs of the steps so far (MFU's numerator; flexengine.flops)
+    hardware_flops: float = 0.0  # FLOPs executed: padding, recompute, attention as the backend runs it
 
 
 def _rng_state() -> dict:
@@ -90,7 +93,7 @@ class Trainer:
         self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None,
                                      out_dir / "metrics.jsonl" if self.dist.is_main else None)
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
-        self.flops_per_token = train_flops_per_token(model, job.data.seq_len)
+        self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.stopped_early = False  # train.early_stop_patience ran out
@@ -149,11 +152,15 @@ class Trainer:
             torch.distributed.all_reduce(counts)
         n_valid = counts[0].clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
-        density = []
-        for i, batch in enumerate(micro_batches):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        density, model_flops, hardware_flops = [], 0.0, 0.0
+        for i, host_batch in enumerate(micro_batches):
+            # tensors only (pinned by the loader on CUDA, so non_blocking really is); host facts stay here
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in host_batch.items()
+                     if isinstance(v, torch.Tensor)}
             with self._phase("mask"):
                 mask_kwargs = self._mask_kwargs(batch)
+            model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
+            model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2)
             with gradient_sync(self.train_module, enabled=i == len(micro_batches) - 1):
                 with self._phase("forward"), self._autocast():
@@ -170,9 +177,10 @@ class Trainer:
             self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
         ))
         block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
-        # the one host sync per step: loss, grad norm and density come back together
-        loss_value, norm_value, density_value, stop_votes = torch.stack(
-            [loss.float(), grad_norm.float().to(loss.device), block_density.to(loss.device), counts[1].float()]
+        # the one host sync per step: loss, grad norm, density and flex's executed FLOPs come back together
+        loss_value, norm_value, density_value, stop_votes, hardware_flops = torch.stack(
+            [loss.float(), grad_norm.float().to(loss.device), block_density.to(loss.device), counts[1].float(),
+             torch.as_tensor(hardware_flops, dtype=torch.float32, device=loss.device)]
         ).tolist()
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -196,10 +204,22 @@ class Trainer:
         metrics = {
             "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful, "lr": lr,
             "block_density": density_value if density else None,
+            "model_flops": model_flops, "hardware_flops": hardware_flops,
         }
         for h in self.hooks:
             h.on_step_end(self, self.state.step + 1, metrics)
         return metrics
+
+    def _flops(self, host_batch: dict, mask_kwargs: dict) -> tuple:
+        """(model, hardware) FLOPs of one micro-batch; hardware is a device tensor under flex (no host sync)."""
+        B, S = host_batch["input_ids"].shape
+        predicting = len(host_batch["predicting_index"])
+        windows = self.attn.layer_windows if self.attn is not None else (None,) * len(self.flops.blocks)
+        pairs = {w: attended_pairs(host_batch["document_lengths"], w) for w in set(windows)}
+        model = self.flops.model_flops(host_batch["useful_tokens"], predicting, [pairs[w] for w in windows])
+        # HF's own attention has no masks of ours: its causal kernel computes the causal square of each row
+        executed = mask_kwargs[MASK_KWARG].executed_pairs if mask_kwargs else B * S * (S + 1) // 2
+        return model, self.flops.hardware_flops(B * S, predicting, executed)
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -235,7 +255,7 @@ class Trainer:
         profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
                     if cfg.profile else None)
         self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
-        window = {"t": time.perf_counter(), "tokens": 0, "useful": 0}
+        window = {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
         redirect = _tqdm_logging() if progress is not None else contextlib.nullcontext()
         with redirect:
             while self.state.step < cfg.max_steps and not self._should_stop() and not self.stopped_early:
@@ -245,11 +265,13 @@ class Trainer:
                 self._count(m)
                 window["tokens"] += m["tokens"]
                 window["useful"] += m["useful_tokens"]
+                window["model_flops"] += m["model_flops"]
+                window["hardware_flops"] += m["hardware_flops"]
                 step = self.state.step
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
                     dt = time.perf_counter() - window["t"]
                     self._log(m, window["tokens"] / dt, window["useful"] / dt)
-                    window = {"t": time.perf_counter(), "tokens": 0, "useful": 0}
+                    window = {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{m['loss']:.3f}")
@@ -274,6 +296,8 @@ class Trainer:
         s.tokens_seen += m["tokens"]
         s.useful_tokens_seen += m["useful_tokens"]
         s.block_density_sum += m["block_density"] or 0.0
+        s.model_flops += m["model_flops"]
+        s.hardware_flops += m["hardware_flops"]
 
     def _sample_due(self, step: int) -> bool:
         every = self.job.train.sample_every
@@ -281,12 +305,12 @@ class Trainer:
             return step % every == 0
         return bool(self.state.evals) and self.state.evals[-1]["step"] == step  # with every evaluation
 
-    def _log(self, m: dict, tokens_per_s: float, useful_per_s: float) -> None:
-        peak_flops = self.job.hardware.peak_tflops * 1e12
+    def _log(self, m: dict, tokens_per_s: float, useful_per_s: float, flops_per_s: tuple) -> None:
+        peak = self.job.hardware.peak_tflops
         self.metrics.scalars({
             "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
             "tokens_per_s": tokens_per_s, "useful_tokens_per_s": useful_per_s,
-            "mfu": useful_per_s * self.flops_per_token / peak_flops,
+            "mfu": utilization(flops_per_s[0], 1.0, peak), "hfu": utilization(flops_per_s[1], 1.0, peak),
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "useful_token_fraction": m["useful_tokens"] / m["tokens"], "block_density": m["block_density"],
         }, self.state.step)
@@ -401,7 +425,10 @@ class Trainer:
             "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
             "tokens_per_s": s.tokens_seen / wall,
             "useful_tokens_per_s": s.useful_tokens_seen / wall,
-            "mfu": s.useful_tokens_seen / wall * self.flops_per_token / (self.job.hardware.peak_tflops * 1e12),
+            # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
+            "mfu": utilization(s.model_flops, wall, self.job.hardware.peak_tflops),
+            "hfu": utilization(s.hardware_flops, wall, self.job.hardware.peak_tflops),
+            "model_flops": s.model_flops, "hardware_flops": s.hardware_flops,
             "initial_loss": s.losses[0] if s.losses else None,
             "final_loss": s.losses[-1] if s.losses else None,
             "losses": list(s.losses),

@@ -92,3 +92,16 @@ def test_bad_lora_settings_name_the_key(tiny_llama):
     with pytest.raises(UserError, match="model.lora.target_modules"):
         apply_lora(tiny_llama, LoraConfig(r=2, target_modules=["no_such_proj"]))
     assert apply_lora(tiny_llama, LoraConfig(r=0)) is tiny_llama
+
+
+def test_embedding_adapters_and_unknown_adapter_tensors_are_refused(tiny_llama):
+    """The merge knows Linear LoRA only: an embedding adapter (or DoRA magnitude) must not pass silently."""
+    with pytest.raises(UserError, match=r"embed_tokens.*not Linear layers"):
+        apply_lora(tiny_llama, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    state = {"base_model.model.model.embed_tokens.lora_embedding_A.default": torch.zeros(4, 8),
+             "base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(8, 8)}
+    with pytest.raises(ValueError, match="lora_embedding_A"):
+        merge_lora_state_dict(state, LoraConfig(r=4))
+    dora = {"base_model.model.q_proj.lora_magnitude_vector.default.weight": torch.ones(8)}
+    with pytest.raises(ValueError, match="lora_magnitude_vector"):
+        merge_lora_state_dict(dora, LoraConfig(r=4))

@@ -33,6 +33,16 @@ class BatchMask:
     dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
     computed_blocks: Optional[Tensor] = None  # 0-d tensor: attention blocks the mask touches (no host sync)
     causal_blocks: int = 0  # blocks a plain causal mask of the same shape would touch
+    block_size: int = 128
+
+    @property
+    def executed_pairs(self):
+        """(query, key) pairs the backend computes per layer and head, summed over rows: flex runs whole
+        blocks (a 0-d tensor: no host sync), the dense backend each chunk's query x key rectangle (an int)."""
+        if self.dense_chunks is not None:
+            return sum(c.mask_B1QK.shape[0] * (c.q_end - c.q_start) * (c.q_end - c.kv_start)
+                       for c in self.dense_chunks)
+        return self.computed_blocks * self.block_size**2
 
     @property
     def block_density(self) -> Tensor:
@@ -161,13 +171,13 @@ def build_batch_mask(
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()
         return BatchMask(documents, window, backend, block_mask=block_mask, computed_blocks=computed,
-                         causal_blocks=causal_blocks)
+                         causal_blocks=causal_blocks, block_size=block_size)
     if backend == "dense":
         chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(
             documents, window, backend, dense_chunks=chunks,
             computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
-            causal_blocks=causal_blocks,
+            causal_blocks=causal_blocks, block_size=block_size,
         )
     raise ValueError(f"unknown mask backend {backend!r}")
 

@@ -66,6 +66,11 @@ class LayerMasks:
         per_layer = [self.by_hf_window[w].block_density for w in self.spec.hf_windows]
         return torch.stack(per_layer).float().mean()
 
+    @property
+    def executed_pairs(self) -> list:
+        """(query, key) pairs each layer's backend computes (BatchMask.executed_pairs), in layer order."""
+        return [self.by_hf_window[w].executed_pairs for w in self.spec.hf_windows]
+
 
 def flexengine_attention(
     module: nn.Module,
@@ -114,7 +119,8 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
     """Make an HF causal LM attend as `spec` says; returns the same model, changed in place.
 
     After it, `model(input_ids=..., position_ids=...)` treats every run of positions that restarts at 0 as its own
-    document (or pass `document_ids=` [B, S]). Recorded in `model.flexengine.attention`.
+    document (or pass `document_ids=` [B, S]); an HF `attention_mask` [B, S] of 1/0 makes padding its own
+    segment (`fold_padding`). Recorded in `model.flexengine.attention`.
     """
     if len(spec.layer_windows) != model.config.num_hidden_layers:
         raise ValueError(f"the spec has {len(spec.layer_windows)} layer windows, the model "
@@ -137,6 +143,8 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
         if kwargs.get(MASK_KWARG) is not None:  # the caller built it already (e.g. the trainer, ahead of time)
             return args, kwargs
         document_ids = kwargs.pop("document_ids", None)
+        # HF would build its own mask from this; ours folds it into the document ids instead (never ignored)
+        attention_mask = kwargs.pop("attention_mask", None)
         position_ids = kwargs.get("position_ids")
         input_ids = args[0] if args else kwargs.get("input_ids")
         ref = input_ids if input_ids is not None else kwargs["inputs_embeds"]
@@ -146,14 +154,16 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
                 kwargs["position_ids"] = position_ids_from_document_ids(document_ids)
         elif position_ids is not None:
             document_ids = document_ids_from_position_ids(position_ids.expand(B, S))
-        elif spec.documents:
+        elif spec.documents and attention_mask is None:
             raise ValueError(
                 f"attention mode {spec.mode.value!r} needs position_ids that restart at 0 per document "
                 "(or document_ids)"
             )
-        else:
+        else:  # one document per row (an HF-style batch: padding, if any, comes from attention_mask)
             document_ids = torch.zeros(B, S, dtype=torch.int32, device=ref.device)
-        kwargs.update(mask_kwargs(model, document_ids))
+        if attention_mask is not None:
+            document_ids = fold_padding(document_ids, attention_mask)
+        kwargs.update(mask_kwargs(model, document_ids, separate_documents=attention_mask is not None))
         return args, kwargs
 
     # On the decoder (not the LM head wrapper) so that calls to the decoder alone (chunked loss) also get masks.
@@ -183,9 +193,39 @@ def patch_attention(
     return apply_attention(model, resolve_attention_spec(attn, model.config, device=device))
 
 
-def mask_kwargs(model: nn.Module, document_ids_BS: Tensor) -> dict:
+def fold_padding(document_ids_BS: Tensor, attention_mask_BS: Tensor) -> Tensor:
+    """Document ids with an HF attention_mask folded in: each run of padding (mask 0) becomes a document of its
+    own, so real tokens never attend to it (left-padded batches included). Refuses a mask whose padding sits
+    inside a document (that would cut it in two) and masks that are not [B, S]. Costs one host sync."""
+    if attention_mask_BS.dim() != 2 or attention_mask_BS.shape != document_ids_BS.shape:
+        raise ValueError(
+            f"attention_mask of shape {tuple(attention_mask_BS.shape)}: the patched model takes a [B, S] padding "
+            f"mask matching the input {tuple(document_ids_BS.shape)} (1 = real token, 0 = padding); express "
+            "other masks with document_ids / position_ids"
+        )
+    real = attention_mask_BS.bool()
+    B, S = real.shape
+    idx = torch.arange(S, device=real.device).expand(B, S)
+    last_real = torch.where(real, idx, -1).cummax(dim=1).values  # last real position <= j
+    prev_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)  # last real position < j
+    after_gap = real & (prev_real >= 0) & (idx - prev_real > 1)
+    same_doc = document_ids_BS.gather(1, prev_real.clamp(min=0)) == document_ids_BS
+    split = after_gap & same_doc
+    if bool(split.any()):
+        r, j = (int(v) for v in split.nonzero()[0])
+        raise ValueError(
+            f"attention_mask has padding inside a document (row {r}, before position {j}): folding it into its "
+            "own segment would cut that document in two. Pad only between documents or at the row ends, or "
+            "pass document_ids / position_ids that restart per document"
+        )
+    # any id no real token uses; canonical_document_ids later renumbers the runs 0, 1, 2, ...
+    return torch.where(real, document_ids_BS, document_ids_BS.min() - 1)
+
+
+def mask_kwargs(model: nn.Module, document_ids_BS: Tensor, separate_documents: bool = False) -> dict:
     """Keyword arguments carrying one batch's masks for a patched model ({} when its attention is HF's own);
-    build them once per batch and pass them to `model(...)` or its decoder."""
+    build them once per batch and pass them to `model(...)` or its decoder. separate_documents: apply the
+    document ids even without a per-document mode (padding folded in from an attention_mask is its own segment)."""
     spec = attention_spec(model)
     if spec is None or not spec.backend.patched:
         return {}
@@ -193,8 +233,8 @@ def mask_kwargs(model: nn.Module, document_ids_BS: Tensor) -> dict:
     by_hf = {}
     for hf_window, window in spec.mask_windows.items():
         if window not in built:
-            built[window] = build_batch_mask(document_ids_BS, documents=spec.documents, window=window,
-                                             backend=spec.backend.value, block_size=spec.block_size,
+            built[window] = build_batch_mask(document_ids_BS, documents=spec.documents or separate_documents,
+                                             window=window, backend=spec.backend.value, block_size=spec.block_size,
                                              dense_chunk=spec.dense_chunk)
         by_hf[hf_window] = built[window]
     return {MASK_KWARG: LayerMasks(spec, by_hf)}

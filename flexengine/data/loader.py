@@ -60,7 +60,9 @@ def make_batch(corpus: Corpus, plan: PackPlan, rows: Sequence[int], seq_len: int
     lengths = [sum(seg[2] for seg in row) for row in segments]
     if trim_padding:
         batch = {k: v[:, : max(1, max(lengths))] for k, v in batch.items()}
-    batch["useful_tokens"] = torch.tensor(sum(lengths))
+    # host-side facts (never copied to the device): real tokens, and the length of every document piece
+    batch["useful_tokens"] = sum(lengths)
+    batch["document_lengths"] = [seg[2] for row in segments for seg in row]
     batch["predicting_index"] = predicting_positions(batch["labels"])  # host-side: no device sync in the loss
     return batch
 
@@ -100,7 +102,8 @@ class RowLoader:
     """Endless micro-batches [micro_batch, seq_len] over the rows of a PackPlan, epoch after epoch.
 
     The epoch order depends only on (seed, epoch), so `state_dict()` = (epoch, cursor) resumes exactly.
-    With `trim_padding` (one document per row) each batch is cut to its longest document.
+    With `trim_padding` (one document per row) each batch is cut to its longest document. Tensors go to the
+    device; `useful_tokens` (int) and `document_lengths` (list of the rows' document pieces) stay on the host.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class RowLoader:
         trim_padding: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        pin_memory: bool = False,
     ):
         if len(plan.rows) < micro_batch * world_size:
             raise ValueError(
@@ -126,6 +130,9 @@ class RowLoader:
         self.corpus, self.plan, self.seq_len, self.micro_batch = corpus, plan, seq_len, micro_batch
         self.pad_id, self.seed, self.shuffle, self.bucket = pad_id, seed, shuffle, bucket
         self.trim_padding, self.rank, self.world_size = trim_padding, rank, world_size
+        # pinned host tensors make the trainer's non_blocking copies real async DMA (pageable ones are staged
+        # through a bounce buffer and block the host)
+        self.pin_memory = pin_memory
         self.row_tokens = row_token_counts(plan)
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order(0)
@@ -156,7 +163,10 @@ class RowLoader:
             self._order = self._epoch_order(self.epoch)
         rows = self._order[self.cursor : self.cursor + self.micro_batch]
         self.cursor += self.micro_batch
-        return make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
+        batch = make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
+        if self.pin_memory:
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return batch
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

@@ -6,11 +6,19 @@ block), so they sit outside the block's forward: outside `torch.compile` (dynamo
 around a compiled region they cause no break and no recompile) and outside a checkpoint (hooks inside one would
 disable it; outside, they see only the checkpoint's positional inputs). On CPU the same path runs without pinning
 or streams.
+
+Ordering (CUDA): every copy runs on one side stream. A handle records an event after its device->host copy
+and another after its prefetch back; compute waits on the event of the handle it needs, never on the whole side
+stream, so the prefetch of the block before keeps running while this block's backward computes. Pinned host
+memory is bounded (`max_pinned_bytes`): past the bound, copies go to pageable memory (they then block the
+host) and the manager counts them. All CUDA calls go through `CudaStreams`, which a CPU test replaces with a
+recording fake to check the order of copies, events and waits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -35,6 +43,10 @@ def making_host_copies() -> bool:
     """Whether the tensors being created now are offload's host copies (read by flexengine.memory.meter)."""
     return _HOST_COPY_DEPTH[0] > 0
 
+log = logging.getLogger(__name__)
+GiB = 2**30
+DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # per process: a 7B at 8K offloads ~51 GB per row (issue #16)
+
 
 class _Group:
     """What one block call offloaded; `prev` is the block run just before it in the same forward."""
@@ -48,11 +60,52 @@ class _Group:
 
 
 class _Handle:
-    """One offloaded storage: its host bytes, and its device bytes once prefetched."""
+    """One offloaded storage: its host bytes, its device bytes once prefetched, and the events marking the
+    end of each copy on the side stream (None on CPU)."""
 
-    def __init__(self, group: _Group, host: Tensor, device: torch.device):
+    def __init__(self, group: _Group, host: Optional[Tensor], device: torch.device):
         self.group, self.host, self.device = group, host, device
         self.on_device: Optional[Tensor] = None
+        self.offloaded: Any = None  # event: the device -> host copy has finished
+        self.prefetched: Any = None  # event: the host -> device copy has finished
+
+
+class CudaStreams:
+    """The CUDA calls activation offload makes, in one place (a test substitutes a recording fake)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def on_side(self):
+        """Context: queue work on the side stream."""
+        return torch.cuda.stream(self.side)
+
+    def side_waits_for_compute(self) -> None:
+        """Copies queued from now on start after the compute queued so far (the tensor is written)."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def record(self) -> Any:
+        """An event recorded on the side stream now (marks the copies queued so far)."""
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def compute_waits(self, event: Any) -> None:
+        """Compute queued from now on starts after `event` (one handle's copy), not after the whole side stream."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_on_side(self, t: Tensor) -> None:
+        """The allocator must not reuse t's memory before the side stream's queued work has read it."""
+        t.record_stream(self.side)
+
+    def used_on_compute(self, t: Tensor) -> None:
+        """t was allocated on the side stream and is used by compute from now on."""
+        t.record_stream(torch.cuda.current_stream(self.device))
+
+    def host_buffer(self, t: Tensor, pinned: bool) -> Tensor:
+        """Host memory for a copy of t."""
+        return torch.empty_like(t, device="cpu", pin_memory=pinned)
 
 
 class _Packed:
@@ -94,9 +147,13 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
 class OffloadManager:
     """Saved-tensor hooks for the blocks it is attached to; one side stream per model."""
 
-    def __init__(self, min_bytes: int = 1024):  # blocks enter `block(index, kwargs)` around each call
+    def __init__(self, min_bytes: int = 1024, max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
+                 streams: Optional[CudaStreams] = None):
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
-        self._stream: Optional[torch.cuda.Stream] = None
+        self.max_pinned_bytes = max_pinned_bytes
+        self.pinned_bytes = 0  # pinned host bytes held by live handles
+        self.pageable_bytes = 0  # bytes that went to pageable memory past the bound (cumulative)
+        self._streams = streams  # created on the first CUDA tensor unless given
         self._last: Optional[weakref.ref] = None
 
     @contextlib.contextmanager
@@ -119,27 +176,45 @@ class OffloadManager:
         hit = group.seen.get(storage._cdata)
         handle = hit[1]() if hit is not None and not hit[0].expired() else None
         if handle is None:
-            handle = _Handle(group, self._to_host(_storage_bytes(t)), t.device)
+            handle = self._to_host(group, _storage_bytes(t))
             group.handles.append(weakref.ref(handle))
             group.seen[storage._cdata] = (StorageWeakRef(storage), weakref.ref(handle))
         return _Packed(handle, t)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    def _streams_for(self, t: Tensor) -> Optional[CudaStreams]:
+        """The stream interface for a device tensor (None: CPU, copies are plain and synchronous)."""
+        if self._streams is None and t.device.type == "cuda":
+            self._streams = CudaStreams(t.device)
+        return self._streams
 
-    def _to_host(self, t: Tensor) -> Tensor:
+    def _pinned(self, nbytes: int, handle: _Handle) -> bool:
+        """Reserve pinned bytes for a handle within the bound (released when the handle dies)."""
+        if self.pinned_bytes + nbytes > self.max_pinned_bytes:
+            if self.pageable_bytes == 0:
+                log.warning("activation offload: %.1f GiB of pinned host memory in use (the bound); further "
+                            "copies use pageable memory and do not overlap compute", self.pinned_bytes / GiB)
+            self.pageable_bytes += nbytes
+            return False
+        self.pinned_bytes += nbytes
+        weakref.finalize(handle, self._release, nbytes)
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        self.pinned_bytes -= nbytes
+
+    def _to_host(self, group: _Group, t: Tensor) -> _Handle:
         with host_copies():
-            if t.device.type != "cuda":
-                return torch.empty_like(t).copy_(t)  # CPU: same path, no pinning, no stream (exact grads)
-            stream = self._side_stream(t.device)
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before we read it
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # the allocator must not reuse t's memory before the copy has read it
-            return host
+            streams = self._streams_for(t)
+            if streams is None:  # CPU: same path, no pinning, no stream (exact grads)
+                return _Handle(group, torch.empty_like(t).copy_(t), t.device)
+            handle = _Handle(group, None, t.device)
+            handle.host = streams.host_buffer(t, pinned=self._pinned(t.numel() * t.element_size(), handle))
+            streams.side_waits_for_compute()
+            with streams.on_side():
+                handle.host.copy_(t, non_blocking=True)
+            streams.used_on_side(t)
+            handle.offloaded = streams.record()
+            return handle
 
     # -- backward: host -> device, one block ahead ----------------------------------------------------------
     def _unpack(self, packed: Any) -> Tensor:
@@ -155,18 +230,18 @@ class OffloadManager:
     def _prefetch(self, group: _Group) -> None:
         for ref in group.handles:
             handle = ref()
-            if handle is None or handle.device.type != "cuda" or handle.on_device is not None:
+            if handle is None or handle.offloaded is None or handle.on_device is not None:
                 continue
-            with torch.cuda.stream(self._side_stream(handle.device)):
+            with self._streams.on_side():  # after its own device -> host copy, in stream order
                 handle.on_device = handle.host.to(handle.device, non_blocking=True)
+            handle.prefetched = self._streams.record()
 
     def _fetch(self, handle: _Handle) -> Tensor:
-        if handle.device.type != "cuda":
+        if handle.offloaded is None:  # CPU
             return handle.host
-        current = torch.cuda.current_stream(handle.device)
-        current.wait_stream(self._side_stream(handle.device))  # its D2H (and prefetch H2D) have finished
-        if handle.on_device is None:
+        if handle.on_device is None:  # not prefetched (the first block of backward): copy on this stream
+            self._streams.compute_waits(handle.offloaded)
             return handle.host.to(handle.device, non_blocking=True)
-        tensor = handle.on_device
-        tensor.record_stream(current)  # allocated on the side stream, used on this one
-        return tensor
+        self._streams.compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
+        self._streams.used_on_compute(handle.on_device)
+        return handle.on_device

@@ -177,3 +177,61 @@ def test_chunked_dense_equals_one_dense_call_with_gradients(mode):
     torch.testing.assert_close(chunked.last, whole.last, atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(chunked.named_parameters(), whole.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _left_padded(lengths, width, vocab=256):
+    """An HF-collator batch: each row's document at the right end, padding (mask 0) before it."""
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (n, doc) in enumerate(zip(lengths, _docs(lengths, vocab))):
+        ids[r, width - n:], mask[r, width - n:] = torch.tensor(doc), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode,backend", [("causal", "dense"), ("packed_doc", "dense"), ("causal", "flex")])
+def test_left_padded_attention_mask_equals_hf_eager_with_the_same_mask(mode, backend):
+    """attention_mask is folded into the document ids (padding its own segment), not silently ignored."""
+    reference = make_llama()
+    patched = patch_attention(clone_model(reference), mode=mode, backend=backend, compile=False)
+    ids, mask = _left_padded([40, 17, 64], 64)
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask).logits
+        ignored = patched(input_ids=ids).logits if mode == "causal" else None
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max().item() <= ATOL
+    if ignored is not None:  # the old behaviour (mask dropped) differs: real tokens attended to the padding
+        assert (ignored[real] - want[real]).abs().max().item() > 1e-2
+
+
+def test_attention_mask_with_packed_positions_keeps_documents_apart():
+    """Right padding after packed documents: each document still equals itself alone."""
+    reference = make_llama()
+    patched = patch_attention(clone_model(reference), mode="packed_doc", backend="dense")
+    docs = _docs([10, 20])
+    ids = torch.tensor([docs[0] + docs[1] + [0] * 6])
+    position_ids = torch.tensor([list(range(10)) + list(range(20)) + list(range(6))])
+    mask = torch.tensor([[1] * 30 + [0] * 6])
+    with torch.no_grad():
+        got = patched(input_ids=ids, position_ids=position_ids, attention_mask=mask).logits[0]
+        for start, doc in ((0, docs[0]), (10, docs[1])):
+            alone = reference(input_ids=torch.tensor([doc])).logits[0]
+            assert (got[start:start + len(doc)] - alone).abs().max().item() <= ATOL
+
+
+def test_attention_mask_that_would_split_a_document_or_is_not_2d_is_refused():
+    patched = patch_attention(make_llama(), mode="causal", backend="dense")
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="padding inside a document"):
+        patched(input_ids=ids, attention_mask=torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"\[B, S\] padding mask"):
+        patched(input_ids=ids, attention_mask=torch.ones(1, 1, 8, 8))
+
+
+def test_compiled_flex_is_created_by_patch_not_on_first_call(monkeypatch):
+    """Creating torch.compile(flex_attention) lazily inside a compiled block costs a recompile."""
+    import flexengine.attention.patch as patch_module
+
+    monkeypatch.setattr(patch_module, "_compiled_flex", None)
+    patch_attention(make_llama(), mode="packed_doc", backend="flex", compile=True)
+    assert patch_module._compiled_flex is not None
