@@ -215,8 +215,9 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
     verdict = "warn" if on_cuda and mfu is not None and mfu < 0.2 else "info"
     util = ("MFU n/a (unknown peak)" if mfu is None else
             f"MFU {mfu:.1%} (hardware FLOPs {hfu:.1%}) of {n['peak_tflops']} TFLOP/s")
-    checks.append(_check("throughput", verdict, f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, "
-                         + util, "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
+    checks.append(_check("throughput", verdict,
+                         f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, " + util,
+                         "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
                          "padding, recompute and attention as the backend runs it (flexengine.flops)",
                          "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above"))
     checks.extend(memory_checks(job, n["memory"]))

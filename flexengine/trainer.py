@@ -76,6 +76,11 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _new_window() -> dict:
+    """Counters between two log lines."""
+    return {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
+
+
 class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
@@ -255,7 +260,7 @@ class Trainer:
         profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
                     if cfg.profile else None)
         self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
-        window = {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
+        window = _new_window()
         redirect = _tqdm_logging() if progress is not None else contextlib.nullcontext()
         with redirect:
             while self.state.step < cfg.max_steps and not self._should_stop() and not self.stopped_early:
@@ -270,8 +275,9 @@ class Trainer:
                 step = self.state.step
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
                     dt = time.perf_counter() - window["t"]
-                    self._log(m, window["tokens"] / dt, window["useful"] / dt)
-                    window = {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
+                    self._log(m, window["tokens"] / dt, window["useful"] / dt,
+                              (window["model_flops"] / dt, window["hardware_flops"] / dt))
+                    window = _new_window()
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{m['loss']:.3f}")

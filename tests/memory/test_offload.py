@@ -83,7 +83,7 @@ def _batch():
 
 
 def test_backward_waits_per_handle_and_prefetch_runs_ahead():
-    base, model, manager, fake = _offloaded_model()
+    base, model, _, fake = _offloaded_model()
     batch = _batch()
     forward_loss_sum(model, batch).backward()
     log = fake.log
@@ -114,7 +114,7 @@ def test_backward_waits_per_handle_and_prefetch_runs_ahead():
 
 
 def test_pinned_host_memory_is_bounded_and_released():
-    _, model, manager, fake = _offloaded_model()
+    _, model, _, fake = _offloaded_model()
     forward_loss_sum(model, _batch()).backward()
     sizes = [x[2] for x in fake.log if x[0] == "alloc"]
     bound = sum(sizes) // 2
