@@ -34,5 +34,11 @@ timeout 70 "$PY" -m torch.distributed.run --nproc_per_node 1 -m flexengine.train
 fsdp_rc=$?
 echo "fsdp smoke exit $fsdp_rc (log: $OUT_DIR/fsdp_smoke.log)"
 [ $rc -eq 0 ] && rc=$fsdp_rc
+# Profiler timeline (#16): activation-offload copies on their own stream, pinned, overlapping compute; batches
+# copied from pinned memory. Writes $OUT_DIR/gpu_overlap.json.
+timeout 150 "$PY" bench/gpu_overlap.py --out "$OUT_DIR/gpu_overlap.json" > "$OUT_DIR/gpu_overlap.log" 2>&1
+overlap_rc=$?
+echo "overlap check exit $overlap_rc (log: $OUT_DIR/gpu_overlap.log)"
+[ $rc -eq 0 ] && rc=$overlap_rc
 echo "exit $rc; results: $OUT_DIR/gpu_check.json"
 exit $rc
