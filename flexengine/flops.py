@@ -143,20 +143,23 @@ class TrainFlops:
         self.recompute_per_token = 0.0
         self.recompute_attention_layers: list[int] = []  # blocks whose attention core backward re-runs
         for i, spec in enumerate(applied(model).memory):
-            self._add_recompute(i, spec.recompute.value)
+            self._add_recompute(i, spec.recompute.value, getattr(spec, "mlp_tile", 0) > 0)
 
-    def _add_recompute(self, i: int, granularity: str) -> None:
+    def _add_recompute(self, i: int, granularity: str, tiled_mlp: bool) -> None:
+        """A tiled MLP checkpoints each tile, which re-runs gate/up in backward whatever else is recomputed (a
+        block checkpoint then stops at the tiles' saved inputs, so its MLP is not re-run twice)."""
         block = self.blocks[i]
+        mlp = block.mlp.recompute_flops(True)
         if granularity == "block":
-            self.recompute_per_token += (block.attention.recompute_flops(False) +
-                                         block.mlp.recompute_flops(True))
+            self.recompute_per_token += block.attention.recompute_flops(False) + mlp
             self.recompute_attention_layers.append(i)
         elif granularity == "attention":
-            self.recompute_per_token += block.attention.recompute_flops(True)
+            self.recompute_per_token += block.attention.recompute_flops(True) + (mlp if tiled_mlp else 0.0)
             self.recompute_attention_layers.append(i)
-        elif granularity == "mlp":
-            self.recompute_per_token += block.mlp.recompute_flops(True)
-        # none; ops (SAC) saves every matmul and the attention output: no FLOPs re-run (its cost is memory traffic)
+        elif granularity == "mlp" or tiled_mlp:
+            self.recompute_per_token += mlp
+        # otherwise none, or ops (SAC), which saves every matmul and the attention output: no FLOPs re-run
+        # (its cost is memory traffic, which the planner counts)
 
     @property
     def block_flops_per_token(self) -> float:
