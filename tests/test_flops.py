@@ -154,9 +154,10 @@ def test_lora_counts_no_weight_gradients_for_frozen_weights(base, targets):
     (MemoryConfig(policy="selective", granularity="attention"), None, 0),
     (MemoryConfig(policy="selective", granularity="mlp"), None, 0),
     (MemoryConfig(policy="selective", granularity="ops"), None, 0),
+    (MemoryConfig(policy="none", tiled_mlp="32"), None, 0),
     (MemoryConfig(policy="full"), LoraConfig(r=8, alpha=16), 0),
     (MemoryConfig(policy="selective", granularity="attention"), LoraConfig(r=8, alpha=16), 0),
-], ids=["full_last_1+chunked_loss", "attention", "mlp", "sac", "full+lora", "attention+lora"])
+], ids=["full_last_1+chunked_loss", "attention", "mlp", "sac", "tiled_mlp", "full+lora", "attention+lora"])
 def test_checkpointed_hardware_flops_include_recompute(base, memory, lora, chunk_size):
     batch = _rows(PACKED, 128)
     model = _model(base, dense_chunk=32, memory=memory, lora=lora)
@@ -166,7 +167,7 @@ def test_checkpointed_hardware_flops_include_recompute(base, memory, lora, chunk
     plain = _model(base, dense_chunk=32, lora=lora)
     plain_model_flops, plain_hardware = _claimed(plain, batch, kwargs)
     assert model_flops == plain_model_flops  # recompute is hardware work, never model FLOPs
-    if memory.granularity != "ops" or chunk_size:
+    if (memory.policy != "none" and memory.granularity != "ops") or chunk_size or memory.tiled_mlp:
         assert hardware > plain_hardware
 
 
