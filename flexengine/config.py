@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from flexengine.errors import UserError
@@ -46,6 +47,14 @@ MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
+
+
+def conf_dir() -> Path:
+    """The directory of the shipped Hydra configs, the package flexengine.conf: the top-level conf/ of a checkout,
+    flexengine/conf/ inside an installed wheel."""
+    import flexengine.conf
+
+    return Path(flexengine.conf.__file__).resolve().parent
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:

@@ -4,11 +4,11 @@ too small for no checkpointing, and a recompile after warm-up; a healthy run get
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from flexengine.config import conf_dir
 from flexengine.doctor import compose_job, diagnose, format_report, main
 from flexengine.hooks import StepHooks
 from flexengine.run import build_trainer
@@ -98,8 +98,7 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
     assert check(report, "compile")["verdict"] == "warn"
 
 
-@pytest.mark.parametrize("experiment", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "flexengine"
-                                                              / "conf" / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")))
 def test_every_experiment_composes(experiment):
     job = compose_job([f"experiment={experiment}", "model.path=/models/any", "data.path=/data/any.jsonl"])
     assert job.data.seq_len > 0 and job.train.max_steps > 0

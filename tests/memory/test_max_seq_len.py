@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flexengine.config import HardwareConfig, ModelConfig
+from flexengine.config import HardwareConfig, ModelConfig, conf_dir
 from flexengine.memory.max_seq_len import longest_fitting, max_seq_len_table
 from flexengine.memory.planner import ModelShape, PlanInputs, candidates_for, evaluate
 from flexengine.model import build_hf_config
@@ -21,7 +21,7 @@ A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=
 
 
 def _deepseek():
-    arch = yaml.safe_load((ROOT / "flexengine/conf/model/deepseek7b.yaml").read_text())["arch"]
+    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["arch"]
     return build_hf_config(ModelConfig(init="random", arch=arch))
 
 

@@ -77,11 +77,11 @@ def test_meter_sees_sac_cache_and_checkpoint_closures(small):
 @pytest.mark.parametrize("name", ["llama2_7b", "deepseek7b"])
 def test_7b_none_matches_published_formula_adapted(name):
     """Korthikanti et al. per-layer bytes adapted to RMSNorm/SwiGLU/RoPE/GQA with flex attention (bf16)."""
-    from pathlib import Path
-
     import yaml
 
-    arch = yaml.safe_load((Path(__file__).parents[2] / f"flexengine/conf/model/{name}.yaml").read_text())["arch"]
+    from flexengine.config import conf_dir
+
+    arch = yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text())["arch"]
     cfg = build_hf_config(ModelConfig(name=name, init="random", arch=arch))
     m = ModelShape.from_hf_config(cfg)
     s, b, h, a, k, f, p = 6144, 1, 4096, 32, 32, 11008, 2
@@ -125,11 +125,11 @@ def test_plan_says_what_would_fit():
 
 
 def _deepseek_inputs(**overrides) -> tuple:
-    from pathlib import Path
-
     import yaml
 
-    arch = yaml.safe_load((Path(__file__).parents[2] / "flexengine/conf/model/deepseek7b.yaml").read_text())["arch"]
+    from flexengine.config import conf_dir
+
+    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["arch"]
     cfg = build_hf_config(ModelConfig(name="deepseek7b", init="random", arch=arch))
     a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
     return cfg, PlanInputs(**{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100,
