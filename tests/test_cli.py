@@ -41,16 +41,16 @@ def test_importing_the_entry_points_registers_nothing_and_loads_no_torch():
 
 
 def test_flexengine_command_dispatches_to_the_planner(tmp_path):
-    proc = _run("-m", "flexengine.cli", "plan", "model=deepseek7b", "hardware=a100_80g", "plan.format=json",
+    proc = _run("-m", "flexengine", "plan", "model=deepseek7b", "hardware=a100_80g", "plan.format=json",
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["hf_config"]["model_type"] == "llama"
-    bad = _run("-m", "flexengine.cli", "nonsense", cwd=tmp_path)
+    bad = _run("-m", "flexengine", "nonsense", cwd=tmp_path)
     assert bad.returncode == 2 and "flexengine train" in bad.stderr
 
 
 def test_copied_experiment_runs_from_config_dir(tmp_path):
-    proc = _run("-m", "flexengine.cli", "copy", "experiment/cpu_compare", str(tmp_path / "my_conf"), cwd=tmp_path)
+    proc = _run("-m", "flexengine", "copy", "experiment/cpu_compare", str(tmp_path / "my_conf"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "--config-dir" in proc.stdout
     copied = tmp_path / "my_conf" / "experiment" / "cpu_compare.yaml"
