@@ -30,7 +30,8 @@ assert Path(flexengine.__file__).resolve().is_relative_to(site), flexengine.__fi
 assert conf_dir() == site / "flexengine" / "conf", conf_dir()
 assert importlib.resources.files("flexengine.conf").joinpath("config.yaml").is_file()
 from hydra import compose, initialize_config_dir, initialize_config_module
-from flexengine.train import to_job_config
+from flexengine.cli import register_schema, to_job_config
+register_schema()
 jobs = {}
 with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
     for name, overrides in json.loads(sys.argv[2]).items():
@@ -46,9 +47,10 @@ def _compose_here(cases: dict[str, list[str]]) -> dict[str, dict]:
     """The same configs composed from this checkout's conf/, in this process: what the wheel must reproduce."""
     from hydra import compose, initialize_config_dir
 
+    from flexengine.cli import register_schema, to_job_config
     from flexengine.config import conf_dir
-    from flexengine.train import to_job_config
 
+    register_schema()
     assert conf_dir() == REPO / "conf"
     with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
         return {name: json.loads(json.dumps(dataclasses.asdict(to_job_config(compose("config", overrides=o)))))
