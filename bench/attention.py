@@ -24,6 +24,7 @@ import torch
 
 from flexengine.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
 from flexengine.attention.masks import get_mask_mod
+from flexengine.attention.spec import AttnBackend
 from flexengine.config import AttnMode
 
 RESULTS = Path(__file__).parent / "results"
@@ -56,7 +57,7 @@ def bench_mask_build(seq_lens: list[int], mean_lens: list[int]) -> list[dict]:
     for seq_len in seq_lens:
         for mean_len in mean_lens:
             doc = canonical_document_ids(_doc_layout(seq_len, mean_len, rng)[None])
-            ours = _timed(lambda doc=doc: build_batch_mask(doc, documents=True, window=None, backend="flex"))
+            ours = _timed(lambda doc=doc: build_batch_mask(doc, documents=True, window=None, backend=AttnBackend.FLEX))
             row = {"seq_len": seq_len, "mean_doc_len": mean_len, "documents": int(doc.max()) + 1,
                    "flexengine_s": ours, "torch_create_block_mask_s": None}
             if seq_len <= TORCH_BUILDER_MAX_S:
@@ -79,7 +80,8 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
         row = {"seq_len": seq_len, "mean_doc_len": mean_len}
         for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
             m = AttnMode(mode)
-            mask = build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None, backend="flex")
+            mask = build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None,
+                                    backend=AttnBackend.FLEX)
             row[mode] = float(mask.block_density)
         rows.append(row)
         print(f"sparsity S={seq_len} mean doc {mean_len:>5}: " + " ".join(f"{m}={row[m]:.3f}" for m in

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Union
 from torch import nn
 
 from flexengine.applied import applied
+from flexengine.attention.spec import AttnBackend
 from flexengine.memory.layers import decoder_layers
 from flexengine.memory.spec import Recompute
 
@@ -43,7 +44,7 @@ def needs_compiled_blocks(model: nn.Module) -> Optional[str]:
     """
     record = applied(model)
     attention = record.attention
-    if attention is None or attention.backend.value != "flex":
+    if attention is None or attention.backend is not AttnBackend.FLEX:
         return None
     if any(spec.recompute is Recompute.OPS for spec in record.memory):
         return "op-level SAC (memory.granularity=ops) with flex attention: SAC sees flex only inside a compiled block"

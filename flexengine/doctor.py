@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from flexengine.applied import applied
+from flexengine.attention.spec import AttnBackend
 from flexengine.checkpoint import write_json_atomic
 from flexengine.cli import compose_job, fail
 from flexengine.compile import CompileWatch
@@ -132,8 +133,8 @@ def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
     sparsity = [s["block_density"] for s in measured if s["block_density"] is not None]
     warm, steady = compiles["warmup"], compiles["measured"]
     numbers = {
-        "device": str(device), "attention": spec.as_dict() if spec is not None else None,
-        "attn_mode": job.attn.mode, "attn_backend": spec.backend.value if spec is not None else "hf",
+        "device": str(device), "attention": spec.as_dict(),
+        "attn_mode": job.attn.mode, "attn_backend": spec.backend.value,
         "attn_backend_requested": job.attn.backend, "attn_compile": job.attn.compile,
         "compile_backend": applied(trainer.model).compile_backend, "steps_measured": len(measured),
         "graphs_compiled_warmup": warm.graphs, "recompiles_warmup": warm.recompiles,
@@ -164,19 +165,20 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
     backend, mode = n["attn_backend"], n["attn_mode"]
     checks = []
     # attention backend: what ran, and why
-    if backend == "sdpa":
+    backend = AttnBackend(backend)
+    if backend is AttnBackend.HF_SDPA:
         # the padding it costs is judged (and the fix suggested) by the useful-tokens check below
         checks.append(_check("attention", "info", f"HF sdpa ({mode}), one document per row",
                              "the padded baseline: every row is padded to the batch's longest document"))
-    elif backend == "dense" and on_cuda:
+    elif backend is AttnBackend.DENSE and on_cuda:
         checks.append(_check("attention", "warn", f"dense ({mode})", "materialises a [B, 1, S, S] mask per batch",
                              "dense attention masks on GPU: use attn.backend=flex (or auto)"))
-    elif backend == "flex" and not job.attn.compile:
+    elif backend is AttnBackend.FLEX and not job.attn.compile:
         checks.append(_check("attention", "warn", f"flex ({mode}), not compiled", "uncompiled flex materialises scores",
                              "FlexAttention runs uncompiled: set attn.compile=true"))
     else:
-        why = "auto picks dense on CPU (FlexAttention has no CPU backward)" if backend == "dense" else ""
-        checks.append(_check("attention", "ok", f"{backend} ({mode})", why))
+        why = "auto picks dense on CPU (FlexAttention has no CPU backward)" if backend is AttnBackend.DENSE else ""
+        checks.append(_check("attention", "ok", f"{backend.value} ({mode})", why))
     # compilation
     new_graphs, recompiles, breaks = n["graphs_compiled_after_warmup"], n["recompiles_after_warmup"], n["graph_breaks"]
     if new_graphs or breaks:

@@ -124,10 +124,10 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
-    if job.attn.backend == "flex" and device.type == "cpu":
+    attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
+    if attention.backend is AttnBackend.FLEX and device.type == "cpu":
         raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                         "use attn.backend=dense (or auto).")
-    attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     tokenizer = load_tokenizer(job.model)
     loader, eval_data, data_report = build_data(job, tokenizer, dist_info,
                                                 flex=attention.backend is AttnBackend.FLEX)

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from flexengine.attention.masks import get_mask_mod, position_ids_from_document_ids
+from flexengine.attention.spec import AttnBackend
 
 
 @dataclass
@@ -28,7 +29,7 @@ class BatchMask:
 
     documents: bool  # per-document mask (packed rows)
     window: Optional[int]  # sliding window in tokens, None = none
-    backend: str  # "flex" or "dense"
+    backend: AttnBackend  # FLEX or DENSE
     block_mask: Optional[BlockMask] = None  # flex: [B, 1, S/block, S/block] block structure
     dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
     computed_blocks: Optional[Tensor] = None  # 0-d tensor: attention blocks the mask touches (no host sync)
@@ -149,7 +150,7 @@ def build_batch_mask(
     *,
     documents: bool,
     window: Optional[int],
-    backend: str,
+    backend: AttnBackend,
     block_size: int = 128,
     dense_chunk: int = 512,
 ) -> BatchMask:
@@ -162,7 +163,7 @@ def build_batch_mask(
     document_ids_BS = canonical_document_ids(document_ids_BS)
     mask_mod = get_mask_mod(document_ids_BS if documents else None, window)
     causal_blocks = _causal_block_count(B, S, block_size)
-    if backend == "flex":
+    if backend is AttnBackend.FLEX:
         if S % block_size == 0:
             block_mask = document_block_mask(documents, document_ids_BS, window, block_size)
         else:  # ragged last block: let torch evaluate the mask_mod per element
@@ -172,7 +173,7 @@ def build_batch_mask(
             computed = computed + block_mask.full_kv_num_blocks.sum()
         return BatchMask(documents, window, backend, block_mask=block_mask, computed_blocks=computed,
                          causal_blocks=causal_blocks, block_size=block_size)
-    if backend == "dense":
+    if backend is AttnBackend.DENSE:
         chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(
             documents, window, backend, dense_chunks=chunks,

@@ -234,7 +234,7 @@ def mask_kwargs(model: nn.Module, document_ids_BS: Tensor, separate_documents: b
     for hf_window, window in spec.mask_windows.items():
         if window not in built:
             built[window] = build_batch_mask(document_ids_BS, documents=spec.documents or separate_documents,
-                                             window=window, backend=spec.backend.value, block_size=spec.block_size,
+                                             window=window, backend=spec.backend, block_size=spec.block_size,
                                              dense_chunk=spec.dense_chunk)
         by_hf[hf_window] = built[window]
     return {MASK_KWARG: LayerMasks(spec, by_hf)}

@@ -533,14 +533,15 @@ def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
     if on_cuda is None:
         on_cuda = job.hardware.device == "cuda" or (job.hardware.device == "auto" and _cuda_available())
     dtype = job.model.dtype if job.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-    backend = job.attn.backend if job.attn.backend in ("flex", "dense") else ("flex" if on_cuda else "dense")
-    if job.attn.backend == "sdpa":
-        backend = "flex"  # HF's fused SDPA keeps the same O(S) tensors as flex
     import torch
 
+    from flexengine.attention.spec import AttnBackend, resolve_backend
     from flexengine.model import build_hf_config
     from flexengine.optim import EMBEDDING_STATE_BYTES, optimizer_state_bytes_per_param
 
+    # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
+    resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
+    backend = "dense" if resolved is AttnBackend.DENSE else "flex"
     state_device_bytes, _ = optimizer_state_bytes_per_param(job.optim.name, getattr(torch, dtype))
     trainable = 1.0
     if job.model.lora.r > 0:  # only adapters have grads and optimizer states

@@ -122,3 +122,24 @@ def test_no_shipped_attn_yaml_hard_codes_a_window():
         data = yaml.safe_load(path.read_text()) or {}
         attn = data if path.parent.name == "attn" else (data.get("attn") or {})
         assert "window" not in attn, f"{path.relative_to(conf)} hard-codes attn.window={attn.get('window')}"
+
+
+def test_no_attention_mode_string_is_compared_outside_the_spec():
+    """attn.mode is parsed once (config.AttnMode, attention/spec.py); everything else dispatches on the spec."""
+    import ast
+    from pathlib import Path
+
+    import flexengine
+    from flexengine.config import ATTN_MODES
+
+    package = Path(flexengine.__file__).parent
+    allowed = {package / "config.py", package / "attention" / "spec.py"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in ATTN_MODES]
+                found += [f"{path.relative_to(package)}:{c.lineno} {c.value!r}" for c in constants]
+    assert not found, found
