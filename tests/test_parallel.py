@@ -188,3 +188,33 @@ def test_pretrained_weights_are_read_by_rank_0_only_and_broadcast(tmp_path):
     for name in ref["grads"]:
         torch.testing.assert_close(run["grads"][name], ref["grads"][name], atol=1e-6, rtol=1e-4, msg=name)
     assert "rank 1 skips reading" in run["log"] and "weights broadcast from rank 0" in run["log"]
+
+
+def _slow_rank_0(rank: int, init_file: str, result_dir: str) -> None:
+    """Rank 0 'tokenizes' for 4 s inside main_rank_first; the job's own collectives time out after 2 s."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from flexengine.parallel import DistInfo, main_rank_first
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))
+    try:
+        with main_rank_first(DistInfo(rank, 2, rank), timeout_s=60):
+            if rank == 0:
+                time.sleep(4)
+        (Path(result_dir) / f"rank{rank}.ok").touch()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_tokenization_longer_than_the_collective_timeout(tmp_path):
+    """Before: ranks > 0 waited in a barrier of the job's process group (NCCL: 10 minutes), so tokenizing a large
+    corpus on rank 0 killed the job. Now the wait has its own CPU group and timeout (parallel.data_timeout_s)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_slow_rank_0, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0.ok").is_file() and (tmp_path / "rank1.ok").is_file()
