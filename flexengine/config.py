@@ -36,7 +36,7 @@ class AttnMode(Enum):
 
 
 ATTN_MODES = tuple(m.value for m in AttnMode)
-ATTN_BACKENDS = ("auto", "flex", "dense", "sdpa")
+ATTN_BACKENDS = ("auto", "flex", "dense", "varlen", "sdpa")
 PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
@@ -152,7 +152,9 @@ class AttnConfig:
     """How attention sees a packed row."""
 
     mode: str = "causal"  # causal | packed_doc | sliding_window | packed_sliding
-    backend: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense | sdpa (HF's own, padded baseline)
+    # auto (flex on CUDA, varlen on CPU) | flex | varlen (CPU: per-document SDPA calls, the causal kernel's cost)
+    # | dense (boolean-mask SDPA: the exact reference) | sdpa (HF's own, padded baseline)
+    backend: str = "auto"
     window: Optional[int] = None  # sliding modes: window in tokens (HF `sliding_window` semantics) on the
     # model's windowed layers (every layer if it has none); None = the model's own, per layer (`layer_types`)
     block_size: int = 128  # FlexAttention block size in tokens (also the unit of the reported block density)

@@ -177,7 +177,9 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
         checks.append(_check("attention", "warn", f"flex ({mode}), not compiled", "uncompiled flex materialises scores",
                              "FlexAttention runs uncompiled: set attn.compile=true"))
     else:
-        why = "auto picks dense on CPU (FlexAttention has no CPU backward)" if backend is AttnBackend.DENSE else ""
+        why = {AttnBackend.VARLEN: "auto picks per-document SDPA on CPU (FlexAttention has no CPU backward)",
+               AttnBackend.DENSE: "the boolean-mask reference (attn.backend=auto runs varlen: same result, SDPA's "
+                                  "causal cost)"}.get(backend, "")
         checks.append(_check("attention", "ok", f"{backend.value} ({mode})", why))
     # compilation
     new_graphs, recompiles, breaks = n["graphs_compiled_after_warmup"], n["recompiles_after_warmup"], n["graph_breaks"]

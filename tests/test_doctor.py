@@ -32,7 +32,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
     assert report["suggestions"] == [], format_report(report)
     assert json.loads((out / "doctor.json").read_text())["checks"] == report["checks"]
     n = report["numbers"]
-    assert n["attn_backend"] == "dense" and n["attention"]["documents"] is True
+    assert n["attn_backend"] == "varlen" and n["attention"]["documents"] is True
     assert n["useful_token_fraction"] > 0.9
     assert n["recompiles_after_warmup"] == 0 and n["graphs_compiled_after_warmup"] == 0 and n["graph_breaks"] == 0
     assert 0 < n["block_density"] <= 1

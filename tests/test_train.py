@@ -38,7 +38,7 @@ def test_default_entry_point_runs_and_writes_everything(tmp_path):
         assert key in summary, key
     assert summary["steps"] == 6 and len(summary["losses"]) == 6
     assert summary["final_loss"] < summary["initial_loss"]
-    assert summary["attention"]["backend"] == "dense" and summary["attention"]["mode"] == "packed_doc"
+    assert summary["attention"]["backend"] == "varlen" and summary["attention"]["mode"] == "packed_doc"
     assert summary["config"]["attn"]["mode"] == "packed_doc"
     assert 0 < summary["useful_tokens_seen"] <= summary["tokens_seen"]
     assert (tmp_path / ".hydra" / "config.yaml").is_file()

@@ -11,6 +11,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from flexengine.attention.masks import get_mask_mod, position_ids_from_document_ids
 from flexengine.attention.spec import AttnBackend
+from flexengine.attention.varlen import plan_calls
 
 
 @dataclass
@@ -29,9 +30,10 @@ class BatchMask:
 
     documents: bool  # per-document mask (packed rows)
     window: Optional[int]  # sliding window in tokens, None = none
-    backend: AttnBackend  # FLEX or DENSE
+    backend: AttnBackend  # FLEX, DENSE or VARLEN
     block_mask: Optional[BlockMask] = None  # flex: [B, 1, S/block, S/block] block structure
     dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
+    varlen_ids: Optional[Tensor] = None  # varlen: [B, S] ids whose runs are the documents (attention/varlen.py)
     computed_blocks: Optional[Tensor] = None  # 0-d tensor: attention blocks the mask touches (no host sync)
     causal_blocks: int = 0  # blocks a plain causal mask of the same shape would touch
     block_size: int = 128
@@ -173,6 +175,15 @@ def build_batch_mask(
             computed = computed + block_mask.full_kv_num_blocks.sum()
         return BatchMask(documents, window, backend, block_mask=block_mask, computed_blocks=computed,
                          causal_blocks=causal_blocks, block_size=block_size)
+    if backend is AttnBackend.VARLEN:
+        # one sequence per row unless packed: the causal/sliding_window masks ignore document ids
+        ids = document_ids_BS if documents else torch.zeros_like(document_ids_BS)
+        plan_calls(ids, window or 0)  # planned now, on the host, once per batch (every layer finds it)
+        return BatchMask(
+            documents, window, backend, varlen_ids=ids,
+            computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
+            causal_blocks=causal_blocks, block_size=block_size,
+        )
     if backend is AttnBackend.DENSE:
         chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(

@@ -22,6 +22,7 @@ from flexengine.applied import applied, attention_spec
 from flexengine.attention.block_mask import BatchMask, build_batch_mask
 from flexengine.attention.masks import document_ids_from_position_ids, position_ids_from_document_ids
 from flexengine.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
+from flexengine.attention.varlen import varlen_attention
 from flexengine.config import AttnConfig
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,11 @@ def flexengine_attention(
             raise NotImplementedError("FlexAttention has no attention dropout; set the model's attention_dropout=0")
         flex = _flex_fn(masks.spec.compile)
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
+    elif mask.varlen_ids is not None:
+        if dropout:
+            raise NotImplementedError("attn.backend=varlen has no attention dropout; use attn.backend=dense "
+                                      "or set the model's attention_dropout=0")
+        return varlen_attention(query, key, value, mask.varlen_ids, mask.window, scaling), None
     else:
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
@@ -185,8 +191,9 @@ def patch_attention(
 ) -> nn.Module:
     """Library shortcut: AttnConfig fields -> `resolve_attention_spec` -> `apply_attention` (raises UserError).
 
-    backend: auto | flex | dense | sdpa (HF's own attention, unpatched: the padded one-document-per-row
-    baseline). window: None = the model's own (per layer). device: where the model runs (decides `auto`).
+    backend: auto | flex | varlen | dense | sdpa (HF's own attention, unpatched: the padded
+    one-document-per-row baseline). window: None = the model's own (per layer). device: where the model runs
+    (decides `auto`).
     """
     attn = AttnConfig(mode=mode, backend=backend, window=window, block_size=block_size, compile=compile,
                       dense_chunk=dense_chunk)
@@ -245,7 +252,7 @@ def _check_flex_can_run(compile: bool) -> None:
     if not torch.cuda.is_available():
         log.warning(
             "attention backend=flex on CPU: forward works but FlexAttention has no CPU backward; "
-            "train on CPU with attn.backend=dense"
+            "train on CPU with attn.backend=varlen (or dense, the reference)"
         )
     if not compile:
         log.warning(

@@ -28,6 +28,7 @@ class AttnBackend(Enum):
 
     FLEX = "flex"  # FlexAttention with a BlockMask (CUDA; CPU forward only)
     DENSE = "dense"  # SDPA with a dense boolean mask per query chunk (the CPU reference)
+    VARLEN = "varlen"  # CPU: one is_causal SDPA call per document, windows as band chunks (attention/varlen.py)
     HF_SDPA = "sdpa"  # HF's own attention, unpatched: the padded one-document-per-row baseline
 
     @property
@@ -79,11 +80,13 @@ class AttentionSpec:
 
 
 def resolve_backend(backend: str, device: Optional[torch.device] = None) -> AttnBackend:
-    """attn.backend -> AttnBackend; auto = flex on CUDA, dense on CPU (device None: CUDA if available)."""
-    if backend != "auto":
-        return AttnBackend(backend)
+    """attn.backend -> AttnBackend; auto = flex on CUDA, varlen on CPU (device None: CUDA if available)."""
     on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-    return AttnBackend.FLEX if on_cuda else AttnBackend.DENSE
+    if backend != "auto":
+        if backend == "varlen" and on_cuda:
+            raise UserError("attn.backend=varlen runs SDPA's CPU kernels; on CUDA use attn.backend=flex (or auto).")
+        return AttnBackend(backend)
+    return AttnBackend.FLEX if on_cuda else AttnBackend.VARLEN
 
 
 def native_layer_windows(hf_config) -> tuple[tuple[Optional[int], ...], str]:
@@ -116,7 +119,7 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
     if not backend.patched:
         if mode is not AttnMode.CAUSAL:
             raise UserError(f"attn.backend=sdpa is HF's own causal attention; attn={mode.value} needs "
-                            "attn.backend=flex, dense or auto.")
+                            "attn.backend=flex, varlen, dense or auto.")
         return AttentionSpec(mode, backend, native, native, f"HF's own attention ({native_source})",
                              attn.block_size, attn.dense_chunk, attn.compile)
     if mode.windowed:

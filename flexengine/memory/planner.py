@@ -106,7 +106,7 @@ class Workload:
     micro_batch: int
     seq_len: int
     act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
-    backend: str = "flex"  # flex | dense (the CPU reference; adds S^2 mask terms)
+    backend: str = "flex"  # flex | varlen (CPU per-document SDPA) | dense (the CPU reference; adds S^2 mask terms)
     chunk_size: int = 0  # loss.chunk_size
     mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
     doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
@@ -146,10 +146,11 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
                  "logsumexp": 4 * T * m.heads}
     if w.backend == "flex":
         attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
-    else:
+    elif w.backend == "dense":
         attention["float_mask"] = p * w.dense_mask_elements  # SDPA's float copy of each chunk's bool mask
         if w.seq_len > w.dense_chunk:  # the chunks' outputs are concatenated [B, H, S, D]: o_proj gets a copy
             attention["o_proj_input"] = p * T * ad
+    # varlen: its output is already [B, S, H, D], so o_proj's input is a view of attn_out: nothing more
     mlp = {"gate": p * T * m.intermediate, "silu": p * T * m.intermediate, "up": p * T * m.intermediate,
            "down_input": p * T * m.intermediate}
     return {"norm1": norm(), "attention": attention, "norm2": norm(), "mlp": mlp}
@@ -541,7 +542,7 @@ def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
 
     # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
     resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
-    backend = "dense" if resolved is AttnBackend.DENSE else "flex"
+    backend = {AttnBackend.DENSE: "dense", AttnBackend.VARLEN: "varlen"}.get(resolved, "flex")
     state_device_bytes, _ = optimizer_state_bytes_per_param(job.optim.name, getattr(torch, dtype))
     trainable = 1.0
     if job.model.lora.r > 0:  # only adapters have grads and optimizer states

@@ -217,3 +217,22 @@ def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
     p = torch.empty((), dtype=dtype).element_size()
     expected = sum(pointwise_bytes(ModelShape.from_hf_config(small.config), Workload(B, S, p, "flex")).values())
     assert expected == pytest.approx(Written.total, rel=0.02)
+
+
+def test_varlen_estimate_matches_meter_and_keeps_less_than_dense(small):
+    """The varlen backend saves what one SDPA call saves (no mask): planner == meter, and below the dense path."""
+    B, S = 2, 384
+    shape = ModelShape.from_hf_config(small.config)
+    ids = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(150), torch.arange(S - 150)]).expand(B, S)  # two documents per row
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids}
+    measured = {}
+    for backend in ("dense", "varlen"):
+        model = clone_model(small)
+        patch_attention(model, mode="packed_doc", backend=backend)
+        model.train()
+        report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, 0))
+        est = estimate_activations(shape, Workload(B, S, 4, backend, 0), MemoryConfig())
+        assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), backend
+        measured[backend] = report.total_bytes
+    assert measured["varlen"] < measured["dense"]
