@@ -135,7 +135,7 @@ def _masks(mode: str, backend: str, doc: torch.Tensor, window: int | None = None
 
     m = AttnMode(mode)
     window = window if m.windowed else None
-    mask = build_batch_mask(doc, documents=m.documents, window=window, backend=backend)
+    mask = build_batch_mask(doc, documents=m.documents, window=window, backend=AttnBackend(backend))
     return LayerMasks(AttentionSpec(m, AttnBackend(backend), (window,), (None,), "bench"), {None: mask})
 
 

@@ -29,7 +29,7 @@ def layer_masks(mode: str, backend: str, doc, window=None, dense_chunk=512) -> L
     """One batch's masks for a single-layer model attending as `mode` on `backend`."""
     m = AttnMode(mode)
     window = window if m.windowed else None
-    mask = build_batch_mask(doc, documents=m.documents, window=window, backend=backend, block_size=16,
+    mask = build_batch_mask(doc, documents=m.documents, window=window, backend=AttnBackend(backend), block_size=16,
                             dense_chunk=dense_chunk)
     spec = AttentionSpec(m, AttnBackend(backend), (window,), (None,), "test")
     return LayerMasks(spec, {None: mask})
