@@ -41,8 +41,8 @@ PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
 DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
-MODEL_INITS = ("pretrained", "random")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_INITS = ("auto", "pretrained", "random")
+PRECISIONS = ("auto", "fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
@@ -119,12 +119,12 @@ class ModelConfig:
     """Which causal LM to train and how to build it."""
 
     name: str = "tiny"  # label used in logs and run names
-    path: Optional[str] = None  # local HF directory (config.json, tokenizer, *.safetensors); None = built from `arch`
-    init: str = "pretrained"  # pretrained: load weights from `path`; random: architecture only (benchmarks, demo)
+    path: Optional[str] = None  # local HF directory (config.json, tokenizer, *.safetensors): its architecture
+    # and weights are what trains; None = the architecture in `arch` with random weights
+    init: str = "auto"  # auto: load `path`'s weights when given, else random | pretrained: `path` required |
+    # random: random weights (architecture from `path` or `arch`), said loudly in the log
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type)
     tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
-    dtype: str = "auto"  # parameter dtype; auto = float32 on CPU, bfloat16 on CUDA (weights, grads and AdamW
-    # states then live in bf16: what fits a 7B on one 80 GB card; model.dtype=float32 + FSDP for fp32 masters)
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # positions past the trained context
@@ -132,10 +132,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choice("model.init", self.init, MODEL_INITS)
-        _check_choice("model.dtype", self.dtype, DTYPES)
-        if self.dtype == "float16":
-            raise UserError("model.dtype=float16 would need loss scaling, which flexengine does not do; "
-                            "use bfloat16 (or auto).")
         if self.init == "pretrained" and self.path is None:
             raise UserError(
                 f"model={self.name} loads pretrained weights, so model.path must name a local Hugging Face "
@@ -145,6 +141,24 @@ class ModelConfig:
             )
         if self.path is None and "model_type" not in self.arch:
             raise UserError(f"model={self.name}: without model.path, model.arch must give at least model_type.")
+
+    @property
+    def loads_weights(self) -> bool:
+        """Whether the weights come from model.path (else they are initialised at random)."""
+        return self.path is not None and self.init != "random"
+
+
+@dataclass
+class PrecisionConfig:
+    """Storage and compute dtypes of weights, grads and optimizer states (see flexengine.precision)."""
+
+    # auto: the most exact mode that fits the hardware | fp32 | bf16_mixed (fp32 masters, bf16 compute) |
+    # bf16_sr (bf16 weights, stochastic-rounding AdamW) | bf16_cpu_master (fp32 masters + states in host RAM) |
+    # bf16_pure (bf16 everything: small updates round away; only when asked)
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("precision.mode", self.mode, PRECISIONS)
 
 
 @dataclass
@@ -206,10 +220,12 @@ class MemoryConfig:
 
     # none: keep everything | full: recompute whole selected blocks | selective: recompute at `granularity` |
     # offload: keep the selected blocks' saved tensors in CPU memory (no recompute) | auto: the planner picks
-    policy: str = "none"
-    layers: str = "all"  # all | every_<n> | first_<k> | last_<k> | comma list of block indices, e.g. "0,3,7"
-    granularity: str = "block"  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
-    offload: bool = False  # with full/selective: also keep the checkpoint inputs in (pinned) CPU memory
+    policy: str = "none"  # (the shipped conf/ default is memory=auto)
+    # The three below: null under policy=auto lets the planner choose; a value given is respected by it.
+    # Under a concrete policy null means all / block / false.
+    layers: Optional[str] = None  # all | every_<n> | first_<k> | last_<k> | spread_<k> | list of blocks, "0,3,7"
+    granularity: Optional[str] = None  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
+    offload: Optional[bool] = None  # with full/selective: also keep the checkpoint inputs in (pinned) CPU memory
     # MLP over tiles of this many tokens (B x S flattened), each recomputed in backward: the tokens x
     # intermediate_size tensors exist one tile at a time | 0 = off | auto = the planner tiles (hidden_size tokens
     # per tile) when that is what makes the step fit. Composes with every policy but selective/mlp.
@@ -218,7 +234,14 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         self.tiled_mlp = _parse_tiled_mlp(self.tiled_mlp)
         _check_choice("memory.policy", self.policy, MEMORY_POLICIES)
-        _check_choice("memory.granularity", self.granularity, MEMORY_GRANULARITIES)
+        if self.policy != "auto":
+            self.layers = "all" if self.layers is None else self.layers
+            self.granularity = "block" if self.granularity is None else self.granularity
+            self.offload = bool(self.offload)
+        if self.granularity is not None:
+            _check_choice("memory.granularity", self.granularity, MEMORY_GRANULARITIES)
+        if self.policy == "auto":
+            return
         if self.policy == "full" and self.granularity != "block":
             raise UserError(
                 f"memory=full recomputes whole blocks, but memory.granularity={self.granularity}; "
@@ -360,15 +383,25 @@ class OptimConfig:
 
 @dataclass
 class HardwareConfig:
-    """The machine a run targets: memory budget and peak FLOP/s for MFU."""
+    """The machine a run targets: memory budgets, peak FLOP/s for MFU, PCIe bandwidth (flexengine.hardware)."""
 
-    name: str = "cpu"
+    name: str = "auto"  # auto: detected at run time (CUDA device name, else cpu)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    memory_gb: float = 16.0  # per-device memory budget the planner fits into, in GiB (2**30 bytes)
-    peak_tflops: float = 1.0  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU
+    memory_gb: Optional[float] = None  # per-device memory budget (GiB) the planner fits into; None = measured
+    # (CUDA: total memory of the device; CPU: the host's available memory)
+    peak_tflops: Optional[float] = None  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU;
+    # None = from the table of known devices; unknown devices report no MFU rather than a wrong one
     pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
-    host_memory_gb: float = 0.0  # pinned host memory offloaded activations may use, per device (0 = unchecked)
+    host_memory_gb: Optional[float] = None  # host memory (GiB) this process may use for offloaded activations
+    # and host optimizer state; None = the available host memory divided among the node's local ranks
     world_size: int = 1  # devices in the job (torchrun sets the real value)
+
+    def __post_init__(self) -> None:
+        _check_choice("hardware.device", self.device, ("auto", "cpu", "cuda"))
+        for key in ("memory_gb", "peak_tflops", "host_memory_gb"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise UserError(f"hardware.{key}={value} must be positive (or null to measure/look it up).")
 
 
 @dataclass
@@ -444,6 +477,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(init="random", arch={"model_type": "llama"}))
     attn: AttnConfig = field(default_factory=AttnConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -68,7 +68,7 @@ def memory_report(trainer, peak_bytes: Optional[int]) -> dict:
     """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also the
     allocator's measured peak over the diagnosed steps."""
     job, model = trainer.job, trainer.model
-    x = plan_inputs(job, on_cuda=trainer.device.type == "cuda")
+    x = plan_inputs(job, job.hardware, trainer.precision, on_cuda=trainer.device.type == "cuda")
     current = MemoryConfig(**trainer.memory_report["memory_policy"])
     now = evaluate(ModelShape.from_hf_config(model.config), x, current)
     plan = plan_memory(model.config, x)

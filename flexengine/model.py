@@ -17,13 +17,6 @@ from flexengine.rope import apply_rope_scaling
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto -> bfloat16 on CUDA, float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
     use_cache off for training."""
@@ -57,23 +50,56 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     return config
 
 
-def load_model(model: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """Build or load the causal LM on `device` in the configured dtype."""
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The full-size model on the meta device: shapes and dtypes without allocating a byte (plans, rehearsals)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _n_params(lm: torch.nn.Module) -> int:
+    return sum(p.numel() for p in lm.parameters())
+
+
+def _checkpoint_tensor_count(path: Path) -> int:
+    """Tensors stored in a directory's *.safetensors files (read from their headers only)."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            count += len(list(f.keys()))
+    return count
+
+
+def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`."""
     config = build_hf_config(model)
-    dtype = resolve_dtype(model.dtype, device)
-    if model.init == "random":
+    if not model.loads_weights:
         with device:
             lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
-    else:
-        if not any(Path(model.path).glob("*.safetensors")) and not any(Path(model.path).glob("*.bin")):
-            raise UserError(f"model.path={model.path!r} holds no *.safetensors weights "
-                            "(use model.init=random for none).")
-        lm = AutoModelForCausalLM.from_pretrained(
-            model.path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code,
-            use_safetensors=None,
-        ).to(device)
-    n_params = sum(p.numel() for p in lm.parameters())
-    log.info("model %s: %s, %.1fM parameters, %s on %s", model.name, config.model_type, n_params / 1e6, dtype, device)
+        source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
+        log.warning("model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
+                    "%s. Nothing pretrained is loaded%s.", model.name, model.init, source, config.model_type,
+                    _n_params(lm) / 1e6, dtype, device,
+                    "" if model.path else "; give model.path=<HF directory> to fine-tune real weights")
+        return lm
+    path = Path(model.path)
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
+    lm, info = AutoModelForCausalLM.from_pretrained(
+        model.path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code, use_safetensors=None,
+        output_loading_info=True,
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # HF would initialise them at random and only warn
+        raise UserError(f"model.path={model.path!r}: {len(missing)} weights of {type(lm).__name__} are not in the "
+                        f"checkpoint (e.g. {missing[:3]}); it is not a complete {config.model_type} checkpoint.")
+    unexpected = len(info.get("unexpected_keys") or [])
+    stored = _checkpoint_tensor_count(path) or len(lm.state_dict())  # *.bin only: no header to count from
+    lm = lm.to(device)
+    log.info("model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s", model.name,
+             stored - unexpected, path, config.model_type, _n_params(lm) / 1e6, dtype, device,
+             f"; {unexpected} tensors in the checkpoint were not used" if unexpected else "")
     return lm
 
 

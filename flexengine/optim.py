@@ -157,7 +157,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
             if dtypes != {torch.bfloat16}:
                 raise UserError(
                     f"optim.name=adamw_bf16 keeps bf16 weights with stochastic rounding, but the model's trainable "
-                    f"weights are {sorted(map(str, dtypes))}: set model.dtype=bfloat16 (or use optim.name=adamw)."
+                    f"weights are {sorted(map(str, dtypes))}: use precision=bf16_sr (bf16 weights with this optimizer)."
                 )
             return cls(groups, **common, bf16_stochastic_round=True)
         opt = cls(groups, **common)

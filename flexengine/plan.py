@@ -50,33 +50,17 @@ def _gib(n: float) -> str:
 
 
 def format_table(plan: dict) -> str:
-    """The plan as a human-readable table."""
-    lines = [(f"model: {plan['hf_config'].get('model_type')}  seq_len={plan['seq_len']}  "
-              f"micro_batch={plan['micro_batch']}  dtype={plan['dtype']}"), ""]
-    for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "logits_bytes",
-                "workspace_bytes", "total_bytes", "budget_bytes"):
-        lines.append(f"  {key.replace('_bytes', ''):<12} {_gib(plan[key])}")
-    lines += ["", (f"  {'policy':<28} {'act/block (max)':>16} {'activations':>14} {'total':>14} {'fits':>5} "
-                   f"{'recompute':>10} {'offload/step':>14} {'extra time':>10}")]
-    for r in plan["candidates"]:
-        lines.append(f"  {r['label']:<28} {_gib(max(r['activation_bytes_per_block'])):>16} "
-                     f"{_gib(r['activation_bytes']):>14} {_gib(r['total_bytes']):>14} "
-                     f"{'yes' if r['fits'] else 'no':>5} {100 * r['recompute_flops_fraction']:>9.1f}% "
-                     f"{_gib(r['offload_bytes_per_step']):>14} "
-                     f"{100 * r['cost']:>9.1f}%")
-    lines += ["", "  every term of the chosen policy's step:"]
+    """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
+    the chosen step, the assumptions, the context, and what a node of 8 changes."""
+    from flexengine.fit import format_fit
+
+    lines = [(f"model: {plan['hf_config'].get('model_type')} ({plan['params'] / 1e9:.2f}B parameters)  "
+              f"seq_len={plan['seq_len']}"), format_fit(plan["fit"]), "", "  every term of the chosen policy's step:"]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
     lines.append("  assumed (sources in flexengine/memory/planner.py): " + ", ".join(
         f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
-        for k, v in plan["assumptions"].items()))
-    lines.append("")
-    if plan["fits"]:
-        lines.append(f"chosen: {plan['policy']}  ({plan['memory']}); "
-                     f"recompute {100 * plan['recompute_flops_fraction']:.1f}% of step FLOPs "
-                     f"+ {plan['recompute_pointwise_s'] * 1e3:.0f} ms of pointwise ops; "
-                     f"offload {plan['offload_bytes_per_step'] / GiB:.2f} GiB/step "
-                     f"({plan['pcie_seconds_per_step']:.2f} s of PCIe)")
-    else:
+        for k, v in plan["assumptions"].items() if v is not None))
+    if not plan["fits"]:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
     ctx = plan["context"]
     lines.append(f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
@@ -91,8 +75,8 @@ def format_table(plan: dict) -> str:
     node = plan.get("node_of_8")
     if node:
         lines.append("on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-                     f"total {_gib(node['total_bytes'])} per GPU, policy {node['policy']}, "
-                     f"recompute {100 * node['recompute_flops_fraction']:.1f}%"
+                     f"total {_gib(node['total_bytes'])} per GPU, precision {node['precision']}, "
+                     f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
                      + ("" if node["fits"] else " (still does not fit)"))
     return "\n".join(lines)
 
@@ -117,13 +101,16 @@ def context_report(job: JobConfig, hf_config) -> dict:
 
 def build_max_seq_len(job: JobConfig, png: Optional[Path], cp: int = 1) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
+    from flexengine.fit import plan_job
+    from flexengine.hardware import assumed_hardware
     from flexengine.memory.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
     from flexengine.memory.planner import plan_inputs
     from flexengine.model import build_hf_config
     from flexengine.rope import context_limits
 
     hf_config = build_hf_config(job.model)
-    x = dataclasses.replace(plan_inputs(job), cp=cp)
+    hardware = assumed_hardware(job.hardware)
+    x = dataclasses.replace(plan_inputs(job, hardware, plan_job(job, hf_config, hardware).precision), cp=cp)
     tiled = job.memory.tiled_mlp or "auto"
     rows = max_seq_len_table(hf_config, x, tiled)
     longest = max((r["max_seq_len"] for r in rows), default=0)
@@ -166,18 +153,23 @@ def format_max_seq_len(report: dict) -> str:
 
 
 def build_plan(job: JobConfig) -> dict:
-    """The memory plan of a JobConfig (model architecture only)."""
-    from flexengine.memory.planner import plan_inputs, plan_memory
+    """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed)."""
+    from flexengine.fit import plan_job
+    from flexengine.hardware import assumed_hardware
+    from flexengine.memory.planner import ModelShape
     from flexengine.model import build_hf_config
 
     hf_config = build_hf_config(job.model)
-    tiled = job.memory.tiled_mlp or "auto"  # the table weighs tiling unless a tile size is given
-    plan = plan_memory(hf_config, plan_inputs(job), tiled)
-    plan["context"] = context_report(job, hf_config)
-    if job.hardware.device != "cpu" and job.hardware.world_size < 8:  # what a full node changes
-        node_job = dataclasses.replace(job, hardware=dataclasses.replace(job.hardware, world_size=8))
-        node = plan_memory(hf_config, plan_inputs(node_job), tiled)
-        plan["node_of_8"] = {k: node[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")}
+    hardware = assumed_hardware(job.hardware)
+    fit = plan_job(job, hf_config, hardware)
+    plan = {**fit.plan, "fit": fit, "params": ModelShape.from_hf_config(hf_config).params,
+            "hardware": dataclasses.asdict(hardware), "precision_table": fit.precision_table,
+            "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
+            "context": context_report(job, hf_config)}
+    if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
+        node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
+        plan["node_of_8"] = {"precision": node.precision.name,
+                             **{k: node.plan[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")}}
     return plan
 
 
@@ -204,7 +196,11 @@ def main(cfg: DictConfig) -> None:
         plan = build_plan(job)
     except UserError as e:
         fail(e)
-    print(json.dumps(plan, indent=1) if fmt == "json" else format_table(plan))
+    if fmt == "json":
+        plan.pop("fit")
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_table(plan))
 
 
 def cli() -> None:

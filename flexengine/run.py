@@ -22,9 +22,11 @@ from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import plan_packing
 from flexengine.data.split import split_documents
 from flexengine.errors import UserError
+from flexengine.fit import fit_job
+from flexengine.hardware import resolve_device, resolve_hardware
 from flexengine.lora import apply_lora
 from flexengine.memory import apply_memory_policy
-from flexengine.memory.report import activation_summary, resolve_memory
+from flexengine.memory.report import activation_summary
 from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
 from flexengine.parallel import (
     DistInfo,
@@ -39,15 +41,6 @@ from flexengine.rope import check_context, context_limits
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    """hardware.device: auto -> cuda if available, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu.")
-    return torch.device(name)
 
 
 def _rounded(report: dict) -> dict:
@@ -128,6 +121,11 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
         raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                         "use attn.backend=dense (or auto).")
+    hardware = resolve_hardware(job.hardware, device)
+    if dist_info.world_size > 1:
+        hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
+    # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
+    job, fit = fit_job(job, hf_config, hardware)
     tokenizer = load_tokenizer(job.model)
     loader, eval_data, data_report = build_data(job, tokenizer, dist_info,
                                                 flex=attention.backend is AttnBackend.FLEX)
@@ -139,19 +137,18 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         job = with_epochs(job, loader.batches_per_epoch)
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
     # rank 0's weights by broadcast once wrapped (apply_parallel).
-    from_rank0 = dist_info.world_size > 1 and job.model.init == "pretrained"
+    from_rank0 = dist_info.world_size > 1 and job.model.loads_weights
     if from_rank0 and not loads_weights(dist_info):
         log.info("model: rank %d skips reading %s; its weights come from rank 0", dist_info.rank, job.model.path)
-        model = load_model(dataclasses.replace(job.model, init="random"), device)
+        model = load_model(dataclasses.replace(job.model, init="random"), device, fit.precision.param_dtype)
     else:
-        model = load_model(job.model, device)
+        model = load_model(job.model, device, fit.precision.param_dtype)
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
     apply_attention(model, attention)
-    memory = resolve_memory(job, model.config)  # memory=auto -> the planner's choice
-    apply_memory_policy(model, memory)
-    memory_report = activation_summary(model, job, memory, device)
+    apply_memory_policy(model, job.memory)
+    memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
         if not job.train.compile:
@@ -160,7 +157,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size,
                                   weights_from_rank0=from_rank0)
     trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
-                      train_module=train_module, eval_data=eval_data)
+                      train_module=train_module, eval_data=eval_data, precision=fit.precision)
+    trainer.plan = fit
     trainer.data_report = data_report
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/

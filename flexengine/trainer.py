@@ -38,6 +38,7 @@ from flexengine.parallel import (
     load_checkpoint_all_ranks,
     save_checkpoint_all_ranks,
 )
+from flexengine.precision import PrecisionSpec, autocast_context, spec_for_params
 from flexengine.profiling import start_profiler
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,12 @@ class Trainer:
 
     def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, *, out_dir: Path,
                  device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None,
-                 eval_data: Optional[HeldOut] = None):
+                 eval_data: Optional[HeldOut] = None, precision: Optional[PrecisionSpec] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
+        # resolved by flexengine.fit (run.py); a Trainer built by hand gets its job's mode or its weights' dtype
+        self.precision = precision if precision is not None else spec_for_params(
+            job.precision.mode, job.optim.name, next(model.parameters()).dtype)
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
@@ -227,9 +231,9 @@ class Trainer:
         return model, self.flops.hardware_flops(B * S, predicting, executed)
 
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        fsdp_casts = (self.dist.world_size > 1 and self.job.parallel.strategy == "fsdp" and self.device.type == "cuda"
+                      and self.job.parallel.mixed_precision)  # MixedPrecisionPolicy computes in bf16 already
+        return autocast_context(self.precision, self.device, sharded=fsdp_casts)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -329,6 +333,11 @@ class Trainer:
         done = self.state.step - self._loop_start_step
         elapsed = time.perf_counter() - self._loop_start - self._paused_s
         return elapsed / max(1, done) * (self.job.train.max_steps - self.state.step)
+
+    def mfu(self, useful_tokens_per_s: float) -> Optional[float]:
+        """Model FLOPs utilisation; None when the device's peak is unknown (hardware.peak_tflops)."""
+        peak = self.job.hardware.peak_tflops
+        return None if peak is None else useful_tokens_per_s * self.flops_per_token / (peak * 1e12)
 
     def _progress_bar(self):
         """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 
@@ -14,7 +13,6 @@ from flexengine.errors import UserError
 from flexengine.optim import CPUOffloadAdamW, build_optimizer, build_scheduler, optimizer_state_bytes_per_param
 from tests.helpers import clone_model
 
-HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 CPU = torch.device("cpu")
 
 
@@ -91,7 +89,6 @@ def test_torchao_choices_fail_clearly_without_torchao(tiny_llama, monkeypatch):
             build_optimizer(tiny_llama, OptimConfig(name=name), CPU)
 
 
-@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
 def test_adamw_8bit_tracks_fp32_adamw_with_quarter_state(tiny_llama):
     start = [p.detach().clone() for p in tiny_llama.parameters()]
     twin = clone_model(tiny_llama).train()
@@ -106,9 +103,8 @@ def test_adamw_8bit_tracks_fp32_adamw_with_quarter_state(tiny_llama):
     assert torch.nn.functional.cosine_similarity(delta_8bit, delta_fp32, dim=0) > 0.95
 
 
-@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
 def test_adamw_bf16_needs_bf16_weights(tiny_llama):
-    with pytest.raises(UserError, match="model.dtype=bfloat16"):
+    with pytest.raises(UserError, match="precision=bf16_sr"):
         build_optimizer(tiny_llama, OptimConfig(name="adamw_bf16"), CPU)
     model = tiny_llama.to(torch.bfloat16).train()
     opt = build_optimizer(model, OptimConfig(name="adamw_bf16", lr=1e-2), CPU)
@@ -125,7 +121,6 @@ def test_adamw_bf16_needs_bf16_weights(tiny_llama):
 
 
 @pytest.mark.slow  # torchao compiles its bf16 step (minutes on a shared 2-core machine)
-@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
 def test_adamw_8bit_embedding_states_are_fp32_with_bf16_weights(tiny_llama):
     """The docstring's promise: full-precision states for the embedding even when the weights are bf16."""
     model = tiny_llama.to(torch.bfloat16).train()

@@ -114,7 +114,7 @@ BAD_INPUTS = {
     "seq_len_not_positive": (["data.seq_len=0"], "data.seq_len=0"),
     "unknown_override_key": (["train.max_stpes=3"], "max_stpes"),
     "wrong_type": (["train.max_steps=many"], "max_steps"),
-    "micro_batch_larger_than_data": (["debug=fast", "train.micro_batch=100000"], "micro_batch=100000"),
+    "micro_batch_larger_than_data": (["debug=fast", "train.micro_batch=400", "memory=none"], "micro_batch=400"),
     "flex_cannot_train_on_cpu": (["debug=fast", "attn.backend=flex"], "attn.backend=flex"),
     "sliding_window_without_window": (["debug=fast", "attn=sliding_window", "attn.window=null"], "needs a window"),
 }

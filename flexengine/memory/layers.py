@@ -16,11 +16,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def select_layers(spec: str, n_layers: int) -> list[int]:
-    """Block indices for memory.layers: all | every_<n> | first_<k> | last_<k> | "0,3,7"."""
+    """Block indices for memory.layers: all | every_<n> | first_<k> | last_<k> | spread_<k> | "0,3,7"."""
     spec = str(spec).strip()
     try:
         if spec == "all":
             return list(range(n_layers))
+        if spec.startswith("spread_"):  # k blocks spread evenly: block i of k sits at (i + 1/2) n / k
+            k = min(int(spec[len("spread_"):]), n_layers)
+            return [int((i + 0.5) * n_layers / k) for i in range(k)]
         if spec.startswith("every_"):
             n = int(spec[len("every_"):])
             return list(range(n - 1, n_layers, n)) if n > 0 else []
@@ -33,7 +36,7 @@ def select_layers(spec: str, n_layers: int) -> list[int]:
             return []
         indices = sorted({int(i) for i in spec.split(",")})
     except ValueError:
-        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k> "
+        raise UserError(f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k>, spread_<k> "
                         "or a list like 0,3,7") from None
     bad = [i for i in indices if not 0 <= i < n_layers]
     if bad:

@@ -328,13 +328,70 @@ CANDIDATES: list[tuple[str, MemoryConfig]] = [
 ]
 
 
+GRANULARITIES = ("block", "attention", "mlp", "ops")  # what a checkpointed block recomputes
+FALLBACK_PEAK_TFLOPS = 100.0  # only to weigh recompute against PCIe time when the device's peak is unknown
+# A host-side AdamW step (adamw_cpu_offload) is memory-bound: it reads and writes the fp32 master, two states
+# and the gradient (32 bytes per parameter) at roughly this host-memory rate with a few cores (assumed).
+HOST_ADAMW_GB_S = 20.0
+
+
+def spread_layers(k: int, n_layers: int) -> str:
+    """memory.layers for k checkpointed blocks of n spread evenly (select_layers' spread_<k>)."""
+    return "all" if k >= n_layers else f"spread_{k}"
+
+
+def describe(memory: MemoryConfig, n_layers: int) -> str:
+    """A short label of a concrete policy: 'none', 'block k=16/32', 'ops k=32/32 + offload', 'offload k=8/32'."""
+    tiled = " + tiled MLP" if memory.tiled_mlp else ""
+    if memory.policy == "none":
+        return "none" + tiled
+    k = len(select_layers(memory.layers, n_layers))
+    if memory.policy == "offload":
+        return f"offload k={k}/{n_layers}" + tiled
+    return f"{memory.granularity} k={k}/{n_layers}" + (" + offload" if memory.offload else "") + tiled
+
+
+def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
+    """Concrete policies the planner weighs: k = 0..L checkpointed blocks spread evenly x granularity x offload
+    (checkpoint inputs in host memory), and plain activation offload of k blocks. memory.* fields the user
+    gave under memory=auto (layers, granularity, offload) fix those dimensions. memory.tiled_mlp=auto adds the
+    MLP over token tiles to whole-block checkpointing (long rows), and to an explicit policy (untiled if that
+    fits: the ranking prefers it)."""
+    given = given or MemoryConfig(policy="auto", tiled_mlp="auto")
+    if given.policy != "auto":  # an explicit policy is evaluated as given
+        if given.tiled_mlp == "auto":
+            return [dataclasses.replace(given, tiled_mlp=0), given]
+        return [given]
+    ks = ([len(select_layers(given.layers, n_layers))] if given.layers is not None else range(n_layers + 1))
+    grans = [given.granularity] if given.granularity is not None else GRANULARITIES
+    offloads = [given.offload] if given.offload is not None else [False, True]
+    out = [MemoryConfig(policy="none")] if (given.offload is not True and given.layers is None) else []
+    for k in ks:
+        if k == 0:
+            continue
+        layers = given.layers if given.layers is not None else spread_layers(k, n_layers)
+        for gran in grans:
+            policy = "full" if gran == "block" else "selective"
+            out += [MemoryConfig(policy=policy, layers=layers, granularity=gran, offload=off) for off in offloads]
+        if True in offloads and given.granularity is None:
+            out.append(MemoryConfig(policy="offload", layers=layers))
+    tiles = given.tiled_mlp
+    if tiles == "auto":  # tiling pays off only where the MLP's whole-row tensors still live: whole-block recompute
+        out += [dataclasses.replace(mem, tiled_mlp="auto") for mem in out
+                if mem.policy == "full" and mem.layers == "all"]
+    elif tiles:
+        out = [dataclasses.replace(mem, tiled_mlp=tiles) for mem in out
+               if not (mem.policy == "selective" and mem.granularity == "mlp")]
+    return out
+
+
 @dataclass
 class PlanInputs:
-    """Everything a plan depends on besides the model shape."""
+    """Everything a plan depends on besides the model shape (bytes per parameter from the precision mode)."""
 
     seq_len: int
     micro_batch: int
-    dtype_bytes: int  # parameter and activation bytes per element
+    dtype_bytes: int  # activation bytes per element (and parameter bytes unless weight_bytes is given)
     hardware: HardwareConfig
     chunk_size: int = 0
     backend: str = "flex"
@@ -345,8 +402,14 @@ class PlanInputs:
     # from the rest (adamw_8bit keeps them in fp32: optim.EMBEDDING_STATE_BYTES); None = like every parameter
     fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
     # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
+    weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
+    grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
+    compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
+    host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
+    precision: str = ""  # the precision mode these bytes come from (for reports)
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
+
 
 
 def gathered_kv_bytes(m: ModelShape, x: PlanInputs) -> int:
@@ -360,15 +423,18 @@ def gathered_kv_bytes(m: ModelShape, x: PlanInputs) -> int:
 def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     world = max(1, x.hardware.world_size)  # FSDP shards weights, grads and optimizer states
     trainable = m.params * x.trainable_fraction
-    state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else x.dtype_bytes
-    out = {"weights_bytes": int(m.params * x.dtype_bytes / world),
-           "grads_bytes": int(trainable * x.dtype_bytes / world)}
+    weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
+    grad = x.grad_bytes if x.grad_bytes is not None else weight
+    state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else weight
+    out = {"weights_bytes": int(m.params * weight / world), "grads_bytes": int(trainable * grad / world)}
     if x.embedding_state_bytes is not None and x.trainable_fraction >= 1.0:
         embedding = m.vocab * m.hidden  # the input embedding's states replace its share of the others
         out["optimizer_bytes"] = int(2 * (trainable - embedding) * state / world)
         out["embedding_optimizer_bytes"] = int(embedding * x.embedding_state_bytes / world)
     else:
         out["optimizer_bytes"] = int(2 * trainable * state / world)  # AdamW: exp_avg + exp_avg_sq
+    if x.compute_copy_bytes:
+        out["compute_copy_bytes"] = int(m.params * x.compute_copy_bytes / world)
     return out
 
 
@@ -408,7 +474,7 @@ def assumptions(hardware: HardwareConfig) -> dict[str, float]:
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
-    """Total bytes (by term), fit and cost of one concrete policy."""
+    """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
     memory = resolve_tiles(memory, m)
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
     w = Workload(x.micro_batch, -(-x.seq_len // x.cp), x.dtype_bytes, x.backend, x.chunk_size, memory.tiled_mlp)
@@ -424,28 +490,40 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
              "offload_in_flight_bytes": offload_resident,
              "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0, **fsdp_bytes(m, x)}
     total = sum(terms.values())
+    world = max(1, x.hardware.world_size)
+    local_trainable = m.params * x.trainable_fraction / world
+    host = int(local_trainable * x.host_bytes_per_param) + act.offloaded_bytes
     budget = int(x.hardware.memory_gb * GiB)
-    host_budget = int(x.hardware.host_memory_gb * GiB) or None
+    host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
+    # On a CPU "device" the host memory is the device memory: one pool.
+    fits = ((total <= budget and (host_budget is None or host <= host_budget)) if on_gpu
+            else total + host <= budget)
     blocks_flops = m.layers * sum(block_forward_flops(m, w, attended).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
-    compute_s = step_flops / (x.hardware.peak_tflops * 1e12 * ASSUMED_MFU)
+    peak = x.hardware.peak_tflops or FALLBACK_PEAK_TFLOPS
+    compute_s = step_flops / (peak * 1e12 * ASSUMED_MFU)
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds
     exposed_s = max(0.0, traffic - compute_s / 3) + max(0.0, traffic - 2 * compute_s / 3)  # D2H || fwd, H2D || bwd
     recompute_fraction = act.recompute_flops / step_flops if step_flops else 0.0  # extra FLOPs / step FLOPs
     # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
     pointwise_s = act.recompute_pointwise_bytes / (hbm_gb_s(x.hardware) * 1e9)
     recompute_s = recompute_fraction * compute_s + pointwise_s
-    return {"memory": dataclasses.asdict(memory),
-            "step_s": compute_s + recompute_s + exposed_s,  # at ASSUMED_MFU, per micro-batch
-            "activation_bytes": act.total_bytes, "activation_bytes_per_block": act.per_block,
+    optimizer_s = 0.0
+    if x.host_bytes_per_param:  # masters on the host: grads down, weights up, and the host AdamW step
+        weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
+        optimizer_s = (local_trainable * 2 * weight / (x.hardware.pcie_gb_s * 1e9)
+                       + local_trainable * 32 / (HOST_ADAMW_GB_S * 1e9))
+    step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s  # one optimizer step
+    return {"memory": dataclasses.asdict(memory), "activation_bytes": act.total_bytes,
+            "activation_bytes_per_block": act.per_block,
             "offloaded_bytes": act.offloaded_bytes,
             "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
-            "total_bytes": total, "budget_bytes": budget, "terms": terms,
-            "fits": total <= budget and (host_budget is None or act.offloaded_bytes <= host_budget),
-            "recompute_flops_fraction": recompute_fraction, "recompute_pointwise_s": pointwise_s,
+            "total_bytes": total, "budget_bytes": budget, "host_bytes": host, "host_budget_bytes": host_budget or 0,
+            "fits": fits, "terms": terms, "recompute_flops_fraction": recompute_fraction,
+            "recompute_pointwise_s": pointwise_s,
             "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
-            "offload_exposed_s": exposed_s, "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
-            **static}
+            "offload_exposed_s": exposed_s, "optimizer_s": optimizer_s, "step_s": step_s,
+            "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12), **static}
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
@@ -460,51 +538,84 @@ def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
             if not (mem.policy == "selective" and mem.granularity == "mlp")]
 
 
-def resolve_tiled_mlp(hf_config, x: PlanInputs, memory: MemoryConfig) -> MemoryConfig:
-    """A given policy with memory.tiled_mlp=auto: untiled if that fits (no extra recompute), else tiled."""
-    m = ModelShape.from_hf_config(hf_config)
-    untiled = dataclasses.replace(memory, tiled_mlp=0)
-    return untiled if evaluate(m, x, untiled)["fits"] else resolve_tiles(memory, m)
+def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, int]]:
+    """(micro_batch, grad_accum) pairs up to the given micro_batch that keep the rows per optimizer step."""
+    rows = micro_batch * grad_accum
+    return [(b, rows // b) for b in range(micro_batch, 0, -1) if rows % b == 0]
 
 
-def plan_memory(hf_config, x: PlanInputs, tiled_mlp: Any = "auto") -> dict:
-    """Every candidate policy's bytes and cost, the cheapest that fits, and what to change if none does."""
+def _rank(row: dict) -> tuple:
+    # Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, fewer
+    # checkpointed blocks, the larger micro-batch and the coarser granularity.
+    return (round(row["step_s"], 6), row["uses_offload"], bool(row["memory"]["tiled_mlp"]), row["k"],
+            -row["micro_batch"], GRANULARITIES.index(row["memory"]["granularity"]))
+
+
+def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
+                search_micro_batch: bool = False) -> dict:
+    """Every candidate policy's bytes and step time, the cheapest that fits, and what to change if none does.
+
+    given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
+    search_micro_batch: also try smaller micro-batches (more accumulation, same rows per optimizer step)."""
     m = ModelShape.from_hf_config(hf_config)
-    # On a CPU "device" host memory is the device memory: offloading saves nothing.
-    candidates = [(label, mem) for label, mem in candidates_for(tiled_mlp)
-                  if x.hardware.device != "cpu" or not _offloads(mem)]
-    rows = [{"label": label, **evaluate(m, x, mem)} for label, mem in candidates]
+    space = search_space(m.layers, given)
+    if x.hardware.device == "cpu":  # offloading to host memory saves nothing when the device is the host
+        space = [mem for mem in space if not _offloads(mem)] or space
+    shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
+    rows = []
+    for b, accum in shapes:
+        xb = dataclasses.replace(x, micro_batch=b, grad_accum=accum)
+        for mem in space:
+            row = evaluate(m, xb, mem)
+            rows.append({"label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}"),
+                         "micro_batch": b, "grad_accum": accum,
+                         "k": 0 if mem.policy == "none" else len(select_layers(mem.layers, m.layers)),
+                         "uses_offload": _offloads(mem), **row})  # row["memory"]: tiles resolved
     fitting = [r for r in rows if r["fits"]]
-    # Ties (e.g. fully overlapped offload vs none) go to the earlier, simpler candidate.
-    best = (min(fitting, key=lambda r: (round(r["cost"], 4), rows.index(r))) if fitting
-            else min(rows, key=lambda r: r["total_bytes"]))
-    w = Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: (r["total_bytes"] + r["host_bytes"]))
+    w = Workload(best["micro_batch"], x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    per_block = {r["label"]: r.pop("activation_bytes_per_block") for r in rows}
     plan = {
-        "hf_config": hf_config.to_dict(), "seq_len": x.seq_len, "micro_batch": x.micro_batch,
+        "hf_config": hf_config.to_dict(), "seq_len": x.seq_len, "micro_batch": best["micro_batch"],
+        "grad_accum": best["grad_accum"], "precision": x.precision,
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
-        "weights_bytes": best["weights_bytes"], "grads_bytes": best["grads_bytes"],
-        "optimizer_bytes": best["optimizer_bytes"], "activation_bytes": best["activation_bytes"],
-        "activation_bytes_per_block": {r["label"]: r["activation_bytes_per_block"] for r in rows},
+        **{key: best[key] for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+                                      "workspace_bytes", "total_bytes", "terms", "budget_bytes", "host_bytes",
+                                      "host_budget_bytes", "fits", "memory", "step_s", "optimizer_s",
+                                      "recompute_flops_fraction", "recompute_pointwise_s",
+                                      "offload_bytes_per_step")},
+        "assumptions": {**assumptions(x.hardware), "host_adamw_gb_s": HOST_ADAMW_GB_S},
+        "activation_bytes_per_block": {label: per_block[label] for label in {rows[0]["label"], best["label"]}},
         "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
-        "workspace_bytes": best["workspace_bytes"], "total_bytes": best["total_bytes"], "terms": best["terms"],
-        "assumptions": assumptions(x.hardware),
-        "budget_bytes": best["budget_bytes"], "fits": best["fits"], "policy": best["label"],
-        "memory": best["memory"], "recompute_flops_fraction": best["recompute_flops_fraction"],
-        "recompute_pointwise_s": best["recompute_pointwise_s"],
-        "offload_bytes_per_step": best["offload_bytes_per_step"],
+        "policy": best["label"],
         "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
         "candidates": rows, "suggestions": [] if fitting else suggestions(m, x),
     }
     return plan
 
 
+def k_table(plan: dict) -> list[dict]:
+    """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
+    best = plan["memory"]
+    family = [r for r in plan["candidates"] if r["micro_batch"] == plan["micro_batch"] and (
+        r["k"] == 0 or (r["memory"]["policy"] == best["policy"] and r["memory"]["granularity"] == best["granularity"]
+                        and r["memory"]["offload"] == best["offload"]))]
+    if best["policy"] == "none":  # nothing needed: show what whole-block checkpointing would cost
+        family = [r for r in plan["candidates"] if r["micro_batch"] == plan["micro_batch"] and (
+            r["k"] == 0 or (r["memory"]["policy"] == "full" and not r["memory"]["offload"]))]
+    return sorted(family, key=lambda r: r["k"])
+
+
 def _offloads(memory: MemoryConfig) -> bool:
-    return memory.policy == "offload" or memory.offload
+    return memory.policy == "offload" or bool(memory.offload)
 
 
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
-    return any(evaluate(m, x, mem)["fits"] for _, mem in CANDIDATES)
+    for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
+        if evaluate(m, x, mem)["fits"]:
+            return True
+    return False
 
 
 def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
@@ -515,12 +626,14 @@ def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
         seq //= 2
     if seq < x.seq_len and _fits(m, dataclasses.replace(x, seq_len=seq)):
         out.append(f"data.seq_len={seq} fits (at most; try values between {seq} and {x.seq_len})")
+    if x.micro_batch > 1 and _fits(m, dataclasses.replace(x, micro_batch=1)):
+        out.append(f"train.micro_batch=1 train.grad_accum={x.micro_batch * x.grad_accum} fits (same rows per step)")
     if x.chunk_size <= 0 and _fits(m, dataclasses.replace(x, chunk_size=1024)):
         out.append("loss.chunk_size=1024 fits (chunked cross-entropy)")
     if _fits(m, dataclasses.replace(x, trainable_fraction=0.01)):
-        out.append("LoRA (about 1% trainable parameters) fits")
+        out.append("LoRA (about 1% trainable parameters, model.lora.r=16) fits")
     if _fits(m, dataclasses.replace(x, optimizer_state_bytes=1)):
-        out.append("8-bit AdamW states fit")
+        out.append("8-bit AdamW states (optim.name=adamw_8bit) fit")
     for world in (2, 4, 8, 16, 32, 64):
         if world > x.hardware.world_size and _fits(m, dataclasses.replace(
                 x, hardware=dataclasses.replace(x.hardware, world_size=world))):
@@ -529,34 +642,33 @@ def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
     return out or ["nothing in reach fits: use a smaller model or a larger card (hardware.memory_gb)"]
 
 
-def plan_inputs(job, on_cuda: Optional[bool] = None) -> PlanInputs:
-    """PlanInputs of a JobConfig: dtype and attention backend resolved as training would on that device."""
+def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = None) -> PlanInputs:
+    """PlanInputs of a JobConfig on concrete hardware under a PrecisionSpec (attention backend as training
+    resolves it on that device)."""
     if on_cuda is None:
-        on_cuda = job.hardware.device == "cuda" or (job.hardware.device == "auto" and _cuda_available())
-    dtype = job.model.dtype if job.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        on_cuda = hardware.device == "cuda"
     import torch
 
     from flexengine.attention.spec import AttnBackend, resolve_backend
-    from flexengine.model import build_hf_config
-    from flexengine.optim import EMBEDDING_STATE_BYTES, optimizer_state_bytes_per_param
 
     # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
     resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
     backend = {AttnBackend.DENSE: "dense", AttnBackend.VARLEN: "varlen"}.get(resolved, "flex")
-    state_device_bytes, _ = optimizer_state_bytes_per_param(job.optim.name, getattr(torch, dtype))
     trainable = 1.0
     if job.model.lora.r > 0:  # only adapters have grads and optimizer states
+        from flexengine.model import build_hf_config
+
         shape = ModelShape.from_hf_config(build_hf_config(job.model))
         trainable = shape.lora_params(job.model.lora.r, list(job.model.lora.target_modules)) / shape.params
-    return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
-                      dtype_bytes=4 if dtype == "float32" else 2, hardware=job.hardware,
-                      chunk_size=job.loss.chunk_size, backend=backend, grad_accum=job.train.grad_accum,
-                      optimizer_state_bytes=state_device_bytes / 2, trainable_fraction=trainable,
-                      embedding_state_bytes=EMBEDDING_STATE_BYTES if job.optim.name == "adamw_8bit" else None,
-                      fsdp_param_bytes=2 if on_cuda and job.parallel.mixed_precision else None)
+    from flexengine.optim import EMBEDDING_STATE_BYTES
 
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    per_param = spec.bytes_per_param()
+    return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch, dtype_bytes=spec.act_bytes,
+                      hardware=hardware, chunk_size=job.loss.chunk_size, backend=backend,
+                      grad_accum=job.train.grad_accum, optimizer_state_bytes=per_param["optimizer"] / 2,
+                      trainable_fraction=trainable, weight_bytes=per_param["weights"], grad_bytes=per_param["grads"],
+                      compute_copy_bytes=per_param["compute_copy"], host_bytes_per_param=per_param["host"],
+                      embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
+                      # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
+                      fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
+                      precision=spec.name)

@@ -21,7 +21,7 @@ A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=
 
 
 def _deepseek():
-    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["arch"]
+    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["model"]["arch"]
     return build_hf_config(ModelConfig(init="random", arch=arch))
 
 

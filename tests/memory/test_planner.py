@@ -10,15 +10,17 @@ import torch
 from flexengine.attention import patch_attention
 from flexengine.config import HardwareConfig, MemoryConfig, ModelConfig
 from flexengine.loss import forward_loss_sum
-from flexengine.memory import apply_memory_policy, measure_activations
+from flexengine.memory import apply_memory_policy, measure_activations, select_layers
 from flexengine.memory.planner import (
-    CANDIDATES,
     ModelShape,
     PlanInputs,
     Workload,
     block_bytes,
     estimate_activations,
+    k_table,
     plan_memory,
+    search_space,
+    spread_layers,
 )
 from flexengine.model import build_hf_config
 from tests.helpers import clone_model, make_llama
@@ -81,7 +83,7 @@ def test_7b_none_matches_published_formula_adapted(name):
 
     from flexengine.config import conf_dir
 
-    arch = yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text())["arch"]
+    arch = yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text())["model"]["arch"]
     cfg = build_hf_config(ModelConfig(name=name, init="random", arch=arch))
     m = ModelShape.from_hf_config(cfg)
     s, b, h, a, k, f, p = 6144, 1, 4096, 32, 32, 11008, 2
@@ -94,34 +96,78 @@ def test_7b_none_matches_published_formula_adapted(name):
     assert m.params == pytest.approx({"llama2_7b": 6.74e9, "deepseek7b": 6.91e9}[name], rel=0.01)
 
 
-def test_plan_picks_cheapest_fitting_policy():
-    arch = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
+DEEPSEEK = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
                 num_attention_heads=32, num_key_value_heads=32, vocab_size=102400)
-    cfg = build_hf_config(ModelConfig(init="random", arch=arch))
-    a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
-    plan = plan_memory(cfg, PlanInputs(seq_len=6144, micro_batch=1, dtype_bytes=2, hardware=a100, chunk_size=1024))
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
+
+
+def test_plan_picks_cheapest_fitting_policy():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    plan = plan_memory(cfg, PlanInputs(seq_len=6144, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))
     rows = {r["label"]: r for r in plan["candidates"]}
     assert plan["fits"] and rows[plan["policy"]]["fits"]
     assert not rows["none"]["fits"]
-    cheaper = [r for r in plan["candidates"] if r["cost"] < rows[plan["policy"]]["cost"] - 1e-4]
-    assert all(not r["fits"] for r in cheaper)
-    act = {label: row["activation_bytes"] for label, row in rows.items()}
-    assert act["full"] < act["op-level SAC"] < act["none"]
-    assert 0.25 < rows["full"]["recompute_flops_fraction"] < 0.34  # ~one extra forward of three
-    short = plan_memory(cfg, PlanInputs(seq_len=512, micro_batch=1, dtype_bytes=2, hardware=a100, chunk_size=1024))
+    faster = [r for r in plan["candidates"] if r["step_s"] < rows[plan["policy"]]["step_s"] - 1e-6]
+    assert all(not r["fits"] for r in faster)
+    assert (rows["block k=30/30"]["activation_bytes"] < rows["ops k=30/30"]["activation_bytes"]
+            < rows["none"]["activation_bytes"])
+    assert 0.25 < rows["block k=30/30"]["recompute_flops_fraction"] < 0.34  # ~one extra forward of three
+    # "how many layers?": the answer is a k strictly between 0 and L here, the fewest blocks of its family that fit
+    family = k_table(plan)
+    chosen = next(r for r in family if r["label"] == plan["policy"])
+    assert [r["k"] for r in family] == list(range(31))
+    assert all(not r["fits"] for r in family if r["k"] < chosen["k"])
+    short = plan_memory(cfg, PlanInputs(seq_len=512, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))
     assert short["policy"] == "none"  # nothing to save when everything fits
+
+
+def test_spread_layers_and_search_space_respect_given_fields():
+    assert spread_layers(4, 32) == "spread_4" and spread_layers(3, 3) == "all"
+    assert select_layers("spread_4", 32) == [4, 12, 20, 28] and select_layers("spread_1", 3) == [1]
+    assert all(len(set(select_layers(f"spread_{k}", 30))) == k for k in range(31))
+    space = search_space(8)
+    # none + k x (granularity x offload + plain offload) + whole-block checkpointing (+ offload) with a tiled MLP
+    assert len(space) == 1 + 8 * (4 * 2 + 1) + 2
+    fixed = search_space(8, MemoryConfig(policy="auto", granularity="ops", offload=False))
+    assert {m.granularity for m in fixed} == {"ops", "block"} and not any(m.offload for m in fixed)
+    assert {m.policy for m in fixed} == {"none", "selective"}  # "block" only on the none row's defaults
+    layers = search_space(8, MemoryConfig(policy="auto", layers="every_2"))
+    assert {m.layers for m in layers} == {"every_2"}
+    explicit = MemoryConfig(policy="full", layers="first_3")
+    assert search_space(8, explicit) == [explicit]
+
+
+def test_micro_batch_search_keeps_rows_per_step():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    x = PlanInputs(seq_len=8192, micro_batch=4, grad_accum=2, dtype_bytes=2, hardware=A100, chunk_size=1024,
+                   weight_bytes=2, grad_bytes=2, optimizer_state_bytes=0, host_bytes_per_param=16)
+    plan = plan_memory(cfg, x, search_micro_batch=True)
+    assert plan["fits"] and plan["micro_batch"] * plan["grad_accum"] == 8
+    assert {(r["micro_batch"], r["grad_accum"]) for r in plan["candidates"]} == {(4, 2), (2, 4), (1, 8)}
+    fixed = plan_memory(cfg, x)
+    assert fixed["micro_batch"] == 4
+
+
+def test_host_memory_is_a_budget_too():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    x = PlanInputs(seq_len=4096, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024, weight_bytes=2,
+                   grad_bytes=2, optimizer_state_bytes=0, host_bytes_per_param=16)
+    assert plan_memory(cfg, x)["fits"]
+    small_host = dataclasses.replace(A100, host_memory_gb=64)  # 6.9e9 x 16 bytes = 103 GiB of masters + states
+    plan = plan_memory(cfg, dataclasses.replace(x, hardware=small_host))
+    assert not plan["fits"] and plan["host_bytes"] > plan["host_budget_bytes"]
 
 
 def test_plan_says_what_would_fit():
     arch = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
     cfg = build_hf_config(ModelConfig(init="random", arch=arch))
-    small_card = HardwareConfig(name="24g", device="cuda", memory_gb=24, peak_tflops=100, pcie_gb_s=25)
+    small_card = HardwareConfig(name="24g", device="cuda", memory_gb=24, peak_tflops=100, pcie_gb_s=25,
+                                host_memory_gb=64)
     plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=small_card))
     assert not plan["fits"]
     text = " ".join(plan["suggestions"])
     assert "LoRA" in text and "GPUs" in text
-    assert len(CANDIDATES) == len(plan["candidates"])
 
 
 def _deepseek_inputs(**overrides) -> tuple:
@@ -129,7 +175,7 @@ def _deepseek_inputs(**overrides) -> tuple:
 
     from flexengine.config import conf_dir
 
-    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["arch"]
+    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["model"]["arch"]
     cfg = build_hf_config(ModelConfig(name="deepseek7b", init="random", arch=arch))
     a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
     return cfg, PlanInputs(**{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100,
@@ -176,9 +222,9 @@ def test_sac_recompute_is_not_free():
     """Pointwise recompute is memory-bound: SAC costs time although it re-runs no matmul."""
     cfg, x = _deepseek_inputs()
     rows = {r["label"]: r for r in plan_memory(cfg, x)["candidates"]}
-    sac = rows["op-level SAC"]
+    sac = rows["ops k=30/30"]
     assert sac["recompute_flops_fraction"] == 0.0
-    assert 0.005 < sac["cost"] < rows["full"]["cost"]
+    assert 0.005 < sac["cost"] < rows["block k=30/30"]["cost"]
     assert rows["none"]["cost"] == 0.0
 
 

@@ -1,0 +1,141 @@
+"""Precision policy: which dtype the weights, gradients and optimizer states are stored in, what the matmuls
+compute in, and which optimizer keeps small updates from rounding away. Resolved once into a PrecisionSpec.
+
+bf16 keeps 8 mantissa bits: an AdamW step of lr 2e-5 on a weight of 0.02 is 1e-3 of its value, below half the
+bf16 spacing (2^-9 relative), so it rounds back to the old weight; a norm weight of 1.0 needs an update of ~2e-3
+to move at all. Modes, most exact first:
+
+  fp32             fp32 weights, grads, states and compute.
+  bf16_mixed       fp32 master weights, grads and states; bf16 compute (autocast on one device; FSDP2's
+                   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded params).
+  bf16_cpu_master  bf16 weights and grads on the device; fp32 masters and AdamW states in host memory.
+  bf16_sr          bf16 weights, grads and states; torchao AdamW with stochastic rounding (unbiased updates).
+  bf16_pure        bf16 everything with torch AdamW: small updates round away. Only when asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from flexengine.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# The order `precision=auto` tries, most exact first. On CUDA fp32 is left out: it runs the matmuls without
+# bf16 tensor cores (several times slower) for updates no more exact than bf16_mixed's.
+AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr")
+AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr")
+PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """A resolved precision mode: what each piece is stored in and what the optimizer must be."""
+
+    name: str
+    param_dtype: torch.dtype  # the model's parameters on the device (fp32 = they are the masters)
+    compute_dtype: torch.dtype  # matmul dtype: autocast (one device) / FSDP2 param_dtype (sharded)
+    optimizer: str  # optim.name this mode needs: adamw | adamw_bf16 (torchao SR) | adamw_cpu_offload
+    updates_exact: bool  # updates are applied to fp32 values (never rounded away)
+    stochastic_rounding: bool = False  # updates rounded to bf16 without bias (exact in expectation)
+
+    @property
+    def autocast(self) -> bool:
+        """Whether compute runs in a lower dtype than the stored weights (autocast on a single device)."""
+        return self.compute_dtype != self.param_dtype
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return torch.empty((), dtype=self.compute_dtype).element_size()
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes per trainable parameter: weights, grads, states on the device, and host bytes.
+
+        bf16_mixed on one device also holds autocast's bf16 copy of every weight (cached for the forward and
+        saved for backward by the matmuls that use it). adamw_cpu_offload's host side holds the fp32 master,
+        two fp32 states and an fp32 copy of the gradient during the step."""
+        from flexengine.optim import optimizer_state_bytes_per_param
+
+        w = torch.empty((), dtype=self.param_dtype).element_size()
+        device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
+        host_grad = 4.0 if host else 0.0  # the step's fp32 gradient copy next to the host masters
+        return {"weights": w, "grads": w, "optimizer": device, "compute_copy": 2.0 if self.autocast else 0.0,
+                "host": host + host_grad}
+
+    def updates_arrive(self, lr: float) -> bool:
+        """Whether AdamW updates of size ~lr reach bf16-stored weights (always for exact or SR modes)."""
+        return self.updates_exact or self.stochastic_rounding or lr >= PURE_BF16_MIN_LR
+
+
+SPECS = {
+    "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", updates_exact=True),
+    "bf16_mixed": PrecisionSpec("bf16_mixed", torch.float32, torch.bfloat16, "adamw", updates_exact=True),
+    "bf16_cpu_master": PrecisionSpec("bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload",
+                                     updates_exact=True),
+    "bf16_sr": PrecisionSpec("bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False,
+                             stochastic_rounding=True),
+    "bf16_pure": PrecisionSpec("bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", updates_exact=False),
+}
+
+# optim.name choices each mode accepts (the first is what optim.name=adamw turns into)
+_COMPATIBLE_OPTIMIZERS = {
+    "fp32": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
+    "bf16_mixed": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
+    "bf16_cpu_master": ("adamw_cpu_offload",),
+    "bf16_sr": ("adamw_bf16",),
+    "bf16_pure": ("adamw", "adamw_8bit"),
+}
+
+
+def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
+    """The modes precision=auto tries, most exact first; an explicit optim.name narrows them."""
+    order = AUTO_ORDER_CUDA if on_cuda else AUTO_ORDER_CPU
+    return tuple(m for m in order if optimizer == "adamw" or optimizer in _COMPATIBLE_OPTIMIZERS[m])
+
+
+def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
+    """The spec of a concrete mode, with optim.name checked against it (adamw_8bit keeps its 8-bit states)."""
+    if mode not in SPECS:
+        raise UserError(f"precision={mode!r} is not a concrete mode; choose one of {', '.join(SPECS)}.")
+    spec = SPECS[mode]
+    allowed = _COMPATIBLE_OPTIMIZERS[mode]
+    if optimizer != "adamw" and optimizer not in allowed:
+        raise UserError(f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
+                        "drop the optim.name override (the precision mode picks the optimizer).")
+    if optimizer == "adamw_8bit":
+        return PrecisionSpec(spec.name, spec.param_dtype, spec.compute_dtype, "adamw_8bit", spec.updates_exact,
+                             spec.stochastic_rounding)
+    return spec
+
+
+def spec_for_params(mode: str, optimizer: str, param_dtype: torch.dtype) -> PrecisionSpec:
+    """A concrete mode's spec; `auto` unresolved by flexengine.fit (a hand-built Trainer) reads fp32 weights as
+    fp32 and refuses to guess for others."""
+    if mode == "auto":
+        if param_dtype != torch.float32:
+            raise UserError(f"precision=auto with {param_dtype} weights: resolve it with flexengine.fit.fit_job "
+                            "(run.py does) or give precision=<mode>.")
+        mode = "fp32"
+    return precision_spec(mode, optimizer)
+
+
+def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
+    """Warn loudly when pure bf16 would round most updates away at this learning rate."""
+    if not spec.updates_arrive(lr):
+        log.warning(
+            "precision=bf16_pure at optim.lr=%g: AdamW updates of ~lr round away in bf16 storage (most weights "
+            "of ~0.02 and every norm weight of 1.0 never move). Use precision=bf16_mixed, bf16_cpu_master or "
+            "bf16_sr (stochastic rounding), or precision=auto.", lr,
+        )
+
+
+def autocast_context(spec: PrecisionSpec, device: torch.device, sharded: bool = False):
+    """bf16 compute over fp32 weights on one device; FSDP2's MixedPrecisionPolicy does the cast when sharded."""
+    if spec.autocast and not sharded:
+        return torch.autocast(device.type, dtype=spec.compute_dtype)
+    return contextlib.nullcontext()

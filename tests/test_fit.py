@@ -1,0 +1,87 @@
+"""Fit before allocating: every run is planned from the HF config before any weight exists; an explicit choice
+that does not fit is a clear error listing what would; auto resolves precision, policy and micro-batch once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flexengine.doctor import compose_job
+from flexengine.errors import UserError
+from flexengine.fit import fit_job, plan_job
+from flexengine.hardware import assumed_hardware
+from flexengine.model import build_hf_config
+
+SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=8192", "hardware=a100_80g"]
+
+
+def _fit(*overrides: str):
+    job = compose_job(list(overrides))
+    return fit_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+
+
+def test_defaults_are_auto():
+    job = compose_job([])
+    assert (job.memory.policy, job.precision.mode, job.hardware.name) == ("auto", "auto", "auto")
+
+
+def test_explicit_policy_that_does_not_fit_lists_what_would():
+    # the issue's case: the old README command (memory=none, micro_batch 2) for Llama-2-7B at 8K on 80 GB
+    with pytest.raises(UserError) as err:
+        _fit(*SEVEN_B, "memory=none", "train.micro_batch=2")
+    text = str(err.value)
+    assert "memory=none does not fit a100_80g" in text and "What would fit" in text
+    assert "memory=full" in text or "memory=selective" in text or "memory=offload" in text
+
+
+def test_explicit_precision_that_does_not_fit_lists_what_would():
+    with pytest.raises(UserError, match=r"precision=bf16_mixed does not fit[\s\S]*precision=bf16_"):
+        _fit(*SEVEN_B, "precision=bf16_mixed")
+
+
+def test_auto_resolves_everything_once():
+    job, fit = _fit(*SEVEN_B)
+    assert fit.fits and job.memory.policy != "auto" and job.precision.mode == fit.precision.name
+    assert job.optim.name == fit.precision.optimizer
+    assert job.train.micro_batch * job.train.grad_accum == 8  # llama2_7b's defaults: 1 x 8 rows per step
+    assert fit.precision.updates_arrive(job.optim.lr)
+
+
+def test_random_7b_on_this_cpu_stops_before_allocating(tmp_path, monkeypatch):
+    """Defect 2's last case: a random-init 7B on a ~23 GB CPU machine used to allocate 28 GB before failing."""
+    import flexengine.run as run
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("weights were allocated before the plan said no")
+
+    monkeypatch.setattr(run, "load_model", no_allocation)
+    monkeypatch.setattr(run, "load_tokenizer", no_allocation)
+    job = compose_job(["model=llama2_7b", "model.init=random", "hardware.memory_gb=23", "hardware.host_memory_gb=23",
+                       f"train.output_dir={tmp_path}"])
+    with pytest.raises(UserError, match="does not fit"):
+        run.build_trainer(job, tmp_path)
+
+
+def test_bf16_pure_is_only_taken_when_asked_and_warns_at_small_lr(caplog):
+    _, fit = _fit(*SEVEN_B, "hardware=h200_141g")
+    assert fit.precision.name != "bf16_pure"
+    assert all(r["precision"] != "bf16_pure" for r in fit.precision_table)
+    with caplog.at_level(logging.WARNING, logger="flexengine.precision"):
+        _, pure = _fit(*SEVEN_B, "precision=bf16_pure")
+    assert pure.precision.name == "bf16_pure" and "round away" in caplog.text
+
+
+def test_user_given_memory_fields_are_respected():
+    job, fit = _fit(*SEVEN_B, "data.seq_len=12288", "memory.granularity=ops", "memory.offload=false")
+    assert job.memory.policy == "selective" and job.memory.granularity == "ops" and not job.memory.offload
+    assert {r["memory"]["granularity"] for r in fit.plan["candidates"] if r["k"] > 0} == {"ops"}
+    # a constraint that cannot fit says so, and what would without it
+    with pytest.raises(UserError, match=r"memory.granularity=ops memory.offload=False does not fit[\s\S]*memory=full"):
+        _fit(*SEVEN_B, "data.seq_len=32768", "memory.granularity=ops", "memory.offload=false")
+
+
+def test_cpu_plan_picks_fp32():
+    job = compose_job(["debug=fast"])
+    fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    assert fit.fits and fit.precision.name == "fp32" and fit.memory.policy == "none"
