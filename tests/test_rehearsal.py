@@ -18,14 +18,15 @@ import pytest
 import torch
 import yaml
 
-from flexengine.doctor import compose_job
+from flexengine.cli import compose_job
+from flexengine.config import conf_dir
 from flexengine.fit import plan_job
 from flexengine.hardware import assumed_hardware
 from flexengine.memory import decoder_layers
 from flexengine.memory.planner import ModelShape
 from flexengine.model import build_hf_config, build_meta_model
 
-CONF = Path(__file__).parents[1] / "flexengine" / "conf"
+CONF = conf_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 MODELS_7B = sorted(p.stem for p in (CONF / "model").glob("*.yaml")
                    if yaml.safe_load(p.read_text()).get("model", {}).get("arch", {}).get("hidden_size", 0) >= 4096)
@@ -128,3 +129,8 @@ def test_b_two_steps_at_full_depth_on_cpu(config, jsonl, tmp_path):
     moved = sum(int(not torch.equal(before[n], p.detach().float())) for n, p in trainer.model.named_parameters())
     assert moved > 0
     print(f"{config}: 2 steps at {len(layers)} layers, losses {summary['losses']}, {moved} tensors moved")
+
+
+def test_rehearsal_covers_every_shipped_config():
+    # the parametrised rehearsals above would pass vacuously if the config directory moved and the glob found nothing
+    assert len(EXPERIMENTS) >= 4 and len(MODELS_7B) >= 3, (EXPERIMENTS, MODELS_7B)
