@@ -43,3 +43,17 @@ def clone_model(model: torch.nn.Module, attn_implementation: str = "eager") -> t
             module.config = twin.config
     twin.set_attn_implementation(attn_implementation)
     return twin
+
+
+def assert_same_loss_gradients(model, reference, batch) -> None:
+    """Run both patched models' decoder + summed LM loss on batch; outputs and every parameter gradient must match."""
+    from flexengine.loss import causal_lm_loss_sum
+
+    outs = []
+    for m in (model, reference):
+        out = m.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        causal_lm_loss_sum(out.last_hidden_state, batch["labels"], m.lm_head).backward()
+        outs.append(out.last_hidden_state.detach())
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)

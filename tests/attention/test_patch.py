@@ -10,7 +10,7 @@ from flexengine.config import AttnMode
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.errors import UserError
 from flexengine.loss import causal_lm_loss_sum
-from tests.helpers import clone_model, make_llama, make_mistral
+from tests.helpers import assert_same_loss_gradients, clone_model, make_llama, make_mistral
 
 ATOL = 1e-5
 
@@ -170,13 +170,7 @@ def test_chunked_dense_equals_one_dense_call_with_gradients(mode):
     whole = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=4096)
     chunked = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=16)
     batch = pack_documents(_docs([40, 3, 70, 9, 30, 50], seed=3), seq_len=112, strategy="greedy")
-    for model in (whole, chunked):
-        out = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-        causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.lm_head).backward()
-        model.last = out.last_hidden_state.detach()
-    torch.testing.assert_close(chunked.last, whole.last, atol=1e-5, rtol=1e-5)
-    for (name, p), q in zip(chunked.named_parameters(), whole.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_loss_gradients(chunked, whole, batch)
 
 
 def _left_padded(lengths, width, vocab=256):

@@ -104,8 +104,7 @@ def test_varlen_refuses_dropout():
 @pytest.mark.parametrize("mode", ["packed_doc", "packed_sliding"])
 def test_patched_model_varlen_equals_dense_with_gradients(mode):
     from flexengine import pack_documents, patch_attention
-    from flexengine.loss import causal_lm_loss_sum
-    from tests.helpers import clone_model, make_llama
+    from tests.helpers import assert_same_loss_gradients, clone_model, make_llama
 
     reference = make_llama()
     window = 24 if mode == "packed_sliding" else None
@@ -114,13 +113,7 @@ def test_patched_model_varlen_equals_dense_with_gradients(mode):
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 1, 70, 9, 130, 1, 50)]
     batch = pack_documents(docs, seq_len=160, strategy="greedy")
-    for model in (dense, varlen):
-        out = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-        causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.lm_head).backward()
-        model.last = out.last_hidden_state.detach()
-    torch.testing.assert_close(varlen.last, dense.last, atol=1e-5, rtol=1e-5)
-    for (name, p), q in zip(varlen.named_parameters(), dense.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_loss_gradients(varlen, dense, batch)
 
 
 def test_compiled_varlen_takes_new_layouts_without_recompiling():
