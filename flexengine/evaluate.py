@@ -22,7 +22,8 @@ def evaluate_loss(forward: nn.Module, batches: Iterable[dict], device: torch.dev
     """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced)."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
     for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        # tensors only: the loader's host-side facts (useful_tokens, document_lengths) stay on the host
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         with autocast():
             loss_sum = forward(batch, **mask_kwargs(batch))
         sums += torch.stack([loss_sum.double(), count_valid_targets(batch["labels"]).double()])
