@@ -415,12 +415,42 @@ class ParallelConfig:
     mixed_precision: bool = True  # fsdp on CUDA: bf16 compute weights, fp32 gradient reduction (CPU: ignored)
     data_timeout_s: float = 7200.0  # ranks > 0 wait this long for rank 0 to tokenize the corpus (a CPU-side
     # gloo barrier of its own: NCCL's 10-minute default timeout stays for training collectives)
+    cp: int = 1  # context parallel degree: each row's tokens are split over cp ranks (torch's context_parallel,
+    # FlexAttention with K/V all-gathered); the torchrun world is a (world/cp data-parallel x cp) mesh. 1 = off
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
         _check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.data_timeout_s <= 0:
             raise UserError(f"parallel.data_timeout_s={self.data_timeout_s} must be a positive number of seconds.")
+        if self.cp < 1:
+            raise UserError(f"parallel.cp={self.cp} must be >= 1 (1 = no context parallelism).")
+        if self.cp > 1 and self.strategy != "fsdp":
+            raise UserError(f"parallel.cp={self.cp} composes with FSDP2 only (parallel=fsdp): the (dp, cp) mesh and "
+                            "the gradient checks are built for it; DDP under CP is not implemented.")
+
+
+# torch's CP BlockMask (_create_cp_block_mask) is built with FlexAttention's default 128-token blocks
+CP_BLOCK_SIZE = 128
+
+
+def check_context_parallel(cp: int, attn: AttnConfig, seq_len: int) -> None:
+    """The attention settings context parallelism can shard (UserError naming the key otherwise)."""
+    if attn.backend not in ("auto", "flex"):
+        raise UserError(
+            f"parallel.cp={cp} needs attn.backend=flex (or auto on CUDA): torch's context parallel shards packed-"
+            f"document attention through FlexAttention (K/V all-gathered, a CP BlockMask); attn.backend="
+            f"{attn.backend} has no context-parallel path (SDPA's ring attention cannot mask documents)."
+        )
+    if attn.block_size != CP_BLOCK_SIZE:
+        raise UserError(f"parallel.cp={cp} needs attn.block_size={CP_BLOCK_SIZE}: torch builds the per-rank "
+                        f"BlockMask with FlexAttention's default block size (attn.block_size={attn.block_size}).")
+    if seq_len % (cp * CP_BLOCK_SIZE):
+        raise UserError(
+            f"data.seq_len={seq_len} must be a multiple of parallel.cp x {CP_BLOCK_SIZE} = {cp * CP_BLOCK_SIZE}: "
+            "rows are load-balanced in whole 128-token blocks, the same number per rank; e.g. data.seq_len="
+            f"{-(-seq_len // (cp * CP_BLOCK_SIZE)) * cp * CP_BLOCK_SIZE}."
+        )
 
 
 @dataclass
@@ -499,6 +529,8 @@ class JobConfig:
                 f"attn={self.attn.mode} masks packed documents but data.packing=none puts one per row; "
                 "use data.packing=bfd (or attn=causal for the padded baseline)."
             )
+        if self.parallel.cp > 1:
+            check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len)
         if self.train.early_stop_patience and not self.data.has_eval:
             raise UserError(f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
                             "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path.")

@@ -13,20 +13,22 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from flexengine.loss import count_valid_targets
+from flexengine.loss import batch_valid_targets
 
 
 @torch.no_grad()
 def evaluate_loss(forward: nn.Module, batches: Iterable[dict], device: torch.device,
-                  mask_kwargs: Callable[[dict], dict], autocast: Callable) -> dict:
-    """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced)."""
+                  prepare: Callable[[dict], tuple[dict, dict]], autocast: Callable) -> dict:
+    """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced).
+    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer._prepare)."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
     for batch in batches:
         # tensors only: the loader's host-side facts (useful_tokens, document_lengths) stay on the host
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        batch, mask_kwargs = prepare(batch)
         with autocast():
-            loss_sum = forward(batch, **mask_kwargs(batch))
-        sums += torch.stack([loss_sum.double(), count_valid_targets(batch["labels"]).double()])
+            loss_sum = forward(batch, **mask_kwargs)
+        sums += torch.stack([loss_sum.double(), batch_valid_targets(batch).double()])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
     total, tokens = sums.tolist()

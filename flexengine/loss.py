@@ -21,6 +21,21 @@ def count_valid_targets(labels_BS: Tensor) -> Tensor:
     return (labels_BS[:, 1:] != IGNORE_INDEX).sum()
 
 
+def shift_targets(labels_BS: Tensor) -> Tensor:
+    """Each position's next-token target ([B, S], -100 where none): labels shifted left by one, so that a row
+    cut into pieces (context parallelism) keeps every target next to the token that predicts it."""
+    targets = torch.full_like(labels_BS, IGNORE_INDEX)
+    targets[:, :-1] = labels_BS[:, 1:]
+    return targets
+
+
+def batch_valid_targets(batch: dict[str, Tensor]) -> Tensor:
+    """Valid next-token targets of a batch: full rows (`labels`) or a context-parallel shard (`targets`)."""
+    if "targets" in batch:
+        return (batch["targets"] != IGNORE_INDEX).sum()
+    return count_valid_targets(batch["labels"])
+
+
 def _chunk_loss_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Module) -> Tensor:
     logits = lm_head(hidden_NH).float()  # CE in fp32 even under bf16
     return F.cross_entropy(logits, targets_N, reduction="sum")
@@ -43,9 +58,23 @@ def causal_lm_loss_sum(
     predicting_index: `predicting_positions(labels_BS)` if already known (else computed here: a host sync)."""
     if predicting_index is None:
         predicting_index = predicting_positions(labels_BS)
+    targets_N = labels_BS.reshape(-1).index_select(0, predicting_index + 1)
+    return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
+
+
+def shifted_loss_sum(hidden_BSH: Tensor, targets_BS: Tensor, lm_head: nn.Module, chunk_size: int = 0,
+                     predicting_index: Optional[Tensor] = None) -> Tensor:
+    """causal_lm_loss_sum with the targets already shifted (`shift_targets`): position t predicts targets[t]."""
+    if predicting_index is None:
+        predicting_index = torch.nonzero(targets_BS.reshape(-1) != IGNORE_INDEX).squeeze(1)
+    targets_N = targets_BS.reshape(-1).index_select(0, predicting_index)
+    return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
+
+
+def _selected_loss_sum(hidden_BSH: Tensor, predicting_index: Tensor, targets_N: Tensor, lm_head: nn.Module,
+                       chunk_size: int) -> Tensor:
     # only tokens with a valid next target: padding and document ends cost no lm_head or CE at all
     hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1]).index_select(0, predicting_index)
-    targets_N = labels_BS.reshape(-1).index_select(0, predicting_index + 1)
     if chunk_size <= 0 or hidden_NH.shape[0] <= chunk_size:
         return _chunk_loss_sum(hidden_NH, targets_N, lm_head)
     total = hidden_NH.new_zeros((), dtype=torch.float32)
@@ -61,5 +90,8 @@ def forward_loss_sum(model: nn.Module, batch: dict[str, Tensor], chunk_size: int
     """Run the decoder on a batch and return the summed token loss (no logits tensor for the whole batch)."""
     decoder = model.get_decoder()
     out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
+    if "targets" in batch:  # a context-parallel shard: this rank's tokens, each with its own target
+        return shifted_loss_sum(out.last_hidden_state, batch["targets"], model.get_output_embeddings(), chunk_size,
+                                batch.get("predicting_index"))
     return causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size,
                               batch.get("predicting_index"))

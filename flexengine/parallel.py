@@ -42,11 +42,22 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    cp: int = 1  # context parallel degree: consecutive groups of cp ranks share their rows
 
     @property
     def is_main(self) -> bool:
         """Rank 0 writes checkpoints, summaries and TensorBoard."""
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the rows this rank reads (its data-parallel group; the cp ranks of a group split them)."""
+        return self.rank // self.cp
+
+    @property
+    def data_world_size(self) -> int:
+        """Data-parallel groups: each reads its own rows."""
+        return self.world_size // self.cp
 
 
 def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo:
@@ -56,9 +67,15 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo
     check) exercises the same path as a node.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if parallel.cp > 1:
+            raise UserError(f"parallel.cp={parallel.cp} splits rows over several processes: launch with "
+                            f"torchrun --nproc_per_node <a multiple of {parallel.cp}> -m flexengine.train ...")
         return DistInfo()
     world_size = int(os.environ["WORLD_SIZE"])
-    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    if world_size % parallel.cp:
+        raise UserError(f"parallel.cp={parallel.cp} must divide the number of ranks ({world_size}): launch "
+                        f"torchrun --nproc_per_node with a multiple of {parallel.cp}.")
+    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), parallel.cp)
     backend = parallel.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -66,8 +83,9 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    log.info("distributed: rank %d/%d (local %d), backend %s, strategy %s",
-             info.rank, world_size, info.local_rank, backend, parallel.strategy)
+    log.info("distributed: rank %d/%d (local %d), backend %s, strategy %s%s",
+             info.rank, world_size, info.local_rank, backend, parallel.strategy,
+             f", context parallel x{info.cp}" if info.cp > 1 else "")
     return info
 
 
@@ -99,11 +117,12 @@ def _allreduce_sum_hook(group, bucket):
 
 
 def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, device: torch.device,
-               weights_from_rank0: bool = False) -> None:
+               weights_from_rank0: bool = False, *, mesh=None) -> None:
     """FSDP2: fully_shard each decoder block, then the root (embeddings, final norm, lm_head), in place.
 
     weights_from_rank0: only rank 0 holds the real weights (the others a placeholder of the same shapes); its
-    full state dict is broadcast into every rank's shards once the model is sharded.
+    full state dict is broadcast into every rank's shards once the model is sharded. mesh: the 1-D DeviceMesh
+    to shard over (context parallelism: its flattened dp x cp mesh); None = all ranks.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -115,13 +134,13 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=parallel.reshard_after_forward, **kwargs)
-    fully_shard(root, **kwargs)  # the root keeps its weights gathered through backward (FSDP2's default)
+        fully_shard(layer, reshard_after_forward=parallel.reshard_after_forward, mesh=mesh, **kwargs)
+    fully_shard(root, mesh=mesh, **kwargs)  # the root keeps its weights gathered through backward (FSDP2's default)
     for module in [*layers, root]:
         module.set_gradient_divide_factor(1.0)  # sum, not mean: see the module docstring
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; factor 1 needs none)
     log.info("fsdp: %d decoder blocks + root sharded over %d ranks%s", len(layers), dist.get_world_size(),
-             " (bf16 params, fp32 reduce)" if kwargs else "")
+             " (bf16 params, fp32 reduce)" if "mp_policy" in kwargs else "")
     if weights_from_rank0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -130,17 +149,18 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
 
 
 def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, device: torch.device,
-                   chunk_size: int = 0, weights_from_rank0: bool = False) -> nn.Module:
+                   chunk_size: int = 0, *, weights_from_rank0: bool = False, fsdp_mesh=None) -> nn.Module:
     """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP.
 
     weights_from_rank0: ranks > 0 built the model without reading the checkpoint (`loads_weights`); rank 0's
     weights reach them here, by broadcast (FSDP2: into the shards; DDP: its constructor broadcasts rank 0).
+    fsdp_mesh: the DeviceMesh FSDP2 shards over (context parallelism's flattened dp x cp); None = all ranks.
     """
     root = LossForward(model, chunk_size)
     if not dist.is_initialized():
         return root
     if parallel.strategy == "fsdp":
-        apply_fsdp(root, model, parallel, device, weights_from_rank0=weights_from_rank0)
+        apply_fsdp(root, model, parallel, device, weights_from_rank0=weights_from_rank0, mesh=fsdp_mesh)
         return root
     from torch.nn.parallel import DistributedDataParallel
 

@@ -16,6 +16,7 @@ from flexengine.attention import AttnBackend, apply_attention, resolve_attention
 from flexengine.checkpoint import write_json_atomic
 from flexengine.compile import apply_compile, needs_compiled_blocks
 from flexengine.config import DataConfig, JobConfig
+from flexengine.context_parallel import build_context_parallel
 from flexengine.data.corpus import build_corpus
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
@@ -85,7 +86,7 @@ def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = F
         loader = RowLoader(
             corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
             pad_id=pad_token_id(tokenizer), seed=job.train.seed, shuffle=job.data.shuffle, bucket=job.data.bucket,
-            trim_padding=trim, rank=dist_info.rank, world_size=dist_info.world_size,
+            trim_padding=trim, rank=dist_info.data_rank, world_size=dist_info.data_world_size,
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None
@@ -106,7 +107,7 @@ def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = F
     log.info("eval data: %s", _rounded(report["eval"]))
     held_out = HeldOut(eval_corpus, eval_plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
                        pad_id=pad_token_id(tokenizer), trim_padding=trim, max_batches=job.train.eval_batches,
-                       rank=dist_info.rank, world_size=dist_info.world_size)
+                       rank=dist_info.data_rank, world_size=dist_info.data_world_size)
     return loader, held_out, report
 
 
@@ -121,6 +122,11 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
         raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                         "use attn.backend=dense (or auto).")
+    if dist_info.cp > 1 and attention.backend is not AttnBackend.FLEX:
+        raise UserError(f"parallel.cp={dist_info.cp} needs FlexAttention (attn.backend=flex or auto on CUDA); "
+                        f"attn.backend resolved to {attention.backend.value} on {device.type}, which has no "
+                        "context-parallel path.")
+    context_parallel = build_context_parallel(dist_info, device)
     hardware = resolve_hardware(job.hardware, device)
     if dist_info.world_size > 1:
         hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
@@ -147,6 +153,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
     apply_attention(model, attention)
+    if context_parallel is not None:
+        context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
     apply_memory_policy(model, job.memory)
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
@@ -155,9 +163,11 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
             log.info("compile: train.compile=false, but %s: compiling the decoder blocks", must_compile)
         apply_compile(model, job.train.compile_backend)
     train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size,
-                                  weights_from_rank0=from_rank0)
+                                  weights_from_rank0=from_rank0,
+                                  fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None)
     trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
-                      train_module=train_module, eval_data=eval_data, precision=fit.precision)
+                      train_module=train_module, eval_data=eval_data, precision=fit.precision,
+                      context_parallel=context_parallel)
     trainer.plan = fit
     trainer.data_report = data_report
     trainer.memory_report = memory_report

@@ -22,6 +22,7 @@ from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, mask_kwargs
 from flexengine.checkpoint import find_latest_checkpoint, mark_best, prune_checkpoints
 from flexengine.config import JobConfig
+from flexengine.context_parallel import ContextParallel
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.errors import UserError
 from flexengine.evaluate import evaluate_loss, greedy_continue
@@ -87,8 +88,10 @@ class Trainer:
 
     def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, *, out_dir: Path,
                  device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None,
-                 eval_data: Optional[HeldOut] = None, precision: Optional[PrecisionSpec] = None):
+                 eval_data: Optional[HeldOut] = None, precision: Optional[PrecisionSpec] = None,
+                 context_parallel: Optional[ContextParallel] = None):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
+        self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # resolved by flexengine.fit (run.py); a Trainer built by hand gets its job's mode or its weights' dtype
         self.precision = precision if precision is not None else spec_for_params(
@@ -138,9 +141,20 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------------------
-    def _mask_kwargs(self, batch: dict) -> dict:
-        """Build the batch's attention mask once, here, so every layer shares it (and we can log its density)."""
-        return mask_kwargs(self.model, batch["document_ids"])
+    def _prepare(self, batch: dict) -> tuple[dict, dict]:
+        """(the batch this rank computes, its mask kwargs): the attention mask is built once, here, so every layer
+        shares it (and we can log its density); under context parallelism the rows are split over the cp ranks."""
+        if self.context_parallel is not None:
+            return self.context_parallel.shard(self.model, batch)
+        return batch, mask_kwargs(self.model, batch["document_ids"])
+
+    @property
+    def _cp(self) -> int:
+        return self.context_parallel.degree if self.context_parallel is not None else 1
+
+    def _share(self, count: int) -> float:
+        """This rank's share of a count over its rows (all of it, unless context parallelism splits the rows)."""
+        return count if self._cp == 1 else count / self._cp
 
     @property
     def _patched_attention(self) -> bool:
@@ -159,7 +173,8 @@ class Trainer:
                               torch.tensor(float(self._stop_signal is not None), dtype=torch.float64)]).to(self.device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
-        n_valid = counts[0].clamp(min=1).float()
+        # the cp ranks of a group read the same rows: the all-reduce counted each row cp times (exact: integers)
+        n_valid = (counts[0] / self._cp).clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
         density, model_flops, hardware_flops = [], 0.0, 0.0
         for i, host_batch in enumerate(micro_batches):
@@ -167,7 +182,7 @@ class Trainer:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in host_batch.items()
                      if isinstance(v, torch.Tensor)}
             with self._phase("mask"):
-                mask_kwargs = self._mask_kwargs(batch)
+                batch, mask_kwargs = self._prepare(batch)
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2)
@@ -208,8 +223,8 @@ class Trainer:
                 "(and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(b["input_ids"].numel() for b in micro_batches)
-        useful = sum(int(b["useful_tokens"]) for b in micro_batches)
+        tokens = self._share(sum(b["input_ids"].numel() for b in micro_batches))
+        useful = self._share(sum(int(b["useful_tokens"]) for b in micro_batches))
         metrics = {
             "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful, "lr": lr,
             "block_density": density_value if density else None,
@@ -227,8 +242,9 @@ class Trainer:
         pairs = {w: attended_pairs(host_batch["document_lengths"], w) for w in set(windows)}
         model = self.flops.model_flops(host_batch["useful_tokens"], predicting, [pairs[w] for w in windows])
         # HF's own attention has no masks of ours: its causal kernel computes the causal square of each row
+        # (under context parallelism: this rank's mask, its share of the tokens)
         executed = mask_kwargs[MASK_KWARG].executed_pairs if mask_kwargs else B * S * (S + 1) // 2
-        return model, self.flops.hardware_flops(B * S, predicting, executed)
+        return self._share(model), self.flops.hardware_flops(self._share(B * S), self._share(predicting), executed)
 
     def _autocast(self):
         fsdp_casts = (self.dist.world_size > 1 and self.job.parallel.strategy == "fsdp" and self.device.type == "cuda"
@@ -352,7 +368,7 @@ class Trainer:
         """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience."""
         start = time.perf_counter()
         self.model.eval()
-        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._mask_kwargs,
+        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._prepare,
                                self._autocast)
         self.model.train()
         s, cfg = self.state, self.job.train

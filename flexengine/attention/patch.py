@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "flexengine"
 MASK_KWARG = "flexengine_mask"
+# an attention module's child that replaces the flex call (context parallelism: torch's K/V all-gather hook on it)
+CP_ATTENTION = "flexengine_cp_attention"
 
 _compiled_flex = None
 
@@ -99,7 +101,8 @@ def flexengine_attention(
     if mask.block_mask is not None:  # flex
         if dropout:
             raise NotImplementedError("FlexAttention has no attention dropout; set the model's attention_dropout=0")
-        flex = _flex_fn(masks.spec.compile)
+        flex = getattr(module, CP_ATTENTION, None)
+        flex = _flex_fn(masks.spec.compile) if flex is None else flex
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
     elif mask.varlen_ids is not None:
         if dropout:

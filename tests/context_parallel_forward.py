@@ -1,0 +1,78 @@
+"""Context parallelism on CPU (gloo): under torchrun, each rank computes its share of a packed multi-document
+batch through torch's context parallel + FSDP2 on the (dp, cp) mesh; rank 0 saves the gathered logits, the
+loss sum and the eval loss next to a single-process reference on the same weights (flex without CP, and the
+dense reference backend). FlexAttention's forward only: its CPU backward does not exist (bench/gpu_check.py
+checks the gradients on GPUs). Driven by tests/test_context_parallel.py.
+
+usage: torchrun --nproc_per_node 2 tests/context_parallel_forward.py OUT_FILE
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flexengine.attention import patch_attention
+from flexengine.config import ParallelConfig
+from flexengine.context_parallel import build_context_parallel
+from flexengine.data.packing import pack_documents
+from flexengine.evaluate import evaluate_loss
+from flexengine.loss import forward_loss_sum
+from flexengine.parallel import apply_parallel, init_distributed
+from tests.helpers import clone_model, make_llama
+
+SEQ_LEN = 1024  # 8 blocks of 128: PTRR balances whole blocks, 4 per rank
+LAYERS = 4
+
+
+def packed_batch() -> dict:
+    """Two rows of unequal documents (one crosses blocks, one is 3 tokens, padding at a row end)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [700, 3, 190, 131, 600, 250, 90, 61, 17]
+    docs = [torch.randint(1, 256, (n,), generator=g) for n in lengths]
+    batch = pack_documents(docs, SEQ_LEN, strategy="greedy")
+    assert batch["input_ids"].shape == (2, SEQ_LEN), batch["input_ids"].shape
+    return batch
+
+
+def main(out: str) -> None:
+    """Reference on every rank (same seed, same weights), then the CP forward; rank 0 saves both."""
+    info = init_distributed(ParallelConfig(cp=2, backend="gloo"), torch.device("cpu"))
+    model = make_llama(num_hidden_layers=LAYERS)  # GQA: 4 query heads, 2 KV heads
+    dense = patch_attention(clone_model(model), backend="dense")
+    reference = patch_attention(clone_model(model), backend="flex", compile=False)
+    patch_attention(model, backend="flex", compile=False)
+    batch = packed_batch()
+    with torch.no_grad():
+        ref = {"logits": reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits,
+               "loss_sum": forward_loss_sum(reference, batch),
+               "dense_logits": dense(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits}
+
+    cp = build_context_parallel(info, torch.device("cpu"))
+    cp.apply(model)
+    root = apply_parallel(model, ParallelConfig(cp=2), info, torch.device("cpu"), chunk_size=100,
+                          fsdp_mesh=cp.fsdp_mesh)
+    sharded = {n: p.to_local().shape[0] for n, p in model.named_parameters()}  # each rank's first-dim shard
+    with torch.no_grad():
+        share, mask_kwargs = cp.shard(model, batch)
+        loss_sum = root(share, **mask_kwargs).detach()
+        hidden = model.get_decoder()(input_ids=share["input_ids"], position_ids=share["position_ids"],
+                                     **mask_kwargs).last_hidden_state
+        logits = model.get_output_embeddings()(hidden)
+        evaluation = evaluate_loss(root, [batch], torch.device("cpu"), lambda b: cp.shard(model, b),
+                                   contextlib.nullcontext)
+    local = {"logits": logits, "token_index": share["token_index"], "targets": share["targets"],
+             "blocks": mask_kwargs["flexengine_mask"].by_hf_window[None].computed_blocks}
+    gathered = [None] * info.world_size
+    dist.all_gather_object(gathered, {**local, "loss_sum": loss_sum, "seq_len_local": share["input_ids"].shape[1]})
+    if info.is_main:
+        torch.save({"ref": ref, "ranks": gathered, "eval": evaluation, "batch": batch,
+                    "fsdp_shards": sharded}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
