@@ -8,6 +8,8 @@ the others or the JSON (it is rewritten after every check, and once more on the 
                  "No tests collected", a skip on a GPU machine or a collection error is a failure.
   step_time      compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
   doctor         `flexengine.doctor` on the GPU (tiny model, flex): verdicts, recompiles counted
+  cp_grads       context parallelism: with 2 GPUs a parallel.cp=2 training step's gradients vs one process;
+                 on 1 GPU (recorded: the 2-rank part skipped) torch's CP flex math with virtual ranks
 Run through bench/gpu_check.sh. Usage: python bench/gpu_check.py --out bench/results/gpu_check.json [--budget-s 380]
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_TESTS = "tests/gpu"  # where GPU-only tests live; collected with -m gpu
-SCRIPT_CHECKS = {"step_time": 150, "doctor": 60}  # name -> timeout (s)
+SCRIPT_CHECKS = {"step_time": 150, "doctor": 60, "cp_grads": 240}  # name -> timeout (s)
 PYTEST_TIMEOUT_S = 150  # per test function (first compiles included)
 
 

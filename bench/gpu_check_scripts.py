@@ -2,6 +2,11 @@
 
   step_time  compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
   doctor     `flexengine.doctor` on the GPU (tiny model, flex): verdicts and recompiles
+  cp_grads   context parallelism's gradients: 2 GPUs -> a real training step under torchrun with parallel.cp=2
+             (NCCL, FSDP2 on the (dp, cp) mesh, compiled flex) vs one process, per-tensor gradients before the
+             optimizer; 1 GPU -> that part is recorded as skipped (it needs 2), and torch's CP attention math runs
+             in one process instead: each virtual rank's queries against the gathered K/V under torch's CP
+             BlockMask (PTRR-balanced), flex backward, gradients summed over the ranks vs unsharded flex
 """
 
 from __future__ import annotations
@@ -158,10 +163,113 @@ def check_doctor() -> dict:
 
 
 
+CP_RUN = ["model=tiny", "attn=packed_doc", "hardware=h100_80g", "data.seq_len=2048", "data.demo_max_files=80",
+          "train.micro_batch=2", "precision.mode=fp32", "parallel.mixed_precision=false", "optim.grad_clip=0"]
+
+
+def _grads_run(out: Path, ranks: int, *overrides: str) -> dict:
+    """tests/parallel_grads.py: the first step's gradients (full tensors, rank 0), alone or under torchrun."""
+    import os
+    import subprocess
+
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                 "29613"] if ranks else [sys.executable])
+    proc = subprocess.run([*launcher, str(REPO / "tests" / "parallel_grads.py"), str(out), *CP_RUN, *overrides],
+                          capture_output=True, text=True, timeout=110, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(launcher[-3:])} parallel_grads.py failed:\n{proc.stderr[-3000:]}")
+    return torch.load(out / "grads.pt")["grads"]
+
+
+def _relative_errors(got: dict, ref: dict) -> dict:
+    return {name: float((got[name] - ref[name]).norm() / ref[name].norm().clamp(min=1e-30)) for name in ref}
+
+
+def cp_two_ranks() -> dict:
+    """One training step with parallel.cp=2 on 2 GPUs vs the same rows in one process: gradients per tensor."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ref = _grads_run(Path(d) / "one", 0)
+        got = _grads_run(Path(d) / "cp2", 2, "parallel.cp=2")
+    errors = _relative_errors(got, ref)
+    worst = max(errors, key=errors.get)
+    return {"ok": got.keys() == ref.keys() and errors[worst] < 1e-4, "tensors": len(errors),
+            "max_relative_error": errors[worst], "worst_tensor": worst}
+
+
+class _VirtualCPRank:
+    """What torch's _create_cp_block_mask reads of a DeviceMesh (its size, this rank, the device type), for one
+    rank of a context-parallel group simulated inside one process."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.world, self.device_type = rank, size, "cuda"
+
+    def size(self) -> int:
+        return self.world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192) -> dict:
+    """torch's CP flex math on one GPU: q of each virtual rank (PTRR order) against the whole reordered K/V under
+    torch's CP BlockMask; summing the ranks' dK/dV is what flex_cp_allgather's backward reduce-scatter does.
+    Proves flex's backward under CP masks (Q_LEN = S/cp, KV_LEN = S); not the collectives, FSDP or the trainer."""
+    from torch.distributed.tensor.experimental._context_parallel import _PTRRLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flexengine.attention.block_mask import canonical_document_ids, document_block_mask
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    lengths = doc_lengths(seq_len, 900, 4000, seed=3)
+    doc = canonical_document_ids(torch.cat([torch.full((n,), i, dtype=torch.int32)
+                                            for i, n in enumerate(lengths)])[None].to(DEV))
+    mask = document_block_mask(True, doc, None, 128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, seq_len, 128, device=DEV, generator=g, requires_grad=True) for h in (32, 8, 8))
+    out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+    grad_out = torch.randn(out.shape, device=DEV, generator=g)
+    ref = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    balancer = _PTRRLoadBalancer(mask, cp)
+    order = balancer._generate_indices()[0]  # reordered position -> original position
+    qr, kr, vr = (t.detach()[:, :, order].requires_grad_() for t in (q, k, v))
+    grads = [torch.zeros_like(t) for t in (qr, kr, vr)]
+    work, shard = [], seq_len // cp
+    for rank in range(cp):
+        local = slice(rank * shard, (rank + 1) * shard)
+        cp_mask = _create_cp_block_mask(mask.mask_mod, 1, 1, seq_len, seq_len, _VirtualCPRank(rank, cp), balancer)
+        work.append(int(cp_mask.kv_num_blocks.sum() + cp_mask.full_kv_num_blocks.sum()))
+        out_r = flex(qr[:, :, local], kr, vr, block_mask=cp_mask, enable_gqa=True)
+        dq, dk, dv = torch.autograd.grad(out_r, (qr, kr, vr), grad_out[:, :, order][:, :, local])
+        grads[0] += dq
+        grads[1] += dk  # the reduce-scatter's sum over ranks
+        grads[2] += dv
+    restore = torch.argsort(order)
+    errors = {name: float((g_[:, :, restore] - r).norm() / r.norm())
+              for name, g_, r in zip(("dq", "dk", "dv"), grads, ref)}
+    blocks = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
+    return {"ok": max(errors.values()) < 1e-4 and sum(work) == blocks, "relative_errors": errors,
+            "documents": len(lengths), "blocks_per_rank": work, "blocks_total": blocks}
+
+
+def check_cp_grads() -> dict:
+    """cp_two_ranks where 2 GPUs are visible (else recorded as skipped), cp_virtual_ranks always."""
+    virtual = cp_virtual_ranks()
+    if torch.cuda.device_count() < 2:
+        return {"ok": virtual["ok"], "virtual_ranks": virtual,
+                "two_ranks": f"skipped: {torch.cuda.device_count()} GPU visible, the NCCL training step needs 2"}
+    two = cp_two_ranks()
+    return {"ok": virtual["ok"] and two["ok"], "virtual_ranks": virtual, "two_ranks": two}
+
+
 def main(name: str, out: Path) -> None:
     """Run one check and write its record (also when it raises)."""
     try:
-        record = {"step_time": check_step_time, "doctor": check_doctor}[name]()
+        record = {"step_time": check_step_time, "doctor": check_doctor, "cp_grads": check_cp_grads}[name]()
     except Exception as e:
         record = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     out.write_text(json.dumps(record, indent=2, default=str))

@@ -34,8 +34,8 @@ class PlanOptions:
     format: str = "table"  # table | json
     max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
     png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
-    cp: int = 1  # context-parallel degree to plan for: hardware.world_size ranks, cp of them share each row
-    # (planned only: training with context parallelism is not implemented yet)
+    cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
+    # each row); None = the job's parallel.cp
 
 
 @dataclass
@@ -99,7 +99,7 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
-def build_max_seq_len(job: JobConfig, png: Optional[Path], cp: int = 1) -> dict:
+def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.fit import plan_job
     from flexengine.hardware import assumed_hardware
@@ -110,7 +110,8 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path], cp: int = 1) -> dict:
 
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
-    x = dataclasses.replace(plan_inputs(job, hardware, plan_job(job, hf_config, hardware).precision), cp=cp)
+    x = plan_inputs(job, hardware, plan_job(job, hf_config, hardware).precision)  # x.cp: parallel.cp
+    cp = x.cp
     tiled = job.memory.tiled_mlp or "auto"
     rows = max_seq_len_table(hf_config, x, tiled)
     longest = max((r["max_seq_len"] for r in rows), default=0)
@@ -185,12 +186,13 @@ def main(cfg: DictConfig) -> None:
         if fmt not in ("table", "json"):
             raise UserError(f"plan.format={fmt!r}: choose table or json")
         job = to_job_config(cfg)
-        cp = cfg.plan.cp
+        cp = cfg.plan.cp if cfg.plan.cp is not None else job.parallel.cp
         if cp < 1 or job.hardware.world_size % cp:
-            raise UserError(f"plan.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
-                            "(each row is shared by cp ranks), e.g. hardware.world_size=8 plan.cp=8")
+            raise UserError(f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
+                            "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8")
+        job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cp=cp))  # checked again
         if cfg.plan.max_seq_len:
-            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None, cp)
+            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
         plan = build_plan(job)

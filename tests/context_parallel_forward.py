@@ -1,8 +1,8 @@
 """Context parallelism on CPU (gloo): under torchrun, each rank computes its share of a packed multi-document
-batch through torch's context parallel + FSDP2 on the (dp, cp) mesh; rank 0 saves the gathered logits, the
-loss sum and the eval loss next to a single-process reference on the same weights (flex without CP, and the
-dense reference backend). FlexAttention's forward only: its CPU backward does not exist (bench/gpu_check.py
-checks the gradients on GPUs). Driven by tests/test_context_parallel.py.
+batch through torch's context parallel + FSDP2 on the (dp, cp) mesh, blocks compiled (aot_eager, fullgraph);
+rank 0 saves the gathered logits, the loss sum and the eval loss next to a single-process reference on the same
+weights (flex without CP, and the dense reference backend). FlexAttention's forward only: its CPU backward does
+not exist (bench/gpu_check.py checks the gradients on GPUs). Driven by tests/test_context_parallel.py.
 
 usage: torchrun --nproc_per_node 2 tests/context_parallel_forward.py OUT_FILE
 """
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flexengine.attention import patch_attention
+from flexengine.compile import apply_compile
 from flexengine.config import ParallelConfig
 from flexengine.context_parallel import build_context_parallel
 from flexengine.data.packing import pack_documents
@@ -53,6 +54,7 @@ def main(out: str) -> None:
 
     cp = build_context_parallel(info, torch.device("cpu"))
     cp.apply(model)
+    apply_compile(model, "aot_eager")  # fullgraph per block, as training compiles: the CP hook must trace
     root = apply_parallel(model, ParallelConfig(cp=2), info, torch.device("cpu"), chunk_size=100,
                           fsdp_mesh=cp.fsdp_mesh)
     sharded = {n: p.to_local().shape[0] for n, p in model.named_parameters()}  # each rank's first-dim shard

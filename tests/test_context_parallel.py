@@ -75,7 +75,8 @@ def test_two_ranks_give_one_process_logits_and_loss(cp_run):
 @pytest.mark.slow
 def test_ranks_get_equal_attention_work(cp_run):
     """PTRR load balancing: each rank computes nearly the same number of attention blocks; a plain split into
-    the first and second half of each row would give the second half far more (causal rows, long documents)."""
+    the first and second half of each row would give the second half more (causal rows, long documents).
+    Measured on the test batch: 23 vs 24 blocks; halves: 20 vs 27."""
     from flexengine.attention.block_mask import canonical_document_ids, document_block_mask
 
     blocks = [int(r["blocks"]) for r in cp_run["ranks"]]

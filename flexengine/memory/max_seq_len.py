@@ -2,22 +2,27 @@
 bytes model, searched), with the estimated step time there, and memory-vs-length curves for a plot.
 
 Every term of the bytes model grows with the row length, so "fits" is monotone in it and a bisection over
-multiples of `step` tokens (the FlexAttention block, 128) finds the boundary exactly.
+multiples of `step` tokens (the FlexAttention block, 128; x cp under context parallelism, whose rows must split
+into whole blocks per rank) finds the boundary exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from flexengine.config import CP_BLOCK_SIZE
 from flexengine.memory.planner import GiB, ModelShape, PlanInputs, candidates_for, evaluate
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
 
 
-def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: int = 128) -> int:
-    """The longest seq_len (a multiple of `step`) whose step fits under `memory`; 0 if not even `step` does."""
+def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None) -> int:
+    """The longest seq_len (a multiple of `step`, default 128 x cp) whose step fits under `memory`; 0 if not even
+    `step` does."""
+    step = step or CP_BLOCK_SIZE * x.cp
+
     def fits(n: int) -> bool:
         return evaluate(m, dataclasses.replace(x, seq_len=n * step), memory)["fits"]
 
@@ -34,7 +39,7 @@ def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: int = 128) -> in
     return lo * step
 
 
-def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: int = 128) -> list[dict]:
+def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None) -> list[dict]:
     """Per candidate policy: the longest fitting seq_len, and the step time, tokens/s, recompute share and
     host traffic at that length (x.micro_batch rows per micro-batch)."""
     m = ModelShape.from_hf_config(hf_config)

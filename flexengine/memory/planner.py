@@ -111,6 +111,8 @@ class Workload:
     mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
     doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
     dense_chunk: int = 512  # dense backend: attn.dense_chunk, queries per SDPA call
+    cp: int = 1  # context parallelism: seq_len is this rank's share of a row of cp x seq_len tokens, whose K and V
+    # attention gathers whole (torch's flex CP path) and holds for its backward
 
     @property
     def tokens(self) -> int:
@@ -142,7 +144,8 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
     def norm() -> dict[str, int]:
         return {"input_fp32": 4 * T * h, "normalised": p * T * h, "scaled_output": p * T * h, "rsqrt": 4 * T}
 
-    attention = {"q_rope": p * T * ad, "k_rope": p * T * kd, "v": p * T * kd, "attn_out": p * T * ad,
+    # flex saves its K and V inputs: under context parallelism the whole row's, all-gathered (cp x T tokens)
+    attention = {"q_rope": p * T * ad, "k_rope": p * T * w.cp * kd, "v": p * T * w.cp * kd, "attn_out": p * T * ad,
                  "logsumexp": 4 * T * m.heads}
     if w.backend == "flex":
         attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
@@ -412,12 +415,20 @@ class PlanInputs:
 
 
 
+def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
+    """One rank's micro-batch: under context parallelism its seq_len / cp tokens of every row (the whole row's
+    K and V gathered in attention)."""
+    return Workload(x.micro_batch if micro_batch is None else micro_batch, -(-x.seq_len // x.cp), x.dtype_bytes,
+                    x.backend, x.chunk_size, mlp_tile, cp=x.cp)
+
+
 def gathered_kv_bytes(m: ModelShape, x: PlanInputs) -> int:
-    """Context parallelism's all-gathered K and V of the whole row for one block's attention, and their
-    gradients in its backward (torch's context_parallel, allgather rotation); 0 without CP."""
+    """Context parallelism: the gradients of one block's all-gathered K and V (the whole row's, before
+    flex_cp_allgather's backward reduce-scatters them to this rank's share); 0 without CP. The gathered K and V
+    themselves are in the block's inventory (`block_inventory`, Workload.cp)."""
     if x.cp <= 1:
         return 0
-    return 4 * x.micro_batch * x.seq_len * m.kv_heads * m.head_dim * x.dtype_bytes
+    return 2 * x.micro_batch * x.seq_len * m.kv_heads * m.head_dim * x.dtype_bytes
 
 
 def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
@@ -477,7 +488,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
     memory = resolve_tiles(memory, m)
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
-    w = Workload(x.micro_batch, -(-x.seq_len // x.cp), x.dtype_bytes, x.backend, x.chunk_size, memory.tiled_mlp)
+    w = rank_workload(x, memory.tiled_mlp)
     # A causal row attends half its keys; local queries see all seq_len keys: S^2 / cp, i.e. (S / cp)^2 x cp.
     attended = 0.5 * x.cp
     act = estimate_activations(m, w, memory, attended_fraction=attended)
@@ -573,7 +584,7 @@ def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
                          "uses_offload": _offloads(mem), **row})  # row["memory"]: tiles resolved
     fitting = [r for r in rows if r["fits"]]
     best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: (r["total_bytes"] + r["host_bytes"]))
-    w = Workload(best["micro_batch"], x.seq_len, x.dtype_bytes, x.backend, x.chunk_size)
+    w = rank_workload(x, micro_batch=best["micro_batch"])
     per_block = {r["label"]: r.pop("activation_bytes_per_block") for r in rows}
     plan = {
         "hf_config": hf_config.to_dict(), "seq_len": x.seq_len, "micro_batch": best["micro_batch"],
@@ -671,4 +682,4 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
                       embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
                       # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
                       fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
-                      precision=spec.name)
+                      precision=spec.name, cp=job.parallel.cp)

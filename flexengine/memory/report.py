@@ -13,7 +13,7 @@ from flexengine.attention.spec import AttnBackend
 from flexengine.config import JobConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory.meter import measure_activations
-from flexengine.memory.planner import ModelShape, Workload, estimate_activations, plan_inputs
+from flexengine.memory.planner import ModelShape, estimate_activations, plan_inputs, rank_workload
 from flexengine.precision import PrecisionSpec, autocast_context
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,7 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
         del out
         return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}
     x = plan_inputs(job, job.hardware, precision, on_cuda=device.type == "cuda")
-    est = estimate_activations(ModelShape.from_hf_config(model.config),
-                               Workload(x.micro_batch, x.seq_len, x.dtype_bytes, x.backend, x.chunk_size), memory)
+    est = estimate_activations(ModelShape.from_hf_config(model.config), rank_workload(x), memory)
     return {"activation_bytes": est.total_bytes, "activation_bytes_per_block": est.per_block,
             "activation_other_bytes": est.other_bytes, "activation_offloaded_bytes": est.offloaded_bytes,
             "activation_bytes_source": "planner", "memory_policy": dataclasses.asdict(memory)}

@@ -61,19 +61,49 @@ def test_cli_table_json_and_png(tmp_path):
 
 
 def test_context_parallel_divides_activations_and_adds_gathered_kv():
-    """cp ranks share a row: per-token bytes / cp, plus the whole row's K and V (and their gradients) in one
-    block's attention; the attention FLOPs per rank are S^2 / cp, so longer rows fit on 8 GPUs than on 1."""
-    from flexengine.memory.planner import gathered_kv_bytes
+    """cp ranks share a row: per-token bytes are a rank's S / cp tokens, except the whole row's K and V that
+    attention gathers (held for backward when attention is not recomputed) and their gradients in backward.
+    Hand computation for deepseek-7B (MHA: 32 KV heads x 128 = 4096 K/V width), 64K tokens over 8 ranks, bf16."""
+    from flexengine.memory.planner import Workload, block_bytes, block_working_bytes, gathered_kv_bytes, rank_workload
 
     cfg = _deepseek()
     m = ModelShape.from_hf_config(cfg)
     node = dataclasses.replace(A100, world_size=8)
-    x1 = PlanInputs(seq_len=65536, micro_batch=1, dtype_bytes=2, hardware=node, chunk_size=1024)
+    S, T, kd, p = 65536, 8192, 4096, 2  # row, this rank's share, K/V width, bf16
+    x1 = PlanInputs(seq_len=S, micro_batch=1, dtype_bytes=p, hardware=node, chunk_size=1024)
     x8 = dataclasses.replace(x1, cp=8)
-    full = candidates_for("auto")[6][1]  # "full"
+    local = Workload(1, T, p, "flex", 1024)  # the rank's tokens as if they were a row of their own
+    assert rank_workload(x8) == dataclasses.replace(local, cp=8)
+    # the gradients of the gathered K and V: 2 x S x 4096 x 2 bytes = 1 GiB; nothing without CP
+    assert gathered_kv_bytes(m, x8) == 2 * S * kd * p == 2**30 and gathered_kv_bytes(m, x1) == 0
+    # no recompute: a block holds the gathered K and V, (S - T) tokens more than its own, = 1.75 GiB
+    extra_kv = 2 * (S - T) * kd * p
+    assert block_bytes(m, rank_workload(x8), None, False)[0] - block_bytes(m, local, None, False)[0] == extra_kv
+    full = candidates_for("auto")[6][1]  # "full": blocks keep only their input
     e1, e8 = evaluate(m, x1, full), evaluate(m, x8, full)
+    assert e8["activation_bytes"] == evaluate(m, dataclasses.replace(x1, seq_len=T), full)["activation_bytes"]
     assert e8["activation_bytes"] == pytest.approx(e1["activation_bytes"] / 8, rel=0.01)
-    assert gathered_kv_bytes(m, x8) == 4 * 65536 * 4096 * 2 and gathered_kv_bytes(m, x1) == 0
-    assert e8["terms"]["backward_workspace_bytes"] > evaluate(
-        m, dataclasses.replace(x1, seq_len=8192), full)["terms"]["backward_workspace_bytes"]
+    # backward re-runs one block: its working set at T tokens + the gathered K/V + their gradients
+    assert e8["terms"]["backward_workspace_bytes"] == block_working_bytes(m, local) + extra_kv + 2 * S * kd * p
     assert longest_fitting(m, x8, full) > 4 * longest_fitting(m, x1, full)
+
+
+def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
+    """parallel.cp reaches the planner (no separate plan option needed), and every longest row is a multiple of
+    cp x 128 tokens (a row training could run), exact to that step."""
+    from flexengine.doctor import compose_job
+    from flexengine.plan import build_max_seq_len
+
+    job = compose_job(["model=deepseek7b", "model.init=random", "hardware=a100_80g", "hardware.world_size=8",
+                       "parallel.cp=8", "train.micro_batch=1", "loss.chunk_size=1024"])
+    report = build_max_seq_len(job, None)
+    assert report["cp"] == 8 and report["world_size"] == 8
+    lengths = {r["label"]: r["max_seq_len"] for r in report["policies"]}
+    assert all(n % 1024 == 0 for n in lengths.values()) and lengths["full"] > 0
+    m = ModelShape.from_hf_config(_deepseek())
+    x = PlanInputs(seq_len=1024, micro_batch=1, dtype_bytes=2, hardware=dataclasses.replace(A100, world_size=8),
+                   chunk_size=1024, cp=8)
+    full = candidates_for("auto")[6][1]
+    n = longest_fitting(m, x, full)
+    assert n % 1024 == 0 and evaluate(m, dataclasses.replace(x, seq_len=n), full)["fits"]
+    assert not evaluate(m, dataclasses.replace(x, seq_len=n + 1024), full)["fits"]
