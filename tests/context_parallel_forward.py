@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from flexengine.attention import patch_attention
 from flexengine.compile import apply_compile
@@ -29,10 +30,9 @@ SEQ_LEN = 1024  # 8 blocks of 128: PTRR balances whole blocks, 4 per rank
 LAYERS = 4
 
 
-def packed_batch() -> dict:
-    """Two rows of unequal documents (one crosses blocks, one is 3 tokens, padding at a row end)."""
-    g = torch.Generator().manual_seed(1)
-    lengths = [700, 3, 190, 131, 600, 250, 90, 61, 17]
+def packed_batch(lengths: tuple = (700, 3, 190, 131, 600, 250, 90, 61, 17), seed: int = 1) -> dict:
+    """Two rows of unequal documents (by default: one crosses blocks, one is 3 tokens, padding at a row end)."""
+    g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 256, (n,), generator=g) for n in lengths]
     batch = pack_documents(docs, SEQ_LEN, strategy="greedy")
     assert batch["input_ids"].shape == (2, SEQ_LEN), batch["input_ids"].shape
@@ -47,9 +47,10 @@ def main(out: str) -> None:
     reference = patch_attention(clone_model(model), backend="flex", compile=False)
     patch_attention(model, backend="flex", compile=False)
     batch = packed_batch()
+    other = packed_batch((300, 700, 24, 1000), seed=2)  # another layout of the same shape (eval's second batch)
     with torch.no_grad():
         ref = {"logits": reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits,
-               "loss_sum": forward_loss_sum(reference, batch),
+               "loss_sum": forward_loss_sum(reference, batch), "other_loss_sum": forward_loss_sum(reference, other),
                "dense_logits": dense(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits}
 
     cp = build_context_parallel(info, torch.device("cpu"))
@@ -64,15 +65,17 @@ def main(out: str) -> None:
         hidden = model.get_decoder()(input_ids=share["input_ids"], position_ids=share["position_ids"],
                                      **mask_kwargs).last_hidden_state
         logits = model.get_output_embeddings()(hidden)
-        evaluation = evaluate_loss(root, [batch], torch.device("cpu"), lambda b: cp.shard(model, b),
+        graphs = counters["stats"]["unique_graphs"]  # compiled blocks + torch's compiled CP mask builder
+        evaluation = evaluate_loss(root, [batch, other], torch.device("cpu"), lambda b: cp.shard(model, b),
                                    contextlib.nullcontext)
+        new_graphs = counters["stats"]["unique_graphs"] - graphs  # a new document layout must not recompile
     local = {"logits": logits, "token_index": share["token_index"], "targets": share["targets"],
              "blocks": mask_kwargs["flexengine_mask"].by_hf_window[None].computed_blocks}
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, {**local, "loss_sum": loss_sum, "seq_len_local": share["input_ids"].shape[1]})
     if info.is_main:
-        torch.save({"ref": ref, "ranks": gathered, "eval": evaluation, "batch": batch,
-                    "fsdp_shards": sharded}, out)
+        torch.save({"ref": ref, "ranks": gathered, "eval": evaluation, "batch": batch, "other": other,
+                    "fsdp_shards": sharded, "graphs": graphs, "new_graphs": new_graphs}, out)
     dist.destroy_process_group()
 
 

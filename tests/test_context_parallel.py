@@ -61,10 +61,13 @@ def test_two_ranks_give_one_process_logits_and_loss(cp_run):
     assert torch.equal(_gathered(ranks, "targets", (B, S)), shift_targets(batch["labels"]))
     total = sum(r["loss_sum"] for r in ranks)
     torch.testing.assert_close(total, ref["loss_sum"], rtol=1e-6, atol=0)
-    # the eval path: the loss over all ranks' targets divided by the global count of valid targets, once
-    n_valid = int((batch["labels"][:, 1:] != -100).sum())
+    # the eval path over two layouts: all ranks' token losses divided by the global count of valid targets, once
+    n_valid = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (batch, cp_run["other"]))
     assert cp_run["eval"]["tokens"] == n_valid
-    assert cp_run["eval"]["loss"] == pytest.approx(float(ref["loss_sum"]) / n_valid, rel=1e-6)
+    expected = float(ref["loss_sum"] + ref["other_loss_sum"]) / n_valid
+    assert cp_run["eval"]["loss"] == pytest.approx(expected, rel=1e-6)
+    # the blocks compiled fullgraph with the CP hook inside; a new layout of the same shape compiled nothing new
+    assert cp_run["graphs"] >= 1 and cp_run["new_graphs"] == 0
     # FSDP2 sharded every weight over both ranks of the flattened dp x cp mesh
     from tests.helpers import make_llama
 
