@@ -463,7 +463,9 @@ class TrainConfig:
     grad_accum: int = 2  # micro-batches per optimizer step
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only at the end)
     save_final: bool = True  # checkpoint at the end of the run
-    resume: Optional[str] = None  # auto (latest checkpoint in this run dir or train.output_dir) | path to step_<N>
+    resume: Optional[str] = None  # auto (newest checkpoint of train.output_dir that verifies) | path to step_<N>
+    resume_new_data: bool = False  # resume even though the data stream changed (corpus, seq_len, packing,
+    # micro_batch, ranks, seed): keep weights, optimizer and step; read the new data from its first row
     seed: int = 0
     log_every: int = 1  # optimizer steps between log lines (console, metrics.jsonl, TensorBoard)
     keep_last: int = 0  # keep the newest N step_<N> checkpoints (never the best or the resumed-from); 0 = all

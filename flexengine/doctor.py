@@ -22,7 +22,6 @@ import torch
 
 from flexengine.applied import applied
 from flexengine.attention.spec import AttnBackend
-from flexengine.checkpoint import write_json_atomic
 from flexengine.cli import compose_job, fail
 from flexengine.compile import CompileWatch
 from flexengine.config import JobConfig, MemoryConfig
@@ -31,6 +30,7 @@ from flexengine.hooks import PHASES as STEP_PHASES
 from flexengine.hooks import StepHooks
 from flexengine.memory.planner import ModelShape, evaluate, plan_inputs, plan_memory
 from flexengine.metrics import utilization
+from flexengine.storage import write_json_atomic
 
 log = logging.getLogger(__name__)
 

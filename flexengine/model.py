@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
     use_cache off for training."""
+    if model.trust_remote_code:
+        log.warning("model.trust_remote_code=true: Python code shipped in %s will run in this process; use it "
+                    "only for model directories you trust", model.path or model.tokenizer or "the model directory")
     if model.path is not None:
         path = Path(model.path)
         if not path.is_dir():
@@ -31,8 +34,9 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
             )
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
-        except ValueError as e:
-            raise UserError(f"model.path={model.path!r}: transformers cannot read its config.json: {e}") from None
+        except (ValueError, OSError) as e:  # OSError: not valid JSON (transformers' wording names the file)
+            raise UserError(f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
+                            "replace the file (it must be the model's Hugging Face config).") from None
     else:
         arch = dict(model.arch)
         model_type = arch.pop("model_type")

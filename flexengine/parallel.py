@@ -12,25 +12,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
 
-from flexengine.checkpoint import load_model_weights, load_trainer_state, save_checkpoint
-from flexengine.config import LoraConfig, ParallelConfig
-from flexengine.errors import UserError
-from flexengine.lora import adapter_to_model_keys, is_lora, merge_lora_state_dict
+from flexengine.config import ParallelConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import decoder_layers
-
-RANK_STATE = "trainer_state.rank{rank}.pt"  # ranks > 0: their optimizer shard and RNG, next to rank 0's state
 
 log = logging.getLogger(__name__)
 
@@ -202,102 +194,9 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
         set_sync(True)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 holds the model's parameters as DTensor shards."""
-    return any(hasattr(p, "to_local") for p in model.parameters())
-
-
-def gather_full_state_dict(model: nn.Module) -> dict:
-    """The full (unsharded) state dict on CPU at rank 0 ({} elsewhere); every rank must call it."""
-    if not is_sharded(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_checkpoint_all_ranks(root: Path, step: int, model: nn.Module, tokenizer, trainer_state: dict,
-                              merge_lora: Optional[LoraConfig] = None) -> Path:
-    """Every rank calls this: weights gathered to rank 0, which writes the HF (or adapter) directory;
-    ranks > 0 add their own trainer state (optimizer shard, RNG) next to rank 0's."""
-    rank, world_size = _rank(), _world_size()
-    full = gather_full_state_dict(model) if is_sharded(model) or merge_lora is not None else None
-    trainer_state = {**trainer_state, "world_size": world_size}
-    staged = root / f".rank_state_step_{step}"
-    if rank > 0:  # staged first, so rank 0 only publishes the step once every rank's state is on disk
-        staged.mkdir(parents=True, exist_ok=True)
-        torch.save(trainer_state, staged / RANK_STATE.format(rank=rank))
-    barrier()
-    final = root / f"step_{step}"
-    if rank == 0:
-        final = save_checkpoint(root, step, model, tokenizer, trainer_state, model_state=full)
-        for r in range(1, world_size):
-            os.replace(staged / RANK_STATE.format(rank=r), final / RANK_STATE.format(rank=r))
-        shutil.rmtree(staged, ignore_errors=True)
-        if merge_lora is not None:
-            _save_merged(final / "merged", model, tokenizer, merge_lora_state_dict(full, merge_lora))
-    barrier()
-    return final
-
-
-def _save_merged(directory: Path, peft_model: nn.Module, tokenizer, state: dict) -> None:
-    tmp = directory.with_name(f".tmp_{directory.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.get_base_model().save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
-    log.info("merged LoRA model saved: %s", directory)
-
-
-def load_checkpoint_all_ranks(path: Path, model: nn.Module) -> dict:
-    """Load the weights (full, or LoRA adapters) of a checkpoint on every rank; returns this rank's trainer state."""
-    rank, world_size = _rank(), _world_size()
-    state = load_trainer_state(path)
-    saved_world = state.get("world_size", 1)
-    if saved_world != world_size:
-        raise UserError(
-            f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "
-            f"{world_size}; resume with torchrun --nproc_per_node {saved_world} (optimizer states are sharded)."
-        )
-    if is_lora(model):
-        weights = adapter_to_model_keys(load_file(str(path / "adapter_model.safetensors")))
-    elif not is_sharded(model):
-        load_model_weights(model, path)
-        weights = None
-    else:
-        weights = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-    if weights is not None:
-        _load_full_state_dict(model, weights)
-    if rank > 0:
-        rank_file = path / RANK_STATE.format(rank=rank)
-        if not rank_file.is_file():
-            raise UserError(f"train.resume={path}: {rank_file.name} is missing (incomplete checkpoint).")
-        state = torch.load(rank_file, map_location="cpu", weights_only=False)
-    return state
-
-
-def _load_full_state_dict(model: nn.Module, state: dict) -> None:
-    """Load full tensors (the same on every rank) into a plain or FSDP2-sharded model; only keys given."""
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    else:
-        result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise RuntimeError(f"checkpoint keys the model does not have: {result.unexpected_keys[:5]}")
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:

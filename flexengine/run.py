@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -13,16 +14,15 @@ import numpy as np
 import torch
 
 from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
-from flexengine.checkpoint import write_json_atomic
 from flexengine.compile import apply_compile, needs_compiled_blocks
 from flexengine.config import DataConfig, JobConfig
 from flexengine.context_parallel import build_context_parallel
 from flexengine.data.corpus import build_corpus
-from flexengine.data.loader import HeldOut, RowLoader
+from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
-from flexengine.data.packing import plan_packing
+from flexengine.data.packing import has_targets, plan_packing
 from flexengine.data.split import split_documents
-from flexengine.errors import UserError
+from flexengine.errors import UserError, os_error_message
 from flexengine.fit import fit_job
 from flexengine.hardware import resolve_device, resolve_hardware
 from flexengine.lora import apply_lora
@@ -39,6 +39,7 @@ from flexengine.parallel import (
     shutdown_distributed,
 )
 from flexengine.rope import check_context, context_limits
+from flexengine.storage import CHECKPOINTS, check_output_dir, clean_stale_temp_dirs, write_json_atomic
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,13 @@ def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = F
     log.info("data: %s", _rounded(plan.stats.as_dict()))
     if plan.stats.rows == 0:
         raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
+    if not has_targets(plan, corpus.offsets, corpus.loss_mask):
+        raise UserError(
+            f"data: no packed row has a token to predict (data.seq_len={job.data.seq_len}): a token is a target "
+            "only after an earlier trained token of its document in the same row, and every document piece here "
+            "is a single token (or has no trained token after its first). Raise data.seq_len, keep "
+            "data.add_eos=true, or use longer documents; training would report a meaningless loss of 0."
+        )
     # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
     # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
     trim = job.data.packing == "none" and not flex
@@ -170,6 +178,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
                       context_parallel=context_parallel)
     trainer.plan = fit
     trainer.data_report = data_report
+    trainer.data_plan = data_plan_fingerprint(loader.corpus, job.data, job.train.micro_batch, dist_info.world_size,
+                                              job.train.seed)
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b
@@ -178,21 +188,37 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
 
 
 def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] = None) -> dict:
-    """Train, checkpoint and write out_dir/summary.json; returns the summary."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Train, checkpoint and write out_dir/summary.json; returns the summary. summary["exit_code"] is 0, or
+    128 + signal when SIGTERM/SIGINT stopped the run (after its checkpoint and summary were written)."""
+    try:
+        return _run_training(job, out_dir, resolved_config)
+    except OSError as e:  # a filesystem fault anywhere (cache dir, output dir, ...): one paragraph with the path
+        raise UserError(os_error_message(e, "the run")) from None
+
+
+def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]) -> dict:
+    check_output_dir(out_dir, job.train.resume)  # before anything is written: never mix two runs
+    if os.environ.get("RANK", "0") == "0":  # before the process group exists, torchrun's RANK says who cleans
+        clean_stale_temp_dirs(out_dir / CHECKPOINTS)  # first: a dead save's leftovers may be what fills the disk
     trainer = build_trainer(job, out_dir)
-    if job.train.resume:
-        trainer.resume(job.train.resume)
-    summary = trainer.train()
-    summary["data"] = trainer.data_report
-    summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
-    summary["config"] = resolved_config if resolved_config is not None else asdict(job)
-    if trainer.dist.is_main:
-        write_json_atomic(out_dir / "summary.json", summary)
+    with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
+        if job.train.resume:
+            trainer.resume(job.train.resume)
+        summary = trainer.train()
+        summary["data"] = trainer.data_report
+        summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
+        summary["config"] = resolved_config if resolved_config is not None else asdict(job)
+        if trainer.dist.is_main:
+            write_json_atomic(out_dir / "summary.json", summary)
     shutdown_distributed()
     log.info(
-        "done: %d steps, loss %.4f -> %.4f, %.0f useful tokens/s, %.1f s; summary: %s",
-        summary["steps"], summary["initial_loss"] or float("nan"), summary["final_loss"] or float("nan"),
+        "done: %d steps, loss %s -> %s, %.0f useful tokens/s, %.1f s; summary: %s%s",
+        summary["steps"], _fmt_loss(summary["initial_loss"]), _fmt_loss(summary["final_loss"]),
         summary["useful_tokens_per_s"], summary["wall_s"], out_dir / "summary.json",
+        f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "",
     )
     return summary
+
+
+def _fmt_loss(loss: Optional[float]) -> str:
+    return "n/a" if loss is None else f"{loss:.4f}"  # a real 0.0 stays 0.0000

@@ -69,7 +69,8 @@ def _main(cfg: DictConfig) -> dict:
     else:
         if multirun and summary.get("status") == "interrupted":
             _stop_sweep(Path(hydra_cfg.sweep.dir))  # Ctrl-C stops the whole sweep, not just this job
-            sys.exit(130)
+        if summary["exit_code"]:  # stopped by SIGTERM/SIGINT after a clean save: 128 + signal, like a shell
+            sys.exit(summary["exit_code"])  # (a scheduler tells preemption from completion)
         return summary
     free_memory()  # outside `except`: the traceback no longer holds the failed run's tensors
     return {"status": "failed"}

@@ -20,7 +20,7 @@ from torch import nn
 
 from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, mask_kwargs
-from flexengine.checkpoint import find_latest_checkpoint, mark_best, prune_checkpoints
+from flexengine.checkpoint import load_checkpoint, mark_best, prune_checkpoints, resolve_resume, save_checkpoint
 from flexengine.config import JobConfig
 from flexengine.context_parallel import ContextParallel
 from flexengine.data.loader import HeldOut, RowLoader
@@ -31,16 +31,10 @@ from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
 from flexengine.optim import build_optimizer, build_scheduler
-from flexengine.parallel import (
-    DistInfo,
-    LossForward,
-    grad_norm_value,
-    gradient_sync,
-    load_checkpoint_all_ranks,
-    save_checkpoint_all_ranks,
-)
+from flexengine.parallel import DistInfo, LossForward, grad_norm_value, gradient_sync
 from flexengine.precision import PrecisionSpec, autocast_context, spec_for_params
 from flexengine.profiling import start_profiler
+from flexengine.storage import CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +58,11 @@ class TrainState:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    # numpy's state as tensors and primitives: the checkpoint loads with weights_only=True and no numpy globals
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -72,7 +70,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -107,6 +106,9 @@ class Trainer:
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
+        self._handling_signals = False  # stop_on_signals() is active (it nests)
+        self._saved_step = 0  # step of the last checkpoint saved or resumed (nothing to save at step 0)
+        self.data_plan: dict = {}  # what the data stream depends on (run.build_trainer); checked on resume
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.stopped_early = False  # train.early_stop_patience ran out
         self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
@@ -255,22 +257,23 @@ class Trainer:
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
         cfg = self.job.train
-        with self._signals_request_stop():
+        with self.stop_on_signals():  # through the final save: a signal must not cut it short
             self._loop()
-        stopped = self._should_stop()
-        if stopped:
-            log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
-                        self.state.step)
-        elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
-            self.evaluate()  # the end of the run is always evaluated
-        if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
-            self.sample()
-        if (cfg.save_final or stopped) and self._saved_step != self.state.step:
-            self.save()
-        summary = self.summary()
-        self.metrics.hparams(self._hparams(), {"final_loss": summary["final_loss"] or float("nan"),
-                                               "useful_tokens_per_s": summary["useful_tokens_per_s"]})
-        self.metrics.close()
+            stopped = self._should_stop()
+            if stopped:
+                log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
+                            self.state.step)
+            elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
+                self.evaluate()  # the end of the run is always evaluated
+            if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
+                self.sample()
+            if (cfg.save_final or stopped) and self._saved_step != self.state.step:
+                self.save()
+            summary = self.summary()
+            final = summary["final_loss"]
+            self.metrics.hparams(self._hparams(), {"final_loss": float("nan") if final is None else final,
+                                                   "useful_tokens_per_s": summary["useful_tokens_per_s"]})
+            self.metrics.close()
         return summary
 
     def _loop(self) -> None:
@@ -429,20 +432,41 @@ class Trainer:
         return self._stop_signal is not None
 
     @contextlib.contextmanager
-    def _signals_request_stop(self):
-        """While training, SIGINT/SIGTERM finish the current step, save and stop; the old handlers come back."""
+    def stop_on_signals(self):
+        """SIGINT/SIGTERM finish the current step, save and stop; a second signal only says the save is still
+        running (run_training holds this over the summary write too). The old handlers come back at the end."""
+        if self._handling_signals:
+            yield
+            return
+
         def request_stop(signum, frame):
-            self._stop_signal = signum
+            if self._stop_signal is None:
+                self._stop_signal = signum
+                log.warning("signal %d: finishing step %d, then saving and exiting with status %d",
+                            signum, self.state.step + 1, 128 + signum)
+            else:
+                log.warning("signal %d again: still finishing and saving (step %d); exiting when the checkpoint "
+                            "and summary are written (kill -9 would lose this save)", signum, self.state.step)
 
         previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError):  # not the main thread (e.g. under some launchers)
                 previous[sig] = signal.signal(sig, request_stop)
+        self._handling_signals = True
         try:
             yield
         finally:
+            self._handling_signals = False
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 128 + signal after a signal-stopped run (what schedulers read as preemption, not completion).
+        A rank stopped because another rank had the signal reports SIGTERM, the usual preemption signal."""
+        if self._stop_signal is not None:
+            return 128 + self._stop_signal
+        return 128 + signal.SIGTERM if self._stop_agreed else 0
 
     # -- results, checkpoints, resume ---------------------------------------------------------------------
     def summary(self) -> dict:
@@ -472,6 +496,7 @@ class Trainer:
             "status": "interrupted" if self._should_stop() else "ok",
             "stopped_early": self.stopped_early,
             "eval": self._eval_summary(),
+            "exit_code": self.exit_code,
         }
 
     def _eval_summary(self) -> Optional[dict]:
@@ -495,16 +520,15 @@ class Trainer:
         return {
             "train": asdict(self.state), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(), "rng": _rng_state(),
-            "wall_s": self.wall_s,
+            "wall_s": self.wall_s, "data_plan": dict(self.data_plan),
         }
 
     def save(self) -> Path:
         """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
         lora = self.job.model.lora
         merge = lora if lora.r > 0 and self.job.train.merge_lora_on_save else None
-        root = self.out_dir / "checkpoints"
-        path = save_checkpoint_all_ranks(root, self.state.step, self.model, self.tokenizer, self.trainer_state(),
-                                         merge_lora=merge)
+        path = save_checkpoint(self.out_dir / CHECKPOINTS, self.state.step, self.model, self.tokenizer,
+                               self.trainer_state(), merge_lora=merge)
         self._saved_step = self.state.step
         self._prune()
         return path
@@ -512,30 +536,26 @@ class Trainer:
     def _prune(self) -> None:
         """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
         if self.dist.is_main:
-            prune_checkpoints(self.out_dir / "checkpoints", self.job.train.keep_last, protect=(self.resumed_from,))
+            prune_checkpoints(self.out_dir / CHECKPOINTS, self.job.train.keep_last, protect=(self.resumed_from,))
 
     def resume(self, spec: str) -> Optional[Path]:
-        """train.resume: auto (latest under out_dir/checkpoints, if any) or a step_<N> directory."""
-        if spec == "auto":
-            path = find_latest_checkpoint(self.out_dir / "checkpoints")
-            if path is None:
-                log.info("train.resume=auto: no checkpoint under %s, starting fresh", self.out_dir / "checkpoints")
-                return None
-        else:
-            path = Path(spec)
-            if not (path / "trainer_state.pt").is_file():
-                raise UserError(f"train.resume={spec!r} is not a checkpoint directory (no trainer_state.pt in it).")
-        state = load_checkpoint_all_ranks(path, self.model)
+        """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
+        path = resolve_resume(spec, self.out_dir / CHECKPOINTS, self.job.train.output_dir is not None)
+        if path is None:
+            return None
+        state = load_checkpoint(path, self.model)
+        new_data = self._check_data_plan(state.get("data_plan", {}), path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.
         for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                           self.scheduler.lr_lambdas):
             group["lr"] = base_lr * factor(self.scheduler.last_epoch)
-        try:
-            self.loader.load_state_dict(state["data"])
-        except ValueError as e:
-            raise UserError(f"train.resume={spec}: {e}") from None
+        if not new_data:
+            try:
+                self.loader.load_state_dict(state["data"])
+            except ValueError as e:
+                raise UserError(f"train.resume={spec}: {e}") from None
         _set_rng_state(state["rng"])
         known = {f.name for f in dataclasses.fields(TrainState)}
         saved = state["train"]
@@ -548,6 +568,23 @@ class Trainer:
         self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
         log.info("resumed from %s at step %d", path, self.state.step)
         return path
+
+    def _check_data_plan(self, saved: dict, path: Path) -> bool:
+        """Refuse a resume onto a different data stream unless train.resume_new_data; True = start the new data
+        from its first row."""
+        changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in self.data_plan.items() if saved.get(k) != v]
+        if not changed:
+            return False
+        if not self.job.train.resume_new_data:
+            raise UserError(
+                f"train.resume: {path} was trained on another data stream; changed: " + "; ".join(changed)
+                + ". Resuming would not continue that run's data order. Resume with the original settings, or "
+                "set train.resume_new_data=true to keep the weights, optimizer and step count and read the new "
+                "data from its first row."
+            )
+        log.warning("resume: the data stream changed (%s); train.resume_new_data=true: reading the new data from "
+                    "its first row", "; ".join(changed))
+        return True
 
 
 def _tqdm_logging():

@@ -117,6 +117,8 @@ BAD_INPUTS = {
     "micro_batch_larger_than_data": (["debug=fast", "train.micro_batch=400", "memory=none"], "micro_batch=400"),
     "flex_cannot_train_on_cpu": (["debug=fast", "attn.backend=flex"], "attn.backend=flex"),
     "sliding_window_without_window": (["debug=fast", "attn=sliding_window", "attn.window=null"], "needs a window"),
+    "output_dir_is_a_file": (["debug=fast", "train.output_dir={empty}"], "is a file, not a directory"),
+    "malformed_model_config_json": (["model=deepseek7b", "model.path={badmodel}"], "not a valid JSON file"),
 }
 
 
@@ -124,7 +126,10 @@ BAD_INPUTS = {
 def test_bad_input_fails_with_a_clear_message(tmp_path, case):
     args, expected = BAD_INPUTS[case]
     (tmp_path / "empty.jsonl").write_text("")
-    subs = {"tmp": str(tmp_path), "jsonl": str(_bad_jsonl(tmp_path)), "empty": str(tmp_path / "empty.jsonl")}
+    (tmp_path / "badmodel").mkdir()
+    (tmp_path / "badmodel" / "config.json").write_text('{"model_type": "llama", ')
+    subs = {"tmp": str(tmp_path), "jsonl": str(_bad_jsonl(tmp_path)), "empty": str(tmp_path / "empty.jsonl"),
+            "badmodel": str(tmp_path / "badmodel")}
     proc = run_cli(*[a.format(**subs) for a in args], f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr[-2000:]
@@ -185,3 +190,115 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
     assert summary["steps"] == 2 and summary["stopped_by_signal"] == signal.SIGTERM
     assert (tmp_path / "checkpoints" / "step_2" / "trainer_state.pt").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after training
+
+
+# --- trust: runs never mixed, signals end in a save + summary + 128+signal, data faults refused -----------------
+
+def _files(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_touches_an_existing_run(tmp_path):
+    from flexengine.errors import UserError
+
+    run_training(make_job(tmp_path, "train.max_steps=1"), tmp_path)
+    before = _files(tmp_path)
+    with pytest.raises(UserError, match="already holds a run .*train.resume=auto"):
+        run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    assert _files(tmp_path) == before  # no checkpoint, summary or TensorBoard file rewritten or added
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, sig):
+    import os
+    import signal
+
+    from flexengine import trainer as trainer_module
+    from flexengine.checkpoint import verify_checkpoint
+
+    signum = getattr(signal, sig)
+    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+
+    def step_then_signal(self):
+        out = real_step(self)
+        if self.state.step == 1:  # during the second step
+            os.kill(os.getpid(), signum)
+        return out
+
+    def signal_again_while_saving(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_again_while_saving)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    summary = run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    assert summary["steps"] == 2 and summary["exit_code"] == 128 + signum
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_2") is None
+    assert json.loads((tmp_path / "summary.json").read_text())["exit_code"] == 128 + signum
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored at the end
+
+
+_SIGNAL_RUN = """
+import os, signal, sys
+from flexengine import trainer
+real = trainer.Trainer.train_step
+def step(self):
+    out = real(self)
+    if self.state.step == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return out
+trainer.Trainer.train_step = step
+from flexengine.train import main
+sys.argv = ["train", *sys.argv[1:]]
+main()
+"""
+
+
+def test_signal_stopped_run_exits_128_plus_signal_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_RUN, "debug=fast", "train.max_steps=5",
+                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+def test_zero_target_tokens_are_refused_before_training(tmp_path):
+    from flexengine.errors import UserError
+
+    with pytest.raises(UserError, match="no packed row has a token to predict"):
+        build_trainer(make_job(tmp_path, "data.seq_len=1"), tmp_path)
+
+
+def test_a_real_zero_loss_is_reported_as_zero():
+    from flexengine.run import _fmt_loss
+
+    assert _fmt_loss(0.0) == "0.0000" and _fmt_loss(None) == "n/a"
+
+
+def _same_shape_corpora(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(40)))
+    b.write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y + {i}\n"}) + "\n" for i in range(40)))
+    return a, b
+
+
+def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path):
+    from flexengine.errors import UserError
+
+    a, b = _same_shape_corpora(tmp_path)
+    data = ["data=jsonl", "data.seq_len=64", "train.max_steps=4"]
+    first = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "train.max_steps=2"), tmp_path)
+    first.train()
+    other = build_trainer(make_job(tmp_path, *data, f"data.path={b}"), tmp_path)
+    assert len(other.loader.plan.rows) == len(first.loader.plan.rows)  # the old check (row count) saw no change
+    with pytest.raises(UserError, match="changed: corpus_sha256: '[0-9a-f]+' -> '[0-9a-f]+'.*resume_new_data"):
+        other.resume("auto")
+    longer = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "data.seq_len=128", "train.micro_batch=1"),
+                           tmp_path)
+    with pytest.raises(UserError, match="data.seq_len: 64 -> 128; train.micro_batch: 2 -> 1"):
+        longer.resume("auto")
+    allowed = build_trainer(make_job(tmp_path, *data, f"data.path={b}", "train.resume_new_data=true"), tmp_path)
+    allowed.resume("auto")
+    assert allowed.state.step == 2 and allowed.loader.cursor == 0  # weights and step kept, new data from row 0

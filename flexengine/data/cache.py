@@ -72,6 +72,23 @@ def corpus_cache_dir(cache_dir: Optional[str]) -> Path:
     return (Path(cache_dir) if cache_dir else default_cache_dir()) / "corpus"
 
 
+def array_sha256(array: np.ndarray, chunk: int = 1 << 24) -> str:
+    """sha256 of an array's data bytes (chunked, so a memory-mapped corpus is never copied whole)."""
+    h = hashlib.sha256()
+    flat = array.reshape(-1)
+    for start in range(0, len(flat), chunk):
+        h.update(np.ascontiguousarray(flat[start:start + chunk]).tobytes())
+    return h.hexdigest()
+
+
+def corpus_digest(tokens_sha: str, offsets: np.ndarray, mask_sha: Optional[str]) -> str:
+    """One sha256 for a tokenized corpus: its tokens, document boundaries and loss mask (None = all trained)."""
+    h = hashlib.sha256(tokens_sha.encode())
+    h.update(np.ascontiguousarray(offsets, dtype=np.int64).tobytes())
+    h.update((mask_sha or "").encode())
+    return h.hexdigest()
+
+
 class _NpyAppender:
     """Writes a 1-D .npy file chunk by chunk: the data streams after a reserved header filled in on close."""
 
@@ -79,10 +96,13 @@ class _NpyAppender:
         self.path, self.dtype, self.length = path, np.dtype(dtype), 0
         self.file = open(path, "wb")  # noqa: SIM115 -- held open across append() calls, closed by close()
         self.file.seek(_NPY_HEADER_BYTES)
+        self.sha256 = hashlib.sha256()  # of the data bytes, as `array_sha256` computes it for the whole array
 
     def append(self, array: np.ndarray) -> None:
         """Add elements at the end."""
-        self.file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        data = np.ascontiguousarray(array, dtype=self.dtype).tobytes()
+        self.file.write(data)
+        self.sha256.update(data)
         self.length += len(array)
 
     def close(self) -> None:
@@ -125,7 +145,10 @@ class CorpusWriter:
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
         np.cumsum(self.lengths, out=offsets[1:])
         np.save(self.tmp / "offsets.npy", offsets)
-        meta = {**meta, "documents": len(self.lengths), "tokens": int(offsets[-1]), "masked_tokens": self.masked_tokens}
+        mask_sha = self.mask.sha256.hexdigest() if self.mask is not None and self.masked_tokens else None
+        digest = corpus_digest(self.tokens.sha256.hexdigest(), offsets, mask_sha)
+        meta = {**meta, "documents": len(self.lengths), "tokens": int(offsets[-1]), "masked_tokens": self.masked_tokens,
+                "content_sha256": digest}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if self.directory.exists() and not (self.directory / "meta.json").exists():
             shutil.rmtree(self.directory)  # an entry damaged by hand; complete ones always have meta.json
@@ -148,8 +171,9 @@ def load_entry(directory: Path) -> Optional[tuple[np.ndarray, np.ndarray, Option
     if not (directory / "meta.json").exists():
         return None
     meta = json.loads((directory / "meta.json").read_text())
-    tokens = np.load(directory / "tokens.npy", mmap_mode="r")
-    offsets = np.load(directory / "offsets.npy")
+    # allow_pickle=False (numpy's default, said here on purpose): a planted object array cannot run code
+    tokens = np.load(directory / "tokens.npy", mmap_mode="r", allow_pickle=False)
+    offsets = np.load(directory / "offsets.npy", allow_pickle=False)
     mask_path = directory / "loss_mask.npy"
-    loss_mask = np.load(mask_path, mmap_mode="r") if mask_path.exists() else None
+    loss_mask = np.load(mask_path, mmap_mode="r", allow_pickle=False) if mask_path.exists() else None
     return tokens, offsets, loss_mask, meta

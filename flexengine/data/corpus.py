@@ -19,7 +19,15 @@ import numpy as np
 from tqdm import tqdm
 
 from flexengine.config import DataConfig
-from flexengine.data.cache import CorpusWriter, cache_key, cache_key_inputs, corpus_cache_dir, load_entry
+from flexengine.data.cache import (
+    CorpusWriter,
+    array_sha256,
+    cache_key,
+    cache_key_inputs,
+    corpus_cache_dir,
+    corpus_digest,
+    load_entry,
+)
 from flexengine.data.encode import Dropped, Encoder, Rejected, encode_in_worker, init_worker
 from flexengine.data.sources import BadRecords, RawDoc, iter_raw_docs, source_files
 from flexengine.errors import UserError
@@ -41,6 +49,7 @@ class Corpus:
     chats: dict = field(default_factory=dict)  # conversations longer than seq_len: {"truncated": n, "dropped": n}
     cache_path: Optional[Path] = None  # the cache entry this corpus was loaded from
     cache_hit: bool = False  # True when no tokenization happened in this process
+    digest: Optional[str] = None  # sha256 of tokens + offsets + loss mask (see `fingerprint`)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -49,6 +58,14 @@ class Corpus:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def fingerprint(self) -> str:
+        """sha256 of the content (tokens, document boundaries, loss mask): the cache entry's, else computed.
+        Unlike the cache key it does not change when the same files are copied or touched."""
+        if self.digest is None:
+            mask_sha = None if self.loss_mask is None else array_sha256(self.loss_mask)
+            self.digest = corpus_digest(array_sha256(self.tokens), self.offsets, mask_sha)
+        return self.digest
 
 
 def _batches(docs: Iterable[RawDoc], size: int) -> Iterator[list[RawDoc]]:
@@ -157,4 +174,5 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
     if any(chats.values()):
         log.warning("data: conversations longer than data.seq_len=%d: %d truncated at a turn boundary, %d dropped "
                     "(data.long_chats=%s)", data.seq_len, chats["truncated"], chats["dropped"], data.long_chats)
-    return Corpus(tokens, offsets, loss_mask, skipped, chats=chats, cache_path=directory, cache_hit=hit)
+    return Corpus(tokens, offsets, loss_mask, skipped, chats=chats, cache_path=directory, cache_hit=hit,
+                  digest=meta.get("content_sha256"))

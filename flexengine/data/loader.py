@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from flexengine.config import DataConfig
 from flexengine.data.corpus import Corpus
 from flexengine.data.packing import PackPlan, materialise_rows
 from flexengine.loss import predicting_positions
@@ -96,6 +97,16 @@ class HeldOut:
             order = order[: self.max_batches]
         for rows in order[:, self.rank]:
             yield make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
+
+
+def data_plan_fingerprint(corpus: Corpus, data: DataConfig, micro_batch: int, world_size: int, seed: int) -> dict:
+    """What the order and content of the batches depend on, by config key: stored in every checkpoint, so a
+    resume onto another data stream (other documents, seq_len, packing, micro_batch, ranks, seed) is noticed."""
+    return {
+        "corpus_sha256": corpus.fingerprint(), "documents": len(corpus), "data.seq_len": data.seq_len,
+        "data.packing": data.packing, "data.long_docs": data.long_docs, "data.shuffle": data.shuffle,
+        "data.bucket": data.bucket, "train.micro_batch": micro_batch, "world_size": world_size, "train.seed": seed,
+    }
 
 
 class RowLoader:

@@ -153,6 +153,21 @@ def plan_packing(lengths: Sequence[int], seq_len: int, strategy: str = "bfd", lo
     return PackPlan(rows=rows, stats=stats)
 
 
+def has_targets(plan: PackPlan, offsets: np.ndarray, loss_mask: Optional[np.ndarray] = None) -> bool:
+    """Whether any row has a token to predict: a trained token after the first one of its piece (the first
+    token of every piece has no target, see `materialise_rows`). Stops at the first one found."""
+    for row in plan.rows:
+        for doc, start, length in row:
+            if length < 2:
+                continue
+            if loss_mask is None:
+                return True
+            first = offsets[doc] + start
+            if loss_mask[first + 1 : first + length].any():
+                return True
+    return False
+
+
 def materialise_rows(
     rows: Sequence[list[Segment]],
     tokens: np.ndarray,

@@ -24,6 +24,9 @@ SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".p
 HF_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",
                ".arrow": "arrow"}
 PARQUET_BATCH_ROWS = 1024
+# Roles chat templates know (OpenAI/HF: system, user, assistant, tool; older or model-specific: developer,
+# function, ipython). Anything else is a typo or a foreign schema that a template would render silently.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 class RawDoc(NamedTuple):
@@ -141,7 +144,9 @@ def _check_text(value: Any, name: str) -> tuple[Optional[str], str]:
     return None, ""
 
 
-def _check_messages(value: Any, name: str) -> tuple[Optional[str], str]:
+def check_chat_messages(value: Any, name: str = "messages") -> tuple[Optional[str], str]:
+    """(reason, message) for a chat conversation: None if it is a non-empty list of {role, content} turns with
+    known roles (CHAT_ROLES) and at least one assistant turn, else why not (the caller adds file:line)."""
     if value is None:
         return "missing_field", f"no {name!r} field (data.messages_field)"
     if not isinstance(value, list) or not value:
@@ -149,6 +154,8 @@ def _check_messages(value: Any, name: str) -> tuple[Optional[str], str]:
     for i, turn in enumerate(value):
         if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
             return "bad_messages", f"{name}[{i}] must be an object with string 'role' and 'content'"
+        if turn["role"] not in CHAT_ROLES:
+            return "unknown_role", f"{name}[{i}].role={turn['role']!r} is not a chat role ({', '.join(CHAT_ROLES)})"
     if not any(turn["role"] == "assistant" for turn in value):
         return "no_assistant_turn", f"{name!r} has no assistant turn, so nothing in it would be trained on"
     return None, ""
@@ -181,7 +188,7 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
         return (*_check_text(value, data.text_field), value)
     if data.format == "chat":
         value = record.get(data.messages_field)
-        return (*_check_messages(value, data.messages_field), value)
+        return (*check_chat_messages(value, data.messages_field), value)
     if data.format == "mixed":  # the record says which it is
         kind = record.get(data.format_field)
         if kind == "text":
@@ -189,7 +196,7 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
             return (*_check_text(value, data.text_field), (kind, value))
         if kind == "chat":
             value = record.get(data.messages_field)
-            return (*_check_messages(value, data.messages_field), (kind, value))
+            return (*check_chat_messages(value, data.messages_field), (kind, value))
         message = (f"{data.format_field}={kind!r}: data.format=mixed needs \"text\" or \"chat\" in field "
                    f"{data.format_field!r} (data.format_field)")
         return "bad_format_field", message, None
@@ -197,18 +204,26 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
     return reason, message, (record.get("input_ids"), record.get("labels"))
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str]]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str], str]]:
+    # bytes in, decoded per line: one bad line (invalid UTF-8, binary junk) is one bad record with its file:line
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is layout
+            except UnicodeDecodeError as e:
+                problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                yield where, None, problem, "invalid_utf8"
+                continue
             if not line.strip():
                 continue  # blank lines are layout, not records
             try:
-                yield f"{path}:{lineno}", json.loads(line), None
+                yield where, json.loads(line), None, ""
             except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", None, f"not valid JSON ({e.msg} at column {e.colno})"
+                yield where, None, f"not valid JSON ({e.msg} at column {e.colno})", "malformed_json"
 
 
-def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[str]]]:
+def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[str], str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -220,7 +235,7 @@ def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[
     row = 0
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns or None):
         for record in batch.to_pylist():
-            yield f"{path}:row {row}", {c: record.get(c) for c in columns}, None
+            yield f"{path}:row {row}", {c: record.get(c) for c in columns}, None, ""
             row += 1
 
 
@@ -232,7 +247,8 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
         if data.max_docs is not None and count >= data.max_docs:
             return
         if data.source == "demo":  # one document per stdlib file (DataConfig makes format=text)
-            records = iter([(str(path), {data.text_field: path.read_text(encoding="utf-8", errors="replace")}, None)])
+            text = path.read_text(encoding="utf-8", errors="replace")
+            records = iter([(str(path), {data.text_field: text}, None, "")])
         elif data.source == "jsonl":
             records = _iter_jsonl(path)
         elif data.source == "hf":
@@ -240,9 +256,9 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
         else:
             column = {"text": data.text_field, "chat": data.messages_field, "pretokenized": "input_ids"}[data.format]
             records = _iter_parquet(path, column)
-        for where, record, parse_error in records:
+        for where, record, parse_error, parse_reason in records:
             if parse_error is not None:
-                bad.report("malformed_json", f"{where}: {parse_error}")
+                bad.report(parse_reason, f"{where}: {parse_error}")
                 continue
             reason, message, payload = check_record(record, data)
             if reason is not None:

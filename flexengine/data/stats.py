@@ -126,9 +126,9 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
-    from flexengine.checkpoint import write_json_atomic
     from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
     from flexengine.errors import UserError
+    from flexengine.storage import write_json_atomic
 
     @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
     def _stats(cfg: DictConfig) -> None:

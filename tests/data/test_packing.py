@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from flexengine.data.packing import IGNORE_INDEX, flatten_documents, materialise_rows, plan_packing
+from flexengine.data.packing import IGNORE_INDEX, flatten_documents, has_targets, materialise_rows, plan_packing
+from flexengine.loss import count_valid_targets
 
 SEQ_LEN = 64
 
@@ -126,3 +127,15 @@ def test_20k_long_documents_pack_fast_and_tight():
     # minutes here); the speed figures themselves live in bench/packing.py.
     assert time.perf_counter() - start < 30.0
     assert plan.stats.useful_token_fraction >= 0.995
+
+
+def test_has_targets_needs_a_trained_token_after_the_first_of_a_piece():
+    tokens, offsets = flatten_documents([[5], [6], [7, 8]])
+    assert has_targets(plan_packing(np.diff(offsets), seq_len=4), offsets)
+    assert not has_targets(plan_packing(np.diff(offsets), seq_len=1), offsets)  # every piece is one token
+    only_first_trained = np.array([True, True, True, False])  # document 2's second token is masked
+    assert not has_targets(plan_packing(np.diff(offsets), seq_len=4), offsets, only_first_trained)
+    # the same verdict as the labels materialise_rows builds
+    plan = plan_packing(np.diff(offsets), seq_len=1)
+    batch = materialise_rows(plan.rows, tokens, offsets, 1, pad_id=0)
+    assert int(count_valid_targets(batch["labels"])) == 0

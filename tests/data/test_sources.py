@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flexengine.config import DataConfig
-from flexengine.data.sources import BadRecords, iter_raw_docs, resolve_paths
+from flexengine.data.sources import BadRecords, check_chat_messages, iter_raw_docs, resolve_paths
 from flexengine.errors import UserError
 
 GOOD = json.dumps({"text": "print('hello')"})
@@ -52,6 +52,8 @@ def test_skip_counts_every_bad_record_by_reason(tmp_path, write_lines):
         ({"messages": [{"role": "user"}]}, "bad_messages"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
         ({"conversation": []}, "missing_field"),
+        ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+         "unknown_role"),
     ],
 )
 def test_bad_chat_records(tmp_path, write_jsonl, record, reason):
@@ -122,3 +124,34 @@ def test_mixed_file_reads_text_and_chat_records_by_their_field(tmp_path, write_j
     assert counts == {"bad_format_field": 1}
     with pytest.raises(UserError, match=r"m\.jsonl:3: format='audio'"):
         _read(DataConfig(source="jsonl", path=str(path), format="mixed"))
+
+
+def test_unknown_chat_role_names_the_role_and_the_line(tmp_path, write_jsonl):
+    turns = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"},
+             {"role": "assistant", "content": "yo"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}])
+    with pytest.raises(UserError, match=f"{path}:1: messages\\[1\\].role='wizard' is not a chat role"):
+        _read(DataConfig(source="jsonl", path=str(path), format="chat"))
+    assert check_chat_messages(turns[::2]) == (None, "")  # the helper other readers reuse
+
+
+# invalid UTF-8 (a Latin-1 byte) and binary junk (NUL, 0xff) on lines 2 and 4 of five
+UNDECODABLE = [GOOD.encode(), b'{"text": "caf\xe9"}', GOOD.encode(), b"\x00\xff\xfe binary \x89PNG", GOOD.encode()]
+
+
+def test_invalid_utf8_is_a_bad_record_with_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(UNDECODABLE) + b"\n")
+    with pytest.raises(UserError) as err:
+        _read(DataConfig(source="jsonl", path=str(path)))
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 14)" in str(err.value)
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), on_error="skip"))
+    assert [d.where for d in docs] == [f"{path}:1", f"{path}:3", f"{path}:5"]
+    assert counts == {"invalid_utf8": 2}
+
+
+def test_utf8_bom_and_crlf_are_layout(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n" + GOOD.encode() + b"\r\n")
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path)))
+    assert len(docs) == 2 and counts == {}
