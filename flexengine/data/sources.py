@@ -102,7 +102,7 @@ def _import_datasets():
     return datasets
 
 
-def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str]]]:
+def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str], str]]:
     """Rows of a save_to_disk directory or of one local data file, through HF `datasets`."""
     datasets = _import_datasets()
     try:
@@ -124,7 +124,7 @@ def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[
         raise UserError(f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
                         "with file:line use data=jsonl.") from None
     for row, record in enumerate(ds):
-        yield f"{path}:row {row}", record, None
+        yield f"{path}:row {row}", record, None, ""
 
 
 def _units(data: DataConfig, files: list[Path]) -> list[Path]:
