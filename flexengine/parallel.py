@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexengine.config import ParallelConfig
+from flexengine.errors import UserError
 from flexengine.loss import forward_loss_sum
 from flexengine.memory import decoder_layers
 
