@@ -41,14 +41,17 @@ def _padded_length(n: int, multiple: int) -> int:
 
 
 @torch.no_grad()
-def greedy_continue(model: nn.Module, tokenizer, prompts: Sequence[str], new_tokens: int, device: torch.device,
-                    pad_to: int = 128) -> list[str]:
+def greedy_continue(logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer,
+                    prompts: Sequence[str], new_tokens: int, device: torch.device, pad_to: int = 128) -> list[str]:
     """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations.
 
-    No KV cache: each token re-runs the prompt so far, right-padded to a multiple of `pad_to` so a compiled
-    model sees one shape per prompt rather than one per token (causal attention: padding after a position
-    never changes its logits).
+    logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,
+    right-padded to a multiple of `pad_to` so a compiled model sees one shape per prompt rather than one per
+    token (causal attention: padding after a position never changes its logits). Under torchrun every rank
+    runs this in lockstep (sharded weights are gathered per forward) and takes rank 0's token, so a tie broken
+    differently on another rank can never make the ranks run different numbers of forwards.
     """
+    distributed = torch.distributed.is_initialized()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     outputs = []
     for prompt in prompts:
@@ -59,10 +62,11 @@ def greedy_continue(model: nn.Module, tokenizer, prompts: Sequence[str], new_tok
             row = torch.full((1, width), pad_id, dtype=torch.long, device=device)
             row[0, : len(ids)] = torch.tensor(ids, device=device)
             positions = torch.arange(width, device=device)[None]
-            logits = model(input_ids=row, position_ids=positions).logits  # [1, width, vocab]
-            token = int(logits[0, len(ids) - 1].argmax())
-            ids.append(token)
-            if token == tokenizer.eos_token_id:
+            token = logits_of(row, positions)[0, len(ids) - 1].argmax()
+            if distributed:
+                torch.distributed.broadcast(token, src=0)
+            ids.append(int(token))
+            if ids[-1] == tokenizer.eos_token_id:
                 break
         outputs.append(tokenizer.decode(ids[start:], skip_special_tokens=False))
     return outputs

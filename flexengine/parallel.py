@@ -98,8 +98,11 @@ class LossForward(nn.Module):
         super().__init__()
         self.model, self.chunk_size = model, chunk_size
 
-    def forward(self, batch: dict, **mask_kwargs) -> torch.Tensor:
-        """Summed next-token CE of the batch (see flexengine.loss)."""
+    def forward(self, batch: dict, logits: bool = False, **mask_kwargs) -> torch.Tensor:
+        """Summed next-token CE of the batch (see flexengine.loss); with logits=True the model's logits instead
+        (greedy samples: a sharded model must be entered through this root module on every rank)."""
+        if logits:
+            return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         return forward_loss_sum(self.model, batch, self.chunk_size, **mask_kwargs)
 
 

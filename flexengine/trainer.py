@@ -406,17 +406,16 @@ class Trainer:
 
     def sample(self) -> list[str]:
         """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>)."""
-        if self.dist.world_size > 1:  # the sharded model runs only through its root module
-            if self._last_sample_step < 0:
-                log.warning("train.sample_prompts: sampling is skipped under torchrun (world size %d)",
-                            self.dist.world_size)
-            self._last_sample_step = self.state.step
-            return []
         start = time.perf_counter()
         cfg = self.job.train
+
+        def logits_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            # through the root module (FSDP2/DDP hooks run there): every rank calls it with the same row
+            return self.train_module({"input_ids": input_ids, "position_ids": position_ids}, logits=True)
+
         self.model.eval()
         with self._autocast():
-            texts = greedy_continue(self.model, self.tokenizer, cfg.sample_prompts, cfg.sample_tokens, self.device,
+            texts = greedy_continue(logits_of, self.tokenizer, cfg.sample_prompts, cfg.sample_tokens, self.device,
                                     pad_to=self.job.attn.block_size)
         self.model.train()
         for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):

@@ -18,7 +18,8 @@ from flexengine.parallel import DistInfo, LossForward, apply_parallel, init_dist
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
-RUN = ["debug=fast", "train.max_steps=4", "optim.lr=1e-3", "optim.eps=1e-6", "data.shuffle=true"]
+RUN = ["debug=fast", "train.max_steps=4", "optim.lr=1e-3", "optim.eps=1e-6", "data.shuffle=true",
+       'train.sample_prompts=["def main(", "import "]', "train.sample_tokens=4"]
 
 
 def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
@@ -30,6 +31,12 @@ def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "summary.json").read_text())
+
+
+def _samples(out: Path) -> list:
+    """The greedy samples a run wrote (metrics.jsonl: rank 0 only)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["prompt"], r["text"]) for r in records if r["type"] == "sample"]
 
 
 def _weights(step_dir: Path) -> dict:
@@ -72,6 +79,8 @@ def test_fsdp_two_ranks_match_one_process_then_resume_on_two_ranks(single, tmp_p
     summary = _train(fsdp, "train.micro_batch=2", "train.save_every=2", "parallel=fsdp", ranks=2)
     reference = json.loads((single / "summary.json").read_text())
     torch.testing.assert_close(summary["losses"], reference["losses"], rtol=1e-5, atol=0)
+    # greedy samples: every rank runs the sharded forward in lockstep, and they equal one process's
+    assert len(_samples(fsdp)) == 2 and _samples(fsdp) == _samples(single)
     final = fsdp / "checkpoints" / "step_4"
     _assert_same_weights(_weights(final), _weights(single / "checkpoints" / "step_4"))
     assert (final / "trainer_state.rank1.pt").is_file()  # rank 1's optimizer shard travels with the step
@@ -94,6 +103,7 @@ def test_ddp_two_ranks_match_one_process(single, tmp_path):
     summary = _train(ddp, "train.micro_batch=2", "parallel=ddp", ranks=2)
     reference = json.loads((single / "summary.json").read_text())
     torch.testing.assert_close(summary["losses"], reference["losses"], rtol=1e-5, atol=0)
+    assert len(_samples(ddp)) == 2 and _samples(ddp) == _samples(single)
     _assert_same_weights(_weights(ddp / "checkpoints" / "step_4"), _weights(single / "checkpoints" / "step_4"))
 
 
