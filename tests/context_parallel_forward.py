@@ -1,8 +1,8 @@
 """Context parallelism on CPU (gloo): under torchrun, each rank computes its share of a packed multi-document
 batch through torch's context parallel + FSDP2 on the (dp, cp) mesh, blocks compiled (aot_eager, fullgraph);
 rank 0 saves the gathered logits, the loss sum and the eval loss next to a single-process reference on the same
-weights (flex without CP, and the dense reference backend). FlexAttention's forward only: its CPU backward does
-not exist (bench/gpu_check.py checks the gradients on GPUs). Driven by tests/test_context_parallel.py.
+weights (flex without CP, and the dense reference backend). Forward only (gradients: tests/context_parallel_
+trainer.py; flex's own backward: bench/gpu_check.py cp_grads). Driven by tests/test_context_parallel.py.
 
 usage: torchrun --nproc_per_node 2 tests/context_parallel_forward.py OUT_FILE
 """

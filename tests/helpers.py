@@ -57,3 +57,35 @@ def assert_same_loss_gradients(model, reference, batch) -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+GRAD_RUN = ["debug=fast", "optim.grad_clip=0", "data.shuffle=true"]  # no clipping: raw gradients compared
+
+
+def run_grads_script(out, *overrides: str, ranks: int = 0, script: str = "parallel_grads.py") -> dict:
+    """tests/<script> (torchrun with `ranks` processes; 0 = plain): the first step's gradients + collectives."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                "--master_port", str(31500 + os.getpid() % 1000 + ranks)] if ranks > 0 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
+    proc = subprocess.run([*launcher, str(here / script), str(out), *GRAD_RUN, *overrides], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=Path(out).parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {**torch.load(Path(out) / "grads.pt"), "log": proc.stderr}
+
+
+def sdpa_on_block_mask(query, key, value, block_mask, scale=None, enable_gqa=False):
+    """FlexAttention's result computed by SDPA on the boolean mask the BlockMask's own mask_mod defines
+    (materialised by torch's create_mask): a stand-in with a CPU backward (flex has none) for CPU gradient checks
+    of the code around the kernel."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    B, _, Q, _ = query.shape
+    mask = create_mask(block_mask.mask_mod, B, 1, Q, key.shape[2], query.device)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                            enable_gqa=enable_gqa)

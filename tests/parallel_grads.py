@@ -20,7 +20,12 @@ def main(out: Path, overrides: list[str]) -> None:
     from flexengine.run import build_trainer
 
     out.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(compose_job([*overrides, f"train.output_dir={out}"]), out)
+    record_steps(build_trainer(compose_job([*overrides, f"train.output_dir={out}"]), out), out)
+
+
+def record_steps(trainer, out: Path, accums: tuple = (2, 2, 1)) -> None:
+    """One step per entry of `accums` (its grad_accum); rank 0 saves the first step's gradients and each step's
+    collectives."""
     grads: dict = {}
 
     def capture(optimizer, args, kwargs) -> None:  # a step pre-hook: after clipping, before the update
@@ -33,7 +38,7 @@ def main(out: Path, overrides: list[str]) -> None:
     collectives, first = {}, {}
     # the same number of gradient reductions at grad_accum 2 and 1 is the proof of one sync per window; the
     # first step only warms up (DDP rebuilds its buckets after it) and gives the gradients
-    for accum in (2, 2, 1):
+    for accum in accums:
         trainer.job.train.grad_accum = accum
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             trainer.train_step()

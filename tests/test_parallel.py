@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from flexengine.config import ParallelConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.parallel import DistInfo, LossForward, apply_parallel, init_distributed
+from tests.helpers import run_grads_script
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
@@ -136,25 +137,10 @@ def test_parallel_config_rejects_unknown_strategy():
         ParallelConfig(strategy="zero3")
 
 
-GRAD_RUN = ["debug=fast", "optim.grad_clip=0", "data.shuffle=true"]  # no clipping: raw gradients compared
-
-
-def _grads_run(out: Path, *overrides: str, ranks: int = 0) -> dict:
-    """tests/parallel_grads.py (torchrun with `ranks` processes; 0 = plain): gradients + collectives per step."""
-    script = str(Path(__file__).with_name("parallel_grads.py"))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                "--master_port", str(31500 + os.getpid() % 1000 + ranks)] if ranks > 0 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([*launcher, script, str(out), *GRAD_RUN, *overrides], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=out.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {**torch.load(out / "grads.pt"), "log": proc.stderr}
-
-
 @pytest.fixture(scope="module")
 def single_grads(tmp_path_factory) -> dict:
     """One process, micro_batch 4 = 2 ranks x micro_batch 2: the same rows in every micro-batch."""
-    return _grads_run(tmp_path_factory.mktemp("single_grads") / "run", "train.micro_batch=4")
+    return run_grads_script(tmp_path_factory.mktemp("single_grads") / "run", "train.micro_batch=4")
 
 
 @pytest.mark.slow
@@ -163,7 +149,7 @@ def test_gradients_before_the_step_equal_one_process_and_sync_once_per_window(si
     """Per-tensor gradients, not losses after Adam steps: Adam normalises scale, so a gradient off by
     1/world_size changed weights by only 1.6e-7 and passed the loss comparison. Measured here (gloo, CPU):
     relative norm difference <= 2.2e-7 and max |diff| <= 3e-8 for both strategies; tolerances leave ~50x."""
-    run = _grads_run(tmp_path / strategy, "train.micro_batch=2", f"parallel={strategy}", ranks=2)
+    run = run_grads_script(tmp_path / strategy, "train.micro_batch=2", f"parallel={strategy}", ranks=2)
     ref, got = single_grads["grads"], run["grads"]
     assert got.keys() == ref.keys() and len(ref) > 0
     for name in ref:
@@ -193,8 +179,8 @@ def test_pretrained_weights_are_read_by_rank_0_only_and_broadcast(tmp_path):
     LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 2048})).save_pretrained(model_dir)
     load_demo_tokenizer().save_pretrained(model_dir)
     common = ["model.init=pretrained", f"model.path={model_dir}"]
-    ref = _grads_run(tmp_path / "one", *common, "train.micro_batch=4")
-    run = _grads_run(tmp_path / "two", *common, "train.micro_batch=2", "parallel=fsdp", ranks=2)
+    ref = run_grads_script(tmp_path / "one", *common, "train.micro_batch=4")
+    run = run_grads_script(tmp_path / "two", *common, "train.micro_batch=2", "parallel=fsdp", ranks=2)
     for name in ref["grads"]:
         torch.testing.assert_close(run["grads"][name], ref["grads"][name], atol=1e-6, rtol=1e-4, msg=name)
     assert "rank 1 skips reading" in run["log"] and "weights broadcast from rank 0" in run["log"]

@@ -1,0 +1,55 @@
+"""The trainer's context-parallel step on CPU (gloo), under torchrun: build the run like flexengine.run does, with
+parallel.cp and FlexAttention, but with flex's kernel replaced by SDPA on the CP BlockMask's own mask
+(`tests.helpers.sdpa_on_block_mask`: flex has no CPU backward, so build_trainer refuses flex on CPU). Everything
+else is the real path: the loader's rows per data-parallel group, torch's K/V all-gather and its reduce-scatter
+backward, PTRR load balancing, shifted targets, FSDP2 over dp x cp, the trainer's global normalisation over an
+accumulation window. Saves the first step's gradients like tests/parallel_grads.py (one step only).
+
+usage: torchrun --nproc_per_node 2 tests/context_parallel_trainer.py OUT_DIR [train overrides...]
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(out: Path, overrides: list[str]) -> None:
+    """The steps of tests/parallel_grads.py on a context-parallel trainer."""
+    from flexengine.attention import apply_attention, resolve_attention_spec
+    from flexengine.attention.patch import CP_ATTENTION
+    from flexengine.context_parallel import build_context_parallel
+    from flexengine.doctor import compose_job
+    from flexengine.memory import decoder_layers
+    from flexengine.model import load_model, load_tokenizer
+    from flexengine.parallel import apply_parallel, init_distributed
+    from flexengine.run import build_data
+    from flexengine.trainer import Trainer
+    from tests.helpers import sdpa_on_block_mask
+    from tests.parallel_grads import record_steps
+
+    out.mkdir(parents=True, exist_ok=True)
+    job = compose_job([*overrides, f"train.output_dir={out}"])
+    device = torch.device("cpu")
+    torch.manual_seed(job.train.seed)
+    info = init_distributed(job.parallel, device)
+    cp = build_context_parallel(info, device)
+    tokenizer = load_tokenizer(job.model)
+    loader, _, _ = build_data(job, tokenizer, info, flex=True)
+    model = load_model(job.model, device)
+    apply_attention(model, resolve_attention_spec(job.attn, model.config, device=device))
+    cp.apply(model)
+    for layer in decoder_layers(model):
+        getattr(layer.self_attn, CP_ATTENTION).flex = sdpa_on_block_mask
+    root = apply_parallel(model, job.parallel, info, device, job.loss.chunk_size, fsdp_mesh=cp.fsdp_mesh)
+    trainer = Trainer(job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root,
+                      context_parallel=cp)
+    record_steps(trainer, out, accums=(2,))  # the first step's gradients: one accumulation window of 2
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    main(Path(sys.argv[1]), sys.argv[2:])
