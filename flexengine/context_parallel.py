@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flexengine.attention.block_mask import BatchMask, canonical_document_ids
+from flexengine.attention.masks import document_ids_from_position_ids
 from flexengine.attention.patch import CP_ATTENTION, MASK_KWARG, LayerMasks, _flex_fn, mask_kwargs
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.errors import UserError
@@ -111,6 +112,28 @@ class ContextParallel:
         share = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets,
                  "predicting_index": predicting, "token_index": token_index}  # token_index: place in the row
         return share, {MASK_KWARG: LayerMasks(masks.spec, by_hf)}
+
+    def whole_rows(self, share: Tensor, token_index: Tensor) -> Tensor:
+        """This rank's [B, S/cp, ...] per-token tensor -> the whole rows [B, S, ...], on every cp rank (no grad)."""
+        group = self.mesh["cp"].get_group()
+        parts = [torch.empty_like(share) for _ in range(self.degree)]
+        places = [torch.empty_like(token_index) for _ in range(self.degree)]
+        torch.distributed.all_gather(parts, share.contiguous(), group=group)
+        torch.distributed.all_gather(places, token_index.contiguous(), group=group)
+        B, S = token_index.shape[0], token_index.shape[1] * self.degree
+        rows = share.new_empty(B, S, *share.shape[2:])
+        for part, place in zip(parts, places):
+            rows.scatter_(1, place.view(*place.shape, *([1] * (share.dim() - 2))).expand_as(part), part)
+        return rows
+
+    @torch.no_grad()
+    def logits(self, root: nn.Module, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """Whole-row logits [B, S, vocab] of input_ids/position_ids (S a multiple of cp x 128), computed split over
+        the cp ranks through the root module (`LossForward(logits=True)`), e.g. for greedy samples."""
+        full = {**batch, "labels": batch.get("labels", batch["input_ids"]),  # targets unused: logits only
+                "document_ids": batch.get("document_ids", document_ids_from_position_ids(batch["position_ids"]))}
+        share, mask_kwargs = self.shard(model, full)
+        return self.whole_rows(root(share, logits=True, **mask_kwargs), share["token_index"])
 
 
 def _local_mask(mask: BatchMask, cp_block_mask, degree: int) -> BatchMask:

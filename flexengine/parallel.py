@@ -102,7 +102,7 @@ class LossForward(nn.Module):
         """Summed next-token CE of the batch (see flexengine.loss); with logits=True the model's logits instead
         (greedy samples: a sharded model must be entered through this root module on every rank)."""
         if logits:
-            return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs).logits
         return forward_loss_sum(self.model, batch, self.chunk_size, **mask_kwargs)
 
 

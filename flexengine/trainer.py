@@ -411,12 +411,16 @@ class Trainer:
 
         def logits_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
             # through the root module (FSDP2/DDP hooks run there): every rank calls it with the same row
-            return self.train_module({"input_ids": input_ids, "position_ids": position_ids}, logits=True)
+            batch = {"input_ids": input_ids, "position_ids": position_ids}
+            if self.context_parallel is not None:  # the row split over the cp ranks, the logits put together
+                return self.context_parallel.logits(self.train_module, self.model, batch)
+            return self.train_module(batch, logits=True)
 
         self.model.eval()
         with self._autocast():
+            # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
             texts = greedy_continue(logits_of, self.tokenizer, cfg.sample_prompts, cfg.sample_tokens, self.device,
-                                    pad_to=self.job.attn.block_size)
+                                    pad_to=self.job.attn.block_size * self._cp)
         self.model.train()
         for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
             self.metrics.text(f"samples/{i}", f"**{prompt}**{text}", self.state.step)

@@ -1,8 +1,9 @@
 """Context parallelism on CPU (gloo): under torchrun, each rank computes its share of a packed multi-document
 batch through torch's context parallel + FSDP2 on the (dp, cp) mesh, blocks compiled (aot_eager, fullgraph);
-rank 0 saves the gathered logits, the loss sum and the eval loss next to a single-process reference on the same
-weights (flex without CP, and the dense reference backend). Forward only (gradients: tests/context_parallel_
-trainer.py; flex's own backward: bench/gpu_check.py cp_grads). Driven by tests/test_context_parallel.py.
+rank 0 saves the whole-row logits (ContextParallel.logits), the loss sum and the eval loss next to a single-process
+reference on the same weights (flex without CP, and the dense reference backend). Forward only (gradients:
+tests/context_parallel_trainer.py; flex's own backward: bench/gpu_check.py cp_grads). Driven by
+tests/test_context_parallel.py.
 
 usage: torchrun --nproc_per_node 2 tests/context_parallel_forward.py OUT_FILE
 """
@@ -62,9 +63,7 @@ def main(out: str) -> None:
     with torch.no_grad():
         share, mask_kwargs = cp.shard(model, batch)
         loss_sum = root(share, **mask_kwargs).detach()
-        hidden = model.get_decoder()(input_ids=share["input_ids"], position_ids=share["position_ids"],
-                                     **mask_kwargs).last_hidden_state
-        logits = model.get_output_embeddings()(hidden)
+        logits = cp.logits(root, model, batch)  # whole rows, put together from both ranks' shares
         graphs = counters["stats"]["unique_graphs"]  # compiled blocks + torch's compiled CP mask builder
         evaluation = evaluate_loss(root, [batch, other], torch.device("cpu"), lambda b: cp.shard(model, b),
                                    contextlib.nullcontext)

@@ -37,7 +37,7 @@ def cp_run(tmp_path_factory) -> dict:
 
 def _gathered(ranks: list, key: str, full_shape: tuple) -> torch.Tensor:
     """Put each rank's [B, S/2, ...] share back at its tokens' places in the row."""
-    full = torch.full(full_shape, float("nan")) if key == "logits" else torch.full(full_shape, -1)
+    full = torch.full(full_shape, -1)
     for r in ranks:
         index = r["token_index"].view(*r["token_index"].shape, *([1] * (len(full_shape) - 2)))
         full.scatter_(1, index.expand_as(r[key]), r[key])
@@ -50,14 +50,15 @@ def test_two_ranks_give_one_process_logits_and_loss(cp_run):
     ranks with torch's CP + FSDP2 on the (dp, cp) mesh give the single-process logits and token-loss sum.
     Measured: logits max |diff| 2.4e-7 (the dense reference differs from single-process flex by 2.7e-7)."""
     ref, ranks, batch = cp_run["ref"], cp_run["ranks"], cp_run["batch"]
-    B, S, V = ref["logits"].shape
+    B, S = ref["logits"].shape[:2]
     # each rank holds half of every row, and together they hold every token once
     assert [r["seq_len_local"] for r in ranks] == [S // 2, S // 2]
     for b in range(B):
         places = torch.cat([r["token_index"][b] for r in ranks])
         assert torch.equal(places.sort().values, torch.arange(S))
     torch.testing.assert_close(ref["dense_logits"], ref["logits"], atol=2e-6, rtol=0)  # the reference is sound
-    torch.testing.assert_close(_gathered(ranks, "logits", (B, S, V)), ref["logits"], atol=2e-6, rtol=0)
+    for r in ranks:  # ContextParallel.logits: each rank computes its share; every rank gets the whole rows
+        torch.testing.assert_close(r["logits"], ref["logits"], atol=2e-6, rtol=0)
     # every target stayed with the token that predicts it (shifted before the split)
     assert torch.equal(_gathered(ranks, "targets", (B, S)), shift_targets(batch["labels"]))
     total = sum(r["loss_sum"] for r in ranks)
