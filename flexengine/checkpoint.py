@@ -5,15 +5,16 @@ Layout of `<output_dir>/checkpoints/step_<N>/`:
   trainer_state.pt                optimizer, scheduler, data position + data plan, RNG, counters (rank 0)
   trainer_state.rank<r>.pt        the same for rank r > 0 (its optimizer shard and RNG)
   merged/                         LoRA with train.merge_lora_on_save: base + adapters as a plain HF model
-  manifest.json                   size and sha256 of every other file; written last
+  manifest.json                   size and sha256 of every other file, the world size; written last
 
 What makes it trustworthy:
-- Every file is written into `.tmp_step_<N>_<host>_<pid>` and the directory is renamed into place only when
-  all ranks have written their part, so a kill at any moment leaves the previous checkpoint as it was. Temp
-  directories of dead processes on this host are removed at the next start.
-- Free space is checked before writing (estimated from the tensors to save); a full disk is a one-line error.
-- Resume verifies the manifest (sizes and checksums) and falls back to the newest step that verifies, moving
-  the damaged one aside (`step_<N>.corrupt`), never deleting it.
+- Every file is written into `.tmp_step_<N>_<host>_<pid>`, fsynced, and the directory is renamed into place
+  only when all ranks have written their part, so a kill (or a power cut) at any moment leaves the previous
+  checkpoint as it was. Temp directories of processes that are gone are removed at the next start.
+- Free space is checked before writing (estimated from the bytes the tensors really store); a disk that fills
+  during the write is a one-line error too, and the partial save is removed.
+- Resume verifies the manifest (sizes, checksums, and no file it does not list) and falls back to the newest
+  step that verifies, moving the damaged one aside (`step_<N>.corrupt`), never deleting it.
 - Trainer state is read with `torch.load(weights_only=True)`: a planted pickle payload cannot run code. The
   state holds only tensors and Python primitives (the numpy RNG state is stored as a tensor), so the allow-list
   is empty for torch's own optimizers; only torchao's optimizer-state tensor subclasses are added.
@@ -21,7 +22,15 @@ What makes it trustworthy:
 
 The file-level safety (manifests, temp dirs, free space, the output directory) lives in storage.py.
 All ranks call `save_checkpoint`, `resolve_resume` and `load_checkpoint`; rank 0 writes the weights and decides,
-the other ranks follow through collectives (a failure on any rank fails the call on every rank, no hang).
+the other ranks follow through collectives on a CPU group with its own long timeout (writing and hashing tens
+of GB can outlast NCCL's 10 minutes). A failure on any rank fails the call on every rank, never a hang.
+
+Why not torch.distributed.checkpoint (DCP) for the sharded optimizer state: it would add resharding (resume at
+another world size), but in torch 2.13 its loader unpickles untrusted bytes: `FileSystemReader.read_metadata`
+reads `.metadata` with plain `pickle.load`, and `DefaultLoadPlanner.load_bytes` reads every non-tensor entry
+(optimizer param groups, steps) with `torch.load(weights_only=False)`. Adopting it would reopen issue 11's
+code-execution hole; each rank here already writes its own shard in parallel, and the HF export needs the
+gathered weights anyway. Resume therefore needs the same world size, and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import errno
 import importlib
 import logging
 import os
+import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -43,12 +54,19 @@ from torch import nn
 
 from flexengine.errors import UserError, os_error_message
 from flexengine.lora import adapter_to_model_keys, is_lora, merge_lora_state_dict
+from flexengine.parallel import cpu_group, global_rank, global_world_size
 from flexengine.storage import (
     check_free_space,
     disk_full_message,
+    fsync_dir,
+    has_manifest,
     list_checkpoints,
     move_aside,
+    older_format_message,
+    read_manifest,
+    seal_files,
     temp_dir_name,
+    tree_bytes,
     verify_manifest,
     write_manifest,
 )
@@ -57,7 +75,15 @@ log = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.pt"
 RANK_STATE = "trainer_state.rank{rank}.pt"  # ranks > 0: their optimizer shard and RNG, next to rank 0's state
+_RANK_FILE = re.compile(r"^trainer_state\.rank\d+\.pt$")
 SPACE_MARGIN = 1.05  # safetensors headers, tokenizer files, JSON: a few % on top of the tensor bytes
+COLLECTIVE_TIMEOUT_S = 3 * 3600.0  # ranks wait for rank 0 to write and hash a 7B checkpoint on a slow disk
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Where step <step> of a run lives: root/step_<step>."""
+    return root / f"step_{step}"
 
 
 def verify_checkpoint(directory: Path) -> Optional[str]:
@@ -67,9 +93,22 @@ def verify_checkpoint(directory: Path) -> Optional[str]:
 
 # -- sizes ---------------------------------------------------------------------------------------------------------
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor takes on disk: a DTensor's global size (every rank's shard), a tensor subclass's inner
+    tensors (torchao's 8-bit state reports fp32 numel but stores int8 codes + scales: 4x less)."""
+    if hasattr(t, "to_local"):  # DTensor: numel() is global; its local shard says how many bytes per element
+        local = t.to_local()
+        if local.numel() == 0:
+            return t.numel() * local.element_size()
+        return stored_bytes(local) * t.numel() // local.numel()
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def _tensor_bytes(tensors: Iterable[Any]) -> int:
-    # DTensor.numel() is the global size: the sum covers every rank's shard
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(stored_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _state_tensors(obj: Any) -> Iterable[Any]:
@@ -99,46 +138,57 @@ def estimate_checkpoint_bytes(model: nn.Module, optimizer_state: dict, world_siz
 
 # -- collectives (all no-ops in a single process) ----------------------------------------------------------------
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _failure_text(e: BaseException, doing: str) -> str:
+    """What another rank prints when this rank's part failed."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError):
+        return os_error_message(e, doing)
+    return f"{doing} failed: {type(e).__name__}: {e}"
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _all_ok(ok: bool) -> bool:
-    """True when every rank passes ok=True."""
-    if not dist.is_initialized():
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's value on every rank (a small Python object, between our own processes)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _run_on_rank0(fn: Callable[[], Any]) -> Any:
-    """fn() on rank 0, its result (or its UserError) on every rank."""
+def _run_on_rank0(group: Any, fn: Callable[[], Any], doing: str) -> Any:
+    """fn() on rank 0, its result on every rank. Any exception on rank 0 is re-raised there and reaches the other
+    ranks as a UserError (they never wait for a broadcast that does not come)."""
     result: Any = None
-    error: Optional[str] = None
-    if _rank() == 0:
+    error: Optional[BaseException] = None
+    if global_rank() == 0:
         try:
             result = fn()
-        except UserError as e:
-            error = str(e)
-    result, error = _from_rank0((result, error))
+        except Exception as e:
+            error = e
+    if group is not None:
+        box = [(result, None if error is None else _failure_text(error, doing))]
+        dist.broadcast_object_list(box, src=0, group=group)
+        result, text = box[0]
+        if error is None and text is not None:
+            raise UserError(f"rank 0: {text}")
     if error is not None:
-        raise UserError(error)
+        raise error
     return result
+
+
+def _on_every_rank(group: Any, fn: Callable[[], Any], doing: str, share: bool = False) -> Any:
+    """fn() on every rank; returns this rank's result, or with `share` every rank's (a list in rank order, for
+    small results). If fn raises on any rank, it raises on every rank: its own exception where it failed, a
+    UserError naming the failed rank and its message elsewhere."""
+    result: Any = None
+    error: Optional[BaseException] = None
+    try:
+        result = fn()
+    except Exception as e:
+        error = e
+    mine = (result if share else None, None if error is None else _failure_text(error, doing))
+    outcomes = [mine]
+    if group is not None:
+        outcomes = [None] * global_world_size()
+        dist.all_gather_object(outcomes, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, (_, text) in enumerate(outcomes) if text is not None]
+    if failed:
+        raise UserError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return [res for res, _ in outcomes] if share else result
 
 
 # -- state dicts -------------------------------------------------------------------------------------------------
@@ -151,7 +201,7 @@ def is_sharded(model: nn.Module) -> bool:
 def gather_full_state_dict(model: nn.Module) -> dict:
     """The full (unsharded) state dict on CPU at rank 0 ({} elsewhere); every rank must call it."""
     if not is_sharded(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if global_rank() == 0 else {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -176,20 +226,39 @@ def _read_safetensors(path: Path) -> dict:
         raise UserError(f"cannot read {path} as safetensors ({e}); the file is damaged or not a checkpoint.") from None
 
 
-def load_model_weights(model: nn.Module, directory: Path) -> None:
-    """Load the safetensors weights of an HF directory (single file or shards) into a plain model in place."""
-    files = sorted(directory.glob("*.safetensors"))
+def _weight_files(directory: Path) -> list[Path]:
+    """The top-level *.safetensors of a checkpoint: only those its manifest lists (a file dropped in later is
+    never read), or all of them in a plain HF directory without a manifest."""
+    if has_manifest(directory):
+        listed = read_manifest(directory)["files"]
+        return [directory / name for name in sorted(listed) if "/" not in name and name.endswith(".safetensors")]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _read_weights(directory: Path) -> dict:
+    files = _weight_files(directory)
     if not files:
         raise UserError(f"no *.safetensors in {directory}: not a model checkpoint.")
     state: dict = {}
     for f in files:
         state.update(_read_safetensors(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    return state
+
+
+def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
+    """load_state_dict's (missing, unexpected) keys as a UserError; tied weights are not missing."""
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)]
-    if missing or unexpected:
+    missing = [k for k in result.missing_keys
+               if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)]
+    if missing or result.unexpected_keys:
         raise UserError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}; resume with the same model (and model.lora) settings.")
+                        f"unexpected {result.unexpected_keys[:5]}; resume with the same model (and model.lora) "
+                        "settings.")
+
+
+def load_model_weights(model: nn.Module, directory: Path) -> None:
+    """Load the safetensors weights of an HF directory (single file or shards) into a plain model in place."""
+    _check_loaded(model, directory, model.load_state_dict(_read_weights(directory), strict=False))
 
 
 def _trusted_globals() -> list:
@@ -204,21 +273,35 @@ def _trusted_globals() -> list:
     return [OptimState4bit, OptimState8bit, OptimStateFp8]
 
 
+def _first_line(e: BaseException) -> str:
+    text = _ANSI.sub("", str(e)).strip()  # torch colours parts of its weights_only message
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_trainer_state(path: Path) -> dict:
     """A trainer_state*.pt file, loaded with weights_only=True (no code runs); a foreign file is refused."""
     if dist.is_initialized():
         importlib.import_module("torch.distributed.tensor")  # registers DTensor with the weights-only unpickler
-    try:
-        with torch.serialization.safe_globals(_trusted_globals()):
+    with torch.serialization.safe_globals(_trusted_globals()):
+        try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing: the checkpoint is incomplete.") from None
-    except Exception as e:  # pickle.UnpicklingError for a disallowed global, RuntimeError for a damaged zip
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"refusing to load {path}: it is not a trainer state this flexengine wrote ({first}). It may have "
-            "been tampered with; loading it could run code. Resume from a checkpoint you trust."
-        ) from None
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing: the checkpoint is incomplete.") from None
+        except pickle.UnpicklingError as e:  # a global outside the allow-list, or not a torch.save file at all
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:  # not even a readable archive: the plain message below says so
+                unsafe = []
+            if unsafe:
+                raise UserError(
+                    f"refusing to load {path}: it holds {', '.join(sorted(unsafe)[:5])}, which no trainer state of "
+                    "this flexengine holds. It may have been tampered with; loading it could run code. Resume from a "
+                    "checkpoint you trust."
+                ) from None
+            raise UserError(f"cannot read {path} as a trainer state ({_first_line(e)}); it is damaged or not a "
+                            "checkpoint of this flexengine. Resume from another checkpoint.") from None
+        except RuntimeError as e:  # a damaged zip archive (PytorchStreamReader failed ...)
+            raise UserError(f"{path} is damaged ({_first_line(e)}); resume from another checkpoint.") from None
     if not isinstance(state, dict) or "train" not in state:
         raise UserError(f"{path} does not hold a flexengine trainer state.")
     return state
@@ -226,40 +309,61 @@ def load_trainer_state(path: Path) -> dict:
 
 # -- save ----------------------------------------------------------------------------------------------------------
 
-def _write_hf_dir(directory: Path, model: nn.Module, tokenizer, state: Optional[dict]) -> None:
+def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Optional[dict]) -> None:
     model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
 
 
-def _write_rank0_part(tmp: Path, model: nn.Module, tokenizer, trainer_state: dict, full: Optional[dict],
-                      merge_lora) -> None:
+def _write_rank0_part(tmp: Path, model: nn.Module, tokenizer: Any, trainer_state: dict, full: Optional[dict],
+                      merge_lora: Optional[Any]) -> list[str]:
+    """The HF directory, rank 0's trainer state (and merged/); returns the files written, relative to tmp."""
     _write_hf_dir(tmp, model, tokenizer, full)
     torch.save(trainer_state, tmp / TRAINER_STATE)
     if merge_lora is not None:
         _write_hf_dir(tmp / "merged", model.get_base_model(), tokenizer, merge_lora_state_dict(full, merge_lora))
+    # the other ranks write their trainer_state.rank<r>.pt into the same directory meanwhile: theirs to seal
+    return [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file() and not _RANK_FILE.match(p.name)]
 
 
-def _save_failure(path: Path, e: BaseException, needed: int) -> UserError:
+_DISK_FULL_TEXT = ("os error 28", "No space left on device", "os error 122", "Disk quota exceeded")
+_NEARLY_FULL = 64 << 20  # bytes: after a failed write, less than this free is a full disk whatever was estimated
+
+
+def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserError:
+    """A failed write as one paragraph. A full disk says `disk full at ...` even when the writer reports it
+    without an errno: torch.save's zip writer raises RuntimeError('[enforce fail at inline_container.cc:...]
+    unexpected pos ...'), safetensors SafetensorError('... I/O error: No space left on device (os error 28)').
+    Measured before the partial save is removed, so the space it took still counts as used."""
     if isinstance(e, UserError):
         return e
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return UserError(disk_full_message(path, needed, shutil.disk_usage(path).free))
+    written = tree_bytes(tmp) if tmp.is_dir() else 0
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = ((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+            or any(text in str(e) for text in _DISK_FULL_TEXT)
+            or (free is not None and free < max(needed - written, _NEARLY_FULL)))
+    if full and free is not None:  # the free space once the partial save is gone: what the user will see
+        return UserError(disk_full_message(root, needed, free + written))
     if isinstance(e, OSError):
         return UserError(os_error_message(e, "saving a checkpoint"))
-    return UserError(f"saving the checkpoint into {path} failed: {type(e).__name__}: {e}")
+    return UserError(f"saving the checkpoint into {root} failed: {type(e).__name__}: {_first_line(e)}")
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer, trainer_state: dict, *,
-                    optimizer_state: Optional[dict] = None, merge_lora=None) -> Path:
+def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer: Any, trainer_state: dict, *,
+                    optimizer_state: Optional[dict] = None, merge_lora: Optional[Any] = None) -> Path:
     """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
 
     Weights are gathered to rank 0 (FSDP), which writes the HF (or adapter) directory; ranks > 0 add their
-    trainer state (optimizer shard, RNG) into the same temp dir. Refuses to overwrite an existing step.
+    trainer state (optimizer shard, RNG) into the same temp dir. Each rank fsyncs and hashes what it wrote;
+    rank 0 writes the manifest and renames the directory into place. Refuses to overwrite an existing step.
     optimizer_state: the optimizer part of trainer_state (for the size estimate; defaults to trainer_state's).
+    merge_lora: the LoraConfig, to also write merged/ (base + adapters as a plain HF model).
     """
-    rank, world_size = _rank(), _world_size()
-    final = root / f"step_{step}"
+    rank, world_size = global_rank(), global_world_size()
+    final = step_dir(root, step)
     merged = merge_lora is not None
     full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
     trainer_state = {**trainer_state, "world_size": world_size}
@@ -277,35 +381,44 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer, trainer_
         check_free_space(root, needed)
         tmp = root / temp_dir_name(step)
         shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise UserError(os_error_message(e, "creating the checkpoint's temporary directory")) from None
         return str(tmp)
 
-    tmp = Path(_run_on_rank0(prepare))
-    error: Optional[BaseException] = None
-    try:
-        if rank == 0:
-            _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora)
-        else:
-            torch.save(trainer_state, tmp / RANK_STATE.format(rank=rank))
-    except Exception as e:  # disk full, permissions, ...: the other ranks must hear of it, not hang
-        error = e
-    if not _all_ok(error is None):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
-        if error is not None:
-            raise _save_failure(root, error, needed) from None
-        raise UserError(f"saving {final} failed on another rank (see its message); {final} was not written.")
+    def write() -> dict:
+        try:
+            if rank == 0:
+                names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora)
+            else:
+                names = [RANK_STATE.format(rank=rank)]
+                torch.save(trainer_state, tmp / names[0])
+            return seal_files(tmp, names)
+        except Exception as e:  # disk full, permissions, ...: every rank hears of it (_on_every_rank)
+            raise _save_failure(root, tmp, e, needed) from e
 
     def publish() -> str:
         try:
-            write_manifest(tmp, step)
+            write_manifest(tmp, step, sealed, world_size=world_size)
             os.replace(tmp, final)
+            fsync_dir(root)  # the rename itself survives a power cut
         except Exception as e:
+            failure = _save_failure(root, tmp, e, needed)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _save_failure(root, e, needed) from None
+            raise failure from e
         return str(final)
 
-    final = Path(_run_on_rank0(publish))
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        tmp = Path(_run_on_rank0(group, prepare, f"preparing {final}"))
+        try:
+            parts = _on_every_rank(group, write, f"writing {final}", share=True)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took (every rank is done)
+            raise
+        sealed = {name: entry for part in parts for name, entry in part.items()}
+        final = Path(_run_on_rank0(group, publish, f"publishing {final}"))
     log.info("checkpoint saved: %s", final)
     return final
 
@@ -313,10 +426,14 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer, trainer_
 # -- resume ----------------------------------------------------------------------------------------------------
 
 def _newest_verifying(root: Path) -> Optional[Path]:
-    """The newest step that verifies; damaged newer ones are moved aside with a warning. Raises if all fail."""
-    checkpoints = list_checkpoints(root)
+    """The newest step that verifies; damaged newer ones are moved aside with a warning. Raises if all fail, or
+    on a step an older flexengine wrote (no manifest: not damaged, so not moved; but not resumable exactly)."""
     problems = []
-    for _, path in checkpoints:
+    for _, path in list_checkpoints(root):
+        if not has_manifest(path):
+            raise UserError(f"train.resume=auto: {older_format_message(path)}"
+                            + (f" (newer steps failed verification: {'; '.join(problems)})" if problems else "")
+                            + ".")
         problem = verify_checkpoint(path)
         if problem is None:
             if problems:
@@ -353,37 +470,65 @@ def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> O
         path = Path(spec)
         if not (path / TRAINER_STATE).is_file():
             raise UserError(f"train.resume={spec!r} is not a checkpoint directory (no {TRAINER_STATE} in it).")
+        if not has_manifest(path):
+            raise UserError(f"train.resume={spec}: {older_format_message(path)}.")
         problem = verify_checkpoint(path)
         if problem is not None:
             raise UserError(f"train.resume={spec}: the checkpoint fails verification: {problem}. Resume from "
                             "another step (train.resume=auto picks the newest one that verifies).")
         return str(path)
 
-    chosen = _run_on_rank0(pick)
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:  # rank 0 hashes the whole checkpoint meanwhile
+        chosen = _run_on_rank0(group, pick, f"train.resume={spec}")
     return None if chosen is None else Path(chosen)
 
 
-def load_checkpoint(path: Path, model: nn.Module) -> dict:
-    """Load a verified checkpoint's weights (full, or LoRA adapters) on every rank; returns this rank's state."""
-    rank, world_size = _rank(), _world_size()
-    state = load_trainer_state(path / TRAINER_STATE)
-    saved_world = state.get("world_size", 1)
-    if saved_world != world_size:
-        raise UserError(
-            f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "
-            f"{world_size}; resume with torchrun --nproc_per_node {saved_world} (optimizer states are sharded)."
-        )
-    if is_lora(model):
-        _load_full_state_dict(model, adapter_to_model_keys(_read_safetensors(path / "adapter_model.safetensors")))
-    elif not is_sharded(model):
-        load_model_weights(model, path)
-    else:
-        weights: dict = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(_read_safetensors(f))
+def _saved_world_size(path: Path) -> int:
+    manifest = read_manifest(path)
+    if "world_size" in manifest:
+        return int(manifest["world_size"])
+    return 1 + sum(1 for name in manifest["files"] if _RANK_FILE.match(name))  # one state file per rank > 0
+
+
+def load_checkpoint_state(path: Path) -> dict:
+    """This rank's trainer state of a verified checkpoint (rank 0: trainer_state.pt, rank r: its own file), after
+    checking the world size. Every rank calls it; a failure on one rank raises on all."""
+    rank, world_size = global_rank(), global_world_size()
+
+    def read() -> dict:
+        saved_world = _saved_world_size(path)
+        if saved_world != world_size:
+            raise UserError(
+                f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "
+                f"{world_size}; resume with torchrun --nproc_per_node {saved_world} (optimizer states are sharded)."
+            )
+        return load_trainer_state(path / (TRAINER_STATE if rank == 0 else RANK_STATE.format(rank=rank)))
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        return _on_every_rank(group, read, f"loading the trainer state of {path}")
+
+
+def load_checkpoint_weights(path: Path, model: nn.Module) -> None:
+    """Load a verified checkpoint's weights (full, or LoRA adapters) on every rank; only the files its manifest
+    lists. Every rank calls it; the files are read before any collective, so a failure on one rank raises on all."""
+
+    def read() -> dict:
+        if is_lora(model):
+            return adapter_to_model_keys(_read_safetensors(path / "adapter_model.safetensors"))
+        return _read_weights(path)
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        weights = _on_every_rank(group, read, f"reading the weights of {path}")
+    if is_lora(model) or is_sharded(model):
         _load_full_state_dict(model, weights)
-    if rank > 0:
-        state = load_trainer_state(path / RANK_STATE.format(rank=rank))
+    else:
+        _check_loaded(model, path, model.load_state_dict(weights, strict=False))
+
+
+def load_checkpoint(path: Path, model: nn.Module) -> dict:
+    """Load a verified checkpoint on every rank: its weights into model; returns this rank's trainer state."""
+    state = load_checkpoint_state(path)
+    load_checkpoint_weights(path, model)
     return state
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # rank 0's full tensors, kept alive until broadcast; every other rank contributes nothing
-    full = {k: v.detach() for k, v in model.state_dict().items()} if weights_from_rank0 and _rank() == 0 else {}
+    full = {k: v.detach() for k, v in model.state_dict().items()} if weights_from_rank0 and global_rank() == 0 else {}
 
     kwargs = {}
     if device.type == "cuda" and parallel.mixed_precision:
@@ -198,9 +198,14 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
         set_sync(True)
 
 
-
-def _rank() -> int:
+def global_rank() -> int:
+    """This process's rank in the job (0 in a single process)."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_world_size() -> int:
+    """The number of processes in the job (1 in a single process)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:
@@ -216,16 +221,27 @@ def main_rank_first(info: DistInfo, timeout_s: float = 7200.0) -> Iterator[None]
     The wait goes through a CPU (gloo) group with its own `timeout_s`: tokenizing a large corpus can take longer
     than NCCL's default 10-minute collective timeout, which must stay short for real hangs in training.
     """
-    if not dist.is_initialized():
+    with cpu_group(timeout_s) as group:
+        if group is not None and not info.is_main:
+            dist.barrier(group=group)
         yield
+        if group is not None and info.is_main:
+            dist.barrier(group=group)
+
+
+@contextlib.contextmanager
+def cpu_group(timeout_s: float) -> Iterator[Optional[dist.ProcessGroup]]:
+    """A gloo group of every rank with its own timeout, for waits that may outlast the job's collective timeout
+    (NCCL's 10 minutes must stay short for real hangs in training); None in a single process. Every rank must
+    enter it (creating a group is itself collective); it is destroyed at the end of the block."""
+    if not dist.is_initialized():
+        yield None
         return
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank creates it
-    if not info.is_main:
-        dist.barrier(group=group)
-    yield
-    if info.is_main:
-        dist.barrier(group=group)
-    dist.destroy_process_group(group)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
 
 
 def shutdown_distributed() -> None:

@@ -178,8 +178,9 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
                       context_parallel=context_parallel)
     trainer.plan = fit
     trainer.data_report = data_report
-    trainer.data_plan = data_plan_fingerprint(loader.corpus, job.data, job.train.micro_batch, dist_info.world_size,
-                                              job.train.seed)
+    trainer.data_plan = data_plan_fingerprint(loader.corpus, loader.plan, data=job.data,
+                                              micro_batch=job.train.micro_batch, world_size=dist_info.world_size,
+                                              seed=job.train.seed)
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b
@@ -193,13 +194,17 @@ def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] 
     try:
         return _run_training(job, out_dir, resolved_config)
     except OSError as e:  # a filesystem fault anywhere (cache dir, output dir, ...): one paragraph with the path
+        if e.filename is None:  # a timeout, a lost connection, too many open files: not "check the path"
+            raise
         raise UserError(os_error_message(e, "the run")) from None
 
 
 def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]) -> dict:
     check_output_dir(out_dir, job.train.resume)  # before anything is written: never mix two runs
     if os.environ.get("RANK", "0") == "0":  # before the process group exists, torchrun's RANK says who cleans
-        clean_stale_temp_dirs(out_dir / CHECKPOINTS)  # first: a dead save's leftovers may be what fills the disk
+        # first: a dead save's leftovers may be what fills the disk; resume=auto owns the directory (a requeue on
+        # another node removes the saves its previous node left unfinished)
+        clean_stale_temp_dirs(out_dir / CHECKPOINTS, owned=job.train.resume == "auto")
     trainer = build_trainer(job, out_dir)
     with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
         if job.train.resume:

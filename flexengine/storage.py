@@ -44,30 +44,80 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _files_under(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+def _relative_files(directory: Path) -> list[str]:
+    """Every file below directory but the manifest, as a path relative to directory."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(directory: Path, step: int) -> dict:
-    """directory/manifest.json: {file: {bytes, sha256}} for every file below directory; returns it."""
-    files = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in _files_under(directory)}
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory too: its entries (a rename, a new file) reach the disk
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_files(directory: Path, names: Sequence[str]) -> dict:
+    """fsync each file (its data is on disk before any rename publishes it) and return its manifest entries
+    {name: {bytes, sha256}}. Every rank seals the files it wrote, so the hashing is spread over the ranks."""
+    entries = {}
+    for name in names:
+        path = directory / name
+        _fsync(path)
+        entries[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return entries
+
+
+def write_manifest(directory: Path, step: int, sealed: Optional[dict] = None, **facts: object) -> dict:
+    """directory/manifest.json: {file: {bytes, sha256}} for every file below directory (the entries in `sealed`
+    were hashed by the rank that wrote them; the rest are sealed here), plus `facts`; then fsyncs the directory
+    tree, so a rename of directory publishes complete files. Returns the manifest."""
+    sealed = dict(sealed or {})
+    rest = [name for name in _relative_files(directory) if name not in sealed]
+    files = {**sealed, **seal_files(directory, rest)}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, **facts, "files": dict(sorted(files.items()))}
     write_json_atomic(directory / MANIFEST, manifest)
+    for sub in sorted((p for p in directory.rglob("*") if p.is_dir()), reverse=True):
+        _fsync(sub)
+    _fsync(directory)
+    return manifest
+
+
+def older_format_message(directory: Path) -> str:
+    """What a step directory without a manifest is, and how its weights can still be used."""
+    return (f"{directory} has no {MANIFEST}: an older flexengine wrote it (or it was copied without its manifest), "
+            "so it cannot be verified or resumed exactly. Its weights can start a new run: "
+            f"model.path={directory} with a new train.output_dir")
+
+
+def has_manifest(directory: Path) -> bool:
+    """Whether directory was written by a flexengine that checksums its checkpoints."""
+    return (directory / MANIFEST).is_file()
+
+
+def read_manifest(directory: Path) -> dict:
+    """directory/manifest.json, parsed and checked for shape; UserError if it is missing or malformed."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise UserError(older_format_message(directory))
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+                   for v in files.values()):
+            raise TypeError("every file needs {bytes, sha256}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path} is not a valid manifest ({type(e).__name__}: {e})") from None
     return manifest
 
 
 def verify_manifest(directory: Path, required: Sequence[str] = ()) -> Optional[str]:
-    """None if every file of directory/manifest.json is present with its size and checksum (and the manifest
-    lists each `required` file), else what is wrong."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        return f"no {MANIFEST} (the save did not finish, or an older flexengine wrote it)"
+    """None if every file of directory/manifest.json is present with its size and checksum, no file is there
+    that the manifest does not list, and the manifest lists each `required` file; else what is wrong."""
     try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{path} is not a valid manifest ({e})"
+        files = read_manifest(directory)["files"]
+    except UserError as e:
+        return str(e)
     for name, expected in files.items():
         f = directory / name
         if not f.is_file():
@@ -76,11 +126,16 @@ def verify_manifest(directory: Path, required: Sequence[str] = ()) -> Optional[s
             return f"{f} has {f.stat().st_size} bytes, the manifest says {expected['bytes']}"
         if sha256_file(f) != expected["sha256"]:
             return f"{f} does not match its checksum (the file changed after it was saved)"
+    # a file added later would be read too (loaders glob *.safetensors, HF follows an index .json)
+    unlisted = [name for name in _relative_files(directory) if name not in files]
+    if unlisted:
+        more = f", and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        return (f"{directory / unlisted[0]} is not in the manifest (added after the save{more}); remove it if you "
+                "put it there")
     missing = [name for name in required if name not in files]
     if missing:
         return f"the manifest lists no {', '.join(missing)}"
     return None
-
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -89,7 +144,6 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return sorted(steps, reverse=True)
-
 
 
 def _pid_alive(pid: int) -> bool:
@@ -102,40 +156,54 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _tree_bytes(path: Path) -> int:
+def tree_bytes(path: Path) -> int:
+    """Bytes of all files below path."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def clean_stale_temp_dirs(root: Path) -> list[Path]:
-    """Remove `.tmp_step_*` directories left by dead processes of this host; returns what was removed.
-
-    A temp dir of another host cannot be judged from here (its process may be writing): it is reported, not
-    touched.
-    """
-    removed = []
+def unfinished_saves(root: Path) -> list[tuple[Path, str, int, int]]:
+    """(path, host, pid, bytes) of every `.tmp_step_*` directory under root."""
     if not root.is_dir():
-        return removed
-    host = socket.gethostname()
+        return []
+    found = []
     for p in sorted(root.iterdir()):
-        m = _TMP_DIR.match(p.name)
-        if not m or not p.is_dir():
+        if (m := _TMP_DIR.match(p.name)) and p.is_dir():
+            found.append((p, m["host"], int(m["pid"]), tree_bytes(p)))
+    return found
+
+
+def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
+    """Remove the `.tmp_step_*` directories of unfinished saves that no live process writes; returns them.
+
+    Call it at start-up, before this process saves anything: a directory named with this host and this pid is
+    then a leftover of an earlier process that had the same pid (in a container the trainer is often PID 1 on
+    every start), and one of a dead pid is a killed save. A directory of another host cannot be judged from
+    here, unless `owned` (train.resume=auto: this job continues the run in this directory, e.g. a Slurm or K8s
+    requeue that landed on another node, so nothing else writes there); otherwise it is only reported.
+    """
+    host, removed = socket.gethostname(), []
+    for p, its_host, pid, size in unfinished_saves(root):
+        if its_host == host and pid != os.getpid() and _pid_alive(pid):
+            continue  # a live process of this host is writing it
+        if its_host != host and not owned:
+            log.warning("checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it "
+                        "(train.resume=auto removes it)", p, size / GIB, its_host)
             continue
-        size = _tree_bytes(p)
-        if m["host"] != host:
-            log.warning("checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it",
-                        p, size / GIB, m["host"])
-        elif int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
-            shutil.rmtree(p, ignore_errors=True)
-            log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a dead process", p, size / GIB)
-            removed.append(p)
+        shutil.rmtree(p, ignore_errors=True)
+        log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a process that is gone", p, size / GIB)
+        removed.append(p)
     return removed
 
 
-
 def disk_full_message(path: Path, needed: int, free: int) -> str:
-    """The one wording of a full disk, with numbers."""
-    return (f"disk full at {path} (needs {needed / GIB:.2f} GiB, {free / GIB:.2f} free). Free some space or set "
-            "train.output_dir to a larger disk; the previous checkpoint (if any) is intact.")
+    """The one wording of a full disk, with numbers (and the space unfinished saves still hold there)."""
+    held = [(p, size) for p, _, _, size in unfinished_saves(path)]
+    held_note = ""
+    if held:
+        held_note = (f"; {sum(s for _, s in held) / GIB:.2f} GiB of it is held by unfinished saves ("
+                     + ", ".join(p.name for p, _ in held[:3]) + "): remove them if no job writes there")
+    return (f"disk full at {path} (needs {needed / GIB:.2f} GiB, {free / GIB:.2f} free{held_note}). Free some "
+            "space or set train.output_dir to a larger disk; the previous checkpoint (if any) is intact.")
 
 
 def check_free_space(root: Path, needed: int) -> None:
@@ -143,7 +211,6 @@ def check_free_space(root: Path, needed: int) -> None:
     free = shutil.disk_usage(root).free
     if free < needed:
         raise UserError(disk_full_message(root, needed, free))
-
 
 
 def move_aside(path: Path) -> Path:
@@ -157,12 +224,10 @@ def move_aside(path: Path) -> Path:
     return target
 
 
-
 def _earlier_run_files(out_dir: Path) -> list[str]:
-    """What in out_dir belongs to a run: checkpoints, its summary, its TensorBoard events."""
+    """What in out_dir belongs to a run: checkpoints, its summary and metrics, its TensorBoard events."""
     found = [f"{CHECKPOINTS}/{p.name}" for _, p in list_checkpoints(out_dir / CHECKPOINTS)]
-    if (out_dir / "summary.json").is_file():
-        found.append("summary.json")
+    found += [name for name in ("summary.json", "metrics.jsonl") if (out_dir / name).is_file()]
     if any((out_dir / "tb").glob("events.out.tfevents.*")):
         found.append("tb/ events")
     return found
@@ -211,9 +276,18 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
                             f"{out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}")
 
 
-
 def write_json_atomic(path: Path, data: dict) -> None:
-    """json.dump through a temp file + rename."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    """json.dump through a temp file, fsynced, renamed into place, and the directory fsynced: after a crash the
+    file is either the old one or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp_{socket.gethostname()}_{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2, default=str))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in directory durable."""
+    _fsync(directory)

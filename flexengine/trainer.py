@@ -6,13 +6,14 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import random
 import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -20,7 +21,15 @@ from torch import nn
 
 from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, mask_kwargs
-from flexengine.checkpoint import load_checkpoint, mark_best, prune_checkpoints, resolve_resume, save_checkpoint
+from flexengine.checkpoint import (
+    load_checkpoint_state,
+    load_checkpoint_weights,
+    mark_best,
+    prune_checkpoints,
+    resolve_resume,
+    save_checkpoint,
+    step_dir,
+)
 from flexengine.config import JobConfig
 from flexengine.context_parallel import ContextParallel
 from flexengine.data.loader import HeldOut, RowLoader
@@ -106,13 +115,15 @@ class Trainer:
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
+        self._signals = 0  # SIGINT/SIGTERM received while stop_on_signals() is active
         self._handling_signals = False  # stop_on_signals() is active (it nests)
-        self._saved_step = 0  # step of the last checkpoint saved or resumed (nothing to save at step 0)
+        self._interrupted = False  # train() stopped the loop for a signal (not: a signal came after the loop)
+        # the step whose checkpoint is on disk (no double save of one step); step 0 has nothing to save
+        self._saved_step = 0
         self.data_plan: dict = {}  # what the data stream depends on (run.build_trainer); checked on resume
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.stopped_early = False  # train.early_stop_patience ran out
         self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
-        self._saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
         self._last_sample_step = -1
         self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
         self._loop_start, self._loop_start_step = time.perf_counter(), 0
@@ -259,7 +270,7 @@ class Trainer:
         cfg = self.job.train
         with self.stop_on_signals():  # through the final save: a signal must not cut it short
             self._loop()
-            stopped = self._should_stop()
+            stopped = self._interrupted = self._should_stop()
             if stopped:
                 log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
                             self.state.step)
@@ -386,7 +397,7 @@ class Trainer:
         log.info("eval step %d: loss %.4f | ppl %.2f | %d tokens | best %.4f (step %d)", s.step, result["loss"],
                  result["ppl"], result["tokens"], s.best_eval_loss, s.best_step)
         if improved and self._saves_best:
-            path = self.save() if self._saved_step != s.step else self.out_dir / "checkpoints" / f"step_{s.step}"
+            path = self.save() if self._saved_step != s.step else step_dir(self.out_dir / CHECKPOINTS, s.step)
             if self.dist.is_main:
                 mark_best(path.parent, path)
             self._prune()  # the previous best may be past keep_last now
@@ -435,23 +446,37 @@ class Trainer:
         return self._stop_signal is not None
 
     @contextlib.contextmanager
-    def stop_on_signals(self):
+    def stop_on_signals(self) -> Iterator[None]:
         """SIGINT/SIGTERM finish the current step, save and stop; a second signal only says the save is still
-        running (run_training holds this over the summary write too). The old handlers come back at the end."""
+        running; a third gives up the save: the previous handler runs (Ctrl-C raises KeyboardInterrupt, SIGTERM
+        ends the process). run_training holds this over the summary write too. The old handlers come back at
+        the end."""
         if self._handling_signals:
             yield
             return
+        previous = {}
 
-        def request_stop(signum, frame):
+        def request_stop(signum: int, frame: object) -> None:
+            self._signals += 1
             if self._stop_signal is None:
                 self._stop_signal = signum
                 log.warning("signal %d: finishing step %d, then saving and exiting with status %d",
                             signum, self.state.step + 1, 128 + signum)
-            else:
+            elif self._signals == 2:
                 log.warning("signal %d again: still finishing and saving (step %d); exiting when the checkpoint "
-                            "and summary are written (kill -9 would lose this save)", signum, self.state.step)
+                            "and summary are written. A third signal aborts and loses this save (the previous "
+                            "checkpoint stays intact)", signum, self.state.step)
+            else:
+                log.warning("signal %d a third time: aborting; the checkpoint being written is lost, the previous "
+                            "one is intact", signum)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                handler = previous.get(signum, signal.SIG_DFL)
+                if callable(handler):
+                    handler(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt here
+                elif handler != signal.SIG_IGN:
+                    os.kill(os.getpid(), signum)  # the default action: end the process by this signal
 
-        previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError):  # not the main thread (e.g. under some launchers)
                 previous[sig] = signal.signal(sig, request_stop)
@@ -466,10 +491,11 @@ class Trainer:
     @property
     def exit_code(self) -> int:
         """0, or 128 + signal after a signal-stopped run (what schedulers read as preemption, not completion).
-        A rank stopped because another rank had the signal reports SIGTERM, the usual preemption signal."""
-        if self._stop_signal is not None:
-            return 128 + self._stop_signal
-        return 128 + signal.SIGTERM if self._stop_agreed else 0
+        A rank stopped because another rank had the signal reports SIGTERM, the usual preemption signal. A signal
+        that arrives after the last step (during the final evaluation or save) leaves a complete run: 0."""
+        if not self._interrupted:
+            return 0
+        return 128 + (self._stop_signal if self._stop_signal is not None else signal.SIGTERM)
 
     # -- results, checkpoints, resume ---------------------------------------------------------------------
     def summary(self) -> dict:
@@ -496,7 +522,7 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "wall_s": self.wall_s,
             "stopped_by_signal": self._stop_signal,
-            "status": "interrupted" if self._should_stop() else "ok",
+            "status": "interrupted" if self._interrupted else "ok",
             "stopped_early": self.stopped_early,
             "eval": self._eval_summary(),
             "exit_code": self.exit_code,
@@ -506,7 +532,7 @@ class Trainer:
         s = self.state
         if not s.evals:
             return None
-        best = self.out_dir / "checkpoints" / f"step_{s.best_step}"
+        best = step_dir(self.out_dir / CHECKPOINTS, s.best_step)
         return {"loss": s.evals[-1]["loss"], "ppl": s.evals[-1]["ppl"], "best_loss": s.best_eval_loss,
                 "best_step": s.best_step, "best_checkpoint": str(best) if self._saves_best else None,
                 "history": list(s.evals)}
@@ -543,11 +569,12 @@ class Trainer:
 
     def resume(self, spec: str) -> Optional[Path]:
         """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
-        path = resolve_resume(spec, self.out_dir / CHECKPOINTS, self.job.train.output_dir is not None)
+        path = resolve_resume(spec, self.out_dir / CHECKPOINTS, bool(self.job.train.output_dir))
         if path is None:
             return None
-        state = load_checkpoint(path, self.model)
-        new_data = self._check_data_plan(state.get("data_plan", {}), path)
+        state = load_checkpoint_state(path)
+        new_data = self._check_data_plan(state.get("data_plan", {}), path)  # before the weights: a cheap refusal
+        load_checkpoint_weights(path, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.

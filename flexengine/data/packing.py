@@ -8,6 +8,7 @@ Every token the long-document policy splits, truncates or drops is counted in `P
 from __future__ import annotations
 
 import bisect
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -62,6 +63,13 @@ class PackPlan:
 
     rows: list[list[Segment]] = field(default_factory=list)
     stats: PackStats = field(default_factory=PackStats)
+
+    def sha256(self) -> str:
+        """Hex sha256 of the rows: every (document, start, length) piece and where each row ends. It changes with
+        anything that changes which documents are trained on and how (held-out split, mixture, max_docs, ...)."""
+        h = hashlib.sha256(np.asarray([len(row) for row in self.rows], dtype=np.int64).tobytes())
+        h.update(np.asarray([seg for row in self.rows for seg in row], dtype=np.int64).tobytes())
+        return h.hexdigest()
 
 
 def _pieces(lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats,
