@@ -197,7 +197,8 @@ def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
 
 def disk_full_message(path: Path, needed: int, free: int) -> str:
     """The one wording of a full disk, with numbers (and the space unfinished saves still hold there)."""
-    held = [(p, size) for p, _, _, size in unfinished_saves(path)]
+    mine = (socket.gethostname(), os.getpid())  # this process's own failed save is being removed
+    held = [(p, size) for p, host, pid, size in unfinished_saves(path) if (host, pid) != mine]
     held_note = ""
     if held:
         held_note = (f"; {sum(s for _, s in held) / GIB:.2f} GiB of it is held by unfinished saves ("

@@ -6,6 +6,7 @@ Tiny HF models built in-process (no downloads), fp32, deterministic.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -89,3 +90,11 @@ def sdpa_on_block_mask(query, key, value, block_mask, scale=None, enable_gqa=Fal
     mask = create_mask(block_mask.mask_mod, B, 1, Q, key.shape[2], query.device)
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                             enable_gqa=enable_gqa)
+
+
+def flip_one_byte(path: Path) -> None:
+    """Finite damage: one bit in the middle of the file (inside a safetensors file's tensor data, a value changes
+    and the file still parses)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
 from flexengine import trainer as trainer_module
 from flexengine.run import run_training
+from tests.helpers import flip_one_byte
 from tests.test_train import make_job
 
 STEPS, SAVE_EVERY, STOP_AT = 200, 40, 120
@@ -27,12 +27,6 @@ RSS_GROWTH_LIMIT = 24 * 2**20  # bytes over the second half of the resumed run
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _flip_one_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.slow
@@ -55,7 +49,7 @@ def test_soak_periodic_saves_forced_stop_corrupt_checkpoint_resume(tmp_path, mon
     first = run_training(make_job(out, *SOAK, "train.resume=auto"), out)
     assert first["steps"] == STOP_AT and first["exit_code"] == 128 + signal.SIGTERM
     newest = out / "checkpoints" / f"step_{STOP_AT}"
-    _flip_one_byte(newest / "model.safetensors")  # finite damage: it would load and silently change the losses
+    flip_one_byte(newest / "model.safetensors")  # finite damage: it would load and silently change the losses
 
     rss.clear()
     attempt[0] = 2

@@ -239,6 +239,71 @@ def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, s
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored at the end
 
 
+def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
+    """Before: after the first signal every later Ctrl-C was swallowed until the end of the run."""
+    import os
+    import signal
+
+    from flexengine import trainer as trainer_module
+
+    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+
+    def step_then_signal(self):
+        out = real_step(self)
+        if self.state.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    def two_more_while_saving(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # "still saving"
+        os.kill(os.getpid(), signal.SIGINT)  # gives up: Python's own SIGINT handler raises KeyboardInterrupt
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", two_more_while_saving)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    assert not (tmp_path / "checkpoints" / "step_2").exists() and signal.getsignal(signal.SIGINT) == handler
+
+
+def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch):
+    """Before: a SIGTERM during the final save of a run that had done all its steps reported status
+    "interrupted" and exit 143, so a scheduler would requeue a finished job."""
+    import os
+    import signal
+
+    from flexengine import trainer as trainer_module
+
+    real_save = trainer_module.save_checkpoint
+
+    def signal_during_the_final_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_during_the_final_save)
+    summary = run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    assert summary["steps"] == 2 and summary["status"] == "ok" and summary["exit_code"] == 0
+    assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("error, raised", [(TimeoutError("timed out"), TimeoutError),
+                                           (FileNotFoundError(2, "No such file or directory", "/x/y"), "UserError")])
+def test_only_os_errors_with_a_path_become_a_path_message(tmp_path, monkeypatch, error, raised):
+    """Before: every OSError, a timeout or a lost connection too, became "check the path and the disk"."""
+    from flexengine import run as run_module
+    from flexengine.errors import UserError
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(run_module, "build_trainer", fail)
+    with pytest.raises(UserError if raised == "UserError" else raised) as err:
+        run_training(make_job(tmp_path, "train.max_steps=1"), tmp_path)
+    if raised == "UserError":
+        assert "the run failed at /x/y: No such file or directory" in str(err.value)
+
+
 _SIGNAL_RUN = """
 import os, signal, sys
 from flexengine import trainer
@@ -299,6 +364,10 @@ def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path)
                            tmp_path)
     with pytest.raises(UserError, match="data.seq_len: 64 -> 128; train.micro_batch: 2 -> 1"):
         longer.resume("auto")
+    # the same corpus, other training rows: before, only the corpus and config keys were compared
+    held_out = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "data.eval_fraction=0.25"), tmp_path)
+    with pytest.raises(UserError, match="data.eval_fraction: 0.0 -> 0.25; rows_sha256: '[0-9a-f]+' -> '[0-9a-f]+'"):
+        held_out.resume("auto")
     allowed = build_trainer(make_job(tmp_path, *data, f"data.path={b}", "train.resume_new_data=true"), tmp_path)
     allowed.resume("auto")
     assert allowed.state.step == 2 and allowed.loader.cursor == 0  # weights and step kept, new data from row 0

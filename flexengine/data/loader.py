@@ -109,8 +109,8 @@ def data_plan_fingerprint(corpus: Corpus, plan: PackPlan, *, data: DataConfig, m
         "corpus_sha256": corpus.fingerprint(), "documents": len(corpus), "data.seq_len": data.seq_len,
         "data.packing": data.packing, "data.long_docs": data.long_docs, "data.shuffle": data.shuffle,
         "data.bucket": data.bucket, "data.eval_fraction": data.eval_fraction,
-        "data.mix": [f"{m.path}:{m.weight:g}" for m in data.mix], "rows_sha256": plan.sha256(),
-        "train.micro_batch": micro_batch, "world_size": world_size, "train.seed": seed,
+        "data.mix": [f"{m.path}:{m.weight:g}" for m in data.mix], "train.micro_batch": micro_batch,
+        "world_size": world_size, "train.seed": seed, "rows_sha256": plan.sha256(),  # last: listed after its cause
     }
 
 

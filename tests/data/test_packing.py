@@ -139,3 +139,13 @@ def test_has_targets_needs_a_trained_token_after_the_first_of_a_piece():
     plan = plan_packing(np.diff(offsets), seq_len=1)
     batch = materialise_rows(plan.rows, tokens, offsets, 1, pad_id=0)
     assert int(count_valid_targets(batch["labels"])) == 0
+
+
+def test_plan_sha256_changes_with_the_rows_trained_on():
+    """The data-plan fingerprint's rows_sha256: the same documents packed the same way hash equal; a held-out
+    split, a mixture or max_docs that changes which documents are trained on changes it."""
+    lengths = [5, 9, 3, 12, 7, 4]
+    plan = plan_packing(lengths, 16, "bfd", "split", range(6))
+    assert plan.sha256() == plan_packing(lengths, 16, "bfd", "split", range(6)).sha256()
+    assert plan.sha256() != plan_packing(lengths, 16, "bfd", "split", [0, 1, 2, 3, 4]).sha256()
+    assert plan.sha256() != plan_packing(lengths, 16, "greedy", "split", range(6)).sha256()
