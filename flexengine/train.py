@@ -8,6 +8,7 @@ adds a directory of the user's own configs (see `flexengine copy`), `-m` runs a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -49,6 +50,9 @@ def _main(cfg: DictConfig) -> dict:
     job_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         job = to_job_config(cfg)  # config mistakes fail here, before the heavy imports below
+        if job.train.resume == "auto" and not job.train.output_dir and _pinned_run_dir(hydra_cfg):
+            # the user's hydra.run.dir is the same directory at every launch: resume=auto has a run to look for
+            job = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(job_dir)))
         log.info("config (full: %s/.hydra/config.yaml):\n%s", job_dir, format_job_short(job))
         from flexengine.run import run_training
 
@@ -74,6 +78,11 @@ def _main(cfg: DictConfig) -> dict:
         return summary
     free_memory()  # outside `except`: the traceback no longer holds the failed run's tensors
     return {"status": "failed"}
+
+
+def _pinned_run_dir(hydra_cfg: DictConfig) -> bool:
+    """Whether hydra.run.dir was given on the command line (not Hydra's fresh timestamped default)."""
+    return hydra_cfg.mode == RunMode.RUN and any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
 
 
 def _stop_sweep(sweep_dir: Path) -> None:

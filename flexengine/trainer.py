@@ -570,7 +570,8 @@ class Trainer:
     def resume(self, spec: str) -> Optional[Path]:
         """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
         path = resolve_resume(spec, self.out_dir / CHECKPOINTS, bool(self.job.train.output_dir))
-        if path is None:
+        if path is None:  # a requeued run that never saved starts again: its earlier records would repeat
+            self.metrics.truncate_after(0)
             return None
         state = load_checkpoint_state(path)
         new_data = self._check_data_plan(state.get("data_plan", {}), path)  # before the weights: a cheap refusal

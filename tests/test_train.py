@@ -321,7 +321,9 @@ main()
 
 
 def test_signal_stopped_run_exits_128_plus_signal_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _SIGNAL_RUN, "debug=fast", "train.max_steps=5",
+    # a preemptible job sets resume=auto from its first launch; hydra.run.dir pins its directory (before: refused,
+    # "resume=auto without train.output_dir")
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_RUN, "debug=fast", "train.max_steps=5", "train.resume=auto",
                            f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
