@@ -118,8 +118,7 @@ class Trainer:
         self._signals = 0  # SIGINT/SIGTERM received while stop_on_signals() is active
         self._handling_signals = False  # stop_on_signals() is active (it nests)
         self._interrupted = False  # train() stopped the loop for a signal (not: a signal came after the loop)
-        # the step whose checkpoint is on disk (no double save of one step); step 0 has nothing to save
-        self._saved_step = 0
+        self._saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
         self.data_plan: dict = {}  # what the data stream depends on (run.build_trainer); checked on resume
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.stopped_early = False  # train.early_stop_patience ran out
@@ -278,7 +277,8 @@ class Trainer:
                 self.evaluate()  # the end of the run is always evaluated
             if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
                 self.sample()
-            if (cfg.save_final or stopped) and self._saved_step != self.state.step:
+            # a signal before step 1 leaves nothing trained to save (a resume starts fresh, the same thing)
+            if (cfg.save_final or stopped) and self._saved_step != self.state.step and self.state.step > 0:
                 self.save()
             summary = self.summary()
             final = summary["final_loss"]
