@@ -155,4 +155,9 @@ def format_fit(fit: FitPlan) -> str:
                  f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB; "
                  f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
                  + ("" if fit.fits else "  -- DOES NOT FIT"))
+    if fit.memory.offload or fit.memory.policy == "offload":
+        bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
+        if bound is not None:
+            lines.append(f"offload: at most {_gib(bound)} GiB of pinned host memory per rank (host budget "
+                         f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)")
     return "\n".join(lines)

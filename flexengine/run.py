@@ -163,7 +163,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     apply_attention(model, attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, job.memory)
+    apply_memory_policy(model, job.memory, max_pinned_bytes=fit.plan["offload_pinned_bound_bytes"])
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:

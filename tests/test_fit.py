@@ -9,7 +9,7 @@ import pytest
 
 from flexengine.doctor import compose_job
 from flexengine.errors import UserError
-from flexengine.fit import fit_job, plan_job
+from flexengine.fit import fit_job, format_fit, plan_job
 from flexengine.hardware import assumed_hardware
 from flexengine.model import build_hf_config
 
@@ -85,3 +85,42 @@ def test_cpu_plan_picks_fp32():
     job = compose_job(["debug=fast"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     assert fit.fits and fit.precision.name == "fp32" and fit.memory.policy == "none"
+
+
+def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
+    """Issue 16: offload's pinned-memory bound is the plan's per-rank host budget, less what the host optimizer
+    keeps there, and the plan says the figure."""
+    _, mixed = _fit(*SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload",
+                    "hardware.host_memory_gb=100")
+    assert mixed.plan["host_budget_bytes"] == 100 * 2**30
+    assert mixed.plan["offload_pinned_bound_bytes"] == 100 * 2**30  # fp32 masters on the device: no host state
+    assert mixed.plan["host_bytes"] <= mixed.plan["offload_pinned_bound_bytes"]  # fits: the activations pin
+    assert "offload: at most 100.0 GiB of pinned host memory per rank" in format_fit(mixed)
+    _, master = _fit(*SEVEN_B, "hardware=h200_141g", "precision=bf16_cpu_master", "memory=full",
+                     "memory.offload=true", "hardware.host_memory_gb=128")
+    state = master.plan["host_bytes"] - _offloaded(master)  # the plan's host terms: state + offloaded activations
+    assert state > 50 * 2**30  # fp32 masters and AdamW states of 6.7B parameters
+    assert master.plan["offload_pinned_bound_bytes"] == 128 * 2**30 - state
+
+
+def _offloaded(fit) -> int:
+    """The activation bytes the chosen policy offloads (the plan's other host term)."""
+    chosen = next(r for r in fit.plan["candidates"] if r["label"] == fit.plan["policy"]
+                  and r["micro_batch"] == fit.micro_batch)
+    return chosen["offloaded_bytes"]
+
+
+def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, monkeypatch):
+    """The bound travels from the resolved hardware (host memory / local ranks) through the plan into the
+    OffloadManager the model's blocks use."""
+    import flexengine.hardware as hardware
+    import flexengine.run as run
+    from flexengine.applied import applied
+
+    monkeypatch.setattr(hardware, "available_host_memory_gb", lambda: 64.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    job = compose_job(["debug=fast", "memory=offload", "precision=fp32", f"train.output_dir={tmp_path}"])
+    trainer = run.build_trainer(job, tmp_path)
+    manager = applied(trainer.model).offload
+    assert trainer.plan.hardware.host_memory_gb == 16.0
+    assert manager.max_pinned_bytes == trainer.plan.plan["offload_pinned_bound_bytes"] == 16 * 2**30

@@ -503,8 +503,10 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     total = sum(terms.values())
     world = max(1, x.hardware.world_size)
     local_trainable = m.params * x.trainable_fraction / world
-    host = int(local_trainable * x.host_bytes_per_param) + act.offloaded_bytes
+    host_state = int(local_trainable * x.host_bytes_per_param)  # masters/states a CPU optimizer keeps
+    host = host_state + act.offloaded_bytes
     budget = int(x.hardware.memory_gb * GiB)
+    # hardware.host_memory_gb is already this rank's share (flexengine.hardware divides by the node's ranks)
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
     fits = ((total <= budget and (host_budget is None or host <= host_budget)) if on_gpu
@@ -530,6 +532,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
             "offloaded_bytes": act.offloaded_bytes,
             "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
             "total_bytes": total, "budget_bytes": budget, "host_bytes": host, "host_budget_bytes": host_budget or 0,
+            "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
             "fits": fits, "terms": terms, "recompute_flops_fraction": recompute_fraction,
             "recompute_pointwise_s": pointwise_s,
             "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
@@ -562,6 +565,12 @@ def _rank(row: dict) -> tuple:
             -row["micro_batch"], GRANULARITIES.index(row["memory"]["granularity"]))
 
 
+def pinned_bound_bytes(host_budget: Optional[int], host_state: int) -> Optional[int]:
+    """Pinned host bytes activation offload may hold on this rank: the rank's host budget less the optimizer
+    state kept on the host (the planner's other host term); None when no budget is known (library use)."""
+    return None if host_budget is None else max(0, host_budget - host_state)
+
+
 def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
                 search_micro_batch: bool = False) -> dict:
     """Every candidate policy's bytes and step time, the cheapest that fits, and what to change if none does.
@@ -592,7 +601,8 @@ def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
         **{key: best[key] for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
                                       "workspace_bytes", "total_bytes", "terms", "budget_bytes", "host_bytes",
-                                      "host_budget_bytes", "fits", "memory", "step_s", "optimizer_s",
+                                      "host_budget_bytes", "offload_pinned_bound_bytes", "fits", "memory",
+                                      "step_s", "optimizer_s",
                                       "recompute_flops_fraction", "recompute_pointwise_s",
                                       "offload_bytes_per_step")},
         "assumptions": {**assumptions(x.hardware), "host_adamw_gb_s": HOST_ADAMW_GB_S},

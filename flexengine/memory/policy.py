@@ -30,7 +30,7 @@ from flexengine.applied import applied
 from flexengine.config import MemoryConfig
 from flexengine.errors import UserError
 from flexengine.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
-from flexengine.memory.offload import OffloadManager
+from flexengine.memory.offload import DEFAULT_MAX_PINNED_BYTES, GiB, OffloadManager
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
 from flexengine.memory.tiled_mlp import tiled_mlp_forward
 
@@ -132,14 +132,22 @@ def apply_block_spec(layer: nn.Module, spec: MemorySpec, index: int, offload: Op
         wrap_module(layer, own, index, offload if spec.offload else None)
 
 
-def apply_memory_policy(model: nn.Module, memory: MemoryConfig) -> list[int]:
+def apply_memory_policy(model: nn.Module, memory: MemoryConfig,
+                        max_pinned_bytes: Optional[int] = None) -> list[int]:
     """Apply memory.* to the selected blocks in place (recorded in `model.flexengine.memory`); returns the
-    indices of the blocks it changed."""
+    indices of the blocks it changed.
+
+    max_pinned_bytes: offload's bound on pinned host memory (the plan's `offload_pinned_bound_bytes`, from the
+    rank's host budget); None = offload.DEFAULT_MAX_PINNED_BYTES (library use without a plan)."""
     layers = decoder_layers(model)
     specs = block_memory_specs(memory, len(layers))
     record = applied(model)
     if any(s.offload for s in specs) and record.offload is None:
-        record.offload = OffloadManager()  # one manager (one side stream) per model
+        bound = DEFAULT_MAX_PINNED_BYTES if max_pinned_bytes is None else max_pinned_bytes
+        record.offload = OffloadManager(max_pinned_bytes=bound)  # one manager (one side stream) per model
+        log.info("memory: activation offload pins at most %.1f GiB of host memory on this rank (%s)", bound / GiB,
+                 "the plan's host budget less host optimizer state" if max_pinned_bytes is not None
+                 else "default bound: no host budget given")
     for i, (layer, spec) in enumerate(zip(layers, specs)):
         apply_block_spec(layer, spec, i, record.offload)
     record.memory = specs
