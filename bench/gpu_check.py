@@ -4,7 +4,8 @@ The driver imports nothing but the standard library, so a broken import or a CUD
 the others or the JSON (it is rewritten after every check, and once more on the way out). Checks:
   pytest:<test>  every test marked `gpu`, one test function per process (tests/gpu/): flex backward == dense
                  backward, a compiled training step with 0 recompiles over 5 layouts, offload copies overlapping
-                 compute (profiler timeline), the planner vs torch.cuda.max_memory_allocated on a full-width 7B.
+                 compute (profiler timeline), the planner vs torch.cuda.max_memory_allocated on a full-width 7B,
+                 precision=bf16_mixed vs fp32 over 12 steps at lr 2e-5 on a 32-layer LLaMA (bf16_pure must fail).
                  "No tests collected", a skip on a GPU machine or a collection error is a failure.
   step_time      compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
   doctor         `flexengine.doctor` on the GPU (tiny model, flex): verdicts, recompiles counted
