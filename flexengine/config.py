@@ -432,10 +432,32 @@ class ParallelConfig:
 
 # torch's CP BlockMask (_create_cp_block_mask) is built with FlexAttention's default 128-token blocks
 CP_BLOCK_SIZE = 128
+# HF RoPE types whose frequencies follow the positions of the tensor they are given (transformers'
+# dynamic_rope_update: dynamic NTK rescales by max(position_ids) + 1, longrope picks its short or long factors by
+# it): under CP each rank holds only its share of a row, so the ranks would rotate Q and K differently
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def check_context_parallel(cp: int, attn: AttnConfig, seq_len: int) -> None:
-    """The attention settings context parallelism can shard (UserError naming the key otherwise)."""
+def check_context_parallel_rope(cp: int, rope_type: str, source: str,
+                                instead: str = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)"
+                                ) -> None:
+    """Refuse a RoPE whose frequencies depend on the positions a rank sees (`source`: where rope_type is set,
+    `instead`: how to set a fixed scaling there)."""
+    if cp > 1 and rope_type in POSITION_DEPENDENT_ROPE:
+        raise UserError(
+            f"parallel.cp={cp} cannot train with {source} rope_type={rope_type}: that RoPE derives its frequencies "
+            "from the largest position id in the tensor it gets, and under context parallelism each rank holds "
+            "only its share of the row, so the ranks would rotate queries and keys with different frequencies. "
+            f"Use a fixed scaling, {instead}, or parallel.cp=1."
+        )
+
+
+def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], rope_type: Optional[str] = None
+                           ) -> None:
+    """The attention settings context parallelism can shard (UserError naming the key otherwise). seq_len None:
+    rows of any length (plan.max_seq_len picks its own); rope_type: model.rope_scaling.rope_type."""
+    if rope_type is not None:
+        check_context_parallel_rope(cp, rope_type, "model.rope_scaling")
     if attn.backend not in ("auto", "flex"):
         raise UserError(
             f"parallel.cp={cp} needs attn.backend=flex (or auto on CUDA): torch's context parallel shards packed-"
@@ -445,7 +467,7 @@ def check_context_parallel(cp: int, attn: AttnConfig, seq_len: int) -> None:
     if attn.block_size != CP_BLOCK_SIZE:
         raise UserError(f"parallel.cp={cp} needs attn.block_size={CP_BLOCK_SIZE}: torch builds the per-rank "
                         f"BlockMask with FlexAttention's default block size (attn.block_size={attn.block_size}).")
-    if seq_len % (cp * CP_BLOCK_SIZE):
+    if seq_len is not None and seq_len % (cp * CP_BLOCK_SIZE):
         raise UserError(
             f"data.seq_len={seq_len} must be a multiple of parallel.cp x {CP_BLOCK_SIZE} = {cp * CP_BLOCK_SIZE}: "
             "rows are load-balanced in whole 128-token blocks, the same number per rank; e.g. data.seq_len="
@@ -532,7 +554,7 @@ class JobConfig:
                 "use data.packing=bfd (or attn=causal for the padded baseline)."
             )
         if self.parallel.cp > 1:
-            check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len)
+            check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
         if self.train.early_stop_patience and not self.data.has_eval:
             raise UserError(f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
                             "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path.")

@@ -15,7 +15,7 @@ import torch
 
 from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.compile import apply_compile, needs_compiled_blocks
-from flexengine.config import DataConfig, JobConfig
+from flexengine.config import DataConfig, JobConfig, check_context_parallel_rope
 from flexengine.context_parallel import build_context_parallel
 from flexengine.data.corpus import build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
@@ -123,9 +123,13 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
     torch.manual_seed(job.train.seed)
     device = resolve_device(job.hardware.device)
+    hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+    # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
+    check_context_parallel_rope(job.parallel.cp, context_limits(hf_config).rope_type,
+                                f"model.path={job.model.path}, whose config.json has" if job.model.path else
+                                "model.arch's", "rope_parameters set to yarn, linear or llama3 there")
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
-    hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
         raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "

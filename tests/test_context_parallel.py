@@ -136,10 +136,37 @@ def test_shifted_targets_give_the_same_loss_in_chunks():
     (["parallel.cp=2", "attn.backend=varlen"], "needs attn.backend=flex"),
     (["parallel.cp=2", "attn.block_size=64"], "needs attn.block_size=128"),
     (["parallel.cp=4", "data.seq_len=1664"], "1664 must be a multiple of .* = 512: .* data.seq_len=2048"),
+    # dynamic NTK rescales by the largest position id a rank sees: each rank would rotate Q/K differently
+    (["parallel.cp=2", "model.rope_scaling={rope_type:dynamic,factor:2.0}"],
+     r"parallel.cp=2 cannot train with model.rope_scaling rope_type=dynamic.*model.rope_scaling=\{rope_type:yarn"),
 ])
 def test_config_refuses_what_context_parallel_cannot_do(overrides, message):
     with pytest.raises(UserError, match=message):
         compose_job(["attn=packed_doc", "data.seq_len=2048", *overrides])
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 512},  # + its factor lists
+])
+def test_checkpoint_with_position_dependent_rope_is_refused_under_context_parallel(tmp_path, monkeypatch, rope):
+    """A checkpoint whose config.json carries dynamic or longrope RoPE (no model.rope_scaling in the job): refused
+    from the model's own config, before the process group exists."""
+    from transformers import LlamaConfig
+
+    from flexengine.run import build_trainer
+    from tests.helpers import TINY_LLAMA
+
+    head_dim = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+    if rope["rope_type"] == "longrope":  # one factor per rotated frequency
+        rope = {**rope, "short_factor": [1.0] * (head_dim // 2), "long_factor": [2.0] * (head_dim // 2)}
+    LlamaConfig(**TINY_LLAMA, rope_parameters={"rope_theta": 10000.0, **rope}).save_pretrained(tmp_path / "model")
+    monkeypatch.delenv("RANK", raising=False)  # without the check: "launch with torchrun" instead
+    job = compose_job(["attn=packed_doc", "data.seq_len=512", "parallel.cp=2", f"model.path={tmp_path / 'model'}",
+                       f"train.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(UserError, match=f"parallel.cp=2 cannot train with model.path=.*model, whose config.json "
+                                        f"has rope_type={rope['rope_type']}.*yarn, linear or llama3"):
+        build_trainer(job, tmp_path / "out")
 
 
 def test_config_accepts_flex_rows_in_whole_blocks_per_rank():
