@@ -184,7 +184,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     trainer.data_report = data_report
     trainer.data_plan = data_plan_fingerprint(loader.corpus, loader.plan, data=job.data,
                                               micro_batch=job.train.micro_batch, world_size=dist_info.world_size,
-                                              seed=job.train.seed)
+                                              cp=dist_info.cp, seed=job.train.seed)
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b

@@ -100,17 +100,19 @@ class HeldOut:
 
 
 def data_plan_fingerprint(corpus: Corpus, plan: PackPlan, *, data: DataConfig, micro_batch: int, world_size: int,
-                          seed: int) -> dict:
+                          cp: int, seed: int) -> dict:
     """What the order and content of the batches depend on, by config key: stored in every checkpoint, so a
     resume onto another data stream (other documents, held-out split, mixture, seq_len, packing, micro_batch,
-    ranks, seed) is noticed. `rows_sha256` covers every input that changes the packed training rows; the named
-    keys beside it say which setting changed."""
+    ranks, context parallelism, seed) is noticed. `rows_sha256` covers every input that changes the packed
+    training rows; the named keys beside it say which setting changed. cp: the world_size / cp data-parallel
+    groups each read their own rows, so another parallel.cp at the same world size gives a rank other rows."""
     return {
         "corpus_sha256": corpus.fingerprint(), "documents": len(corpus), "data.seq_len": data.seq_len,
         "data.packing": data.packing, "data.long_docs": data.long_docs, "data.shuffle": data.shuffle,
         "data.bucket": data.bucket, "data.eval_fraction": data.eval_fraction,
         "data.mix": [f"{m.path}:{m.weight:g}" for m in data.mix], "train.micro_batch": micro_batch,
-        "world_size": world_size, "train.seed": seed, "rows_sha256": plan.sha256(),  # last: listed after its cause
+        "world_size": world_size, "parallel.cp": cp, "train.seed": seed,
+        "rows_sha256": plan.sha256(),  # last: listed after its cause
     }
 
 

@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from flexengine.config import DataConfig
 from flexengine.data.corpus import Corpus
-from flexengine.data.loader import RowLoader, batch_useful_fraction, epoch_order, row_token_counts
+from flexengine.data.loader import (
+    RowLoader,
+    batch_useful_fraction,
+    data_plan_fingerprint,
+    epoch_order,
+    row_token_counts,
+)
 from flexengine.data.packing import flatten_documents, plan_packing
+from flexengine.parallel import DistInfo
 
 SEQ_LEN = 32
 
@@ -70,6 +78,21 @@ def test_resume_refuses_a_different_packing():
     other_corpus, other_plan = _corpus_and_plan("greedy")
     with pytest.raises(ValueError, match="same data and packing"):
         _loader(other_corpus, other_plan).load_state_dict(state)
+
+
+def test_data_plan_names_a_change_of_context_parallelism():
+    """At one world size, parallel.cp changes which rows a rank reads (world / cp groups, group rank // cp): the
+    fingerprint a checkpoint stores says so, by key, so a resume with another cp is refused like other changes."""
+    corpus, plan = _corpus_and_plan()
+    first_rows, prints = {}, {}
+    for cp in (1, 2):
+        rank1 = DistInfo(rank=1, world_size=4, cp=cp)
+        loader = _loader(corpus, plan, rank=rank1.data_rank, world_size=rank1.data_world_size)
+        first_rows[cp] = loader.next_batch()["input_ids"]
+        prints[cp] = data_plan_fingerprint(corpus, plan, data=DataConfig(seq_len=SEQ_LEN), micro_batch=2,
+                                           world_size=4, cp=cp, seed=0)
+    assert not torch.equal(first_rows[1], first_rows[2])  # the same rank reads other rows
+    assert [k for k in prints[1] if prints[1][k] != prints[2][k]] == ["parallel.cp"]
 
 
 @pytest.mark.parametrize("bucket", [False, True])
