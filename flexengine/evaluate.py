@@ -46,18 +46,21 @@ def greedy_continue(logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations.
 
     logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,
-    right-padded to a multiple of `pad_to` so a compiled model sees one shape per prompt rather than one per
-    token (causal attention: padding after a position never changes its logits). Under torchrun every rank
-    runs this in lockstep (sharded weights are gathered per forward) and takes rank 0's token, so a tie broken
-    differently on another rank can never make the ranks run different numbers of forwards.
+    right-padded to one width for the whole call (the longest prompt plus `new_tokens`, rounded up to `pad_to`;
+    causal attention: padding after a position never changes its logits). So a compiled model, and torch's
+    compiled CP mask builder (which compiles a variant per shape, up to dynamo's recompile limit, then fails
+    the run), see one new shape per call, the same at every call, rather than one per prompt or per token.
+    Under torchrun every rank runs this in lockstep (sharded weights are gathered per forward) and takes rank
+    0's token, so a tie broken differently on another rank can never make the ranks run different numbers of
+    forwards.
     """
     distributed = torch.distributed.is_initialized()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    prompt_ids = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    width = _padded_length(max(map(len, prompt_ids), default=0) + new_tokens, pad_to)
     outputs = []
-    for prompt in prompts:
-        ids = list(tokenizer(prompt)["input_ids"])
+    for ids in prompt_ids:
         start = len(ids)
-        width = _padded_length(start + new_tokens, pad_to)
         for _ in range(new_tokens):
             row = torch.full((1, width), pad_id, dtype=torch.long, device=device)
             row[0, : len(ids)] = torch.tensor(ids, device=device)

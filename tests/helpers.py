@@ -9,7 +9,7 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -33,6 +33,30 @@ def make_mistral(seed: int = 0, sliding_window: int = 8, attn_implementation: st
     model = MistralForCausalLM(config).eval()
     model.set_attn_implementation(attn_implementation)
     return model
+
+
+QWEN_MIXED = dict(TINY_LLAMA, num_hidden_layers=4, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+
+
+def make_qwen_mixed(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 whose layers 2 and 3 use a sliding window (6 tokens by default) and layers 0 and 1 full
+    attention (its config's layer_types): one model with two mask kinds."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**QWEN_MIXED, **overrides})).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+class CharTokenizer:
+    """A tokenizer stand-in for greedy samples on tiny models: one id per character (< 256), id 0 pads."""
+
+    pad_token_id, eos_token_id = 0, None
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
 
 
 def clone_model(model: torch.nn.Module, attn_implementation: str = "eager") -> torch.nn.Module:

@@ -21,18 +21,35 @@ from flexengine.parallel import init_distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cp_run(tmp_path_factory) -> dict:
-    """tests/context_parallel_forward.py under torchrun --nproc_per_node 2 (gloo): rank 0's saved results."""
-    out = tmp_path_factory.mktemp("cp") / "cp.pt"
+def _forward_run(tmp_path_factory, ranks: int) -> dict:
+    """tests/context_parallel_forward.py under torchrun --nproc_per_node `ranks` (gloo): rank 0's saved results."""
+    out = tmp_path_factory.mktemp(f"cp{ranks}") / "cp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(32500 + os.getpid() % 1000), str(ROOT / "tests" / "context_parallel_forward.py"), str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+         str(32500 + os.getpid() % 1000 + ranks), str(ROOT / "tests" / "context_parallel_forward.py"), str(out)],
         capture_output=True, text=True, timeout=600, env=env, cwd=out.parent,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory) -> dict:
+    """2 ranks: dp 1 x cp 2."""
+    return _forward_run(tmp_path_factory, 2)
+
+
+def _expected_eval(run: dict) -> tuple[int, float]:
+    """Valid targets of both eval batches, and their summed single-process token loss over that count."""
+    n_valid = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (run["batch"], run["other"]))
+    return n_valid, float(run["ref"]["loss_sum"] + run["ref"]["other_loss_sum"]) / n_valid
+
+
+def _fsdp_shards(ranks: int) -> dict:
+    from tests.helpers import make_qwen_mixed
+
+    return {n: -(-p.shape[0] // ranks) for n, p in make_qwen_mixed().named_parameters()}
 
 
 def _gathered(ranks: list, key: str, full_shape: tuple) -> torch.Tensor:
@@ -46,13 +63,16 @@ def _gathered(ranks: list, key: str, full_shape: tuple) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_two_ranks_give_one_process_logits_and_loss(cp_run):
-    """Same packed batch (2 rows, 9 documents of 3..700 tokens, padding), 4 GQA blocks at 1,024 tokens: 2 gloo
-    ranks with torch's CP + FSDP2 on the (dp, cp) mesh give the single-process logits and token-loss sum.
-    Measured: logits max |diff| 2.4e-7 (the dense reference differs from single-process flex by 2.7e-7)."""
+    """Same packed batch (2 rows, 9 documents of 3..700 tokens, padding), 4 GQA blocks at 1,024 tokens, 2 of them
+    full attention and 2 with a 200-token sliding window (two CP masks per batch, both in the PTRR order balanced
+    on the full mask): 2 gloo ranks with torch's CP + FSDP2 on the (dp, cp) mesh give the single-process logits
+    and token-loss sum. Measured: logits max |diff| 2.4e-7 (the dense reference differs from single-process flex
+    by 2.7e-7) on the all-full-attention LLaMA before; the mixed model: see the issue-14 notes."""
     ref, ranks, batch = cp_run["ref"], cp_run["ranks"], cp_run["batch"]
     B, S = ref["logits"].shape[:2]
     # each rank holds half of every row, and together they hold every token once
     assert [r["seq_len_local"] for r in ranks] == [S // 2, S // 2]
+    assert [r["mask_kinds"] for r in ranks] == [2, 2]  # the full-attention mask and the window's
     for b in range(B):
         places = torch.cat([r["token_index"][b] for r in ranks])
         assert torch.equal(places.sort().values, torch.arange(S))
@@ -64,17 +84,48 @@ def test_two_ranks_give_one_process_logits_and_loss(cp_run):
     total = sum(r["loss_sum"] for r in ranks)
     torch.testing.assert_close(total, ref["loss_sum"], rtol=1e-6, atol=0)
     # the eval path over two layouts: all ranks' token losses divided by the global count of valid targets, once
-    n_valid = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (batch, cp_run["other"]))
+    n_valid, expected = _expected_eval(cp_run)
     assert cp_run["eval"]["tokens"] == n_valid
-    expected = float(ref["loss_sum"] + ref["other_loss_sum"]) / n_valid
     assert cp_run["eval"]["loss"] == pytest.approx(expected, rel=1e-6)
     # the blocks compiled fullgraph with the CP hook inside; a new layout of the same shape compiled nothing new
     assert cp_run["graphs"] >= 1 and cp_run["new_graphs"] == 0
     # FSDP2 sharded every weight over both ranks of the flattened dp x cp mesh
-    from tests.helpers import make_llama
+    assert cp_run["fsdp_shards"] == _fsdp_shards(2)
 
-    full = {n: p.shape[0] for n, p in make_llama(num_hidden_layers=4).named_parameters()}
-    assert cp_run["fsdp_shards"] == {n: -(-d // 2) for n, d in full.items()}
+
+@pytest.mark.slow
+def test_samples_of_prompts_of_different_lengths_build_one_mask_variant_per_kind(cp_run):
+    """Greedy samples under CP: prompts of 1 and 300 characters share one padded width (512), so torch's compiled
+    CP mask builder gains one variant per mask kind for the whole call (before: one per prompt width, and dynamo
+    stops the run at its 9th); the samples equal single-process greedy decoding."""
+    assert cp_run["sample_mask_variants"] == cp_run["ranks"][0]["mask_kinds"] == 2
+    assert cp_run["samples"] == cp_run["ref_samples"]
+
+
+@pytest.fixture(scope="module")
+def cp_dp_run(tmp_path_factory) -> dict:
+    """4 ranks: dp 2 x cp 2."""
+    return _forward_run(tmp_path_factory, 4)
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_give_one_process_logits_loss_and_eval_loss(cp_dp_run):
+    """dp 2 x cp 2 (4 gloo ranks): each data-parallel group takes its own row (group = rank // cp) and splits it
+    over its cp ranks, which must be the ranks that all-gather K/V together (cp groups of consecutive ranks on
+    the ("dp", "cp") mesh: with the mesh dimensions swapped, ranks holding different rows would gather each
+    other's keys and no row's logits would match). Logits, loss sum and the eval loss (two batches, normalised
+    once by the valid targets of all groups) equal one process on both rows."""
+    ref, ranks = cp_dp_run["ref"], cp_dp_run["ranks"]
+    S = ref["logits"].shape[1]
+    assert [r["data_rank"] for r in ranks] == [0, 0, 1, 1]
+    for r in ranks:  # the whole row of this rank's group, put together by its cp group
+        assert r["seq_len_local"] == S // 2
+        torch.testing.assert_close(r["logits"][0], ref["logits"][r["data_rank"]], atol=2e-6, rtol=0)
+    torch.testing.assert_close(sum(r["loss_sum"] for r in ranks), ref["loss_sum"], rtol=1e-6, atol=0)
+    n_valid, expected = _expected_eval(cp_dp_run)
+    assert cp_dp_run["eval"]["tokens"] == n_valid  # each target counted once over 4 ranks
+    assert cp_dp_run["eval"]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert cp_dp_run["fsdp_shards"] == _fsdp_shards(4)  # FSDP2 over all 4 ranks (dp x cp flattened)
 
 
 @pytest.mark.slow

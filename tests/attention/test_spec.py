@@ -4,24 +4,15 @@ import logging
 
 import pytest
 import torch
-from transformers import MistralConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, Qwen2Config
 
 from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, apply_attention, mask_kwargs, patch_attention, resolve_attention_spec
 from flexengine.attention.spec import AttnBackend
 from flexengine.config import AttnConfig, AttnMode
 from flexengine.errors import UserError
-from tests.helpers import TINY_LLAMA, clone_model, make_llama
-
-QWEN_MIXED = dict(TINY_LLAMA, num_hidden_layers=4, use_sliding_window=True, sliding_window=6, max_window_layers=2)
-
-
-def _qwen_mixed(seed: int = 0) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 whose layers 2 and 3 use a 6-token window and layers 0 and 1 full attention (layer_types)."""
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN_MIXED)).eval()
-    model.set_attn_implementation("eager")
-    return model
+from tests.helpers import QWEN_MIXED, TINY_LLAMA, clone_model, make_llama
+from tests.helpers import make_qwen_mixed as _qwen_mixed
 
 
 def test_window_defaults_to_the_mistral_config_not_a_yaml_value():
