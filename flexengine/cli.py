@@ -49,18 +49,22 @@ def to_job_config(cfg: Any) -> JobConfig:
     return job
 
 
-def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
-    """Compose the shipped conf/ with the same overrides as `flexengine train`, into a validated JobConfig."""
+def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
+    """Compose the shipped conf/ with the same overrides as `flexengine train`: the DictConfig an entry point gets."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
 
     register_schema(schema)
     try:
         with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
-            cfg = compose("config", overrides=list(overrides))
+            return compose("config", overrides=list(overrides))
     except HydraException as e:  # a misspelled key or group option
         raise UserError(str(e)) from None
-    return to_job_config(cfg)
+
+
+def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
+    """Compose the shipped conf/ with the same overrides as `flexengine train`, into a validated JobConfig."""
+    return to_job_config(compose_config(overrides, schema))
 
 
 def fail(error: UserError) -> NoReturn:

@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
-from flexengine.config import JobConfig
+from flexengine.config import JobConfig, check_context_parallel
 from flexengine.errors import UserError
 
 GiB = 2**30
@@ -174,6 +174,25 @@ def build_plan(job: JobConfig) -> dict:
     return plan
 
 
+def plan_job_config(cfg: DictConfig) -> JobConfig:
+    """The job to plan, at plan.cp (default parallel.cp). plan.max_seq_len searches row lengths of its own
+    (multiples of cp x 128), so there data.seq_len, which it never uses, need not split into cp x 128 blocks."""
+    cp = cfg.plan.cp if cfg.plan.cp is not None else cfg.parallel.cp
+    if cfg.plan.max_seq_len:
+        cfg.parallel.cp = 1  # composed without context parallelism's row-length rule; its other rules: below
+    job = to_job_config(cfg)
+    if cp < 1 or job.hardware.world_size % cp:
+        raise UserError(f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
+                        "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8")
+    parallel = dataclasses.replace(job.parallel, cp=cp)
+    if not cfg.plan.max_seq_len:
+        return dataclasses.replace(job, parallel=parallel)  # JobConfig checks data.seq_len against cp again
+    if cp > 1:
+        check_context_parallel(cp, job.attn, None, job.model.rope_scaling.rope_type)
+    job.parallel = parallel
+    return job
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
@@ -185,12 +204,7 @@ def main(cfg: DictConfig) -> None:
     try:
         if fmt not in ("table", "json"):
             raise UserError(f"plan.format={fmt!r}: choose table or json")
-        job = to_job_config(cfg)
-        cp = cfg.plan.cp if cfg.plan.cp is not None else job.parallel.cp
-        if cp < 1 or job.hardware.world_size % cp:
-            raise UserError(f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
-                            "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8")
-        job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, cp=cp))  # checked again
+        job = plan_job_config(cfg)
         if cfg.plan.max_seq_len:
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))

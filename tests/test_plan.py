@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flexengine.errors import UserError
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -91,3 +93,22 @@ def test_train_with_memory_auto_reports_activation_bytes(tmp_path):
     assert summary["activation_bytes"] > 0 and len(summary["activation_bytes_per_block"]) == 4
     assert summary["memory_policy"]["policy"] != "auto"
     assert "chosen: precision=fp32" in proc.stderr + proc.stdout
+
+
+def test_max_seq_len_search_takes_any_data_seq_len_under_context_parallelism():
+    """plan.max_seq_len=true tries multiples of cp x 128 itself: a data.seq_len it never uses (6000, not a
+    multiple of 8 x 128) is not refused; the plain plan of that seq_len still is, and the search keeps the other
+    context-parallel rules."""
+    from flexengine.cli import compose_config
+    from flexengine.plan import PlanJobConfig, plan_job_config
+
+    common = ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "hardware.world_size=8",
+              "data.seq_len=6000"]
+    for cp in (["parallel.cp=8"], ["plan.cp=8"]):
+        job = plan_job_config(compose_config([*common, *cp, "plan.max_seq_len=true"], PlanJobConfig))
+        assert job.parallel.cp == 8 and job.data.seq_len == 6000
+        with pytest.raises(UserError, match="data.seq_len=6000 must be a multiple of parallel.cp x 128 = 1024"):
+            plan_job_config(compose_config([*common, *cp], PlanJobConfig))
+    with pytest.raises(UserError, match="parallel.cp=8 needs attn.block_size=128"):
+        plan_job_config(compose_config([*common, "plan.cp=8", "attn.block_size=64", "plan.max_seq_len=true"],
+                                       PlanJobConfig))
