@@ -331,6 +331,28 @@ def test_signal_stopped_run_exits_128_plus_signal_without_traceback(tmp_path):
     assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
 
 
+_CTRL_C_WHILE_PREPARING = """
+import sys
+from flexengine import run
+def tokenizing(*args, **kwargs):
+    raise KeyboardInterrupt
+run.build_trainer = tokenizing
+from flexengine.train import main
+sys.argv = ["train", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_while_preparing_the_run_exits_130_without_traceback(tmp_path):
+    """Before: Ctrl-C during tokenization or the model build (before the trainer's handlers exist) printed a
+    KeyboardInterrupt traceback."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_PREPARING, "debug=fast", f"hydra.run.dir={tmp_path}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr  # Hydra's job log goes to stdout
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "interrupted by SIGINT outside the training loop" in out
+
+
 def test_zero_target_tokens_are_refused_before_training(tmp_path):
     from flexengine.errors import UserError
 

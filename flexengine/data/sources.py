@@ -212,7 +212,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str], str]]:
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is layout
             except UnicodeDecodeError as e:
-                problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                column = len(raw[: e.start].decode("utf-8-sig" if lineno == 1 else "utf-8")) + 1  # characters
+                problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {column})"
                 yield where, None, problem, "invalid_utf8"
                 continue
             if not line.strip():

@@ -135,8 +135,9 @@ def test_unknown_chat_role_names_the_role_and_the_line(tmp_path, write_jsonl):
     assert check_chat_messages(turns[::2]) == (None, "")  # the helper other readers reuse
 
 
-# invalid UTF-8 (a Latin-1 byte) and binary junk (NUL, 0xff) on lines 2 and 4 of five
-UNDECODABLE = [GOOD.encode(), b'{"text": "caf\xe9"}', GOOD.encode(), b"\x00\xff\xfe binary \x89PNG", GOOD.encode()]
+# invalid UTF-8 (a Latin-1 byte after a valid two-byte "é") and binary junk (NUL, 0xff) on lines 2 and 4 of five
+UNDECODABLE = [GOOD.encode(), '{"text": "é café'.encode() + b'\xe9"}', GOOD.encode(), b"\x00\xff\xfe binary \x89PNG",
+               GOOD.encode()]
 
 
 def test_invalid_utf8_is_a_bad_record_with_file_and_line(tmp_path):
@@ -144,7 +145,8 @@ def test_invalid_utf8_is_a_bad_record_with_file_and_line(tmp_path):
     path.write_bytes(b"\n".join(UNDECODABLE) + b"\n")
     with pytest.raises(UserError) as err:
         _read(DataConfig(source="jsonl", path=str(path)))
-    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 14)" in str(err.value)
+    # the column counts characters (before: the byte offset + 1, 19 here)
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column 17)" in str(err.value)
     docs, counts = _read(DataConfig(source="jsonl", path=str(path), on_error="skip"))
     assert [d.where for d in docs] == [f"{path}:1", f"{path}:3", f"{path}:5"]
     assert counts == {"invalid_utf8": 2}
