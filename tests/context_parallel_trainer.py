@@ -5,7 +5,7 @@ else is the real path: the loader's rows per data-parallel group, torch's K/V al
 backward, PTRR load balancing, shifted targets, FSDP2 over dp x cp, the trainer's global normalisation over an
 accumulation window. Saves the first step's gradients like tests/parallel_grads.py (one step only).
 
-usage: torchrun --nproc_per_node 2 tests/context_parallel_trainer.py OUT_DIR [train overrides...]
+usage: torchrun --nproc_per_node {2,4} tests/context_parallel_trainer.py OUT_DIR [train overrides...]
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import torch
 
 def main(out: Path, overrides: list[str]) -> None:
     """The steps of tests/parallel_grads.py on a context-parallel trainer."""
+    import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
     from flexengine.attention import apply_attention, resolve_attention_spec
     from flexengine.attention.patch import CP_ATTENTION
     from flexengine.context_parallel import build_context_parallel
@@ -31,6 +34,9 @@ def main(out: Path, overrides: list[str]) -> None:
     from tests.helpers import sdpa_on_block_mask
     from tests.parallel_grads import record_steps
 
+    # torch's CP mask builder, uncompiled: compiling it costs each of up to 4 processes on 2 cores ~10 s, and
+    # the compiled builder is an optimisation of this same function (tests/context_parallel_forward.py runs it)
+    cp_attention._compiled_create_block_mask = create_block_mask
     out.mkdir(parents=True, exist_ok=True)
     job = compose_job([*overrides, f"train.output_dir={out}"])
     device = torch.device("cpu")

@@ -155,6 +155,30 @@ def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path):
 
 
 @pytest.mark.slow
+def test_trainer_step_on_two_groups_of_two_ranks_gives_one_process_gradients(tmp_path):
+    """dp 2 x cp 2 (4 gloo ranks, micro_batch 1 per data-parallel group) against one process at micro_batch 2,
+    which reads the same rows: the groups read rows by rank // cp, the cp ranks of a group share K/V, and the
+    window's valid targets are all-reduced over 4 ranks and divided by cp (not by the world size: that would
+    halve every gradient, a relative difference of 0.5). Flex's kernel is SDPA on the CP mask, as above.
+    Smallest shapes that still prove it: 2 blocks, 256-token rows (one 128-token block per rank)."""
+    from flexengine.data.demo import load_demo_tokenizer
+    from tests.helpers import make_llama, run_grads_script
+
+    model_dir = tmp_path / "model"
+    make_llama(vocab_size=2048, num_hidden_layers=2).save_pretrained(model_dir)
+    load_demo_tokenizer().save_pretrained(model_dir)
+    common = ["attn=packed_doc", "data.seq_len=256", "model.init=pretrained", f"model.path={model_dir}"]
+    ref = run_grads_script(tmp_path / "one", *common, "train.micro_batch=2", "attn.backend=dense")["grads"]
+    got = run_grads_script(tmp_path / "cp", *common, "train.micro_batch=1", "attn.backend=flex", "attn.compile=false",
+                           "parallel.cp=2", ranks=4, script="context_parallel_trainer.py")["grads"]
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for name in ref:
+        scale = ref[name].norm()
+        assert scale > 0, name
+        assert (got[name] - ref[name]).norm() / scale < 1e-5, name
+
+
+@pytest.mark.slow
 def test_ranks_get_equal_attention_work(cp_run):
     """PTRR load balancing: each rank computes nearly the same number of attention blocks; a plain split into
     the first and second half of each row would give the second half more (causal rows, long documents).
