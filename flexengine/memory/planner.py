@@ -422,6 +422,10 @@ def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) 
                     x.backend, x.chunk_size, mlp_tile, cp=x.cp)
 
 
+# Not counted under CP: the whole-row block mask ContextParallel.shard builds per window before each micro-batch's
+# forward (786,432 tokens: 0.56 GiB of block indices, 1.4 GiB at the peak of building, measured on CPU). It is
+# freed before the forward, while no activations exist, so it stays under the step's peak; the per-rank CP masks
+# kept through the step are ~75 MB per window at cp 8 (README, "Context parallelism").
 def gathered_kv_bytes(m: ModelShape, x: PlanInputs) -> int:
     """Context parallelism: the gradients of one block's all-gathered K and V (the whole row's, before
     flex_cp_allgather's backward reduce-scatters them to this rank's share); 0 without CP. The gathered K and V
