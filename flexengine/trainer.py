@@ -53,8 +53,8 @@ class TrainState:
     """Counters that travel with checkpoints."""
 
     step: int = 0
-    tokens_seen: int = 0  # row slots processed, padding included
-    useful_tokens_seen: int = 0  # real document tokens processed
+    tokens_seen: int = 0  # row slots processed by the whole job (each row once), padding included
+    useful_tokens_seen: int = 0  # real document tokens processed by the whole job
     losses: list = field(default_factory=list)  # per optimizer step
     skipped_nonfinite: int = 0
     block_density_sum: float = 0.0
@@ -84,6 +84,12 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rows_counted_once(summed: torch.Tensor, cp: int) -> torch.Tensor:
+    """Counts over the job's rows from their all-reduced sum over ranks: the cp ranks of a context-parallel group
+    read the same rows, so the sum holds each row cp times (exact: integer counts in float64)."""
+    return summed / cp
 
 
 def _new_window() -> dict:
@@ -165,7 +171,8 @@ class Trainer:
         return self.context_parallel.degree if self.context_parallel is not None else 1
 
     def _share(self, count: int) -> float:
-        """This rank's share of a count over its rows (all of it, unless context parallelism splits the rows)."""
+        """This rank's share of a count over its rows, for its FLOPs (all of it, unless context parallelism splits
+        the rows)."""
         return count if self._cp == 1 else count / self._cp
 
     @property
@@ -181,12 +188,16 @@ class Trainer:
         # The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share.
         # One all-reduce carries the window's valid-token count and the ranks' stop votes (a signal may reach
         # the ranks a step apart; all of them must stop after the same step, or the collectives would hang).
-        counts = torch.stack([sum(count_valid_targets(b["labels"]) for b in micro_batches).double(),
-                              torch.tensor(float(self._stop_signal is not None), dtype=torch.float64)]).to(self.device)
+        # The same all-reduce sums the rows' tokens and useful tokens: the metrics count the whole job's rows.
+        # (Host batches: these counts need no device sync.)
+        counts = torch.tensor([float(sum(count_valid_targets(b["labels"]) for b in micro_batches)),
+                               sum(b["input_ids"].numel() for b in micro_batches),
+                               sum(int(b["useful_tokens"]) for b in micro_batches),
+                               float(self._stop_signal is not None)], dtype=torch.float64, device=self.device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
-        # the cp ranks of a group read the same rows: the all-reduce counted each row cp times (exact: integers)
-        n_valid = (counts[0] / self._cp).clamp(min=1).float()
+        rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
+        n_valid = rows[0].clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.device)
         density, model_flops, hardware_flops = [], 0.0, 0.0
         for i, host_batch in enumerate(micro_batches):
@@ -213,10 +224,11 @@ class Trainer:
             self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
         ))
         block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
-        # the one host sync per step: loss, grad norm, density and flex's executed FLOPs come back together
-        loss_value, norm_value, density_value, stop_votes, hardware_flops = torch.stack(
-            [loss.float(), grad_norm.float().to(loss.device), block_density.to(loss.device), counts[1].float(),
-             torch.as_tensor(hardware_flops, dtype=torch.float32, device=loss.device)]
+        # the one host sync per step: loss, grad norm, density, flex's executed FLOPs and the job's token counts
+        # come back together (float64: token counts stay exact integers)
+        loss_value, norm_value, density_value, stop_votes, hardware_flops, tokens, useful = torch.stack(
+            [loss.double(), grad_norm.double().to(loss.device), block_density.double().to(loss.device), counts[3],
+             torch.as_tensor(hardware_flops, dtype=torch.float64, device=loss.device), rows[1], rows[2]]
         ).tolist()
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -235,10 +247,8 @@ class Trainer:
                 "(and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = self._share(sum(b["input_ids"].numel() for b in micro_batches))
-        useful = self._share(sum(int(b["useful_tokens"]) for b in micro_batches))
-        metrics = {
-            "loss": loss_value, "grad_norm": norm_value, "tokens": tokens, "useful_tokens": useful, "lr": lr,
+        metrics = {  # tokens: the whole job's rows, each once (tokens/s is the job's throughput, MFU per device)
+            "loss": loss_value, "grad_norm": norm_value, "tokens": int(tokens), "useful_tokens": int(useful), "lr": lr,
             "block_density": density_value if density else None,
             "model_flops": model_flops, "hardware_flops": hardware_flops,
         }
@@ -363,11 +373,6 @@ class Trainer:
         done = self.state.step - self._loop_start_step
         elapsed = time.perf_counter() - self._loop_start - self._paused_s
         return elapsed / max(1, done) * (self.job.train.max_steps - self.state.step)
-
-    def mfu(self, useful_tokens_per_s: float) -> Optional[float]:
-        """Model FLOPs utilisation; None when the device's peak is unknown (hardware.peak_tflops)."""
-        peak = self.job.hardware.peak_tflops
-        return None if peak is None else useful_tokens_per_s * self.flops_per_token / (peak * 1e12)
 
     def _progress_bar(self):
         """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""

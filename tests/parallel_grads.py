@@ -25,7 +25,7 @@ def main(out: Path, overrides: list[str]) -> None:
 
 def record_steps(trainer, out: Path, accums: tuple = (2, 2, 1)) -> None:
     """One step per entry of `accums` (its grad_accum); rank 0 saves the first step's gradients and each step's
-    collectives."""
+    collectives and metrics."""
     grads: dict = {}
 
     def capture(optimizer, args, kwargs) -> None:  # a step pre-hook: after clipping, before the update
@@ -35,17 +35,17 @@ def record_steps(trainer, out: Path, accums: tuple = (2, 2, 1)) -> None:
                 grads[name] = g.detach().float().cpu().clone()
 
     trainer.optimizer.register_step_pre_hook(capture)
-    collectives, first = {}, {}
+    collectives, first, metrics = {}, {}, []
     # the same number of gradient reductions at grad_accum 2 and 1 is the proof of one sync per window; the
     # first step only warms up (DDP rebuilds its buckets after it) and gives the gradients
     for accum in accums:
         trainer.job.train.grad_accum = accum
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            trainer.train_step()
+            metrics.append(trainer.train_step())
         collectives[accum] = [e.name for e in prof.events() if e.name.startswith("c10d::")]
         first = first or dict(grads)  # the first step's: same weights on every run, before any update
     if trainer.dist.is_main:
-        torch.save({"grads": first, "collectives": collectives}, out / "grads.pt")
+        torch.save({"grads": first, "collectives": collectives, "metrics": metrics}, out / "grads.pt")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

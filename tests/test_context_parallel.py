@@ -144,9 +144,13 @@ def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path):
     load_demo_tokenizer().save_pretrained(model_dir)
     common = ["attn=packed_doc", "data.seq_len=512", "train.micro_batch=2", "model.init=pretrained",
               f"model.path={model_dir}"]
-    ref = run_grads_script(tmp_path / "one", *common, "attn.backend=dense")["grads"]
-    got = run_grads_script(tmp_path / "cp", *common, "attn.backend=flex", "attn.compile=false", "parallel.cp=2",
-                           ranks=2, script="context_parallel_trainer.py")["grads"]
+    one = run_grads_script(tmp_path / "one", *common, "attn.backend=dense")
+    cp = run_grads_script(tmp_path / "cp", *common, "attn.backend=flex", "attn.compile=false", "parallel.cp=2",
+                          ranks=2, script="context_parallel_trainer.py")
+    # the job read the same rows once (the two ranks of the cp group share them): whole counts, not halves
+    for key in ("tokens", "useful_tokens"):
+        assert cp["metrics"][0][key] == one["metrics"][0][key] and isinstance(cp["metrics"][0][key], int), key
+    ref, got = one["grads"], cp["grads"]
     assert got.keys() == ref.keys() and len(ref) > 0
     for name in ref:
         scale = ref[name].norm()
@@ -168,9 +172,13 @@ def test_trainer_step_on_two_groups_of_two_ranks_gives_one_process_gradients(tmp
     make_llama(vocab_size=2048, num_hidden_layers=2).save_pretrained(model_dir)
     load_demo_tokenizer().save_pretrained(model_dir)
     common = ["attn=packed_doc", "data.seq_len=256", "model.init=pretrained", f"model.path={model_dir}"]
-    ref = run_grads_script(tmp_path / "one", *common, "train.micro_batch=2", "attn.backend=dense")["grads"]
-    got = run_grads_script(tmp_path / "cp", *common, "train.micro_batch=1", "attn.backend=flex", "attn.compile=false",
-                           "parallel.cp=2", ranks=4, script="context_parallel_trainer.py")["grads"]
+    one = run_grads_script(tmp_path / "one", *common, "train.micro_batch=2", "attn.backend=dense")
+    cp = run_grads_script(tmp_path / "cp", *common, "train.micro_batch=1", "attn.backend=flex", "attn.compile=false",
+                          "parallel.cp=2", ranks=4, script="context_parallel_trainer.py")
+    # the job's tokens: both groups' rows, each once (not a quarter of a group's, nor every row twice)
+    for key in ("tokens", "useful_tokens"):
+        assert cp["metrics"][0][key] == one["metrics"][0][key], key
+    ref, got = one["grads"], cp["grads"]
     assert got.keys() == ref.keys() and len(ref) > 0
     for name in ref:
         scale = ref[name].norm()

@@ -150,6 +150,8 @@ def test_gradients_before_the_step_equal_one_process_and_sync_once_per_window(si
     1/world_size changed weights by only 1.6e-7 and passed the loss comparison. Measured here (gloo, CPU):
     relative norm difference <= 2.2e-7 and max |diff| <= 3e-8 for both strategies; tolerances leave ~50x."""
     run = run_grads_script(tmp_path / strategy, "train.micro_batch=2", f"parallel={strategy}", ranks=2)
+    for key in ("tokens", "useful_tokens"):  # the job's rows, as one process reading them all counts them
+        assert [m[key] for m in run["metrics"]] == [m[key] for m in single_grads["metrics"]], key
     ref, got = single_grads["grads"], run["grads"]
     assert got.keys() == ref.keys() and len(ref) > 0
     for name in ref:

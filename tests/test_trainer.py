@@ -16,7 +16,7 @@ from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.errors import UserError
-from flexengine.trainer import Trainer
+from flexengine.trainer import Trainer, rows_counted_once
 from tests.helpers import make_llama
 
 SEQ_LEN = 64
@@ -122,3 +122,16 @@ def test_summary_counts_tokens_and_state_resumes_the_loop(tmp_path):
     assert len(trainer.loader.plan.rows) >= 12  # so the 12 rows read are all of epoch 0
     assert state["train"]["step"] == 3 and state["data"]["epoch"] == 0 and state["data"]["cursor"] == 3 * 2 * 2
     assert state["scheduler"]["last_epoch"] == 3 and len(state["optimizer"]["state"]) > 0
+
+
+def test_token_counts_count_each_row_once_under_context_parallelism():
+    """4 ranks = 2 data-parallel groups x cp 2: both ranks of a cp group read the group's rows and count them.
+    The all-reduced sum holds each row cp times; the job's counts are whole numbers, each row once (the per-rank
+    share count / cp used to give 255.5-style fractions that were then never summed over the groups)."""
+    groups = [torch.tensor([1021.0, 2048.0, 1500.0]), torch.tensor([977.0, 2048.0, 1101.0])]  # valid, tokens, useful
+    per_rank = [groups[rank // 2] for rank in range(4)]  # ranks 0, 1: group 0; ranks 2, 3: group 1
+    summed = torch.stack(per_rank).double().sum(0)  # what all_reduce(SUM) leaves on every rank
+    job = rows_counted_once(summed, cp=2)
+    assert job.tolist() == [1998.0, 4096.0, 2601.0] == (groups[0] + groups[1]).tolist()
+    assert all(float(x).is_integer() for x in job)
+    assert rows_counted_once(summed, cp=1).tolist() == [3996.0, 8192.0, 5202.0]  # cp=1: four dp groups' rows
