@@ -155,7 +155,8 @@ def test_planner_matches_max_memory_allocated_on_a_full_width_7b(memory, tmp_pat
         trainer.train_step()
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
-    planned = evaluate(ModelShape.from_hf_config(trainer.model.config), plan_inputs(job, on_cuda=True),
+    inputs = plan_inputs(trainer.job, trainer.plan.hardware, trainer.plan.precision, on_cuda=True)
+    planned = evaluate(ModelShape.from_hf_config(trainer.model.config), inputs,
                        MemoryConfig(**trainer.memory_report["memory_policy"]))["total_bytes"] - CUDA_RESERVE_BYTES
     print(json.dumps({"memory": memory, "planned_gib": planned / 2**30, "measured_gib": measured / 2**30}))
     assert abs(planned - measured) / measured < 0.10, f"planned {planned / 2**30:.2f} vs {measured / 2**30:.2f} GiB"
