@@ -62,16 +62,24 @@ def bench_mask_build(seq_lens: list[int], mean_lens: list[int]) -> list[dict]:
         for mean_len in mean_lens:
             doc = canonical_document_ids(_doc_layout(seq_len, mean_len, rng)[None])
             ours = _timed(lambda doc=doc: build_batch_mask(doc, documents=True, window=None, backend=AttnBackend.FLEX))
-            row = {"seq_len": seq_len, "mean_doc_len": mean_len, "documents": int(doc.max()) + 1,
-                   "flexengine_s": ours, "torch_create_block_mask_s": None}
+            row = {
+                "seq_len": seq_len,
+                "mean_doc_len": mean_len,
+                "documents": int(doc.max()) + 1,
+                "flexengine_s": ours,
+                "torch_create_block_mask_s": None,
+            }
             if seq_len <= TORCH_BUILDER_MAX_S:
                 mod = get_mask_mod(doc)
                 row["torch_create_block_mask_s"] = _timed(
-                    lambda mod=mod, seq_len=seq_len, doc=doc: _create_block_mask(mod, 1, seq_len, doc.device, 128), 1)
+                    lambda mod=mod, seq_len=seq_len, doc=doc: _create_block_mask(mod, 1, seq_len, doc.device, 128), 1
+                )
             rows.append(row)
             theirs = row["torch_create_block_mask_s"]
-            print(f"mask build S={seq_len:>6} docs={row['documents']:>4}: flexengine {ours * 1e3:8.1f} ms  "
-                  f"torch {theirs if theirs is None else round(theirs * 1e3, 1)} ms")
+            print(
+                f"mask build S={seq_len:>6} docs={row['documents']:>4}: flexengine {ours * 1e3:8.1f} ms  "
+                f"torch {theirs if theirs is None else round(theirs * 1e3, 1)} ms"
+            )
     return rows
 
 
@@ -84,12 +92,15 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
         row = {"seq_len": seq_len, "mean_doc_len": mean_len}
         for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
             m = AttnMode(mode)
-            mask = build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None,
-                                    backend=AttnBackend.FLEX)
+            mask = build_batch_mask(
+                doc, documents=m.documents, window=window if m.windowed else None, backend=AttnBackend.FLEX
+            )
             row[mode] = float(mask.block_density)
         rows.append(row)
-        print(f"sparsity S={seq_len} mean doc {mean_len:>5}: " + " ".join(f"{m}={row[m]:.3f}" for m in
-                                                                          ("packed_doc", "packed_sliding")))
+        print(
+            f"sparsity S={seq_len} mean doc {mean_len:>5}: "
+            + " ".join(f"{m}={row[m]:.3f}" for m in ("packed_doc", "packed_sliding"))
+        )
     return rows
 
 
@@ -110,17 +121,20 @@ def demo_batches(seq_len: int, micro_batch: int, packed: bool, n: int) -> list[t
     job = _compose([f"attn={'packed_doc' if packed else 'causal'}", f"data.seq_len={seq_len}"])
     corpus = build_corpus(job.data, load_tokenizer(job.model))
     plan = plan_packing(corpus.lengths, seq_len, job.data.packing, job.data.long_docs)
-    loader = RowLoader(corpus, plan, seq_len=seq_len, micro_batch=micro_batch, pad_id=0, seed=job.train.seed,
-                       trim_padding=not packed)
+    loader = RowLoader(
+        corpus, plan, seq_len=seq_len, micro_batch=micro_batch, pad_id=0, seed=job.train.seed, trim_padding=not packed
+    )
     return [loader.next_batch()["document_ids"] for _ in range(n)]
 
 
 def _fwd_bwd(attend, q, k, v) -> float:
     """CPU seconds of one attention forward + backward (median of 3 after a warm-up)."""
+
     def step():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         out = attend(qq, kk, vv)
         out.backward(torch.ones_like(out))
+
     return _timed(step, clock=time.process_time)
 
 
@@ -167,25 +181,35 @@ def _packed_breakdown(doc: torch.Tensor) -> dict:
 
     def chunk_sdpa(ch):
         return lambda a, b, c: F.scaled_dot_product_attention(
-            a[:, :, ch.q_start:ch.q_end], b[:, :, ch.kv_start:ch.q_end], c[:, :, ch.kv_start:ch.q_end],
-            attn_mask=ch.mask_B1QK, enable_gqa=True)
+            a[:, :, ch.q_start : ch.q_end],
+            b[:, :, ch.kv_start : ch.q_end],
+            c[:, :, ch.kv_start : ch.q_end],
+            attn_mask=ch.mask_B1QK,
+            enable_gqa=True,
+        )
 
     cpu = time.process_time
     return {
-        "tokens": B * S, "documents": sum(len(r) for r in document_runs(doc)), "chunks": len(chunks),
+        "tokens": B * S,
+        "documents": sum(len(r) for r in document_runs(doc)),
+        "chunks": len(chunks),
         "mask_dense_s": _timed(lambda: _masks("packed_doc", "dense", doc), clock=cpu),
         "mask_varlen_s": _timed(lambda: _masks("packed_doc", "varlen", doc), clock=cpu),
         "host_sync_s": _timed(starts.tolist, clock=cpu),
         "dense_attn_s": _fwd_bwd(
-            lambda a, b, c: flexengine_attention(None, a, b, c, None, flexengine_mask=dense)[0], q, k, v),
+            lambda a, b, c: flexengine_attention(None, a, b, c, None, flexengine_mask=dense)[0], q, k, v
+        ),
         "dense_sdpa_s": sum(_fwd_bwd(chunk_sdpa(ch), q, k, v) for ch in chunks),
         "cat_s": _timed(lambda: torch.cat(outs, dim=2), clock=cpu) if len(outs) > 1 else 0.0,
         "varlen_attn_s": _fwd_bwd(
-            lambda a, b, c: flexengine_attention(None, a, b, c, None, flexengine_mask=varlen)[0], q, k, v),
+            lambda a, b, c: flexengine_attention(None, a, b, c, None, flexengine_mask=varlen)[0], q, k, v
+        ),
         "row_bool_mask_s": _fwd_bwd(
-            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=causal_bool, enable_gqa=True), q, k, v),
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=causal_bool, enable_gqa=True), q, k, v
+        ),
         "row_is_causal_s": _fwd_bwd(
-            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v),
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v
+        ),
     }
 
 
@@ -195,8 +219,12 @@ def _padded_breakdown(doc: torch.Tensor) -> dict:
 
     B, W = doc.shape
     q, k, v = _qkv(B, W)
-    return {"padded_tokens": B * W, "padded_attn_s": _fwd_bwd(
-        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v)}
+    return {
+        "padded_tokens": B * W,
+        "padded_attn_s": _fwd_bwd(
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), q, k, v
+        ),
+    }
 
 
 def bench_breakdown(seq_lens: list[int], micro_batch: int, n_batches: int) -> list[dict]:
@@ -213,12 +241,13 @@ def bench_breakdown(seq_lens: list[int], micro_batch: int, n_batches: int) -> li
             _add(acc, _packed_breakdown(doc))
         for doc in demo_batches(seq_len, micro_batch, False, n_batches):
             _add(acc, _padded_breakdown(doc))
-        row = {"seq_len": seq_len, "micro_batch": micro_batch, "batches": n_batches,
-               "kernels": _kernel_names(seq_len)}
+        row = {"seq_len": seq_len, "micro_batch": micro_batch, "batches": n_batches, "kernels": _kernel_names(seq_len)}
         row.update({key: value / n_batches for key, value in acc.items()})
         rows.append(row)
-        print(f"breakdown S={seq_len}: " + " ".join(f"{key}={value:.4g}" for key, value in row.items()
-                                                    if isinstance(value, float)))
+        print(
+            f"breakdown S={seq_len}: "
+            + " ".join(f"{key}={value:.4g}" for key, value in row.items() if isinstance(value, float))
+        )
     torch.set_num_threads(threads)
     return rows
 
@@ -252,16 +281,19 @@ def bench_other_options(seq_len: int, micro_batch: int) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with torch.no_grad():
-        result["flex_forward_s"] = _timed(lambda: compiled(q, k, v, block_mask=flex.block_mask, enable_gqa=True),
-                                          clock=time.process_time)
+        result["flex_forward_s"] = _timed(
+            lambda: compiled(q, k, v, block_mask=flex.block_mask, enable_gqa=True), clock=time.process_time
+        )
         result["varlen_forward_s"] = _timed(
-            lambda: flexengine_attention(None, q, k, v, None, flexengine_mask=varlen), clock=time.process_time)
+            lambda: flexengine_attention(None, q, k, v, None, flexengine_mask=varlen), clock=time.process_time
+        )
     windowed = {}
     for window in (256, 1024):
         for backend in ("dense", "varlen"):
             mask = _masks("packed_sliding", backend, doc, window)
             windowed[f"{backend}_{window}"] = _fwd_bwd(
-                lambda a, b, c, m=mask: flexengine_attention(None, a, b, c, None, flexengine_mask=m)[0], q, k, v)
+                lambda a, b, c, m=mask: flexengine_attention(None, a, b, c, None, flexengine_mask=m)[0], q, k, v
+            )
     result["windowed_fwd_bwd_s"] = windowed
     torch.set_num_threads(threads)
     print(f"other options S={seq_len}: {result}")
@@ -275,8 +307,10 @@ def _kernel_names(seq_len: int) -> dict:
 
     q = torch.randn(1, 8, min(seq_len, 512), 32)
     picked = {}
-    for name, kwargs in (("bool_mask", {"attn_mask": torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()}),
-                         ("is_causal", {"is_causal": True})):
+    for name, kwargs in (
+        ("bool_mask", {"attn_mask": torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()}),
+        ("is_causal", {"is_causal": True}),
+    ):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             F.scaled_dot_product_attention(q, q, q, **kwargs)
         picked[name] = sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot")})
@@ -290,14 +324,25 @@ def bench_throughput(steps: int, seq_lens: list[int], micro_batch: int) -> list[
 
     results = []
     for seq_len in seq_lens:
-        runs = {"causal (padded, HF SDPA)": ["attn=causal"], "packed_doc (varlen)": ["attn=packed_doc",
-                "attn.backend=varlen"], "packed_doc (dense reference)": ["attn=packed_doc", "attn.backend=dense"]}
+        runs = {
+            "causal (padded, HF SDPA)": ["attn=causal"],
+            "packed_doc (varlen)": ["attn=packed_doc", "attn.backend=varlen"],
+            "packed_doc (dense reference)": ["attn=packed_doc", "attn.backend=dense"],
+        }
         trainers, totals = {}, {}
         with tempfile.TemporaryDirectory() as out:
             for name, overrides in runs.items():
-                job = _compose(overrides + [f"data.seq_len={seq_len}", f"train.micro_batch={micro_batch}",
-                                            "train.grad_accum=1", "train.save_final=false", "train.progress=false",
-                                            f"train.output_dir={out}/{len(trainers)}"])
+                job = _compose(
+                    overrides
+                    + [
+                        f"data.seq_len={seq_len}",
+                        f"train.micro_batch={micro_batch}",
+                        "train.grad_accum=1",
+                        "train.save_final=false",
+                        "train.progress=false",
+                        f"train.output_dir={out}/{len(trainers)}",
+                    ]
+                )
                 trainers[name] = build_trainer(job, Path(out) / str(len(trainers)))
                 totals[name] = {"wall_s": 0.0, "cpu_s": 0.0, "tokens": 0, "useful_tokens": 0}
             for step in range(steps + 1):  # step 0 warms up (allocator, first-call costs) and is not counted
@@ -311,23 +356,37 @@ def bench_throughput(steps: int, seq_lens: list[int], micro_batch: int) -> list[
                         totals[name]["useful_tokens"] += m["useful_tokens"]
         row = {"seq_len": seq_len, "micro_batch": micro_batch, "steps": steps}
         for name, tot in totals.items():
-            row[name] = {"useful_tokens_per_s": tot["useful_tokens"] / tot["wall_s"],
-                         "tokens_per_s": tot["tokens"] / tot["wall_s"],
-                         "useful_token_fraction": tot["useful_tokens"] / tot["tokens"], "wall_s": tot["wall_s"],
-                         "useful_tokens_per_cpu_s": tot["useful_tokens"] / tot["cpu_s"], "cpu_s": tot["cpu_s"]}
+            row[name] = {
+                "useful_tokens_per_s": tot["useful_tokens"] / tot["wall_s"],
+                "tokens_per_s": tot["tokens"] / tot["wall_s"],
+                "useful_token_fraction": tot["useful_tokens"] / tot["tokens"],
+                "wall_s": tot["wall_s"],
+                "useful_tokens_per_cpu_s": tot["useful_tokens"] / tot["cpu_s"],
+                "cpu_s": tot["cpu_s"],
+            }
         padded = row["causal (padded, HF SDPA)"]
         for name in ("packed_doc (varlen)", "packed_doc (dense reference)"):
             packed = row[name]
             packed["gain"] = packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"]
             packed["ideal_gain"] = packed["useful_token_fraction"] / padded["useful_token_fraction"]
             packed["realised"] = packed["gain"] / packed["ideal_gain"]  # = per-token cost, padded / packed
-            packed["realised_cpu"] = (packed["useful_tokens_per_cpu_s"] / padded["useful_tokens_per_cpu_s"]
-                                      / packed["ideal_gain"])
+            packed["realised_cpu"] = (
+                packed["useful_tokens_per_cpu_s"] / padded["useful_tokens_per_cpu_s"] / packed["ideal_gain"]
+            )
         results.append(row)
-        print(f"S={seq_len}: " + "; ".join(
-            f"{name} {r['useful_tokens_per_s']:.0f} useful tok/s (fraction {r['useful_token_fraction']:.3f})"
-            + (f", gain {r['gain']:.2f}x of ideal {r['ideal_gain']:.2f}x = {r['realised']:.0%}" if "gain" in r else "")
-            for name, r in row.items() if isinstance(r, dict)))
+        print(
+            f"S={seq_len}: "
+            + "; ".join(
+                f"{name} {r['useful_tokens_per_s']:.0f} useful tok/s (fraction {r['useful_token_fraction']:.3f})"
+                + (
+                    f", gain {r['gain']:.2f}x of ideal {r['ideal_gain']:.2f}x = {r['realised']:.0%}"
+                    if "gain" in r
+                    else ""
+                )
+                for name, r in row.items()
+                if isinstance(r, dict)
+            )
+        )
     return results
 
 
@@ -335,16 +394,22 @@ def _breakdown_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     r0 = rows[0]
-    title = (f"## Where a packed micro-batch's attention time goes (one layer, fwd+bwd, demo corpus, micro_batch "
-             f"{r0['micro_batch']}, mean of {r0['batches']} batches; tiny LLaMA heads 8q/4kv x 32, fp32; CPU ms of "
-             "one thread, so that a shared machine's load does not count)")
-    kernels = (f"SDPA's kernel on this CPU: boolean mask -> {', '.join(r0['kernels']['bool_mask'])}; is_causal -> "
-               f"{', '.join(r0['kernels']['is_causal'])}. Same flash kernel: with a mask it visits every key block "
-               "of a call, with is_causal it skips the blocks above the diagonal.")
-    header = ("| seq_len | docs / batch | dense: mask build (ms) | dense: chunks | dense: per-chunk SDPA (ms) | "
-              "dense: cat (ms) | dense: host sync (ms) | dense attention (ms) | varlen: plan (ms) | "
-              "varlen attention (ms) | one row, bool causal mask (ms) | one row, is_causal (ms) | "
-              "padded batch, is_causal (ms) | dense / varlen per token | varlen / padded per token |")
+    title = (
+        f"## Where a packed micro-batch's attention time goes (one layer, fwd+bwd, demo corpus, micro_batch "
+        f"{r0['micro_batch']}, mean of {r0['batches']} batches; tiny LLaMA heads 8q/4kv x 32, fp32; CPU ms of "
+        "one thread, so that a shared machine's load does not count)"
+    )
+    kernels = (
+        f"SDPA's kernel on this CPU: boolean mask -> {', '.join(r0['kernels']['bool_mask'])}; is_causal -> "
+        f"{', '.join(r0['kernels']['is_causal'])}. Same flash kernel: with a mask it visits every key block "
+        "of a call, with is_causal it skips the blocks above the diagonal."
+    )
+    header = (
+        "| seq_len | docs / batch | dense: mask build (ms) | dense: chunks | dense: per-chunk SDPA (ms) | "
+        "dense: cat (ms) | dense: host sync (ms) | dense attention (ms) | varlen: plan (ms) | "
+        "varlen attention (ms) | one row, bool causal mask (ms) | one row, is_causal (ms) | "
+        "padded batch, is_causal (ms) | dense / varlen per token | varlen / padded per token |"
+    )
     out = ["", title, "", kernels, "", header, "|" + "---|" * 15]
     for r in rows:
         varlen_per_token = r["varlen_attn_s"] / r["tokens"]
@@ -354,35 +419,52 @@ def _breakdown_lines(rows: list[dict]) -> list[str]:
             f"{r['dense_attn_s'] * 1e3:.1f} | {r['mask_varlen_s'] * 1e3:.2f} | {r['varlen_attn_s'] * 1e3:.1f} | "
             f"{r['row_bool_mask_s'] * 1e3:.1f} | {r['row_is_causal_s'] * 1e3:.1f} | {r['padded_attn_s'] * 1e3:.1f} | "
             f"{r['dense_attn_s'] / r['tokens'] / varlen_per_token:.2f} | "
-            f"{varlen_per_token / (r['padded_attn_s'] / r['padded_tokens']):.2f} |")
+            f"{varlen_per_token / (r['padded_attn_s'] / r['padded_tokens']):.2f} |"
+        )
     return out
 
 
 def _options_lines(r: dict | None) -> list[str]:
     if not r:
         return []
-    windowed = ", ".join(f"window {w}: dense {r['windowed_fwd_bwd_s'][f'dense_{w}'] * 1e3:.0f} ms, varlen "
-                         f"{r['windowed_fwd_bwd_s'][f'varlen_{w}'] * 1e3:.0f} ms" for w in (256, 1024))
-    flex = (f"- compiled FlexAttention forward (eval/inference only; no CPU backward): "
-            f"{r['flex_forward_s'] * 1e3:.1f} ms per call after a {r['flex_compile_s']:.0f} s compile, vs varlen "
-            f"{r['varlen_forward_s'] * 1e3:.1f} ms ({r['flex_forward_s'] / r['varlen_forward_s']:.2f}x).")
-    return ["", f"## The other candidates (S={r['seq_len']}, one demo batch, CPU ms of one thread)", "",
-            f"- nested (jagged) tensors, SDPA with is_causal: {r['nested_causal']}.", flex,
-            f"- sliding windows (packed_sliding, same batch, fwd+bwd): {windowed}."]
+    windowed = ", ".join(
+        f"window {w}: dense {r['windowed_fwd_bwd_s'][f'dense_{w}'] * 1e3:.0f} ms, varlen "
+        f"{r['windowed_fwd_bwd_s'][f'varlen_{w}'] * 1e3:.0f} ms"
+        for w in (256, 1024)
+    )
+    flex = (
+        f"- compiled FlexAttention forward (eval/inference only; no CPU backward): "
+        f"{r['flex_forward_s'] * 1e3:.1f} ms per call after a {r['flex_compile_s']:.0f} s compile, vs varlen "
+        f"{r['varlen_forward_s'] * 1e3:.1f} ms ({r['flex_forward_s'] / r['varlen_forward_s']:.2f}x)."
+    )
+    return [
+        "",
+        f"## The other candidates (S={r['seq_len']}, one demo batch, CPU ms of one thread)",
+        "",
+        f"- nested (jagged) tensors, SDPA with is_causal: {r['nested_causal']}.",
+        flex,
+        f"- sliding windows (packed_sliding, same batch, fwd+bwd): {windowed}.",
+    ]
 
 
 def _throughput_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     r0 = rows[0]
-    title = (f"## Useful tokens/s on the demo corpus (tiny LLaMA, micro_batch {r0['micro_batch']}, {r0['steps']} "
-             "steps each after one warm-up step, the three trainers' steps interleaved in one process)")
-    legend = ("causal = one document per row padded to the batch's longest, HF SDPA. Gain = useful tok/s over "
-              "causal; ideal = useful-fraction ratio (a packed token costing what a padded one costs); realised = "
-              "gain / ideal. Realised (CPU) is the same ratio from each trainer's CPU seconds (process time, all "
-              "its threads) instead of wall seconds.")
-    header = ("| seq_len | attn | useful tok/s | tok/s | useful fraction | gain | ideal | realised | "
-              "useful tok/CPU-s | realised (CPU) |")
+    title = (
+        f"## Useful tokens/s on the demo corpus (tiny LLaMA, micro_batch {r0['micro_batch']}, {r0['steps']} "
+        "steps each after one warm-up step, the three trainers' steps interleaved in one process)"
+    )
+    legend = (
+        "causal = one document per row padded to the batch's longest, HF SDPA. Gain = useful tok/s over "
+        "causal; ideal = useful-fraction ratio (a packed token costing what a padded one costs); realised = "
+        "gain / ideal. Realised (CPU) is the same ratio from each trainer's CPU seconds (process time, all "
+        "its threads) instead of wall seconds."
+    )
+    header = (
+        "| seq_len | attn | useful tok/s | tok/s | useful fraction | gain | ideal | realised | "
+        "useful tok/CPU-s | realised (CPU) |"
+    )
     out = ["", title, "", legend, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for name, r in row.items():
@@ -391,8 +473,10 @@ def _throughput_lines(rows: list[dict]) -> list[str]:
             packed = "gain" in r
             extra = f"{r['gain']:.2f}x | {r['ideal_gain']:.2f}x | **{r['realised']:.0%}**" if packed else "1.00x | | "
             cpu = f"{r['realised_cpu']:.0%}" if packed else ""
-            out.append(f"| {row['seq_len']} | {name} | {r['useful_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-                       f"{r['useful_token_fraction']:.3f} | {extra} | {r['useful_tokens_per_cpu_s']:.0f} | {cpu} |")
+            out.append(
+                f"| {row['seq_len']} | {name} | {r['useful_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+                f"{r['useful_token_fraction']:.3f} | {extra} | {r['useful_tokens_per_cpu_s']:.0f} | {cpu} |"
+            )
     return out
 
 
@@ -402,22 +486,36 @@ def write_outputs(report: dict) -> None:
     (RESULTS / "attention.json").write_text(json.dumps(report, indent=2))
     load = f"; 1-min load average {report['load_avg_start']:.1f} at the start" if "load_avg_start" in report else ""
     load += f", {report['load_avg_end']:.1f} at the end" if "load_avg_end" in report else ""
-    machine = (f"torch {torch.__version__}, {report['cpu_threads']} CPU threads (torch.get_num_threads()), "
-               f"{os.cpu_count()} cores{load}")
-    lines = ["# Attention benchmark (CPU)", "", machine, "",
-             "## BlockMask build time (one row, packed_doc)", "",
-             "| seq_len | documents | flexengine block-level (ms) | torch create_block_mask eager (ms) |",
-             "|---|---|---|---|"]
+    machine = (
+        f"torch {torch.__version__}, {report['cpu_threads']} CPU threads (torch.get_num_threads()), "
+        f"{os.cpu_count()} cores{load}"
+    )
+    lines = [
+        "# Attention benchmark (CPU)",
+        "",
+        machine,
+        "",
+        "## BlockMask build time (one row, packed_doc)",
+        "",
+        "| seq_len | documents | flexengine block-level (ms) | torch create_block_mask eager (ms) |",
+        "|---|---|---|---|",
+    ]
     for r in report["mask_build"]:
         theirs = r["torch_create_block_mask_s"]
         torch_ms = "not run (too slow on CPU)" if theirs is None else f"{theirs * 1e3:.1f}"
         lines.append(f"| {r['seq_len']} | {r['documents']} | {r['flexengine_s'] * 1e3:.1f} | {torch_ms} |")
-    lines += ["", f"## Block sparsity (fraction of causal blocks computed, window {report['window']})", "",
-              "| seq_len | mean doc len | causal | packed_doc | sliding_window | packed_sliding |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## Block sparsity (fraction of causal blocks computed, window {report['window']})",
+        "",
+        "| seq_len | mean doc len | causal | packed_doc | sliding_window | packed_sliding |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["sparsity"]:
-        lines.append(f"| {r['seq_len']} | {r['mean_doc_len']} | {r['causal']:.3f} | {r['packed_doc']:.3f} | "
-                     f"{r['sliding_window']:.3f} | {r['packed_sliding']:.3f} |")
+        lines.append(
+            f"| {r['seq_len']} | {r['mean_doc_len']} | {r['causal']:.3f} | {r['packed_doc']:.3f} | "
+            f"{r['sliding_window']:.3f} | {r['packed_sliding']:.3f} |"
+        )
     lines += _breakdown_lines(report.get("breakdown", []))
     lines += _options_lines(report.get("other_options"))
     lines += _throughput_lines(report.get("throughput", []))
@@ -435,16 +533,29 @@ def write_outputs(report: dict) -> None:
     xs = sorted(by_len)
     ax[0].plot(xs, [np.median([r["flexengine_s"] for r in by_len[x]]) * 1e3 for x in xs], "o-", label="flexengine")
     tx = [x for x in xs if all(r["torch_create_block_mask_s"] is not None for r in by_len[x])]
-    ax[0].plot(tx, [np.median([r["torch_create_block_mask_s"] for r in by_len[x]]) * 1e3 for x in tx], "s-",
-               label="torch create_block_mask (eager)")
-    ax[0].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="build time per row (ms)",
-              title="BlockMask build (CPU)")
+    ax[0].plot(
+        tx,
+        [np.median([r["torch_create_block_mask_s"] for r in by_len[x]]) * 1e3 for x in tx],
+        "s-",
+        label="torch create_block_mask (eager)",
+    )
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="build time per row (ms)",
+        title="BlockMask build (CPU)",
+    )
     ax[0].legend()
     sp = report["sparsity"]
     for mode in ("packed_doc", "packed_sliding", "sliding_window"):
         ax[1].plot([r["mean_doc_len"] for r in sp], [r[mode] for r in sp], "o-", label=mode)
-    ax[1].set(xscale="log", xlabel="mean document length", ylabel="blocks computed / causal blocks",
-              title=f"Block sparsity at S={sp[0]['seq_len']}")
+    ax[1].set(
+        xscale="log",
+        xlabel="mean document length",
+        ylabel="blocks computed / causal blocks",
+        title=f"Block sparsity at S={sp[0]['seq_len']}",
+    )
     ax[1].legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "attention.png", dpi=110)
@@ -458,11 +569,18 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--micro-batch", type=int, default=2)  # the default run's
     parser.add_argument("--breakdown-batches", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (0 = torch's default); 1 keeps a shared machine's oversubscribed "
-                             "OpenMP barriers out of the comparison")
-    parser.add_argument("--keep-mask-results", action="store_true",
-                        help="reuse parts 1-2 (BlockMask build, sparsity) from the last attention.json")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = torch's default); 1 keeps a shared machine's oversubscribed "
+        "OpenMP barriers out of the comparison",
+    )
+    parser.add_argument(
+        "--keep-mask-results",
+        action="store_true",
+        help="reuse parts 1-2 (BlockMask build, sparsity) from the last attention.json",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -472,8 +590,10 @@ def main() -> None:
         last = json.loads((RESULTS / "attention.json").read_text())
         report.update(mask_build=last["mask_build"], sparsity=last["sparsity"])
     else:
-        report.update(mask_build=bench_mask_build(seq_lens, [512, 2048, 8192]),
-                      sparsity=bench_sparsity(32768, [256, 1024, 4096, 16384], window=1024))
+        report.update(
+            mask_build=bench_mask_build(seq_lens, [512, 2048, 8192]),
+            sparsity=bench_sparsity(32768, [256, 1024, 4096, 16384], window=1024),
+        )
     # the throughput first: it is the headline, and results are written after every part
     if not args.quick:
         report["throughput"] = []

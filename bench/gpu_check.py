@@ -36,8 +36,14 @@ PYTEST_TIMEOUT_S = 150  # per test function (first compiles included)
 def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str]:
     """(exit code, last 40 lines of output); 124 on timeout."""
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(5.0, timeout_s),
-                              env={**os.environ, **(env or {})})
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=max(5.0, timeout_s),
+            env={**os.environ, **(env or {})},
+        )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         return 124, "\n".join(out.splitlines()[-40:]) + f"\n[timed out after {timeout_s:.0f} s]"
@@ -46,14 +52,15 @@ def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int
 
 def collect_gpu_tests(timeout_s: float = 120) -> tuple[list[str], dict]:
     """Test functions marked gpu (parametrisations grouped), or an error record."""
-    rc, out = _run([sys.executable, "-m", "pytest", GPU_TESTS, "-m", "gpu", "--collect-only", "-q",
-                    "-p", "no:cacheprovider"], timeout_s)
+    rc, out = _run(
+        [sys.executable, "-m", "pytest", GPU_TESTS, "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        timeout_s,
+    )
     ids = [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
     functions = sorted({re.sub(r"\[.*\]$", "", i) for i in ids})
     if rc != 0 or not functions:  # 5 = no tests collected: a vacuous pass is a failure here
         error = "no gpu tests collected" if rc == 5 else "collection failed"
-        return [], {"ok": False, "returncode": rc, "error": error,
-                    "tail": out.splitlines()[-20:]}
+        return [], {"ok": False, "returncode": rc, "error": error, "tail": out.splitlines()[-20:]}
     return functions, {"ok": True, "tests": functions}
 
 
@@ -61,8 +68,22 @@ def run_pytest_check(node: str, timeout_s: float) -> dict:
     """One gpu test function (all its parametrisations) in its own process; passes only if every case ran."""
     with tempfile.TemporaryDirectory() as d:
         xml = Path(d) / "junit.xml"
-        rc, tail = _run([sys.executable, "-m", "pytest", node, "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
-                         f"--junitxml={xml}"], timeout_s)
+        rc, tail = _run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                node,
+                "-m",
+                "gpu",
+                "-q",
+                "-s",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={xml}",
+            ],
+            timeout_s,
+        )
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         if xml.is_file():
             suite = ET.parse(xml).getroot()
@@ -71,8 +92,13 @@ def run_pytest_check(node: str, timeout_s: float) -> dict:
     ran = counts["tests"] - counts["skipped"]
     ok = rc == 0 and ran > 0 and counts["skipped"] == 0 and counts["failures"] == counts["errors"] == 0
     numbers = [json.loads(line) for line in tail.splitlines() if line.startswith("{") and line.endswith("}")]
-    return {"ok": ok, "returncode": rc, **counts, "printed": numbers,
-            **({} if ok else {"tail": tail.splitlines()[-25:]})}
+    return {
+        "ok": ok,
+        "returncode": rc,
+        **counts,
+        "printed": numbers,
+        **({} if ok else {"tail": tail.splitlines()[-25:]}),
+    }
 
 
 def run_script_check(name: str, timeout_s: float) -> dict:
@@ -91,8 +117,9 @@ def run_script_check(name: str, timeout_s: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json")
-    parser.add_argument("--budget-s", type=float, default=380.0,
-                        help="skip (as failed) checks that would start after this")
+    parser.add_argument(
+        "--budget-s", type=float, default=380.0, help="skip (as failed) checks that would start after this"
+    )
     parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -105,9 +132,11 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2, default=str))
 
     try:
-        probe = ("import json, torch; p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; "
-                 "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-                 "'gpu': p.name if p else None, 'memory_gib': p.total_memory / 2**30 if p else None}))")
+        probe = (
+            "import json, torch; p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; "
+            "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+            "'gpu': p.name if p else None, 'memory_gib': p.total_memory / 2**30 if p else None}))"
+        )
         rc, env = _run([sys.executable, "-c", probe], 60)
         result["env"].update(json.loads(env.splitlines()[-1]) if rc == 0 else {"error": env})
         if not result["env"].get("gpu"):

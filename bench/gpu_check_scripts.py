@@ -1,12 +1,12 @@
 """The scripted GPU checks of bench/gpu_check.py, one per process: `python bench/gpu_check_scripts.py NAME OUT`.
 
-  step_time  compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
-  doctor     `flexengine.doctor` on the GPU (tiny model, flex): verdicts and recompiles
-  cp_grads   context parallelism's gradients: 2 GPUs -> a real training step under torchrun with parallel.cp=2
-             (NCCL, FSDP2 on the (dp, cp) mesh, compiled flex) vs one process, per-tensor gradients before the
-             optimizer; 1 GPU -> that part is recorded as skipped (it needs 2), and torch's CP attention math runs
-             in one process instead: each virtual rank's queries against the gathered K/V under torch's CP
-             BlockMask (PTRR-balanced), flex backward, gradients summed over the ranks vs unsharded flex
+step_time  compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
+doctor     `flexengine.doctor` on the GPU (tiny model, flex): verdicts and recompiles
+cp_grads   context parallelism's gradients: 2 GPUs -> a real training step under torchrun with parallel.cp=2
+           (NCCL, FSDP2 on the (dp, cp) mesh, compiled flex) vs one process, per-tensor gradients before the
+           optimizer; 1 GPU -> that part is recorded as skipped (it needs 2), and torch's CP attention math runs
+           in one process instead: each virtual rank's queries against the gathered K/V under torch's CP
+           BlockMask (PTRR-balanced), flex backward, gradients summed over the ranks vs unsharded flex
 """
 
 from __future__ import annotations
@@ -31,13 +31,32 @@ from flexengine.loss import forward_loss_sum  # noqa: E402
 from flexengine.memory import apply_memory_policy  # noqa: E402
 
 DEV = torch.device("cuda")
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=65536, use_cache=False, tie_word_embeddings=False)
-ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=65536, use_cache=False, tie_word_embeddings=False,
-             rope_theta=500000.0)
-MID = dict(ONE_B, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-           num_key_value_heads=4)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=65536,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+ONE_B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=65536,
+    use_cache=False,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+)
+MID = dict(
+    ONE_B, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+)
 
 
 def make_llama(arch: dict, dtype: torch.dtype, seed: int = 0):
@@ -74,14 +93,19 @@ def padded_batches(lengths: list[int], vocab: int, per_batch: int, seed: int = 0
     g = torch.Generator(device=DEV).manual_seed(seed)
     out = []
     for i in range(0, len(lengths), per_batch):
-        chunk = lengths[i:i + per_batch]
+        chunk = lengths[i : i + per_batch]
         L = max(chunk)
         ids = torch.randint(0, vocab, (len(chunk), L), device=DEV, generator=g)
         real = torch.arange(L, device=DEV)[None] < torch.tensor(chunk, device=DEV)[:, None]
         labels = ids.masked_fill(~real, IGNORE_INDEX)
         # right padding + causal attention: real tokens never see the pads, so no attention mask is needed
-        out.append({"input_ids": ids, "position_ids": torch.arange(L, device=DEV)[None].expand(len(chunk), L),
-                    "labels": labels})
+        out.append(
+            {
+                "input_ids": ids,
+                "position_ids": torch.arange(L, device=DEV)[None].expand(len(chunk), L),
+                "labels": labels,
+            }
+        )
     return out
 
 
@@ -130,9 +154,13 @@ def check_step_time(seq_lens=(8192,)) -> dict:
             torch.cuda.reset_peak_memory_stats()
             t_first = timed(step, 1)  # compile + autotune on the flex side
             seconds = timed(step, 3)
-            row[name] = {"step_s": seconds, "first_step_s": t_first, "useful_tokens_per_s": S / seconds,
-                         "token_slots": sum(b["input_ids"].numel() for b in batches),
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            row[name] = {
+                "step_s": seconds,
+                "first_step_s": t_first,
+                "useful_tokens_per_s": S / seconds,
+                "token_slots": sum(b["input_ids"].numel() for b in batches),
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
             del model, batches
             torch.cuda.empty_cache()
         row["speedup_flex_vs_sdpa_padded"] = row["sdpa_padded"]["step_s"] / row["flex_packed"]["step_s"]
@@ -150,21 +178,51 @@ def check_doctor() -> dict:
 
     from flexengine.doctor import compose_job, diagnose
 
-    job = compose_job(["model=tiny", "attn=packed_doc", "hardware=h100_80g", "data.seq_len=2048",
-                       "data.demo_max_files=80", "train.micro_batch=2", "train.grad_accum=1"])
+    job = compose_job(
+        [
+            "model=tiny",
+            "attn=packed_doc",
+            "hardware=h100_80g",
+            "data.seq_len=2048",
+            "data.demo_max_files=80",
+            "train.micro_batch=2",
+            "train.grad_accum=1",
+        ]
+    )
     with tempfile.TemporaryDirectory() as d:
         report = diagnose(job, Path(d), steps=3)
     n = report["numbers"]
-    return {"ok": n["attn_backend"] == "flex" and n["recompiles_after_warmup"] == 0 and n["graph_breaks"] == 0,
-            "numbers": {k: n[k] for k in ("attn_backend", "graphs_compiled_warmup", "recompiles_after_warmup",
-                                           "graph_breaks", "useful_tokens_per_s", "mfu", "time_split", "block_density",
-                                           "memory")},
-            "suggestions": report["suggestions"]}
+    return {
+        "ok": n["attn_backend"] == "flex" and n["recompiles_after_warmup"] == 0 and n["graph_breaks"] == 0,
+        "numbers": {
+            k: n[k]
+            for k in (
+                "attn_backend",
+                "graphs_compiled_warmup",
+                "recompiles_after_warmup",
+                "graph_breaks",
+                "useful_tokens_per_s",
+                "mfu",
+                "time_split",
+                "block_density",
+                "memory",
+            )
+        },
+        "suggestions": report["suggestions"],
+    }
 
 
-
-CP_RUN = ["model=tiny", "attn=packed_doc", "hardware=h100_80g", "data.seq_len=2048", "data.demo_max_files=80",
-          "train.micro_batch=2", "precision.mode=fp32", "parallel.mixed_precision=false", "optim.grad_clip=0"]
+CP_RUN = [
+    "model=tiny",
+    "attn=packed_doc",
+    "hardware=h100_80g",
+    "data.seq_len=2048",
+    "data.demo_max_files=80",
+    "train.micro_batch=2",
+    "precision.mode=fp32",
+    "parallel.mixed_precision=false",
+    "optim.grad_clip=0",
+]
 
 
 def _grads_run(out: Path, ranks: int, *overrides: str) -> dict:
@@ -172,11 +230,19 @@ def _grads_run(out: Path, ranks: int, *overrides: str) -> dict:
     import os
     import subprocess
 
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                 "29613"] if ranks else [sys.executable])
-    proc = subprocess.run([*launcher, str(REPO / "tests" / "parallel_grads.py"), str(out), *CP_RUN, *overrides],
-                          capture_output=True, text=True, timeout=110, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", "29613"]
+        if ranks
+        else [sys.executable]
+    )
+    proc = subprocess.run(
+        [*launcher, str(REPO / "tests" / "parallel_grads.py"), str(out), *CP_RUN, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(launcher[-3:])} parallel_grads.py failed:\n{proc.stderr[-3000:]}")
     return torch.load(out / "grads.pt")["grads"]
@@ -195,8 +261,12 @@ def cp_two_ranks() -> dict:
         got = _grads_run(Path(d) / "cp2", 2, "parallel.cp=2")
     errors = _relative_errors(got, ref)
     worst = max(errors, key=errors.get)
-    return {"ok": got.keys() == ref.keys() and errors[worst] < 1e-4, "tensors": len(errors),
-            "max_relative_error": errors[worst], "worst_tensor": worst}
+    return {
+        "ok": got.keys() == ref.keys() and errors[worst] < 1e-4,
+        "tensors": len(errors),
+        "max_relative_error": errors[worst],
+        "worst_tensor": worst,
+    }
 
 
 class _VirtualCPRank:
@@ -225,8 +295,9 @@ def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192) -> dict:
 
     flex = torch.compile(flex_attention, dynamic=False)
     lengths = doc_lengths(seq_len, 900, 4000, seed=3)
-    doc = canonical_document_ids(torch.cat([torch.full((n,), i, dtype=torch.int32)
-                                            for i, n in enumerate(lengths)])[None].to(DEV))
+    doc = canonical_document_ids(
+        torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(DEV)
+    )
     mask = document_block_mask(True, doc, None, 128)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, h, seq_len, 128, device=DEV, generator=g, requires_grad=True) for h in (32, 8, 8))
@@ -249,19 +320,28 @@ def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192) -> dict:
         grads[1] += dk  # the reduce-scatter's sum over ranks
         grads[2] += dv
     restore = torch.argsort(order)
-    errors = {name: float((g_[:, :, restore] - r).norm() / r.norm())
-              for name, g_, r in zip(("dq", "dk", "dv"), grads, ref)}
+    errors = {
+        name: float((g_[:, :, restore] - r).norm() / r.norm()) for name, g_, r in zip(("dq", "dk", "dv"), grads, ref)
+    }
     blocks = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
-    return {"ok": max(errors.values()) < 1e-4 and sum(work) == blocks, "relative_errors": errors,
-            "documents": len(lengths), "blocks_per_rank": work, "blocks_total": blocks}
+    return {
+        "ok": max(errors.values()) < 1e-4 and sum(work) == blocks,
+        "relative_errors": errors,
+        "documents": len(lengths),
+        "blocks_per_rank": work,
+        "blocks_total": blocks,
+    }
 
 
 def check_cp_grads() -> dict:
     """cp_two_ranks where 2 GPUs are visible (else recorded as skipped), cp_virtual_ranks always."""
     virtual = cp_virtual_ranks()
     if torch.cuda.device_count() < 2:
-        return {"ok": virtual["ok"], "virtual_ranks": virtual,
-                "two_ranks": f"skipped: {torch.cuda.device_count()} GPU visible, the NCCL training step needs 2"}
+        return {
+            "ok": virtual["ok"],
+            "virtual_ranks": virtual,
+            "two_ranks": f"skipped: {torch.cuda.device_count()} GPU visible, the NCCL training step needs 2",
+        }
     two = cp_two_ranks()
     return {"ok": virtual["ok"] and two["ok"], "virtual_ranks": virtual, "two_ranks": two}
 

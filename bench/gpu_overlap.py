@@ -53,9 +53,14 @@ def overlap_report(events: list[dict]) -> dict:
     for c in copies:
         kinds[c["name"]] = kinds.get(c["name"], 0) + 1
     compute_streams = {k[2] for k in kernels}
-    return {"copy_us": total, "overlapped_us": covered, "overlap": covered / total if total else 0.0,
-            "copies": kinds, "copy_streams": sorted({c["args"].get("stream") for c in copies}),
-            "compute_streams": sorted(compute_streams)}
+    return {
+        "copy_us": total,
+        "overlapped_us": covered,
+        "overlap": covered / total if total else 0.0,
+        "copies": kinds,
+        "copy_streams": sorted({c["args"].get("stream") for c in copies}),
+        "compute_streams": sorted(compute_streams),
+    }
 
 
 def check_offload() -> dict:
@@ -69,8 +74,16 @@ def check_offload() -> dict:
     from flexengine.memory import apply_memory_policy
 
     torch.manual_seed(0)
-    arch = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=4, use_cache=False, max_position_embeddings=8192)
+    arch = dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        use_cache=False,
+        max_position_embeddings=8192,
+    )
     with torch.device("cuda"):
         model = LlamaForCausalLM(LlamaConfig(**arch)).to(torch.bfloat16).train()
     patch_attention(model, mode="packed_doc", backend="flex", compile=True)
@@ -90,8 +103,11 @@ def check_offload() -> dict:
     manager = applied(model).offload
     report["pageable_bytes"] = manager.pageable_bytes
     pageable = [k for k in report["copies"] if "Pageable" in k]
-    report["passed"] = (report["overlap"] >= MIN_OVERLAP and not pageable and
-                        not set(report["copy_streams"]) <= set(report["compute_streams"]))
+    report["passed"] = (
+        report["overlap"] >= MIN_OVERLAP
+        and not pageable
+        and not set(report["copy_streams"]) <= set(report["compute_streams"])
+    )
     return report
 
 
@@ -113,8 +129,7 @@ def check_batches() -> dict:
         trainer.metrics.close()
     copies = overlap_report(trace_events(prof))["copies"]
     h2d = {k: v for k, v in copies.items() if "HtoD" in k}
-    return {"host_to_device_copies": h2d,
-            "passed": bool(h2d) and all("Pinned" in k for k in h2d)}
+    return {"host_to_device_copies": h2d, "passed": bool(h2d) and all("Pinned" in k for k in h2d)}
 
 
 def main() -> None:

@@ -40,17 +40,32 @@ POLICIES = {
     "full + offload": MemoryConfig(policy="full", offload=True),
     "full + offload + tiled MLP": MemoryConfig(policy="full", offload=True, tiled_mlp=TILE),
 }
-DEEPSEEK_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=30, num_attention_heads=32,
-                   num_key_value_heads=32, head_dim=128, vocab_size=102400)
-NARROW = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=30, num_attention_heads=32,
-              num_key_value_heads=32, head_dim=2, vocab_size=1600)  # every width / 64, heads kept: exact scaling
+DEEPSEEK_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=30,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    vocab_size=102400,
+)
+NARROW = dict(
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=30,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=2,
+    vocab_size=1600,
+)  # every width / 64, heads kept: exact scaling
 
 
 def build(arch: dict, seq_len: int) -> LlamaForCausalLM:
     """A randomly initialised fp32 LLaMA with `arch` on CPU."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**arch, max_position_embeddings=seq_len, use_cache=False,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(**arch, max_position_embeddings=seq_len, use_cache=False, tie_word_embeddings=False)
+    )
 
 
 def batch(seq_len: int, vocab: int) -> dict:
@@ -74,26 +89,37 @@ def workload(seq_len: int, backend: str = "dense") -> Workload:
 def measure_bytes(max_gib: float, measure_up_to: int) -> list[dict]:
     """Meter vs planner per (policy, length); measured only up to `measure_up_to` tokens and where the planner
     expects < max_gib on the host (the planner's columns cover every length)."""
-    narrow, wide = ModelShape.from_hf_config(build(NARROW, 8).config), ModelShape.from_hf_config(
-        LlamaConfig(**DEEPSEEK_7B))
+    narrow, wide = (
+        ModelShape.from_hf_config(build(NARROW, 8).config),
+        ModelShape.from_hf_config(LlamaConfig(**DEEPSEEK_7B)),
+    )
     rows = []
     for seq_len in LENGTHS:
         for label, memory in POLICIES.items():
             est = estimate_activations(narrow, workload(seq_len), memory)
             est_7b = estimate_activations(wide, Workload(1, seq_len, 2, "flex", LOSS_CHUNK), memory)
-            row = {"policy": label, "seq_len": seq_len, "planner_bytes": est.total_bytes,
-                   "planner_offloaded_bytes": est.offloaded_bytes, "planner_7b_bf16_bytes": est_7b.total_bytes,
-                   "planner_7b_bf16_offloaded_bytes": est_7b.offloaded_bytes}
+            row = {
+                "policy": label,
+                "seq_len": seq_len,
+                "planner_bytes": est.total_bytes,
+                "planner_offloaded_bytes": est.offloaded_bytes,
+                "planner_7b_bf16_bytes": est_7b.total_bytes,
+                "planner_7b_bf16_offloaded_bytes": est_7b.offloaded_bytes,
+            }
             if seq_len <= measure_up_to and (est.total_bytes + est.offloaded_bytes) / GiB < max_gib:
                 model = prepare(memory, seq_len)
                 b = batch(seq_len, NARROW["vocab_size"])
                 t0 = time.perf_counter()
                 report, out = measure_activations(model, lambda m=model, b=b: forward_loss_sum(m, b, LOSS_CHUNK))
                 del out
-                row.update(measured_bytes=report.total_bytes, measured_offloaded_bytes=report.offloaded_bytes,
-                           planner_error=est.total_bytes / report.total_bytes - 1, forward_s=time.perf_counter() - t0,
-                           # the 7B's bytes: measured at 1/64 width x the planner's 7B/narrow ratio
-                           measured_scaled_7b_bf16_bytes=report.total_bytes * est_7b.total_bytes / est.total_bytes)
+                row.update(
+                    measured_bytes=report.total_bytes,
+                    measured_offloaded_bytes=report.offloaded_bytes,
+                    planner_error=est.total_bytes / report.total_bytes - 1,
+                    forward_s=time.perf_counter() - t0,
+                    # the 7B's bytes: measured at 1/64 width x the planner's 7B/narrow ratio
+                    measured_scaled_7b_bf16_bytes=report.total_bytes * est_7b.total_bytes / est.total_bytes,
+                )
                 del model
                 gc.collect()
             rows.append(row)
@@ -104,8 +130,10 @@ def measure_bytes(max_gib: float, measure_up_to: int) -> list[dict]:
 def tiled_overhead(seq_len: int, repeats: int) -> dict:
     """Forward+backward step time of full + tiled MLP vs full at seq_len (narrow width, tile 1024 so the
     row has several tiles), interleaved runs in one process; the ratio is what tiling costs on CPU."""
-    models = {label: prepare(MemoryConfig(policy="full", tiled_mlp=tile), seq_len)
-              for label, tile in (("untiled", 0), ("tiled", 1024))}
+    models = {
+        label: prepare(MemoryConfig(policy="full", tiled_mlp=tile), seq_len)
+        for label, tile in (("untiled", 0), ("tiled", 1024))
+    }
     b = batch(seq_len, NARROW["vocab_size"])
     times: dict[str, list[float]] = {label: [] for label in models}
     for _ in range(repeats):
@@ -115,8 +143,14 @@ def tiled_overhead(seq_len: int, repeats: int) -> dict:
             times[label].append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
     best = {label: min(t) for label, t in times.items()}
-    return {"seq_len": seq_len, "tile": 1024, "repeats": repeats, "times_s": times, "best_s": best,
-            "overhead_ratio": best["tiled"] / best["untiled"]}
+    return {
+        "seq_len": seq_len,
+        "tile": 1024,
+        "repeats": repeats,
+        "times_s": times,
+        "best_s": best,
+        "overhead_ratio": best["tiled"] / best["untiled"],
+    }
 
 
 def main() -> None:
@@ -131,24 +165,47 @@ def main() -> None:
     rows = measure_bytes(args.max_gib, args.measure_up_to)
     overhead = tiled_overhead(args.overhead_len, args.repeats)
     measured = [r for r in rows if "measured_bytes" in r]
-    result = {"torch": torch.__version__, "narrow": NARROW, "deepseek7b": DEEPSEEK_7B, "doc_len": DOC,
-              "dense_chunk": CHUNK, "loss_chunk": LOSS_CHUNK, "rows": rows, "tiled_mlp_overhead": overhead,
-              "worst_planner_error": max((abs(r["planner_error"]) for r in measured), default=None)}
-    lines = [("| policy | seq_len | measured (MiB, 1/64 width) | planner (MiB) | error | 7B bf16 (GiB, measured x "
-              "ratio) | 7B bf16 planner (GiB) | 7B offloaded (GiB) |"), "|---|---|---|---|---|---|---|---|"]
+    result = {
+        "torch": torch.__version__,
+        "narrow": NARROW,
+        "deepseek7b": DEEPSEEK_7B,
+        "doc_len": DOC,
+        "dense_chunk": CHUNK,
+        "loss_chunk": LOSS_CHUNK,
+        "rows": rows,
+        "tiled_mlp_overhead": overhead,
+        "worst_planner_error": max((abs(r["planner_error"]) for r in measured), default=None),
+    }
+    lines = [
+        (
+            "| policy | seq_len | measured (MiB, 1/64 width) | planner (MiB) | error | 7B bf16 (GiB, measured x "
+            "ratio) | 7B bf16 planner (GiB) | 7B offloaded (GiB) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = r.get("measured_bytes")
-        lines.append(f"| {r['policy']} | {r['seq_len']:,} | {m / 2**20:.1f} | " if m else
-                     f"| {r['policy']} | {r['seq_len']:,} | (not run) | ")
-        lines[-1] += (f"{r['planner_bytes'] / 2**20:.1f} | "
-                      + (f"{100 * r['planner_error']:+.2f}% | {r['measured_scaled_7b_bf16_bytes'] / GiB:.2f} | " if m
-                         else "- | - | ")
-                      + f"{r['planner_7b_bf16_bytes'] / GiB:.2f} | {r['planner_7b_bf16_offloaded_bytes'] / GiB:.2f} |")
+        lines.append(
+            f"| {r['policy']} | {r['seq_len']:,} | {m / 2**20:.1f} | "
+            if m
+            else f"| {r['policy']} | {r['seq_len']:,} | (not run) | "
+        )
+        lines[-1] += (
+            f"{r['planner_bytes'] / 2**20:.1f} | "
+            + (
+                f"{100 * r['planner_error']:+.2f}% | {r['measured_scaled_7b_bf16_bytes'] / GiB:.2f} | "
+                if m
+                else "- | - | "
+            )
+            + f"{r['planner_7b_bf16_bytes'] / GiB:.2f} | {r['planner_7b_bf16_offloaded_bytes'] / GiB:.2f} |"
+        )
     text = "\n".join(lines)
     o = overhead
-    summary = (f"tiled MLP step-time overhead (full checkpointing, {o['seq_len']:,} tokens, tiles of {o['tile']}, "
-               f"best of {o['repeats']} interleaved): {o['best_s']['tiled']:.2f} s vs {o['best_s']['untiled']:.2f} s = "
-               f"x{o['overhead_ratio']:.3f}")
+    summary = (
+        f"tiled MLP step-time overhead (full checkpointing, {o['seq_len']:,} tokens, tiles of {o['tile']}, "
+        f"best of {o['repeats']} interleaved): {o['best_s']['tiled']:.2f} s vs {o['best_s']['untiled']:.2f} s = "
+        f"x{o['overhead_ratio']:.3f}"
+    )
     print(text + "\n\n" + summary)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "long_context.json").write_text(json.dumps(result, indent=1))
@@ -158,8 +215,8 @@ def main() -> None:
         "documents back to back, dense attention in 128-query chunks, chunked loss (1024). Measured = bytes alive "
         "for backward after one forward (flexengine.memory.meter; offloaded host copies apart). 7B columns: bf16, "
         f"flex attention. Not run: rows over {args.measure_up_to:,} tokens or over {args.max_gib:g} GiB on the host. "
-        "The machine was shared with other jobs: forward times are not comparable.\n\n"
-        + text + "\n\n" + summary + "\n")
+        "The machine was shared with other jobs: forward times are not comparable.\n\n" + text + "\n\n" + summary + "\n"
+    )
     plot(rows, RESULTS / "long_context.png")
 
 
@@ -173,11 +230,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, label in enumerate(POLICIES):
         mine = [r for r in rows if r["policy"] == label]
-        ax.plot([r["seq_len"] for r in mine], [r["planner_7b_bf16_bytes"] / GiB for r in mine], color=f"C{i}",
-                label=f"{label} (planner)")
+        ax.plot(
+            [r["seq_len"] for r in mine],
+            [r["planner_7b_bf16_bytes"] / GiB for r in mine],
+            color=f"C{i}",
+            label=f"{label} (planner)",
+        )
         pts = [r for r in mine if "measured_bytes" in r]
-        ax.scatter([r["seq_len"] for r in pts], [r["measured_scaled_7b_bf16_bytes"] / GiB for r in pts],
-                   color=f"C{i}", marker="o")
+        ax.scatter(
+            [r["seq_len"] for r in pts],
+            [r["measured_scaled_7b_bf16_bytes"] / GiB for r in pts],
+            color=f"C{i}",
+            marker="o",
+        )
     ax.axhline(80, color="black", linestyle="--", label="80 GiB card")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -39,22 +39,47 @@ POLICIES = {
 }
 
 CPU_MODELS = {
-    "tiny (H256 L4)": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=4, vocab_size=2048, seq_len=1024),
-    "mid (H512 L6)": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-                          num_key_value_heads=4, vocab_size=4096, seq_len=1024),
+    "tiny (H256 L4)": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+        seq_len=1024,
+    ),
+    "mid (H512 L6)": dict(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        seq_len=1024,
+    ),
 }
 GPU_MODELS = {
-    "7B-shaped (L4)": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32,
-                           num_key_value_heads=32, vocab_size=32000, seq_len=8192),
+    "7B-shaped (L4)": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        seq_len=8192,
+    ),
 }
 
 
 def build(arch: dict, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """A randomly initialised LLaMA of `arch` (no seq_len key) on device."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in arch.items() if k != "seq_len"}, use_cache=False,
-                      max_position_embeddings=arch["seq_len"], tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        **{k: v for k, v in arch.items() if k != "seq_len"},
+        use_cache=False,
+        max_position_embeddings=arch["seq_len"],
+        tie_word_embeddings=False,
+    )
     with device:
         return LlamaForCausalLM(cfg).to(dtype)
 
@@ -84,17 +109,30 @@ def run_policy(arch: dict, memory: MemoryConfig, device: torch.device, steps: in
         times.append(time.perf_counter() - t0)
     shape = ModelShape.from_hf_config(model.config)
     est = estimate_activations(shape, Workload(1, S, 2 if gpu else 4, "flex" if gpu else "dense", 1024), memory)
-    return {"activation_bytes": report.total_bytes, "offloaded_bytes": report.offloaded_bytes,
-            "per_block_bytes": report.per_block, "planner_bytes": est.total_bytes,
-            "planner_error": est.total_bytes / report.total_bytes - 1, "step_s": min(times),
-            "peak_cuda_bytes": torch.cuda.max_memory_allocated() if gpu else None}
+    return {
+        "activation_bytes": report.total_bytes,
+        "offloaded_bytes": report.offloaded_bytes,
+        "per_block_bytes": report.per_block,
+        "planner_bytes": est.total_bytes,
+        "planner_error": est.total_bytes / report.total_bytes - 1,
+        "step_s": min(times),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if gpu else None,
+    }
 
 
 def pareto(rows: list[dict]) -> set[str]:
     """Policies no other policy beats on both bytes and time."""
-    return {r["policy"] for r in rows if not any(
-        o["activation_bytes"] <= r["activation_bytes"] and o["step_s"] <= r["step_s"] and o is not r
-        and (o["activation_bytes"] < r["activation_bytes"] or o["step_s"] < r["step_s"]) for o in rows)}
+    return {
+        r["policy"]
+        for r in rows
+        if not any(
+            o["activation_bytes"] <= r["activation_bytes"]
+            and o["step_s"] <= r["step_s"]
+            and o is not r
+            and (o["activation_bytes"] < r["activation_bytes"] or o["step_s"] < r["step_s"])
+            for o in rows
+        )
+    }
 
 
 def main() -> None:
@@ -115,28 +153,35 @@ def main() -> None:
             rows.append({"policy": label, **run_policy(arch, memory, device, args.steps)})
         front = pareto(rows)
         results["models"][name] = {"arch": arch, "rows": rows, "pareto": sorted(front)}
-        lines += [f"### {name}, seq_len {arch['seq_len']}", "",
-                  "| policy | activations (MiB) | offloaded (MiB) | planner (MiB) | planner err | step (s) |"
-                  + (" peak CUDA (GiB) |" if args.gpu else "") + " Pareto |",
-                  "|---|---|---|---|---|---|" + ("---|" if args.gpu else "") + "---|"]
+        lines += [
+            f"### {name}, seq_len {arch['seq_len']}",
+            "",
+            "| policy | activations (MiB) | offloaded (MiB) | planner (MiB) | planner err | step (s) |"
+            + (" peak CUDA (GiB) |" if args.gpu else "")
+            + " Pareto |",
+            "|---|---|---|---|---|---|" + ("---|" if args.gpu else "") + "---|",
+        ]
         for r in rows:
-            lines.append(f"| {r['policy']} | {r['activation_bytes'] / 2**20:.1f} | "
-                         f"{r['offloaded_bytes'] / 2**20:.1f} | {r['planner_bytes'] / 2**20:.1f} | "
-                         f"{100 * r['planner_error']:+.2f}% | {r['step_s']:.3f} |"
-                         + (f" {r['peak_cuda_bytes'] / 2**30:.2f} |" if args.gpu else "")
-                         + (" * |" if r["policy"] in front else " |"))
+            lines.append(
+                f"| {r['policy']} | {r['activation_bytes'] / 2**20:.1f} | "
+                f"{r['offloaded_bytes'] / 2**20:.1f} | {r['planner_bytes'] / 2**20:.1f} | "
+                f"{100 * r['planner_error']:+.2f}% | {r['step_s']:.3f} |"
+                + (f" {r['peak_cuda_bytes'] / 2**30:.2f} |" if args.gpu else "")
+                + (" * |" if r["policy"] in front else " |")
+            )
         lines.append("")
     text = "\n".join(lines)
     print(text)
     stem = "memory_gpu" if args.gpu else "memory"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / f"{stem}.md").write_text(f"# Activation memory vs step time ({results['device']}, torch "
-                                        f"{torch.__version__})\n\nMeter = bytes alive for backward after one forward "
-                                        "(device only; offloaded host copies apart). Step = fastest of 3 "
-                                        "forward+backward steps; on a shared 2-core CPU the times are noisy. "
-                                        "* = on the Pareto front.\n\n"
-                                        + text + "\n")
+    (RESULTS / f"{stem}.md").write_text(
+        f"# Activation memory vs step time ({results['device']}, torch "
+        f"{torch.__version__})\n\nMeter = bytes alive for backward after one forward "
+        "(device only; offloaded host copies apart). Step = fastest of 3 "
+        "forward+backward steps; on a shared 2-core CPU the times are noisy. "
+        "* = on the Pareto front.\n\n" + text + "\n"
+    )
     plot(results, RESULTS / f"{stem}.png")
 
 
@@ -152,8 +197,13 @@ def plot(results: dict, path: Path) -> None:
         rows = res["rows"]
         for r in rows:
             ax.scatter(r["step_s"], r["activation_bytes"] / 2**20, color="C3" if r["policy"] in res["pareto"] else "C0")
-            ax.annotate(r["policy"], (r["step_s"], r["activation_bytes"] / 2**20), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                r["policy"],
+                (r["step_s"], r["activation_bytes"] / 2**20),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         front = sorted((r for r in rows if r["policy"] in res["pareto"]), key=lambda r: r["step_s"])
         ax.plot([r["step_s"] for r in front], [r["activation_bytes"] / 2**20 for r in front], color="C3", lw=1)
         ax.set_xlabel("step time (s)")

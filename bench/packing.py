@@ -64,44 +64,86 @@ def time_tokenization(tokenizer, max_files: int) -> list[dict]:
         hit_s = time.perf_counter() - start
         assert hit.cache_hit
     tokens = int(corpus.offsets[-1])
-    rows = [{"case": f"miss, num_workers={w}", "seconds": min(s), "documents": len(corpus), "tokens": tokens,
-             "tokens_per_s": tokens / min(s)} for w, s in seconds.items()]
-    rows.append({"case": "hit", "seconds": hit_s, "documents": len(hit), "tokens": tokens,
-                 "tokens_per_s": tokens / hit_s})
+    rows = [
+        {
+            "case": f"miss, num_workers={w}",
+            "seconds": min(s),
+            "documents": len(corpus),
+            "tokens": tokens,
+            "tokens_per_s": tokens / min(s),
+        }
+        for w, s in seconds.items()
+    ]
+    rows.append(
+        {"case": "hit", "seconds": hit_s, "documents": len(hit), "tokens": tokens, "tokens_per_s": tokens / hit_s}
+    )
     return rows
 
 
 def markdown(results: dict) -> str:
     """Results as Markdown tables."""
-    out = ["# Packing benchmark", "",
-           (f"CPU: {os.cpu_count()} cores. long_docs=split. `none`: one document per row; "
-            f"'batched' = batches of {MICRO_BATCH} cut to their longest row (random / bucketed order)."), ""]
+    out = [
+        "# Packing benchmark",
+        "",
+        (
+            f"CPU: {os.cpu_count()} cores. long_docs=split. `none`: one document per row; "
+            f"'batched' = batches of {MICRO_BATCH} cut to their longest row (random / bucketed order)."
+        ),
+        "",
+    ]
     for corpus in results["corpora"]:
         s = corpus["lengths"]
-        out += [f"## {corpus['name']}", "",
-                (f"{s['documents']} documents, {s['tokens']:,} tokens, mean {s['mean']:.0f}, p50 {s['p50']}, "
-                 f"p90 {s['p90']}, p99 {s['p99']}, max {s['p100']}"), "",
-                ("| seq_len | strategy | rows (volume bound) | useful tokens | batched (random / bucketed) "
-                 "| docs/row | split | pack time |"),
-                "|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"## {corpus['name']}",
+            "",
+            (
+                f"{s['documents']} documents, {s['tokens']:,} tokens, mean {s['mean']:.0f}, p50 {s['p50']}, "
+                f"p90 {s['p90']}, p99 {s['p99']}, max {s['p100']}"
+            ),
+            "",
+            (
+                "| seq_len | strategy | rows (volume bound) | useful tokens | batched (random / bucketed) "
+                "| docs/row | split | pack time |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for seq_len, strategies in corpus["by_seq_len"].items():
             for r in strategies:
-                batched = (f"{100 * r['batched_useful_fraction']:.2f} % / {100 * r['bucketed_useful_fraction']:.2f} %"
-                           if "batched_useful_fraction" in r else "")
+                batched = (
+                    f"{100 * r['batched_useful_fraction']:.2f} % / {100 * r['bucketed_useful_fraction']:.2f} %"
+                    if "batched_useful_fraction" in r
+                    else ""
+                )
                 bound = -(-r["tokens"] // int(seq_len))  # no packing can use fewer rows
-                out.append(f"| {seq_len} | {r['strategy']} | {r['rows']} ({bound}) | "
-                           f"{100 * r['useful_token_fraction']:.2f} % | {batched} | {r['documents_per_row']:.2f} | "
-                           f"{r['documents_split']} | {r['pack_s'] * 1000:.0f} ms |")
+                out.append(
+                    f"| {seq_len} | {r['strategy']} | {r['rows']} ({bound}) | "
+                    f"{100 * r['useful_token_fraction']:.2f} % | {batched} | {r['documents_per_row']:.2f} | "
+                    f"{r['documents_split']} | {r['pack_s'] * 1000:.0f} ms |"
+                )
         out.append("")
-    out += ["## Tokenize once (demo corpus)", "",
-            ("A hit memory-maps the cached arrays (a few ms); most of its time here is finding the demo's stdlib "
-             "files to key the cache on."), "",
-            "| case | seconds | documents | tokens | tokens/s |", "|---|---|---|---|---|"]
+    out += [
+        "## Tokenize once (demo corpus)",
+        "",
+        (
+            "A hit memory-maps the cached arrays (a few ms); most of its time here is finding the demo's stdlib "
+            "files to key the cache on."
+        ),
+        "",
+        "| case | seconds | documents | tokens | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
     for r in results["tokenize"]:
-        out.append(f"| {r['case']} | {r['seconds']:.3f} | {r['documents']} | {r['tokens']:,} | "
-                   f"{r['tokens_per_s']:,.0f} |")
-    out += ["", (f"bfd target (>= {100 * TARGET_USEFUL} % useful, < {TARGET_SECONDS} s on 20k docs): "
-                 f"{'met' if results['target_met'] else 'NOT met'}"), ""]
+        out.append(
+            f"| {r['case']} | {r['seconds']:.3f} | {r['documents']} | {r['tokens']:,} | {r['tokens_per_s']:,.0f} |"
+        )
+    out += [
+        "",
+        (
+            f"bfd target (>= {100 * TARGET_USEFUL} % useful, < {TARGET_SECONDS} s on 20k docs): "
+            f"{'met' if results['target_met'] else 'NOT met'}"
+        ),
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -135,10 +177,17 @@ def main() -> None:
     tokenize = time_tokenization(tokenizer, 400)
     demo = build_corpus(DataConfig(demo_max_files=400), tokenizer)
     corpora = []
-    for name, lengths in (("synthetic lognormal, 20k docs", synthetic_lengths()),
-                          ("demo corpus (400 stdlib files)", demo.lengths)):
-        corpora.append({"name": name, "lengths": length_summary(lengths),
-                        "by_seq_len": {seq_len: best_of(lengths, seq_len) for seq_len in SEQ_LENS}})
+    for name, lengths in (
+        ("synthetic lognormal, 20k docs", synthetic_lengths()),
+        ("demo corpus (400 stdlib files)", demo.lengths),
+    ):
+        corpora.append(
+            {
+                "name": name,
+                "lengths": length_summary(lengths),
+                "by_seq_len": {seq_len: best_of(lengths, seq_len) for seq_len in SEQ_LENS},
+            }
+        )
     bfd = [r for r in (x for by in corpora[0]["by_seq_len"].values() for x in by) if r["strategy"] == "bfd"]
     target_met = all(r["useful_token_fraction"] >= TARGET_USEFUL and r["pack_s"] < TARGET_SECONDS for r in bfd)
     results = {"corpora": corpora, "tokenize": tokenize, "target_met": target_met, "cpu_count": os.cpu_count()}

@@ -35,9 +35,18 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 SEQ_LEN, FILES, TRAIN_DOCS, EVAL_DOCS = 512, 160, 120, 16
 LR, SEED = 1e-3, 0
 # constant learning rate for both sides (no warmup, min_lr_ratio=1): the comparison is per token, not per step
-BASE = ["experiment=cpu_compare", f"data.seq_len={SEQ_LEN}", f"data.demo_max_files={FILES}",
-        f"data.max_docs={TRAIN_DOCS}", "data.shuffle=true", f"optim.lr={LR}", "optim.warmup_steps=0",
-        "optim.min_lr_ratio=1.0", f"train.seed={SEED}", "train.grad_accum=1"]
+BASE = [
+    "experiment=cpu_compare",
+    f"data.seq_len={SEQ_LEN}",
+    f"data.demo_max_files={FILES}",
+    f"data.max_docs={TRAIN_DOCS}",
+    "data.shuffle=true",
+    f"optim.lr={LR}",
+    "optim.warmup_steps=0",
+    "optim.min_lr_ratio=1.0",
+    f"train.seed={SEED}",
+    "train.grad_accum=1",
+]
 
 
 def old_flops_per_token(model, seq_len: int) -> float:
@@ -56,7 +65,7 @@ def utilisation(flops: float, wall: float, peak_tflops: float) -> float:
 
 def eval_batches(tokenizer) -> list[dict]:
     """Held-out documents (after the training ones in the demo list), one per batch, truncated to seq_len."""
-    texts = [t for _, t in iter_demo_documents(FILES)][TRAIN_DOCS:TRAIN_DOCS + EVAL_DOCS]
+    texts = [t for _, t in iter_demo_documents(FILES)][TRAIN_DOCS : TRAIN_DOCS + EVAL_DOCS]
     out = []
     for text in texts:
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:SEQ_LEN])[None]
@@ -82,8 +91,10 @@ def hf_recipe(token_budget: int, micro_batch: int, eval_set: list[dict]) -> dict
     tokenizer = load_tokenizer(job.model)
     corpus = build_corpus(job.data, tokenizer)  # the same token ids flexengine trains on
     # a copy: the corpus is a read-only memory map
-    docs = [torch.tensor(corpus.tokens[a:b][:SEQ_LEN], dtype=torch.long)
-            for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])]
+    docs = [
+        torch.tensor(corpus.tokens[a:b][:SEQ_LEN], dtype=torch.long)
+        for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])
+    ]
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(build_hf_config(job.model), attn_implementation="sdpa")
     model.gradient_checkpointing_enable()
@@ -99,12 +110,12 @@ def hf_recipe(token_budget: int, micro_batch: int, eval_set: list[dict]) -> dict
         order = list(range(len(docs)))
         rng.shuffle(order)
         for i in range(0, len(order) - micro_batch + 1, micro_batch):
-            batch = [docs[j] for j in order[i:i + micro_batch]]
+            batch = [docs[j] for j in order[i : i + micro_batch]]
             longest = max(len(d) for d in batch)
             ids = torch.full((len(batch), longest), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for r, d in enumerate(batch):
-                ids[r, :len(d)], mask[r, :len(d)] = d, 1
+                ids[r, : len(d)], mask[r, : len(d)] = d, 1
             labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
@@ -118,17 +129,33 @@ def hf_recipe(token_budget: int, micro_batch: int, eval_set: list[dict]) -> dict
                 break
     wall = time.perf_counter() - t0
     peak = job.hardware.peak_tflops
-    return {"recipe": "HF: padded rows, sdpa, gradient_checkpointing_enable()", "steps": steps,
-            "useful_tokens": useful, "token_slots": slots, "wall_s": wall, "useful_tokens_per_s": useful / wall,
-            "useful_token_fraction": useful / slots, "mfu": utilisation(model_flops, wall, peak), "hfu": None,
-            "mfu_old_formula": utilisation(useful * old_flops_per_token(model, SEQ_LEN), wall, peak),
-            "eval_loss": eval_loss(model, eval_set)}
+    return {
+        "recipe": "HF: padded rows, sdpa, gradient_checkpointing_enable()",
+        "steps": steps,
+        "useful_tokens": useful,
+        "token_slots": slots,
+        "wall_s": wall,
+        "useful_tokens_per_s": useful / wall,
+        "useful_token_fraction": useful / slots,
+        "mfu": utilisation(model_flops, wall, peak),
+        "hfu": None,
+        "mfu_old_formula": utilisation(useful * old_flops_per_token(model, SEQ_LEN), wall, peak),
+        "eval_loss": eval_loss(model, eval_set),
+    }
 
 
 def flexengine_recipe(token_budget: int, micro_batch: int, memory: str, eval_set: list[dict], work: Path) -> dict:
     """flexengine's own step (packed rows, document masks) until the same useful-token count."""
-    job = compose_job([*BASE, "attn=packed_doc", f"memory={memory}", f"train.micro_batch={micro_batch}",
-                       f"train.output_dir={work / memory}", "train.max_steps=100000"])
+    job = compose_job(
+        [
+            *BASE,
+            "attn=packed_doc",
+            f"memory={memory}",
+            f"train.micro_batch={micro_batch}",
+            f"train.output_dir={work / memory}",
+            "train.max_steps=100000",
+        ]
+    )
     trainer = build_trainer(job, work / memory)
     trainer.model.train()
     useful = slots = steps = 0
@@ -141,12 +168,19 @@ def flexengine_recipe(token_budget: int, micro_batch: int, memory: str, eval_set
     wall = time.perf_counter() - t0
     trainer.metrics.close()
     peak = job.hardware.peak_tflops
-    return {"recipe": f"flexengine: attn=packed_doc memory={memory} ({trainer.attn.backend.value})", "steps": steps,
-            "useful_tokens": useful, "token_slots": slots, "wall_s": wall, "useful_tokens_per_s": useful / wall,
-            "useful_token_fraction": useful / slots, "mfu": utilisation(model_flops, wall, peak),
-            "hfu": utilisation(hardware_flops, wall, peak),
-            "mfu_old_formula": utilisation(useful * old_flops_per_token(trainer.model, SEQ_LEN), wall, peak),
-            "eval_loss": eval_loss(trainer.model, eval_set)}
+    return {
+        "recipe": f"flexengine: attn=packed_doc memory={memory} ({trainer.attn.backend.value})",
+        "steps": steps,
+        "useful_tokens": useful,
+        "token_slots": slots,
+        "wall_s": wall,
+        "useful_tokens_per_s": useful / wall,
+        "useful_token_fraction": useful / slots,
+        "mfu": utilisation(model_flops, wall, peak),
+        "hfu": utilisation(hardware_flops, wall, peak),
+        "mfu_old_formula": utilisation(useful * old_flops_per_token(trainer.model, SEQ_LEN), wall, peak),
+        "eval_loss": eval_loss(trainer.model, eval_set),
+    }
 
 
 def main() -> None:
@@ -163,17 +197,39 @@ def main() -> None:
     base = rows[0]["useful_tokens_per_s"]
     for r in rows:
         r["speedup_vs_hf"] = r["useful_tokens_per_s"] / base
-    meta = {"model": "tiny LLaMA (conf/model/tiny.yaml, 4M params, random init seed 0)", "seq_len": SEQ_LEN,
-            "train_docs": TRAIN_DOCS, "eval_docs": EVAL_DOCS, "token_budget": args.tokens, "lr": LR,
-            "device": "cpu", "torch_threads": torch.get_num_threads(),
-            "peak_tflops": compose_job(BASE).hardware.peak_tflops,
-            "batches": "HF: 4 documents per batch (padded); flexengine: 2 packed rows of 512 tokens"}
+    meta = {
+        "model": "tiny LLaMA (conf/model/tiny.yaml, 4M params, random init seed 0)",
+        "seq_len": SEQ_LEN,
+        "train_docs": TRAIN_DOCS,
+        "eval_docs": EVAL_DOCS,
+        "token_budget": args.tokens,
+        "lr": LR,
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "peak_tflops": compose_job(BASE).hardware.peak_tflops,
+        "batches": "HF: 4 documents per batch (padded); flexengine: 2 packed rows of 512 tokens",
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peer_hf.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    cols = ("recipe", "useful_tokens_per_s", "speedup_vs_hf", "useful_token_fraction", "steps", "useful_tokens",
-            "wall_s", "mfu", "hfu", "mfu_old_formula", "eval_loss")
-    lines = [f"# flexengine vs plain HF recipe (CPU, {meta['model']}, {args.tokens} useful tokens each)", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    cols = (
+        "recipe",
+        "useful_tokens_per_s",
+        "speedup_vs_hf",
+        "useful_token_fraction",
+        "steps",
+        "useful_tokens",
+        "wall_s",
+        "mfu",
+        "hfu",
+        "mfu_old_formula",
+        "eval_loss",
+    )
+    lines = [
+        f"# flexengine vs plain HF recipe (CPU, {meta['model']}, {args.tokens} useful tokens each)",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for r in rows:
         cells = (f"{r[c]:.4g}" if isinstance(r[c], float) else "—" if r[c] is None else str(r[c]) for c in cols)
         lines.append("| " + " | ".join(cells) + " |")

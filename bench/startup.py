@@ -24,8 +24,11 @@ FAST = ["debug=fast", "data.num_workers=0"]
 COMMANDS = [
     ("train --help", ["-m", "flexengine.train", "--help"], None),
     ("train --cfg job", ["-m", "flexengine.train", "--cfg", "job", *FAST], None),
-    ("train (1 step)", ["-m", "flexengine.train", *FAST, "train.max_steps=1", "train.save_final=false"],
-     ("step 1 ", "done:")),
+    (
+        "train (1 step)",
+        ["-m", "flexengine.train", *FAST, "train.max_steps=1", "train.save_final=false"],
+        ("step 1 ", "done:"),
+    ),
     ("plan 7B", ["-m", "flexengine.plan", "model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g"], ("chosen",)),
     ("data.stats", ["-m", "flexengine.data.stats", *FAST], ("wrote",)),
     ("doctor (1 step)", ["-m", "flexengine.doctor", *FAST, "--steps", "1"], ("flexengine doctor",)),
@@ -39,8 +42,14 @@ def time_command(repo: Path, args: list[str], markers: tuple | None, workdir: Pa
     elif "--help" not in args:
         args = [*args, f"hydra.run.dir={workdir}"]
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], cwd=workdir, env={**env, "PYTHONPATH": str(repo)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=workdir,
+        env={**env, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first = marked = None
     lines = []
     assert proc.stdout is not None
@@ -78,11 +87,16 @@ def main() -> None:
             for name, cmd, marker in COMMANDS:
                 for repo, label in zip(repos, labels):
                     results[label][name].append(time_command(repo, cmd, marker, Path(tempfile.mkdtemp(dir=tmp)), env))
-    table = {label: {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                     for name, runs in per.items()} for label, per in results.items()}
-    lines = ["| command | " + " | ".join(f"{lb}: first output s | {lb}: useful output s | {lb}: total s"
-                                         for lb in labels) + " |",
-             "|---|" + "---|---|---|" * len(labels)]
+    table = {
+        label: {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in per.items()}
+        for label, per in results.items()
+    }
+    lines = [
+        "| command | "
+        + " | ".join(f"{lb}: first output s | {lb}: useful output s | {lb}: total s" for lb in labels)
+        + " |",
+        "|---|" + "---|---|---|" * len(labels),
+    ]
     for name, _, _ in COMMANDS:
         cells = []
         for label in labels:

@@ -17,8 +17,12 @@ from pathlib import Path
 __all__ = ["apply_attention", "pack_documents", "patch_attention", "resolve_attention_spec"]
 __version__ = "0.1.0"
 
-_LAZY = {"pack_documents": "flexengine.data.packing", "patch_attention": "flexengine.attention.patch",
-         "apply_attention": "flexengine.attention.patch", "resolve_attention_spec": "flexengine.attention.spec"}
+_LAZY = {
+    "pack_documents": "flexengine.data.packing",
+    "patch_attention": "flexengine.attention.patch",
+    "apply_attention": "flexengine.attention.patch",
+    "resolve_attention_spec": "flexengine.attention.spec",
+}
 
 
 def __getattr__(name: str):
@@ -39,7 +43,8 @@ def _import_checkout_conf() -> None:
     if (here / "conf" / "config.yaml").is_file() or not (checkout_conf / "config.yaml").is_file():
         return
     spec = importlib.util.spec_from_file_location(
-        "flexengine.conf", checkout_conf / "__init__.py", submodule_search_locations=[str(checkout_conf)])
+        "flexengine.conf", checkout_conf / "__init__.py", submodule_search_locations=[str(checkout_conf)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["flexengine.conf"] = module
     spec.loader.exec_module(module)

@@ -1,11 +1,11 @@
 """`flexengine <command> [args]`: one console command for every tool (each also has its own script).
 
-    flexengine train [overrides]            python -m flexengine.train
-    flexengine plan [overrides]             python -m flexengine.plan
-    flexengine doctor [--steps N] [overrides]
-    flexengine stats [overrides]            python -m flexengine.data.stats
-    flexengine sweep <sweep_dir>            python -m flexengine.sweep
-    flexengine copy <group>/<name> <dir>    copy a shipped config to edit, then run it with --config-dir <dir>
+flexengine train [overrides]            python -m flexengine.train
+flexengine plan [overrides]             python -m flexengine.plan
+flexengine doctor [--steps N] [overrides]
+flexengine stats [overrides]            python -m flexengine.data.stats
+flexengine sweep <sweep_dir>            python -m flexengine.sweep
+flexengine copy <group>/<name> <dir>    copy a shipped config to edit, then run it with --config-dir <dir>
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ from flexengine.errors import UserError
 
 def _copy_command(argv: list[str]) -> None:
     if len(argv) != 2:
-        fail(UserError("usage: flexengine copy <group>/<option> <dir>   e.g. flexengine copy "
-                       "experiment/deepseek7b_6k_a100 ./my_conf"))
+        fail(
+            UserError(
+                "usage: flexengine copy <group>/<option> <dir>   e.g. flexengine copy "
+                "experiment/deepseek7b_6k_a100 ./my_conf"
+            )
+        )
     try:
         target = copy_config(argv[0], Path(argv[1]))
     except UserError as e:
         fail(e)
     group, option = target.parent.name, target.stem
-    print(f"copied to {target}\nedit it (rename it to make it your own), then run:\n"
-          f"  flexengine-train --config-dir {Path(argv[1])} {group}={option}\n"
-          f"  (check what it resolves to first: flexengine-train --config-dir {Path(argv[1])} {group}={option} "
-          f"--cfg job)")
+    print(
+        f"copied to {target}\nedit it (rename it to make it your own), then run:\n"
+        f"  flexengine-train --config-dir {Path(argv[1])} {group}={option}\n"
+        f"  (check what it resolves to first: flexengine-train --config-dir {Path(argv[1])} {group}={option} "
+        f"--cfg job)"
+    )
 
 
 def _command(name: str) -> Callable[[], Any]:

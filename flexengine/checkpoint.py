@@ -93,6 +93,7 @@ def verify_checkpoint(directory: Path) -> Optional[str]:
 
 # -- sizes ---------------------------------------------------------------------------------------------------------
 
+
 def stored_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes on disk: a DTensor's global size (every rank's shard), a tensor subclass's inner
     tensors (torchao's 8-bit state reports fp32 numel but stores int8 codes + scales: 4x less)."""
@@ -122,8 +123,9 @@ def _state_tensors(obj: Any) -> Iterable[Any]:
         yield obj
 
 
-def estimate_checkpoint_bytes(model: nn.Module, optimizer_state: dict, world_size: int = 1,
-                              merged: bool = False) -> int:
+def estimate_checkpoint_bytes(
+    model: nn.Module, optimizer_state: dict, world_size: int = 1, merged: bool = False
+) -> int:
     """Bytes one checkpoint takes: weights (trainable only for LoRA adapters) + optimizer states of all ranks
     (+ the merged model). Replicated (non-sharded) optimizer states are written once per rank."""
     params = list(model.parameters())
@@ -137,6 +139,7 @@ def estimate_checkpoint_bytes(model: nn.Module, optimizer_state: dict, world_siz
 
 
 # -- collectives (all no-ops in a single process) ----------------------------------------------------------------
+
 
 def _failure_text(e: BaseException, doing: str) -> str:
     """What another rank prints when this rank's part failed."""
@@ -193,6 +196,7 @@ def _on_every_rank(group: Any, fn: Callable[[], Any], doing: str, share: bool = 
 
 # -- state dicts -------------------------------------------------------------------------------------------------
 
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 holds the model's parameters as DTensor shards."""
     return any(hasattr(p, "to_local") for p in model.parameters())
@@ -248,12 +252,15 @@ def _read_weights(directory: Path) -> dict:
 def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
     """load_state_dict's (missing, unexpected) keys as a UserError; tied weights are not missing."""
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in result.missing_keys
-               if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)]
+    missing = [
+        k for k in result.missing_keys if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)
+    ]
     if missing or result.unexpected_keys:
-        raise UserError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                        f"unexpected {result.unexpected_keys[:5]}; resume with the same model (and model.lora) "
-                        "settings.")
+        raise UserError(
+            f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; resume with the same model (and model.lora) "
+            "settings."
+        )
 
 
 def load_model_weights(model: nn.Module, directory: Path) -> None:
@@ -298,8 +305,10 @@ def load_trainer_state(path: Path) -> dict:
                     "this flexengine holds. It may have been tampered with; loading it could run code. Resume from a "
                     "checkpoint you trust."
                 ) from None
-            raise UserError(f"cannot read {path} as a trainer state ({_first_line(e)}); it is damaged or not a "
-                            "checkpoint of this flexengine. Resume from another checkpoint.") from None
+            raise UserError(
+                f"cannot read {path} as a trainer state ({_first_line(e)}); it is damaged or not a "
+                "checkpoint of this flexengine. Resume from another checkpoint."
+            ) from None
         except RuntimeError as e:  # a damaged zip archive (PytorchStreamReader failed ...)
             raise UserError(f"{path} is damaged ({_first_line(e)}); resume from another checkpoint.") from None
     if not isinstance(state, dict) or "train" not in state:
@@ -309,14 +318,16 @@ def load_trainer_state(path: Path) -> dict:
 
 # -- save ----------------------------------------------------------------------------------------------------------
 
+
 def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Optional[dict]) -> None:
     model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
 
 
-def _write_rank0_part(tmp: Path, model: nn.Module, tokenizer: Any, trainer_state: dict, full: Optional[dict],
-                      merge_lora: Optional[Any]) -> list[str]:
+def _write_rank0_part(
+    tmp: Path, model: nn.Module, tokenizer: Any, trainer_state: dict, full: Optional[dict], merge_lora: Optional[Any]
+) -> list[str]:
     """The HF directory, rank 0's trainer state (and merged/); returns the files written, relative to tmp."""
     _write_hf_dir(tmp, model, tokenizer, full)
     torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -342,9 +353,11 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
         free = shutil.disk_usage(root).free
     except OSError:
         free = None
-    full = ((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
-            or any(text in str(e) for text in _DISK_FULL_TEXT)
-            or (free is not None and free < max(needed - written, _NEARLY_FULL)))
+    full = (
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        or any(text in str(e) for text in _DISK_FULL_TEXT)
+        or (free is not None and free < max(needed - written, _NEARLY_FULL))
+    )
     if full and free is not None:  # the free space once the partial save is gone: what the user will see
         return UserError(disk_full_message(root, needed, free + written))
     if isinstance(e, OSError):
@@ -352,8 +365,16 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
     return UserError(f"saving the checkpoint into {root} failed: {type(e).__name__}: {_first_line(e)}")
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer: Any, trainer_state: dict, *,
-                    optimizer_state: Optional[dict] = None, merge_lora: Optional[Any] = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    tokenizer: Any,
+    trainer_state: dict,
+    *,
+    optimizer_state: Optional[dict] = None,
+    merge_lora: Optional[Any] = None,
+) -> Path:
     """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
 
     Weights are gathered to rank 0 (FSDP), which writes the HF (or adapter) directory; ranks > 0 add their
@@ -367,8 +388,12 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer: Any, tra
     merged = merge_lora is not None
     full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
     trainer_state = {**trainer_state, "world_size": world_size}
-    needed = estimate_checkpoint_bytes(model, optimizer_state if optimizer_state is not None
-                                       else trainer_state.get("optimizer", {}), world_size, merged)
+    needed = estimate_checkpoint_bytes(
+        model,
+        optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {}),
+        world_size,
+        merged,
+    )
 
     def prepare() -> str:
         try:
@@ -376,8 +401,10 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer: Any, tra
         except OSError as e:
             raise UserError(os_error_message(e, "creating the checkpoint directory")) from None
         if final.exists():
-            raise UserError(f"{final} already exists; flexengine never overwrites a checkpoint. Move it away, or "
-                            "resume this run with train.resume=auto.")
+            raise UserError(
+                f"{final} already exists; flexengine never overwrites a checkpoint. Move it away, or "
+                "resume this run with train.resume=auto."
+            )
         check_free_space(root, needed)
         tmp = root / temp_dir_name(step)
         shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
@@ -425,15 +452,18 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, tokenizer: Any, tra
 
 # -- resume ----------------------------------------------------------------------------------------------------
 
+
 def _newest_verifying(root: Path) -> Optional[Path]:
     """The newest step that verifies; damaged newer ones are moved aside with a warning. Raises if all fail, or
     on a step an older flexengine wrote (no manifest: not damaged, so not moved; but not resumable exactly)."""
     problems = []
     for _, path in list_checkpoints(root):
         if not has_manifest(path):
-            raise UserError(f"train.resume=auto: {older_format_message(path)}"
-                            + (f" (newer steps failed verification: {'; '.join(problems)})" if problems else "")
-                            + ".")
+            raise UserError(
+                f"train.resume=auto: {older_format_message(path)}"
+                + (f" (newer steps failed verification: {'; '.join(problems)})" if problems else "")
+                + "."
+            )
         problem = verify_checkpoint(path)
         if problem is None:
             if problems:
@@ -443,9 +473,12 @@ def _newest_verifying(root: Path) -> Optional[Path]:
         problems.append(f"{path.name}: {problem}")
         log.warning("resume: %s fails verification (%s); moved aside to %s", path, problem, moved.name)
     if problems:
-        raise UserError(f"train.resume=auto: no checkpoint under {root} verifies (" + "; ".join(problems)
-                        + "). They were moved aside as step_<N>.corrupt; resume from a copy you trust, or start "
-                          "a new run in a new train.output_dir.")
+        raise UserError(
+            f"train.resume=auto: no checkpoint under {root} verifies ("
+            + "; ".join(problems)
+            + "). They were moved aside as step_<N>.corrupt; resume from a copy you trust, or start "
+            "a new run in a new train.output_dir."
+        )
     return None
 
 
@@ -455,6 +488,7 @@ def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> O
     auto: the newest step under root that verifies (damaged newer ones are moved aside); None if there is no
     checkpoint. A path: that step_<N> directory, which must verify (no silent fallback for an explicit choice).
     """
+
     def pick() -> Optional[str]:
         if spec == "auto":
             path = _newest_verifying(root)
@@ -474,8 +508,10 @@ def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> O
             raise UserError(f"train.resume={spec}: {older_format_message(path)}.")
         problem = verify_checkpoint(path)
         if problem is not None:
-            raise UserError(f"train.resume={spec}: the checkpoint fails verification: {problem}. Resume from "
-                            "another step (train.resume=auto picks the newest one that verifies).")
+            raise UserError(
+                f"train.resume={spec}: the checkpoint fails verification: {problem}. Resume from "
+                "another step (train.resume=auto picks the newest one that verifies)."
+            )
         return str(path)
 
     with cpu_group(COLLECTIVE_TIMEOUT_S) as group:  # rank 0 hashes the whole checkpoint meanwhile

@@ -112,8 +112,11 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, dict)):
-        text = json.dumps(value, separators=(",", ":"),
-                          default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+        text = json.dumps(
+            value,
+            separators=(",", ":"),
+            default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o),
+        )
         return text if len(text) <= 40 else text[:37] + "..."
     return str(value)
 
@@ -159,8 +162,15 @@ def copy_config(name: str, dest: Path) -> Path:
     source = files(CONFIG_MODULE) / group / f"{option}.yaml"
     if not option or not source.is_file():
         groups = sorted(p.name for p in files(CONFIG_MODULE).iterdir() if p.is_dir() and not p.name.startswith("_"))
-        options = sorted(p.name.removesuffix(".yaml") for p in (files(CONFIG_MODULE) / group).iterdir()
-                         if p.name.endswith(".yaml")) if group in groups else []
+        options = (
+            sorted(
+                p.name.removesuffix(".yaml")
+                for p in (files(CONFIG_MODULE) / group).iterdir()
+                if p.name.endswith(".yaml")
+            )
+            if group in groups
+            else []
+        )
         hint = f"options of {group}: {', '.join(options)}" if options else f"groups: {', '.join(groups)}"
         raise UserError(f"no shipped config {name!r}; give <group>/<option> ({hint}).")
     target = Path(dest) / group / f"{option}.yaml"

@@ -62,8 +62,12 @@ class CompileStats:
 
     def as_dict(self) -> dict:
         """JSON-ready."""
-        return {"graphs": self.graphs, "recompiles": self.recompiles, "graph_breaks": self.graph_breaks,
-                "recompile_reasons": list(self.reasons)}
+        return {
+            "graphs": self.graphs,
+            "recompiles": self.recompiles,
+            "graph_breaks": self.graph_breaks,
+            "recompile_reasons": list(self.reasons),
+        }
 
 
 class CompileWatch:
@@ -86,5 +90,9 @@ class CompileWatch:
 
         new = [m for m in get_compilation_metrics() if id(m) not in self._seen]
         reasons = [str(m.recompile_reason).splitlines()[0] for m in new if m.recompile_reason]
-        return CompileStats(counters["stats"]["unique_graphs"] - self._graphs, len(reasons),
-                            sum(counters["graph_break"].values()) - self._breaks, reasons)
+        return CompileStats(
+            counters["stats"]["unique_graphs"] - self._graphs,
+            len(reasons),
+            sum(counters["graph_break"].values()) - self._breaks,
+            reasons,
+        )

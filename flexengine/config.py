@@ -83,8 +83,10 @@ class RopeScalingConfig:
             return
         _check_choice("model.rope_scaling.rope_type", self.rope_type, ROPE_SCALING_TYPES)
         if self.factor < 1:
-            raise UserError(f"model.rope_scaling.factor={self.factor} must be >= 1 (supported context / trained "
-                            f"context), e.g. model.rope_scaling={{rope_type:{self.rope_type},factor:2.0}}.")
+            raise UserError(
+                f"model.rope_scaling.factor={self.factor} must be >= 1 (supported context / trained "
+                f"context), e.g. model.rope_scaling={{rope_type:{self.rope_type},factor:2.0}}."
+            )
 
     def as_hf(self) -> dict:
         """The keys HF's rope_parameters takes ({} without scaling)."""
@@ -100,16 +102,25 @@ class LoraConfig:
     r: int = 0  # adapter rank; 0 = full fine-tune (no adapters)
     alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B @ A
     dropout: float = 0.0  # dropout on the adapter input
-    target_modules: List[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    ])  # module-name suffixes that get adapters (LLaMA/Mistral/DeepSeek names)
+    target_modules: List[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )  # module-name suffixes that get adapters (LLaMA/Mistral/DeepSeek names)
 
     def __post_init__(self) -> None:
         if self.r < 0:
             raise UserError(f"model.lora.r={self.r} must be >= 0 (0 = no LoRA, full fine-tune).")
         if self.r > 0 and not self.target_modules:
-            raise UserError("model.lora.target_modules is empty: name the Linear layers to adapt, "
-                            "e.g. [q_proj,v_proj].")
+            raise UserError(
+                "model.lora.target_modules is empty: name the Linear layers to adapt, e.g. [q_proj,v_proj]."
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.lora.dropout={self.dropout} must be in [0, 1).")
 
@@ -185,8 +196,10 @@ class AttnConfig:
         if self.window is not None and self.window <= 0:
             raise UserError(f"attn.window={self.window} must be a positive number of tokens (or null).")
         if self.window is not None and not self.attn_mode.windowed:
-            raise UserError(f"attn.window={self.window} is set but attn={self.mode} has no sliding window; "
-                            "use attn=packed_sliding (or attn=sliding_window), or drop attn.window.")
+            raise UserError(
+                f"attn.window={self.window} is set but attn={self.mode} has no sliding window; "
+                "use attn=packed_sliding (or attn=sliding_window), or drop attn.window."
+            )
 
     @property
     def attn_mode(self) -> AttnMode:
@@ -209,8 +222,10 @@ def _parse_tiled_mlp(value: Any) -> Any:
     if isinstance(value, str) and value.strip().isdigit():
         tokens = int(value)
     if tokens < 0:
-        raise UserError(f"memory.tiled_mlp={value!r}: give tokens per tile (e.g. memory.tiled_mlp=4096), 0 for "
-                        "off, or auto (the planner tiles when that makes the step fit)")
+        raise UserError(
+            f"memory.tiled_mlp={value!r}: give tokens per tile (e.g. memory.tiled_mlp=4096), 0 for "
+            "off, or auto (the planner tiles when that makes the step fit)"
+        )
     return tokens
 
 
@@ -248,11 +263,15 @@ class MemoryConfig:
                 f"use memory=selective memory.granularity={self.granularity}."
             )
         if self.policy in ("none", "offload") and self.offload:
-            raise UserError(f"memory.offload=true offloads checkpoint inputs; memory.policy={self.policy} has none. "
-                            "Use memory=offload to offload every saved tensor, or memory=full memory.offload=true.")
+            raise UserError(
+                f"memory.offload=true offloads checkpoint inputs; memory.policy={self.policy} has none. "
+                "Use memory=offload to offload every saved tensor, or memory=full memory.offload=true."
+            )
         if self.tiled_mlp and self.policy == "selective" and self.granularity == "mlp":
-            raise UserError(f"memory.tiled_mlp={self.tiled_mlp} already recomputes the MLP (per tile) and "
-                            "memory.granularity=mlp would recompute it again around the tiles: use one of them.")
+            raise UserError(
+                f"memory.tiled_mlp={self.tiled_mlp} already recomputes the MLP (per tile) and "
+                "memory.granularity=mlp would recompute it again around the tiles: use one of them."
+            )
 
 
 @dataclass
@@ -331,8 +350,9 @@ class DataConfig:
                 if not part.weight > 0:
                     raise UserError(f"data.mix[{i}].weight={part.weight} must be positive.")
         elif self.source != "demo" and not self.path:
-            raise UserError(f"data={self.source} needs data.path, "
-                            f"e.g. data={self.source} data.path=/data/train.{self.source}")
+            raise UserError(
+                f"data={self.source} needs data.path, e.g. data={self.source} data.path=/data/train.{self.source}"
+            )
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
         if self.source == "demo" and self.format != "text" and not self.mix:
@@ -342,11 +362,15 @@ class DataConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise UserError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1) (0 = no held-out split).")
         if self.eval_path and self.eval_fraction:
-            raise UserError(f"data.eval_path and data.eval_fraction={self.eval_fraction} both set: use one (the "
-                            "held-out set comes from a file, or from splitting data.path), e.g. data.eval_fraction=0.")
+            raise UserError(
+                f"data.eval_path and data.eval_fraction={self.eval_fraction} both set: use one (the "
+                "held-out set comes from a file, or from splitting data.path), e.g. data.eval_fraction=0."
+            )
         if self.eval_path and self.source == "demo":
-            raise UserError("data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
-                            "splits itself with data.eval_fraction.")
+            raise UserError(
+                "data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
+                "splits itself with data.eval_fraction."
+            )
 
     @property
     def has_eval(self) -> bool:
@@ -426,8 +450,10 @@ class ParallelConfig:
         if self.cp < 1:
             raise UserError(f"parallel.cp={self.cp} must be >= 1 (1 = no context parallelism).")
         if self.cp > 1 and self.strategy != "fsdp":
-            raise UserError(f"parallel.cp={self.cp} composes with FSDP2 only (parallel=fsdp): the (dp, cp) mesh and "
-                            "the gradient checks are built for it; DDP under CP is not implemented.")
+            raise UserError(
+                f"parallel.cp={self.cp} composes with FSDP2 only (parallel=fsdp): the (dp, cp) mesh and "
+                "the gradient checks are built for it; DDP under CP is not implemented."
+            )
 
 
 # torch's CP BlockMask (_create_cp_block_mask) is built with FlexAttention's default 128-token blocks
@@ -438,9 +464,12 @@ CP_BLOCK_SIZE = 128
 POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def check_context_parallel_rope(cp: int, rope_type: str, source: str,
-                                instead: str = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)"
-                                ) -> None:
+def check_context_parallel_rope(
+    cp: int,
+    rope_type: str,
+    source: str,
+    instead: str = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)",
+) -> None:
     """Refuse a RoPE whose frequencies depend on the positions a rank sees (`source`: where rope_type is set,
     `instead`: how to set a fixed scaling there)."""
     if cp > 1 and rope_type in POSITION_DEPENDENT_ROPE:
@@ -452,8 +481,7 @@ def check_context_parallel_rope(cp: int, rope_type: str, source: str,
         )
 
 
-def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], rope_type: Optional[str] = None
-                           ) -> None:
+def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], rope_type: Optional[str] = None) -> None:
     """The attention settings context parallelism can shard (UserError naming the key otherwise). seq_len None:
     rows of any length (plan.max_seq_len picks its own); rope_type: model.rope_scaling.rope_type."""
     if rope_type is not None:
@@ -465,8 +493,10 @@ def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], ro
             f"{attn.backend} has no context-parallel path (SDPA's ring attention cannot mask documents)."
         )
     if attn.block_size != CP_BLOCK_SIZE:
-        raise UserError(f"parallel.cp={cp} needs attn.block_size={CP_BLOCK_SIZE}: torch builds the per-rank "
-                        f"BlockMask with FlexAttention's default block size (attn.block_size={attn.block_size}).")
+        raise UserError(
+            f"parallel.cp={cp} needs attn.block_size={CP_BLOCK_SIZE}: torch builds the per-rank "
+            f"BlockMask with FlexAttention's default block size (attn.block_size={attn.block_size})."
+        )
     if seq_len is not None and seq_len % (cp * CP_BLOCK_SIZE):
         raise UserError(
             f"data.seq_len={seq_len} must be a multiple of parallel.cp x {CP_BLOCK_SIZE} = {cp * CP_BLOCK_SIZE}: "
@@ -556,8 +586,10 @@ class JobConfig:
         if self.parallel.cp > 1:
             check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
         if self.train.early_stop_patience and not self.data.has_eval:
-            raise UserError(f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
-                            "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path.")
+            raise UserError(
+                f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
+                "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path."
+            )
         if not self.attn.packs_documents and self.data.packing != "none":
             raise UserError(
                 f"attn={self.attn.mode} has no per-document mask, so packing several documents into one row "

@@ -76,8 +76,12 @@ class ContextParallel:
                 raise UserError(f"parallel.cp: decoder block {i} of {type(model).__name__} has no self_attn module")
             call = parallelize_module(FlexAttentionCall(_flex_fn(spec.compile)), self.mesh["cp"], style)
             setattr(attention, CP_ATTENTION, call)
-        log.info("context parallel: rows split over %d ranks (%d data-parallel groups), K/V all-gathered per "
-                 "block, PTRR load balancing", self.degree, self.mesh["dp"].size())
+        log.info(
+            "context parallel: rows split over %d ranks (%d data-parallel groups), K/V all-gathered per "
+            "block, PTRR load balancing",
+            self.degree,
+            self.mesh["dp"].size(),
+        )
 
     def shard(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict]:
         """Full rows of one micro-batch -> (this rank's load-balanced share, its mask kwargs for the model).
@@ -101,16 +105,24 @@ class ContextParallel:
         token_index = torch.arange(S, device=batch["input_ids"].device).expand(B, S)
         tensors = [batch["input_ids"], batch["position_ids"], shift_targets(batch["labels"]), token_index]
         block_masks = [m.block_mask for m in distinct.values()]
-        shards = _context_parallel_shard(self.mesh["cp"], [*tensors, *block_masks],
-                                         [1] * (len(tensors) + len(block_masks)), load_balancer=balancer)
+        shards = _context_parallel_shard(
+            self.mesh["cp"], [*tensors, *block_masks], [1] * (len(tensors) + len(block_masks)), load_balancer=balancer
+        )
         input_ids, position_ids, targets, token_index = shards[: len(tensors)]
-        local = {key: _local_mask(m, cp_mask, self.degree)
-                 for (key, m), cp_mask in zip(distinct.items(), shards[len(tensors):])}
+        local = {
+            key: _local_mask(m, cp_mask, self.degree)
+            for (key, m), cp_mask in zip(distinct.items(), shards[len(tensors) :])
+        }
         by_hf = {w: local[id(m)] for w, m in masks.by_hf_window.items()}
         # one host sync per micro-batch (the loader's host-side index is of the unsplit row)
         predicting = torch.nonzero(targets.reshape(-1) != IGNORE_INDEX).squeeze(1)
-        share = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets,
-                 "predicting_index": predicting, "token_index": token_index}  # token_index: place in the row
+        share = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "targets": targets,
+            "predicting_index": predicting,
+            "token_index": token_index,
+        }  # token_index: place in the row
         return share, {MASK_KWARG: LayerMasks(masks.spec, by_hf)}
 
     def whole_rows(self, share: Tensor, token_index: Tensor) -> Tensor:
@@ -130,8 +142,11 @@ class ContextParallel:
     def logits(self, root: nn.Module, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         """Whole-row logits [B, S, vocab] of input_ids/position_ids (S a multiple of cp x 128), computed split over
         the cp ranks through the root module (`LossForward(logits=True)`), e.g. for greedy samples."""
-        full = {**batch, "labels": batch.get("labels", batch["input_ids"]),  # targets unused: logits only
-                "document_ids": batch.get("document_ids", document_ids_from_position_ids(batch["position_ids"]))}
+        full = {
+            **batch,
+            "labels": batch.get("labels", batch["input_ids"]),  # targets unused: logits only
+            "document_ids": batch.get("document_ids", document_ids_from_position_ids(batch["position_ids"])),
+        }
         share, mask_kwargs = self.shard(model, full)
         return self.whole_rows(root(share, logits=True, **mask_kwargs), share["token_index"])
 
@@ -141,8 +156,9 @@ def _local_mask(mask: BatchMask, cp_block_mask, degree: int) -> BatchMask:
     if cp_block_mask.full_kv_num_blocks is not None:
         computed = computed + cp_block_mask.full_kv_num_blocks.sum()
     # density stays "blocks computed / a causal row's blocks", now for this rank's share of both
-    return dataclasses.replace(mask, block_mask=cp_block_mask, computed_blocks=computed,
-                               causal_blocks=mask.causal_blocks / degree)
+    return dataclasses.replace(
+        mask, block_mask=cp_block_mask, computed_blocks=computed, causal_blocks=mask.causal_blocks / degree
+    )
 
 
 def build_context_parallel(info: DistInfo, device: torch.device) -> Optional[ContextParallel]:

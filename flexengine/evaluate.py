@@ -17,8 +17,13 @@ from flexengine.loss import batch_valid_targets
 
 
 @torch.no_grad()
-def evaluate_loss(forward: nn.Module, batches: Iterable[dict], device: torch.device,
-                  prepare: Callable[[dict], tuple[dict, dict]], autocast: Callable) -> dict:
+def evaluate_loss(
+    forward: nn.Module,
+    batches: Iterable[dict],
+    device: torch.device,
+    prepare: Callable[[dict], tuple[dict, dict]],
+    autocast: Callable,
+) -> dict:
     """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced).
     prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer._prepare)."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
@@ -41,8 +46,14 @@ def _padded_length(n: int, multiple: int) -> int:
 
 
 @torch.no_grad()
-def greedy_continue(logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer,
-                    prompts: Sequence[str], new_tokens: int, device: torch.device, pad_to: int = 128) -> list[str]:
+def greedy_continue(
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokenizer,
+    prompts: Sequence[str],
+    new_tokens: int,
+    device: torch.device,
+    pad_to: int = 128,
+) -> list[str]:
     """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations.
 
     logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,

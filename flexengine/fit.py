@@ -43,34 +43,45 @@ class FitPlan:
 def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
     """Plan `job` on concrete `hardware` (see flexengine.hardware): precision, memory policy and micro-batch."""
     on_cuda = hardware.device == "cuda"
-    modes = ([job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name))
+    modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
     search_mb = job.memory.policy == "auto"
     table, plans = [], []
     for mode in modes:
         spec = precision_spec(mode, job.optim.name)
-        plan = plan_memory(hf_config, plan_inputs(job, hardware, spec), given=job.memory,
-                           search_micro_batch=search_mb)
-        table.append({"precision": mode, "fits": plan["fits"], "total_bytes": plan["total_bytes"],
-                      "host_bytes": plan["host_bytes"], "policy": plan["policy"], "step_s": plan["step_s"],
-                      "updates_exact": spec.updates_exact, "stochastic_rounding": spec.stochastic_rounding})
+        plan = plan_memory(hf_config, plan_inputs(job, hardware, spec), given=job.memory, search_micro_batch=search_mb)
+        table.append(
+            {
+                "precision": mode,
+                "fits": plan["fits"],
+                "total_bytes": plan["total_bytes"],
+                "host_bytes": plan["host_bytes"],
+                "policy": plan["policy"],
+                "step_s": plan["step_s"],
+                "updates_exact": spec.updates_exact,
+                "stochastic_rounding": spec.stochastic_rounding,
+            }
+        )
         plans.append((spec, plan))
     fitting = [sp for sp in plans if sp[1]["fits"]]
     # the most exact mode that fits; if none does, the leanest (its suggestions say what would fit)
     chosen = fitting[0] if fitting else min(plans, key=lambda sp: sp[1]["total_bytes"])
     spec, plan = chosen
-    return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan,
-                   table)
+    return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan, table)
 
 
 def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
     """The JobConfig with every auto resolved: what the rest of the run reads."""
     return dataclasses.replace(
-        job, hardware=fit.hardware, memory=fit.memory, precision=PrecisionConfig(mode=fit.precision.name),
+        job,
+        hardware=fit.hardware,
+        memory=fit.memory,
+        precision=PrecisionConfig(mode=fit.precision.name),
         optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
         train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
         # FSDP2 casts fp32 sharded params to bf16 for compute only when the mode computes in bf16
-        parallel=dataclasses.replace(job.parallel, mixed_precision=job.parallel.mixed_precision
-                                     and fit.precision.autocast),
+        parallel=dataclasses.replace(
+            job.parallel, mixed_precision=job.parallel.mixed_precision and fit.precision.autocast
+        ),
     )
 
 
@@ -79,8 +90,11 @@ def _explicit_choices(job: JobConfig) -> list[str]:
     out = [f"precision={job.precision.mode}"] if job.precision.mode != "auto" else []
     if job.memory.policy != "auto":
         return out + [f"memory={job.memory.policy}"]
-    return out + [f"memory.{key}={getattr(job.memory, key)}" for key in ("layers", "granularity", "offload")
-                  if getattr(job.memory, key) is not None]
+    return out + [
+        f"memory.{key}={getattr(job.memory, key)}"
+        for key in ("layers", "granularity", "offload")
+        if getattr(job.memory, key) is not None
+    ]
 
 
 def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig) -> list[str]:
@@ -90,8 +104,10 @@ def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig) -> list[str]
     if not fit.fits:
         return fit.plan["suggestions"]
     ranked = sorted((r for r in fit.plan["candidates"] if r["fits"]), key=lambda r: r["step_s"])[:4]
-    return [f"precision={fit.precision.name} {_overrides(r)} ({_gib(r['total_bytes'])} GiB, "
-            f"~{r['step_s']:.1f} s/step)" for r in ranked]
+    return [
+        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.1f} s/step)"
+        for r in ranked
+    ]
 
 
 def _overrides(row: dict) -> str:
@@ -122,12 +138,18 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
             f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: {_gib(p['total_bytes'])} GiB of "
             f"{_gib(p['budget_bytes'])} GiB device memory, {_gib(p['host_bytes'])} GiB of "
             f"{_gib(p['host_budget_bytes'])} GiB host memory (precision={fit.precision.name}, {p['policy']}). "
-            "What would fit:\n  " + "\n  ".join(what))
+            "What would fit:\n  " + "\n  ".join(what)
+        )
     check_updates_arrive(fit.precision, job.optim.lr)
     if fit.micro_batch != job.train.micro_batch:
-        log.warning("memory=auto: train.micro_batch %d -> %d, train.grad_accum %d -> %d (same rows per optimizer "
-                    "step; the cheaper plan). Set memory=<policy> to keep train.micro_batch as given.",
-                    job.train.micro_batch, fit.micro_batch, job.train.grad_accum, fit.grad_accum)
+        log.warning(
+            "memory=auto: train.micro_batch %d -> %d, train.grad_accum %d -> %d (same rows per optimizer "
+            "step; the cheaper plan). Set memory=<policy> to keep train.micro_batch as given.",
+            job.train.micro_batch,
+            fit.micro_batch,
+            job.train.grad_accum,
+            fit.grad_accum,
+        )
     return resolved_job(job, fit), fit
 
 
@@ -135,29 +157,43 @@ def format_fit(fit: FitPlan) -> str:
     """The plan as text: budgets, the precision modes tried, and the k -> memory / recompute table."""
     p = fit.plan
     hw = fit.hardware
-    lines = [(f"hardware {hw.name} ({hw.device}): {_gib(p['budget_bytes'])} GiB device, "
-              f"{_gib(p['host_budget_bytes'])} GiB host; seq_len={p['seq_len']} micro_batch={fit.micro_batch} "
-              f"grad_accum={fit.grad_accum}")]
+    lines = [
+        (
+            f"hardware {hw.name} ({hw.device}): {_gib(p['budget_bytes'])} GiB device, "
+            f"{_gib(p['host_budget_bytes'])} GiB host; seq_len={p['seq_len']} micro_batch={fit.micro_batch} "
+            f"grad_accum={fit.grad_accum}"
+        )
+    ]
     if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0]["fits"]):
         lines.append(f"  {'precision':<16} {'device GiB':>10} {'host GiB':>9} {'step s':>7} {'fits':>5}  best policy")
         for r in fit.precision_table:
-            lines.append(f"  {r['precision']:<16} {_gib(r['total_bytes']):>10} {_gib(r['host_bytes']):>9} "
-                         f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']}")
-    lines.append(f"  {'k (of ' + str(p['hf_config'].get('num_hidden_layers')) + ')':<8} {'policy':<26} "
-                 f"{'device GiB':>10} {'recompute':>9} {'PCIe s':>7} {'step s':>7} {'fits':>5}")
+            lines.append(
+                f"  {r['precision']:<16} {_gib(r['total_bytes']):>10} {_gib(r['host_bytes']):>9} "
+                f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']}"
+            )
+    lines.append(
+        f"  {'k (of ' + str(p['hf_config'].get('num_hidden_layers')) + ')':<8} {'policy':<26} "
+        f"{'device GiB':>10} {'recompute':>9} {'PCIe s':>7} {'step s':>7} {'fits':>5}"
+    )
     for r in k_table(p):
         mark = "  <- chosen" if r["label"] == p["policy"] else ""
-        lines.append(f"  {r['k']:<8} {r['label']:<26} {_gib(r['total_bytes']):>10} "
-                     f"{100 * r['recompute_flops_fraction']:>8.1f}% {r['offload_exposed_s']:>7.2f} "
-                     f"{r['step_s']:>7.2f} {'yes' if r['fits'] else 'no':>5}{mark}")
+        lines.append(
+            f"  {r['k']:<8} {r['label']:<26} {_gib(r['total_bytes']):>10} "
+            f"{100 * r['recompute_flops_fraction']:>8.1f}% {r['offload_exposed_s']:>7.2f} "
+            f"{r['step_s']:>7.2f} {'yes' if r['fits'] else 'no':>5}{mark}"
+        )
     terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p["terms"].items() if v)
-    lines.append(f"chosen: precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x "
-                 f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB; "
-                 f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
-                 + ("" if fit.fits else "  -- DOES NOT FIT"))
+    lines.append(
+        f"chosen: precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x "
+        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB; "
+        f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
+        + ("" if fit.fits else "  -- DOES NOT FIT")
+    )
     if fit.memory.offload or fit.memory.policy == "offload":
         bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
         if bound is not None:
-            lines.append(f"offload: at most {_gib(bound)} GiB of pinned host memory per rank (host budget "
-                         f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)")
+            lines.append(
+                f"offload: at most {_gib(bound)} GiB of pinned host memory per rank (host budget "
+                f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
+            )
     return "\n".join(lines)

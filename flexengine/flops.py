@@ -91,7 +91,7 @@ class _Region:
 
     def flops(self) -> float:
         """Forward + backward matmul FLOPs per token."""
-        return (sum(p.flops(self.input_grad) for p in self.inputs) + self.output.flops(self.inner_grad))
+        return sum(p.flops(self.input_grad) for p in self.inputs) + self.output.flops(self.inner_grad)
 
     def recompute_flops(self, is_last_region: bool) -> float:
         """Forward FLOPs per token a checkpoint ending with this region re-runs: everything up to the last saved
@@ -121,8 +121,9 @@ class TrainFlops:
 
     def __init__(self, model: nn.Module, chunk_size: int = 0):
         cfg = model.config
-        self.heads_dim = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or
-                                                    cfg.hidden_size // cfg.num_attention_heads)
+        self.heads_dim = cfg.num_attention_heads * (
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
         self.chunk_size = chunk_size
         grad = model.get_input_embeddings().weight.requires_grad  # does the residual stream carry a grad?
         self.blocks: list[_Block] = []

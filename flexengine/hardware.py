@@ -89,16 +89,26 @@ def resolve_hardware(hw: HardwareConfig, device: Optional[torch.device] = None) 
         memory_gb = _at_most(hw.memory_gb, props.total_memory / GiB, "memory_gb")
         peak = hw.peak_tflops if hw.peak_tflops is not None else lookup_peak_tflops(props.name)
         if peak is None:
-            log.warning("hardware: %r is not in flexengine.hardware.PEAK_BF16_TFLOPS; MFU is not reported "
-                        "(set hardware.peak_tflops to the device's dense bf16 TFLOP/s to get it)", props.name)
+            log.warning(
+                "hardware: %r is not in flexengine.hardware.PEAK_BF16_TFLOPS; MFU is not reported "
+                "(set hardware.peak_tflops to the device's dense bf16 TFLOP/s to get it)",
+                props.name,
+            )
     else:
         name = hw.name if hw.name != "auto" else "cpu"
         memory_gb = _at_most(hw.memory_gb, host_available, "memory_gb")  # the CPU's "device" is host memory
         peak = hw.peak_tflops  # CPU peaks vary too much to tabulate: MFU only when given
-    resolved = dataclasses.replace(hw, name=name, device=device.type, memory_gb=memory_gb, peak_tflops=peak,
-                                   host_memory_gb=host_gb)
-    log.info("hardware: %s (%s), %.1f GiB device memory budget, %.1f GiB host memory, peak %s TFLOP/s", name,
-             device.type, memory_gb, host_gb, "unknown (no MFU)" if peak is None else f"{peak:g}")
+    resolved = dataclasses.replace(
+        hw, name=name, device=device.type, memory_gb=memory_gb, peak_tflops=peak, host_memory_gb=host_gb
+    )
+    log.info(
+        "hardware: %s (%s), %.1f GiB device memory budget, %.1f GiB host memory, peak %s TFLOP/s",
+        name,
+        device.type,
+        memory_gb,
+        host_gb,
+        "unknown (no MFU)" if peak is None else f"{peak:g}",
+    )
     return resolved
 
 
@@ -114,6 +124,7 @@ def _at_most(given: Optional[float], measured: float, key: str) -> float:
 def assumed_hardware(hw: HardwareConfig) -> HardwareConfig:
     """The hardware a plan targets without touching any device: named configs as given, auto as this machine."""
     if hw.device == "cuda" and hw.memory_gb is not None:
-        return dataclasses.replace(hw, host_memory_gb=hw.host_memory_gb if hw.host_memory_gb is not None
-                                   else available_host_memory_gb())
+        return dataclasses.replace(
+            hw, host_memory_gb=hw.host_memory_gb if hw.host_memory_gb is not None else available_host_memory_gb()
+        )
     return resolve_hardware(hw)

@@ -32,15 +32,26 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     from peft import get_peft_model
 
     # plain LoRA only: merge_lora_state_dict folds W + (alpha / r) B A into Linear weights, nothing else
-    config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-                            use_rslora=False, use_dora=False)
+    config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+        use_rslora=False,
+        use_dora=False,
+    )
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft names the missing modules
         raise UserError(f"model.lora.target_modules={list(lora.target_modules)}: {e}") from None
-    not_linear = sorted({name.split(".lora_")[0].removeprefix(_PEFT_PREFIX) for name, _ in
-                         peft_model.named_parameters() if ".lora_" in name and not _LORA_KEY.match(name)})
+    not_linear = sorted(
+        {
+            name.split(".lora_")[0].removeprefix(_PEFT_PREFIX)
+            for name, _ in peft_model.named_parameters()
+            if ".lora_" in name and not _LORA_KEY.match(name)
+        }
+    )
     if not_linear:
         raise UserError(
             f"model.lora.target_modules={list(lora.target_modules)} puts adapters on {not_linear[:3]}, which are not "
@@ -49,8 +60,14 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         )
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    log.info("lora: r=%d alpha=%g on %s: %.2fM trainable of %.1fM parameters",
-             lora.r, lora.alpha, list(lora.target_modules), trainable / 1e6, total / 1e6)
+    log.info(
+        "lora: r=%d alpha=%g on %s: %.2fM trainable of %.1fM parameters",
+        lora.r,
+        lora.alpha,
+        list(lora.target_modules),
+        trainable / 1e6,
+        total / 1e6,
+    )
     return peft_model
 
 
@@ -69,8 +86,10 @@ def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> D
         if match:
             factors.setdefault(match["module"], {})[match["ab"]] = value
         elif ".lora_" in key:  # embedding adapters, DoRA magnitudes, other adapter names: never copied as weights
-            raise ValueError(f"cannot merge adapter tensor {key!r}: only Linear LoRA factors "
-                             f"(.lora_A/B.{ADAPTER}.weight) merge into base weights")
+            raise ValueError(
+                f"cannot merge adapter tensor {key!r}: only Linear LoRA factors "
+                f"(.lora_A/B.{ADAPTER}.weight) merge into base weights"
+            )
         else:
             merged[key.replace(".base_layer.", ".")] = value
     for module, ab in factors.items():

@@ -50,7 +50,10 @@ def predicting_positions(labels_BS: Tensor) -> Tensor:
 
 
 def causal_lm_loss_sum(
-    hidden_BSH: Tensor, labels_BS: Tensor, lm_head: nn.Module, chunk_size: int = 0,
+    hidden_BSH: Tensor,
+    labels_BS: Tensor,
+    lm_head: nn.Module,
+    chunk_size: int = 0,
     predicting_index: Optional[Tensor] = None,
 ) -> Tensor:
     """Sum of next-token CE over valid targets. chunk_size > 0: lm_head + CE per chunk of tokens, each chunk
@@ -62,8 +65,13 @@ def causal_lm_loss_sum(
     return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
 
 
-def shifted_loss_sum(hidden_BSH: Tensor, targets_BS: Tensor, lm_head: nn.Module, chunk_size: int = 0,
-                     predicting_index: Optional[Tensor] = None) -> Tensor:
+def shifted_loss_sum(
+    hidden_BSH: Tensor,
+    targets_BS: Tensor,
+    lm_head: nn.Module,
+    chunk_size: int = 0,
+    predicting_index: Optional[Tensor] = None,
+) -> Tensor:
     """causal_lm_loss_sum with the targets already shifted (`shift_targets`): position t predicts targets[t]."""
     if predicting_index is None:
         predicting_index = torch.nonzero(targets_BS.reshape(-1) != IGNORE_INDEX).squeeze(1)
@@ -71,8 +79,9 @@ def shifted_loss_sum(hidden_BSH: Tensor, targets_BS: Tensor, lm_head: nn.Module,
     return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
 
 
-def _selected_loss_sum(hidden_BSH: Tensor, predicting_index: Tensor, targets_N: Tensor, lm_head: nn.Module,
-                       chunk_size: int) -> Tensor:
+def _selected_loss_sum(
+    hidden_BSH: Tensor, predicting_index: Tensor, targets_N: Tensor, lm_head: nn.Module, chunk_size: int
+) -> Tensor:
     # only tokens with a valid next target: padding and document ends cost no lm_head or CE at all
     hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1]).index_select(0, predicting_index)
     if chunk_size <= 0 or hidden_NH.shape[0] <= chunk_size:
@@ -91,7 +100,13 @@ def forward_loss_sum(model: nn.Module, batch: dict[str, Tensor], chunk_size: int
     decoder = model.get_decoder()
     out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
     if "targets" in batch:  # a context-parallel shard: this rank's tokens, each with its own target
-        return shifted_loss_sum(out.last_hidden_state, batch["targets"], model.get_output_embeddings(), chunk_size,
-                                batch.get("predicting_index"))
-    return causal_lm_loss_sum(out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size,
-                              batch.get("predicting_index"))
+        return shifted_loss_sum(
+            out.last_hidden_state,
+            batch["targets"],
+            model.get_output_embeddings(),
+            chunk_size,
+            batch.get("predicting_index"),
+        )
+    return causal_lm_loss_sum(
+        out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size, batch.get("predicting_index")
+    )

@@ -21,8 +21,11 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
     use_cache off for training."""
     if model.trust_remote_code:
-        log.warning("model.trust_remote_code=true: Python code shipped in %s will run in this process; use it "
-                    "only for model directories you trust", model.path or model.tokenizer or "the model directory")
+        log.warning(
+            "model.trust_remote_code=true: Python code shipped in %s will run in this process; use it "
+            "only for model directories you trust",
+            model.path or model.tokenizer or "the model directory",
+        )
     if model.path is not None:
         path = Path(model.path)
         if not path.is_dir():
@@ -35,8 +38,10 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
         except (ValueError, OSError) as e:  # OSError: not valid JSON (transformers' wording names the file)
-            raise UserError(f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
-                            "replace the file (it must be the model's Hugging Face config).") from None
+            raise UserError(
+                f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
+                "replace the file (it must be the model's Hugging Face config)."
+            ) from None
     else:
         arch = dict(model.arch)
         model_type = arch.pop("model_type")
@@ -82,28 +87,50 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
         with device:
             lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
         source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
-        log.warning("model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
-                    "%s. Nothing pretrained is loaded%s.", model.name, model.init, source, config.model_type,
-                    _n_params(lm) / 1e6, dtype, device,
-                    "" if model.path else "; give model.path=<HF directory> to fine-tune real weights")
+        log.warning(
+            "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
+            "%s. Nothing pretrained is loaded%s.",
+            model.name,
+            model.init,
+            source,
+            config.model_type,
+            _n_params(lm) / 1e6,
+            dtype,
+            device,
+            "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
+        )
         return lm
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
     lm, info = AutoModelForCausalLM.from_pretrained(
-        model.path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code, use_safetensors=None,
+        model.path,
+        config=config,
+        dtype=dtype,
+        trust_remote_code=model.trust_remote_code,
+        use_safetensors=None,
         output_loading_info=True,
     )
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # HF would initialise them at random and only warn
-        raise UserError(f"model.path={model.path!r}: {len(missing)} weights of {type(lm).__name__} are not in the "
-                        f"checkpoint (e.g. {missing[:3]}); it is not a complete {config.model_type} checkpoint.")
+        raise UserError(
+            f"model.path={model.path!r}: {len(missing)} weights of {type(lm).__name__} are not in the "
+            f"checkpoint (e.g. {missing[:3]}); it is not a complete {config.model_type} checkpoint."
+        )
     unexpected = len(info.get("unexpected_keys") or [])
     stored = _checkpoint_tensor_count(path) or len(lm.state_dict())  # *.bin only: no header to count from
     lm = lm.to(device)
-    log.info("model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s", model.name,
-             stored - unexpected, path, config.model_type, _n_params(lm) / 1e6, dtype, device,
-             f"; {unexpected} tensors in the checkpoint were not used" if unexpected else "")
+    log.info(
+        "model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s",
+        model.name,
+        stored - unexpected,
+        path,
+        config.model_type,
+        _n_params(lm) / 1e6,
+        dtype,
+        device,
+        f"; {unexpected} tensors in the checkpoint were not used" if unexpected else "",
+    )
     return lm
 
 

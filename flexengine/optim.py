@@ -136,9 +136,11 @@ def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) ->
     """
     embedding = model.get_input_embeddings().weight
     if embedding.requires_grad:  # fp32 whatever the weights' dtype (torchao updates in fp32, then copies in)
-        opt.state[embedding] = {"step": torch.tensor(0.0),
-                                "exp_avg": torch.zeros_like(embedding, dtype=torch.float32),
-                                "exp_avg_sq": torch.zeros_like(embedding, dtype=torch.float32)}
+        opt.state[embedding] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(embedding, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros_like(embedding, dtype=torch.float32),
+        }
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -183,13 +185,19 @@ def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: i
         name, kwargs = "cosine_with_min_lr", {"min_lr_rate": optim.min_lr_ratio}
     elif name == "warmup_stable_decay":
         decay = max(1, round(optim.decay_fraction * max_steps))
-        kwargs = {"num_decay_steps": min(decay, horizon - warmup), "min_lr_ratio": optim.min_lr_ratio,
-                  "decay_type": "cosine"}
+        kwargs = {
+            "num_decay_steps": min(decay, horizon - warmup),
+            "min_lr_ratio": optim.min_lr_ratio,
+            "decay_type": "cosine",
+        }
     elif name not in ("linear", "constant", "constant_with_warmup"):
-        raise UserError(f"optim.schedule={name!r} is not valid; choose one of cosine, linear, constant, "
-                        "constant_with_warmup, warmup_stable_decay.")
-    scheduler = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=horizon,
-                              scheduler_specific_kwargs=kwargs or None)
+        raise UserError(
+            f"optim.schedule={name!r} is not valid; choose one of cosine, linear, constant, "
+            "constant_with_warmup, warmup_stable_decay."
+        )
+    scheduler = get_scheduler(
+        name, opt, num_warmup_steps=warmup, num_training_steps=horizon, scheduler_specific_kwargs=kwargs or None
+    )
     scheduler.lr_lambdas = [_shifted(f, horizon) for f in scheduler.lr_lambdas]
     for group, base_lr, factor in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the first update, with the shift

@@ -61,13 +61,17 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         if parallel.cp > 1:
-            raise UserError(f"parallel.cp={parallel.cp} splits rows over several processes: launch with "
-                            f"torchrun --nproc_per_node <a multiple of {parallel.cp}> -m flexengine.train ...")
+            raise UserError(
+                f"parallel.cp={parallel.cp} splits rows over several processes: launch with "
+                f"torchrun --nproc_per_node <a multiple of {parallel.cp}> -m flexengine.train ..."
+            )
         return DistInfo()
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size % parallel.cp:
-        raise UserError(f"parallel.cp={parallel.cp} must divide the number of ranks ({world_size}): launch "
-                        f"torchrun --nproc_per_node with a multiple of {parallel.cp}.")
+        raise UserError(
+            f"parallel.cp={parallel.cp} must divide the number of ranks ({world_size}): launch "
+            f"torchrun --nproc_per_node with a multiple of {parallel.cp}."
+        )
     info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), parallel.cp)
     backend = parallel.backend
     if backend == "auto":
@@ -76,9 +80,15 @@ def init_distributed(parallel: ParallelConfig, device: torch.device) -> DistInfo
         torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    log.info("distributed: rank %d/%d (local %d), backend %s, strategy %s%s",
-             info.rank, world_size, info.local_rank, backend, parallel.strategy,
-             f", context parallel x{info.cp}" if info.cp > 1 else "")
+    log.info(
+        "distributed: rank %d/%d (local %d), backend %s, strategy %s%s",
+        info.rank,
+        world_size,
+        info.local_rank,
+        backend,
+        parallel.strategy,
+        f", context parallel x{info.cp}" if info.cp > 1 else "",
+    )
     return info
 
 
@@ -112,8 +122,15 @@ def _allreduce_sum_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, device: torch.device,
-               weights_from_rank0: bool = False, *, mesh=None) -> None:
+def apply_fsdp(
+    root: nn.Module,
+    model: nn.Module,
+    parallel: ParallelConfig,
+    device: torch.device,
+    weights_from_rank0: bool = False,
+    *,
+    mesh=None,
+) -> None:
     """FSDP2: fully_shard each decoder block, then the root (embeddings, final norm, lm_head), in place.
 
     weights_from_rank0: only rank 0 holds the real weights (the others a placeholder of the same shapes); its
@@ -135,8 +152,12 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
     for module in [*layers, root]:
         module.set_gradient_divide_factor(1.0)  # sum, not mean: see the module docstring
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; factor 1 needs none)
-    log.info("fsdp: %d decoder blocks + root sharded over %d ranks%s", len(layers), dist.get_world_size(),
-             " (bf16 params, fp32 reduce)" if "mp_policy" in kwargs else "")
+    log.info(
+        "fsdp: %d decoder blocks + root sharded over %d ranks%s",
+        len(layers),
+        dist.get_world_size(),
+        " (bf16 params, fp32 reduce)" if "mp_policy" in kwargs else "",
+    )
     if weights_from_rank0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -144,8 +165,16 @@ def apply_fsdp(root: nn.Module, model: nn.Module, parallel: ParallelConfig, devi
         log.info("fsdp: weights broadcast from rank 0 into the shards (%d tensors)", len(full) if full else -1)
 
 
-def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, device: torch.device,
-                   chunk_size: int = 0, *, weights_from_rank0: bool = False, fsdp_mesh=None) -> nn.Module:
+def apply_parallel(
+    model: nn.Module,
+    parallel: ParallelConfig,
+    info: DistInfo,
+    device: torch.device,
+    chunk_size: int = 0,
+    *,
+    weights_from_rank0: bool = False,
+    fsdp_mesh=None,
+) -> nn.Module:
     """The module the trainer calls for the loss: plain, FSDP2-sharded (model changed in place) or DDP.
 
     weights_from_rank0: ranks > 0 built the model without reading the checkpoint (`loads_weights`); rank 0's
@@ -161,8 +190,7 @@ def apply_parallel(model: nn.Module, parallel: ParallelConfig, info: DistInfo, d
     from torch.nn.parallel import DistributedDataParallel
 
     # init_sync (the default) broadcasts rank 0's parameters and buffers to every rank
-    ddp = DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None,
-                                  init_sync=True)
+    ddp = DistributedDataParallel(root, device_ids=[device.index] if device.type == "cuda" else None, init_sync=True)
     ddp.register_comm_hook(None, _allreduce_sum_hook)
     log.info("ddp: full replica on each of %d ranks", info.world_size)
     return ddp

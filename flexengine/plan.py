@@ -54,30 +54,51 @@ def format_table(plan: dict) -> str:
     the chosen step, the assumptions, the context, and what a node of 8 changes."""
     from flexengine.fit import format_fit
 
-    lines = [(f"model: {plan['hf_config'].get('model_type')} ({plan['params'] / 1e9:.2f}B parameters)  "
-              f"seq_len={plan['seq_len']}"), format_fit(plan["fit"]), "", "  every term of the chosen policy's step:"]
+    lines = [
+        (
+            f"model: {plan['hf_config'].get('model_type')} ({plan['params'] / 1e9:.2f}B parameters)  "
+            f"seq_len={plan['seq_len']}"
+        ),
+        format_fit(plan["fit"]),
+        "",
+        "  every term of the chosen policy's step:",
+    ]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
-    lines.append("  assumed (sources in flexengine/memory/planner.py): " + ", ".join(
-        f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
-        for k, v in plan["assumptions"].items() if v is not None))
+    lines.append(
+        "  assumed (sources in flexengine/memory/planner.py): "
+        + ", ".join(
+            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
+            for k, v in plan["assumptions"].items()
+            if v is not None
+        )
+    )
     if not plan["fits"]:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
     ctx = plan["context"]
-    lines.append(f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
-                 + ("fit it" if ctx["rows_within_supported"] else
-                    f"can hold documents past it (training stops unless every document is <= {ctx['supported_context']}"
-                    " tokens; see model.rope_scaling)"))
+    lines.append(
+        f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
+        + (
+            "fit it"
+            if ctx["rows_within_supported"]
+            else f"can hold documents past it (training stops unless every document is <= {ctx['supported_context']}"
+            " tokens; see model.rope_scaling)"
+        )
+    )
     if "documents" in ctx:
         d = ctx["documents"]
-        lines.append(f"  documents: p50={d['p50']} p90={d['p90']} p99={d['p99']} max={d['p100']}; "
-                     f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
-                     f"{d['documents_over_supported']} longer than {ctx['supported_context']}")
+        lines.append(
+            f"  documents: p50={d['p50']} p90={d['p90']} p99={d['p99']} max={d['p100']}; "
+            f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
+            f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
+        )
     node = plan.get("node_of_8")
     if node:
-        lines.append("on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-                     f"total {_gib(node['total_bytes'])} per GPU, precision {node['precision']}, "
-                     f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
-                     + ("" if node["fits"] else " (still does not fit)"))
+        lines.append(
+            "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
+            f"total {_gib(node['total_bytes'])} per GPU, precision {node['precision']}, "
+            f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
+            + ("" if node["fits"] else " (still does not fit)")
+        )
     return "\n".join(lines)
 
 
@@ -87,8 +108,12 @@ def context_report(job: JobConfig, hf_config) -> dict:
     from flexengine.rope import context_limits
 
     limits = context_limits(hf_config)
-    report = {"trained_context": limits.trained, "supported_context": limits.supported, "describe": limits.describe(),
-              "rows_within_supported": job.data.seq_len <= limits.supported}
+    report = {
+        "trained_context": limits.trained,
+        "supported_context": limits.supported,
+        "describe": limits.describe(),
+        "rows_within_supported": job.data.seq_len <= limits.supported,
+    }
     if job.data.source != "demo" and (job.model.path or job.model.tokenizer):
         from flexengine.data.corpus import build_corpus
         from flexengine.data.stats import context_summary, length_summary
@@ -117,37 +142,63 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     longest = max((r["max_seq_len"] for r in rows), default=0)
     lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
     curves = memory_curves(hf_config, x, lengths, tiled)
-    report = {"model": job.model.name, "hardware": job.hardware.name, "world_size": x.hardware.world_size, "cp": cp,
-              "micro_batch": x.micro_batch, "dtype_bytes": x.dtype_bytes, "trainable_fraction": x.trainable_fraction,
-              "budget_bytes": int(x.hardware.memory_gb * GiB), "policies": rows, "lengths": lengths,
-              "curves_gib": curves, "context": context_limits(hf_config).describe()}
+    report = {
+        "model": job.model.name,
+        "hardware": job.hardware.name,
+        "world_size": x.hardware.world_size,
+        "cp": cp,
+        "micro_batch": x.micro_batch,
+        "dtype_bytes": x.dtype_bytes,
+        "trainable_fraction": x.trainable_fraction,
+        "budget_bytes": int(x.hardware.memory_gb * GiB),
+        "policies": rows,
+        "lengths": lengths,
+        "curves_gib": curves,
+        "context": context_limits(hf_config).describe(),
+    }
     if png is not None:
         lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
         cp_label = f", context parallel x{cp}" if cp > 1 else ""
-        plot_memory_vs_seq_len(curves, lengths, x.hardware.memory_gb, png,
-                               f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}")
+        plot_memory_vs_seq_len(
+            curves,
+            lengths,
+            x.hardware.memory_gb,
+            png,
+            f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}",
+        )
         report["png"] = str(png)
     return report
 
 
 def format_max_seq_len(report: dict) -> str:
     """The max_seq_len report as a table."""
-    head = (f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} "
-            f"{'recompute':>10}")
-    lines = [(f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
-              f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
-              f"budget {_gib(report['budget_bytes'])}"),
-             "", head]
+    head = f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"
+    lines = [
+        (
+            f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
+            f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
+            f"budget {_gib(report['budget_bytes'])}"
+        ),
+        "",
+        head,
+    ]
     for r in report["policies"]:
         if not r["max_seq_len"]:
             lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
             continue
-        lines.append(f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
-                     f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%")
+        lines.append(
+            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
+            f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%"
+        )
     best = max(report["policies"], key=lambda r: r["max_seq_len"])
-    lines += ["", (f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
-                   "(rows past it need model.rope_scaling, or documents within it)"),
-              "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)"]
+    lines += [
+        "",
+        (
+            f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
+            "(rows past it need model.rope_scaling, or documents within it)"
+        ),
+        "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
+    ]
     if "png" in report:
         lines.append(f"memory vs seq_len: {report['png']}")
     return "\n".join(lines)
@@ -163,14 +214,21 @@ def build_plan(job: JobConfig) -> dict:
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
     fit = plan_job(job, hf_config, hardware)
-    plan = {**fit.plan, "fit": fit, "params": ModelShape.from_hf_config(hf_config).params,
-            "hardware": dataclasses.asdict(hardware), "precision_table": fit.precision_table,
-            "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
-            "context": context_report(job, hf_config)}
+    plan = {
+        **fit.plan,
+        "fit": fit,
+        "params": ModelShape.from_hf_config(hf_config).params,
+        "hardware": dataclasses.asdict(hardware),
+        "precision_table": fit.precision_table,
+        "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
+        "context": context_report(job, hf_config),
+    }
     if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
         node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
-        plan["node_of_8"] = {"precision": node.precision.name,
-                             **{k: node.plan[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")}}
+        plan["node_of_8"] = {
+            "precision": node.precision.name,
+            **{k: node.plan[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")},
+        }
     return plan
 
 
@@ -182,8 +240,10 @@ def plan_job_config(cfg: DictConfig) -> JobConfig:
         cfg.parallel.cp = 1  # composed without context parallelism's row-length rule; its other rules: below
     job = to_job_config(cfg)
     if cp < 1 or job.hardware.world_size % cp:
-        raise UserError(f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
-                        "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8")
+        raise UserError(
+            f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
+            "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8"
+        )
     parallel = dataclasses.replace(job.parallel, cp=cp)
     if not cfg.plan.max_seq_len:
         return dataclasses.replace(job, parallel=parallel)  # JobConfig checks data.seq_len against cp again
@@ -223,8 +283,12 @@ def cli() -> None:
     """Register the planner schema (only here, so training never sees a `plan` key) and run."""
     register_schema(PlanJobConfig)
     # No run directory or log files for a read-only report; stdout stays pure JSON with plan.format=json.
-    defaults = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
-                "hydra/hydra_logging=disabled"]
+    defaults = [
+        "hydra.output_subdir=null",
+        "hydra.run.dir=.",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
     given = {a.split("=")[0] for a in sys.argv[1:]}
     sys.argv += [d for d in defaults if d.split("=")[0] not in given]
     main()

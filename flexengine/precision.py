@@ -64,8 +64,13 @@ class PrecisionSpec:
         w = torch.empty((), dtype=self.param_dtype).element_size()
         device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
         host_grad = 4.0 if host else 0.0  # the step's fp32 gradient copy next to the host masters
-        return {"weights": w, "grads": w, "optimizer": device, "compute_copy": 2.0 if self.autocast else 0.0,
-                "host": host + host_grad}
+        return {
+            "weights": w,
+            "grads": w,
+            "optimizer": device,
+            "compute_copy": 2.0 if self.autocast else 0.0,
+            "host": host + host_grad,
+        }
 
     def updates_arrive(self, lr: float) -> bool:
         """Whether AdamW updates of size ~lr reach bf16-stored weights (always for exact or SR modes)."""
@@ -75,10 +80,12 @@ class PrecisionSpec:
 SPECS = {
     "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", updates_exact=True),
     "bf16_mixed": PrecisionSpec("bf16_mixed", torch.float32, torch.bfloat16, "adamw", updates_exact=True),
-    "bf16_cpu_master": PrecisionSpec("bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload",
-                                     updates_exact=True),
-    "bf16_sr": PrecisionSpec("bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False,
-                             stochastic_rounding=True),
+    "bf16_cpu_master": PrecisionSpec(
+        "bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload", updates_exact=True
+    ),
+    "bf16_sr": PrecisionSpec(
+        "bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False, stochastic_rounding=True
+    ),
     "bf16_pure": PrecisionSpec("bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", updates_exact=False),
 }
 
@@ -105,11 +112,14 @@ def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
     spec = SPECS[mode]
     allowed = _COMPATIBLE_OPTIMIZERS[mode]
     if optimizer != "adamw" and optimizer not in allowed:
-        raise UserError(f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
-                        "drop the optim.name override (the precision mode picks the optimizer).")
+        raise UserError(
+            f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
+            "drop the optim.name override (the precision mode picks the optimizer)."
+        )
     if optimizer == "adamw_8bit":
-        return PrecisionSpec(spec.name, spec.param_dtype, spec.compute_dtype, "adamw_8bit", spec.updates_exact,
-                             spec.stochastic_rounding)
+        return PrecisionSpec(
+            spec.name, spec.param_dtype, spec.compute_dtype, "adamw_8bit", spec.updates_exact, spec.stochastic_rounding
+        )
     return spec
 
 
@@ -118,8 +128,10 @@ def spec_for_params(mode: str, optimizer: str, param_dtype: torch.dtype) -> Prec
     fp32 and refuses to guess for others."""
     if mode == "auto":
         if param_dtype != torch.float32:
-            raise UserError(f"precision=auto with {param_dtype} weights: resolve it with flexengine.fit.fit_job "
-                            "(run.py does) or give precision=<mode>.")
+            raise UserError(
+                f"precision=auto with {param_dtype} weights: resolve it with flexengine.fit.fit_job "
+                "(run.py does) or give precision=<mode>."
+            )
         mode = "fp32"
     return precision_spec(mode, optimizer)
 
@@ -130,7 +142,8 @@ def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
         log.warning(
             "precision=bf16_pure at optim.lr=%g: AdamW updates of ~lr round away in bf16 storage (most weights "
             "of ~0.02 and every norm weight of 1.0 never move). Use precision=bf16_mixed, bf16_cpu_master or "
-            "bf16_sr (stochastic rounding), or precision=auto.", lr,
+            "bf16_sr (stochastic rounding), or precision=auto.",
+            lr,
         )
 
 

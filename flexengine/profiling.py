@@ -44,9 +44,10 @@ def start_profiler(out_dir: Path, max_steps: int, profile_steps: int, device: to
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = profile(
-        activities=activities, schedule=schedule(**profile_schedule(max_steps, profile_steps)),
-        on_trace_ready=on_trace_ready, record_shapes=True,
+        activities=activities,
+        schedule=schedule(**profile_schedule(max_steps, profile_steps)),
+        on_trace_ready=on_trace_ready,
+        record_shapes=True,
     )
     prof.start()
     return prof
-

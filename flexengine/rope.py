@@ -93,16 +93,19 @@ def apply_rope_scaling(config, scaling: Optional[dict]) -> None:
     log.info("RoPE scaling: %s", context_limits(config).describe())
 
 
-def check_context(longest_document: int, limits: ContextLimits, seq_len: int, long_docs: str,
-                  allow_long_context: bool) -> None:
+def check_context(
+    longest_document: int, limits: ContextLimits, seq_len: int, long_docs: str, allow_long_context: bool
+) -> None:
     """Stop (or, with model.allow_long_context, warn) when a document in the rows is longer than the context the
     model supports: its positions past that were never trained (or scaled) for."""
     if longest_document <= limits.supported:
         return
     factor = float(math.ceil(longest_document / limits.trained))
-    problem = (f"the longest document in the packed rows is {longest_document} tokens (data.seq_len={seq_len}, "
-               f"data.long_docs={long_docs}), but the model is {limits.describe()}: positions past "
-               f"{limits.supported} would be ones it never learned")
+    problem = (
+        f"the longest document in the packed rows is {longest_document} tokens (data.seq_len={seq_len}, "
+        f"data.long_docs={long_docs}), but the model is {limits.describe()}: positions past "
+        f"{limits.supported} would be ones it never learned"
+    )
     if allow_long_context:
         log.warning("%s; training anyway (model.allow_long_context=true).", problem)
         return

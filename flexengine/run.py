@@ -57,13 +57,19 @@ def eval_source(data: DataConfig) -> DataConfig:
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
     """train.epochs -> train.max_steps: optimizer steps covering that many passes over this rank's rows."""
     steps = max(1, math.ceil(job.train.epochs * batches_per_epoch / job.train.grad_accum))
-    log.info("train.epochs=%g: %d micro-batches per epoch / grad_accum %d -> max_steps=%d", job.train.epochs,
-             batches_per_epoch, job.train.grad_accum, steps)
+    log.info(
+        "train.epochs=%g: %d micro-batches per epoch / grad_accum %d -> max_steps=%d",
+        job.train.epochs,
+        batches_per_epoch,
+        job.train.grad_accum,
+        steps,
+    )
     return dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=steps))
 
 
-def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
-               ) -> tuple[RowLoader, Optional[HeldOut], dict]:
+def build_data(
+    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
+) -> tuple[RowLoader, Optional[HeldOut], dict]:
     """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
     flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
     with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
@@ -92,9 +98,17 @@ def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = F
     trim = job.data.packing == "none" and not flex
     try:
         loader = RowLoader(
-            corpus, plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
-            pad_id=pad_token_id(tokenizer), seed=job.train.seed, shuffle=job.data.shuffle, bucket=job.data.bucket,
-            trim_padding=trim, rank=dist_info.data_rank, world_size=dist_info.data_world_size,
+            corpus,
+            plan,
+            seq_len=job.data.seq_len,
+            micro_batch=job.train.micro_batch,
+            pad_id=pad_token_id(tokenizer),
+            seed=job.train.seed,
+            shuffle=job.data.shuffle,
+            bucket=job.data.bucket,
+            trim_padding=trim,
+            rank=dist_info.data_rank,
+            world_size=dist_info.data_world_size,
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None
@@ -109,13 +123,24 @@ def build_data(job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = F
     eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)
     if eval_plan.stats.rows == 0:
         raise UserError("data: every held-out document was dropped (data.long_docs=drop?); nothing to evaluate.")
-    report["eval"] = {**eval_plan.stats.as_dict(), "documents_skipped": eval_corpus.skipped,
-                      "source": job.data.eval_path or f"{len(eval_docs)} of {len(corpus)} documents "
-                                                      f"(data.eval_fraction={job.data.eval_fraction})"}
+    report["eval"] = {
+        **eval_plan.stats.as_dict(),
+        "documents_skipped": eval_corpus.skipped,
+        "source": job.data.eval_path
+        or f"{len(eval_docs)} of {len(corpus)} documents (data.eval_fraction={job.data.eval_fraction})",
+    }
     log.info("eval data: %s", _rounded(report["eval"]))
-    held_out = HeldOut(eval_corpus, eval_plan, seq_len=job.data.seq_len, micro_batch=job.train.micro_batch,
-                       pad_id=pad_token_id(tokenizer), trim_padding=trim, max_batches=job.train.eval_batches,
-                       rank=dist_info.data_rank, world_size=dist_info.data_world_size)
+    held_out = HeldOut(
+        eval_corpus,
+        eval_plan,
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        pad_id=pad_token_id(tokenizer),
+        trim_padding=trim,
+        max_batches=job.train.eval_batches,
+        rank=dist_info.data_rank,
+        world_size=dist_info.data_world_size,
+    )
     return loader, held_out, report
 
 
@@ -125,19 +150,26 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
-    check_context_parallel_rope(job.parallel.cp, context_limits(hf_config).rope_type,
-                                f"model.path={job.model.path}, whose config.json has" if job.model.path else
-                                "model.arch's", "rope_parameters set to yarn, linear or llama3 there")
+    check_context_parallel_rope(
+        job.parallel.cp,
+        context_limits(hf_config).rope_type,
+        f"model.path={job.model.path}, whose config.json has" if job.model.path else "model.arch's",
+        "rope_parameters set to yarn, linear or llama3 there",
+    )
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
-        raise UserError("attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
-                        "use attn.backend=dense (or auto).")
+        raise UserError(
+            "attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
+            "use attn.backend=dense (or auto)."
+        )
     if dist_info.cp > 1 and attention.backend is not AttnBackend.FLEX:
-        raise UserError(f"parallel.cp={dist_info.cp} needs FlexAttention (attn.backend=flex or auto on CUDA); "
-                        f"attn.backend resolved to {attention.backend.value} on {device.type}, which has no "
-                        "context-parallel path.")
+        raise UserError(
+            f"parallel.cp={dist_info.cp} needs FlexAttention (attn.backend=flex or auto on CUDA); "
+            f"attn.backend resolved to {attention.backend.value} on {device.type}, which has no "
+            "context-parallel path."
+        )
     context_parallel = build_context_parallel(dist_info, device)
     hardware = resolve_hardware(job.hardware, device)
     if dist_info.world_size > 1:
@@ -145,12 +177,12 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
     job, fit = fit_job(job, hf_config, hardware)
     tokenizer = load_tokenizer(job.model)
-    loader, eval_data, data_report = build_data(job, tokenizer, dist_info,
-                                                flex=attention.backend is AttnBackend.FLEX)
+    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=attention.backend is AttnBackend.FLEX)
     loader.pin_memory = device.type == "cuda"  # pinned batches: the trainer's non_blocking copies really are
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
-    check_context(longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs,
-                  job.model.allow_long_context)
+    check_context(
+        longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs, job.model.allow_long_context
+    )
     if job.train.epochs is not None:
         job = with_epochs(job, loader.batches_per_epoch)
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
@@ -174,21 +206,46 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         if not job.train.compile:
             log.info("compile: train.compile=false, but %s: compiling the decoder blocks", must_compile)
         apply_compile(model, job.train.compile_backend)
-    train_module = apply_parallel(model, job.parallel, dist_info, device, job.loss.chunk_size,
-                                  weights_from_rank0=from_rank0,
-                                  fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None)
-    trainer = Trainer(job, model, tokenizer, loader, out_dir=out_dir, device=device, dist=dist_info,
-                      train_module=train_module, eval_data=eval_data, precision=fit.precision,
-                      context_parallel=context_parallel)
+    train_module = apply_parallel(
+        model,
+        job.parallel,
+        dist_info,
+        device,
+        job.loss.chunk_size,
+        weights_from_rank0=from_rank0,
+        fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
+    )
+    trainer = Trainer(
+        job,
+        model,
+        tokenizer,
+        loader,
+        out_dir=out_dir,
+        device=device,
+        dist=dist_info,
+        train_module=train_module,
+        eval_data=eval_data,
+        precision=fit.precision,
+        context_parallel=context_parallel,
+    )
     trainer.plan = fit
     trainer.data_report = data_report
-    trainer.data_plan = data_plan_fingerprint(loader.corpus, loader.plan, data=job.data,
-                                              micro_batch=job.train.micro_batch, world_size=dist_info.world_size,
-                                              cp=dist_info.cp, seed=job.train.seed)
+    trainer.data_plan = data_plan_fingerprint(
+        loader.corpus,
+        loader.plan,
+        data=job.data,
+        micro_batch=job.train.micro_batch,
+        world_size=dist_info.world_size,
+        cp=dist_info.cp,
+        seed=job.train.seed,
+    )
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    trainer.metrics.section("memory", {f"activation_bytes_block_{i}": b
-                                       for i, b in enumerate(memory_report["activation_bytes_per_block"])}, 0)
+    trainer.metrics.section(
+        "memory",
+        {f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])},
+        0,
+    )
     return trainer
 
 
@@ -222,8 +279,12 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
     shutdown_distributed()
     log.info(
         "done: %d steps, loss %s -> %s, %.0f useful tokens/s, %.1f s; summary: %s%s",
-        summary["steps"], _fmt_loss(summary["initial_loss"]), _fmt_loss(summary["final_loss"]),
-        summary["useful_tokens_per_s"], summary["wall_s"], out_dir / "summary.json",
+        summary["steps"],
+        _fmt_loss(summary["initial_loss"]),
+        _fmt_loss(summary["final_loss"]),
+        summary["useful_tokens_per_s"],
+        summary["wall_s"],
+        out_dir / "summary.json",
         f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "",
     )
     return summary

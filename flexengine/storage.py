@@ -85,9 +85,11 @@ def write_manifest(directory: Path, step: int, sealed: Optional[dict] = None, **
 
 def older_format_message(directory: Path) -> str:
     """What a step directory without a manifest is, and how its weights can still be used."""
-    return (f"{directory} has no {MANIFEST}: an older flexengine wrote it (or it was copied without its manifest), "
-            "so it cannot be verified or resumed exactly. Its weights can start a new run: "
-            f"model.path={directory} with a new train.output_dir")
+    return (
+        f"{directory} has no {MANIFEST}: an older flexengine wrote it (or it was copied without its manifest), "
+        "so it cannot be verified or resumed exactly. Its weights can start a new run: "
+        f"model.path={directory} with a new train.output_dir"
+    )
 
 
 def has_manifest(directory: Path) -> bool:
@@ -103,8 +105,10 @@ def read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        if not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
-                   for v in files.values()):
+        if not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        ):
             raise TypeError("every file needs {bytes, sha256}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{path} is not a valid manifest ({type(e).__name__}: {e})") from None
@@ -130,8 +134,10 @@ def verify_manifest(directory: Path, required: Sequence[str] = ()) -> Optional[s
     unlisted = [name for name in _relative_files(directory) if name not in files]
     if unlisted:
         more = f", and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
-        return (f"{directory / unlisted[0]} is not in the manifest (added after the save{more}); remove it if you "
-                "put it there")
+        return (
+            f"{directory / unlisted[0]} is not in the manifest (added after the save{more}); remove it if you "
+            "put it there"
+        )
     missing = [name for name in required if name not in files]
     if missing:
         return f"the manifest lists no {', '.join(missing)}"
@@ -186,8 +192,13 @@ def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
         if its_host == host and pid != os.getpid() and _pid_alive(pid):
             continue  # a live process of this host is writing it
         if its_host != host and not owned:
-            log.warning("checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it "
-                        "(train.resume=auto removes it)", p, size / GIB, its_host)
+            log.warning(
+                "checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it "
+                "(train.resume=auto removes it)",
+                p,
+                size / GIB,
+                its_host,
+            )
             continue
         shutil.rmtree(p, ignore_errors=True)
         log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a process that is gone", p, size / GIB)
@@ -201,10 +212,15 @@ def disk_full_message(path: Path, needed: int, free: int) -> str:
     held = [(p, size) for p, host, pid, size in unfinished_saves(path) if (host, pid) != mine]
     held_note = ""
     if held:
-        held_note = (f"; {sum(s for _, s in held) / GIB:.2f} GiB of it is held by unfinished saves ("
-                     + ", ".join(p.name for p, _ in held[:3]) + "): remove them if no job writes there")
-    return (f"disk full at {path} (needs {needed / GIB:.2f} GiB, {free / GIB:.2f} free{held_note}). Free some "
-            "space or set train.output_dir to a larger disk; the previous checkpoint (if any) is intact.")
+        held_note = (
+            f"; {sum(s for _, s in held) / GIB:.2f} GiB of it is held by unfinished saves ("
+            + ", ".join(p.name for p, _ in held[:3])
+            + "): remove them if no job writes there"
+        )
+    return (
+        f"disk full at {path} (needs {needed / GIB:.2f} GiB, {free / GIB:.2f} free{held_note}). Free some "
+        "space or set train.output_dir to a larger disk; the previous checkpoint (if any) is intact."
+    )
 
 
 def check_free_space(root: Path, needed: int) -> None:
@@ -242,8 +258,10 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
     resume=<path> inside out_dir continues this run from that step only if no later step would be overwritten.
     """
     if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"the output directory {out_dir} is a file, not a directory; set train.output_dir to a "
-                        "directory (it is created if missing).")
+        raise UserError(
+            f"the output directory {out_dir} is a file, not a directory; set train.output_dir to a "
+            "directory (it is created if missing)."
+        )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".write_test_{socket.gethostname()}_{os.getpid()}"
@@ -253,14 +271,18 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
         raise UserError(os_error_message(e, f"preparing the output directory {out_dir}")) from None
     earlier = _earlier_run_files(out_dir)
     steps = list_checkpoints(out_dir / CHECKPOINTS)
-    advice = ("flexengine never overwrites or mixes runs: continue that run with train.resume=auto, or choose a new "
-              "train.output_dir.")
+    advice = (
+        "flexengine never overwrites or mixes runs: continue that run with train.resume=auto, or choose a new "
+        "train.output_dir."
+    )
     if resume is None and earlier:
         raise UserError(f"train.output_dir={out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}")
     if resume == "auto" and not steps and "summary.json" in earlier:
-        raise UserError(f"train.resume=auto: {out_dir} holds a finished run without checkpoints (summary.json), "
-                        "so there is nothing to resume and a new run would overwrite it; choose a new "
-                        "train.output_dir.")
+        raise UserError(
+            f"train.resume=auto: {out_dir} holds a finished run without checkpoints (summary.json), "
+            "so there is nothing to resume and a new run would overwrite it; choose a new "
+            "train.output_dir."
+        )
     if resume not in (None, "auto"):
         path = Path(resume).resolve()
         if path.parent == (out_dir / CHECKPOINTS).resolve():
@@ -273,8 +295,10 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
                     "checkpoint is read from where it is), or move the later steps away."
                 )
         elif earlier:
-            raise UserError(f"train.resume={resume} starts from another run's checkpoint, but train.output_dir="
-                            f"{out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}")
+            raise UserError(
+                f"train.resume={resume} starts from another run's checkpoint, but train.output_dir="
+                f"{out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}"
+            )
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -128,8 +128,12 @@ def write_plot(rows: list[dict], path: Path):
     for row, label, color in zip(rows, labels, colors):
         train, evals = _curves(Path(row["dir"]))
         if train:
-            ax.plot(range(1, len(train) + 1), train, color=color, label=f"{label} ({row['status']})"
-                    if row["status"] != "ok" else label)
+            ax.plot(
+                range(1, len(train) + 1),
+                train,
+                color=color,
+                label=f"{label} ({row['status']})" if row["status"] != "ok" else label,
+            )
         if evals:
             ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=3)
     ax.set_xlabel("optimizer step")
@@ -138,15 +142,23 @@ def write_plot(rows: list[dict], path: Path):
     if ax.lines:
         ax.legend(fontsize=8, loc="upper right")
     y = list(range(len(rows)))
-    for slot, (key, title, fmt) in enumerate((("useful_tokens_per_s", "useful tokens/s", "{:,.0f}"),
-                                              ("peak_memory_gib", "peak memory (GiB)", "{:.2f}")), start=1):
+    for slot, (key, title, fmt) in enumerate(
+        (("useful_tokens_per_s", "useful tokens/s", "{:,.0f}"), ("peak_memory_gib", "peak memory (GiB)", "{:.2f}")),
+        start=1,
+    ):
         bar_ax = fig.add_subplot(grid[slot])
         values = [r[key] if r[key] is not None else 0.0 for r in rows]
         bars = bar_ax.barh(y, values, color=colors)
         for bar, r, v in zip(bars, rows, values):
             text = fmt.format(v) if r[key] is not None else r["status"].upper()
-            bar_ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {text}", va="center", fontsize=8,
-                        color="black" if r[key] is not None else "tab:red")
+            bar_ax.text(
+                bar.get_width(),
+                bar.get_y() + bar.get_height() / 2,
+                f" {text}",
+                va="center",
+                fontsize=8,
+                color="black" if r[key] is not None else "tab:red",
+            )
         bar_ax.set_yticks(y, labels, fontsize=8) if slot == 1 else bar_ax.set_yticks(y, [""] * len(rows))
         bar_ax.invert_yaxis()
         bar_ax.set_xlim(0, max(values + [1e-9]) * 1.3)  # room for the printed values
@@ -165,8 +177,12 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
         log.warning("sweep summary: no job directories (.hydra/overrides.yaml) under %s", sweep_dir)
         return rows
     if all(r["status"] == "missing" for r in rows):  # e.g. `data.stats -m`: not training jobs at all
-        log.info("sweep summary: no job under %s wrote %s or %s (not a training sweep); nothing summarised",
-                 sweep_dir, SUMMARY_FILE, ERROR_FILE)
+        log.info(
+            "sweep summary: no job under %s wrote %s or %s (not a training sweep); nothing summarised",
+            sweep_dir,
+            SUMMARY_FILE,
+            ERROR_FILE,
+        )
         return []
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

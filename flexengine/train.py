@@ -61,8 +61,10 @@ def _main(cfg: DictConfig) -> dict:
         write_job_error(job_dir, e)
         if multirun:
             _stop_sweep(Path(hydra_cfg.sweep.dir))
-        log.error("interrupted by SIGINT outside the training loop (while preparing the run, or a third signal "
-                  "during the final save): no new checkpoint was written; the previous ones are intact")
+        log.error(
+            "interrupted by SIGINT outside the training loop (while preparing the run, or a third signal "
+            "during the final save): no new checkpoint was written; the previous ones are intact"
+        )
         sys.exit(130)  # 128 + SIGINT, like a shell, without a traceback
     except Exception as e:  # UserError, OOM, ...: error.json makes a failed run a row of the sweep summary
         write_job_error(job_dir, e)

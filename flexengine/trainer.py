@@ -69,8 +69,13 @@ class TrainState:
 def _rng_state() -> dict:
     # numpy's state as tensors and primitives: the checkpoint loads with weights_only=True and no numpy globals
     kind, key, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    numpy_state = {
+        "kind": kind,
+        "key": torch.from_numpy(key.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
     state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -100,24 +105,39 @@ def _new_window() -> dict:
 class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader."""
 
-    def __init__(self, job: JobConfig, model: nn.Module, tokenizer, loader: RowLoader, *, out_dir: Path,
-                 device: torch.device, dist: Optional[DistInfo] = None, train_module: Optional[nn.Module] = None,
-                 eval_data: Optional[HeldOut] = None, precision: Optional[PrecisionSpec] = None,
-                 context_parallel: Optional[ContextParallel] = None):
+    def __init__(
+        self,
+        job: JobConfig,
+        model: nn.Module,
+        tokenizer,
+        loader: RowLoader,
+        *,
+        out_dir: Path,
+        device: torch.device,
+        dist: Optional[DistInfo] = None,
+        train_module: Optional[nn.Module] = None,
+        eval_data: Optional[HeldOut] = None,
+        precision: Optional[PrecisionSpec] = None,
+        context_parallel: Optional[ContextParallel] = None,
+    ):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # resolved by flexengine.fit (run.py); a Trainer built by hand gets its job's mode or its weights' dtype
-        self.precision = precision if precision is not None else spec_for_params(
-            job.precision.mode, job.optim.name, next(model.parameters()).dtype)
+        self.precision = (
+            precision
+            if precision is not None
+            else spec_for_params(job.precision.mode, job.optim.name, next(model.parameters()).dtype)
+        )
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
         self.eval_data = eval_data  # the held-out rows; None = no held-out set
         self.state = TrainState()
-        self.metrics = MetricsWriter(out_dir / "tb" if self.dist.is_main else None,
-                                     out_dir / "metrics.jsonl" if self.dist.is_main else None)
+        self.metrics = MetricsWriter(
+            out_dir / "tb" if self.dist.is_main else None, out_dir / "metrics.jsonl" if self.dist.is_main else None
+        )
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
@@ -190,10 +210,16 @@ class Trainer:
         # the ranks a step apart; all of them must stop after the same step, or the collectives would hang).
         # The same all-reduce sums the rows' tokens and useful tokens: the metrics count the whole job's rows.
         # (Host batches: these counts need no device sync.)
-        counts = torch.tensor([float(sum(count_valid_targets(b["labels"]) for b in micro_batches)),
-                               sum(b["input_ids"].numel() for b in micro_batches),
-                               sum(int(b["useful_tokens"]) for b in micro_batches),
-                               float(self._stop_signal is not None)], dtype=torch.float64, device=self.device)
+        counts = torch.tensor(
+            [
+                float(sum(count_valid_targets(b["labels"]) for b in micro_batches)),
+                sum(b["input_ids"].numel() for b in micro_batches),
+                sum(int(b["useful_tokens"]) for b in micro_batches),
+                float(self._stop_signal is not None),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
         rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
@@ -202,8 +228,9 @@ class Trainer:
         density, model_flops, hardware_flops = [], 0.0, 0.0
         for i, host_batch in enumerate(micro_batches):
             # tensors only (pinned by the loader on CUDA, so non_blocking really is); host facts stay here
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in host_batch.items()
-                     if isinstance(v, torch.Tensor)}
+            batch = {
+                k: v.to(self.device, non_blocking=True) for k, v in host_batch.items() if isinstance(v, torch.Tensor)
+            }
             with self._phase("mask"):
                 batch, mask_kwargs = self._prepare(batch)
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
@@ -220,15 +247,24 @@ class Trainer:
         loss = loss_sum / n_valid
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
-        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
-        ))
+        grad_norm = grad_norm_value(
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
+            )
+        )
         block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
         # the one host sync per step: loss, grad norm, density, flex's executed FLOPs and the job's token counts
         # come back together (float64: token counts stay exact integers)
         loss_value, norm_value, density_value, stop_votes, hardware_flops, tokens, useful = torch.stack(
-            [loss.double(), grad_norm.double().to(loss.device), block_density.double().to(loss.device), counts[3],
-             torch.as_tensor(hardware_flops, dtype=torch.float64, device=loss.device), rows[1], rows[2]]
+            [
+                loss.double(),
+                grad_norm.double().to(loss.device),
+                block_density.double().to(loss.device),
+                counts[3],
+                torch.as_tensor(hardware_flops, dtype=torch.float64, device=loss.device),
+                rows[1],
+                rows[2],
+            ]
         ).tolist()
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -248,9 +284,14 @@ class Trainer:
             )
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {  # tokens: the whole job's rows, each once (tokens/s is the job's throughput, MFU per device)
-            "loss": loss_value, "grad_norm": norm_value, "tokens": int(tokens), "useful_tokens": int(useful), "lr": lr,
+            "loss": loss_value,
+            "grad_norm": norm_value,
+            "tokens": int(tokens),
+            "useful_tokens": int(useful),
+            "lr": lr,
             "block_density": density_value if density else None,
-            "model_flops": model_flops, "hardware_flops": hardware_flops,
+            "model_flops": model_flops,
+            "hardware_flops": hardware_flops,
         }
         for h in self.hooks:
             h.on_step_end(self, self.state.step + 1, metrics)
@@ -269,8 +310,12 @@ class Trainer:
         return self._share(model), self.flops.hardware_flops(self._share(B * S), self._share(predicting), executed)
 
     def _autocast(self):
-        fsdp_casts = (self.dist.world_size > 1 and self.job.parallel.strategy == "fsdp" and self.device.type == "cuda"
-                      and self.job.parallel.mixed_precision)  # MixedPrecisionPolicy computes in bf16 already
+        fsdp_casts = (
+            self.dist.world_size > 1
+            and self.job.parallel.strategy == "fsdp"
+            and self.device.type == "cuda"
+            and self.job.parallel.mixed_precision
+        )  # MixedPrecisionPolicy computes in bf16 already
         return autocast_context(self.precision, self.device, sharded=fsdp_casts)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -281,8 +326,11 @@ class Trainer:
             self._loop()
             stopped = self._interrupted = self._should_stop()
             if stopped:
-                log.warning("stopped by signal %s after step %d; saving", self._stop_signal or "(on another rank)",
-                            self.state.step)
+                log.warning(
+                    "stopped by signal %s after step %d; saving",
+                    self._stop_signal or "(on another rank)",
+                    self.state.step,
+                )
             elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
                 self.evaluate()  # the end of the run is always evaluated
             if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
@@ -292,8 +340,13 @@ class Trainer:
                 self.save()
             summary = self.summary()
             final = summary["final_loss"]
-            self.metrics.hparams(self._hparams(), {"final_loss": float("nan") if final is None else final,
-                                                   "useful_tokens_per_s": summary["useful_tokens_per_s"]})
+            self.metrics.hparams(
+                self._hparams(),
+                {
+                    "final_loss": float("nan") if final is None else final,
+                    "useful_tokens_per_s": summary["useful_tokens_per_s"],
+                },
+            )
             self.metrics.close()
         return summary
 
@@ -301,8 +354,11 @@ class Trainer:
         cfg = self.job.train
         progress = self._progress_bar()
         self.model.train()
-        profiler = (start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
-                    if cfg.profile else None)
+        profiler = (
+            start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
+            if cfg.profile
+            else None
+        )
         self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
         window = _new_window()
         redirect = _tqdm_logging() if progress is not None else contextlib.nullcontext()
@@ -319,8 +375,12 @@ class Trainer:
                 step = self.state.step
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
                     dt = time.perf_counter() - window["t"]
-                    self._log(m, window["tokens"] / dt, window["useful"] / dt,
-                              (window["model_flops"] / dt, window["hardware_flops"] / dt))
+                    self._log(
+                        m,
+                        window["tokens"] / dt,
+                        window["useful"] / dt,
+                        (window["model_flops"] / dt, window["hardware_flops"] / dt),
+                    )
                     window = _new_window()
                 if progress is not None:
                     progress.update(1)
@@ -357,16 +417,23 @@ class Trainer:
 
     def _log(self, m: dict, tokens_per_s: float, useful_per_s: float, flops_per_s: tuple) -> None:
         peak = self.job.hardware.peak_tflops
-        self.metrics.scalars({
-            "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-            "tokens_per_s": tokens_per_s, "useful_tokens_per_s": useful_per_s,
-            "mfu": utilization(flops_per_s[0], 1.0, peak), "hfu": utilization(flops_per_s[1], 1.0, peak),
-            "peak_memory_bytes": peak_memory_bytes(self.device),
-            "useful_token_fraction": m["useful_tokens"] / m["tokens"], "block_density": m["block_density"],
-        }, self.state.step)
+        self.metrics.scalars(
+            {
+                "loss": m["loss"],
+                "lr": m["lr"],
+                "grad_norm": m["grad_norm"],
+                "tokens_per_s": tokens_per_s,
+                "useful_tokens_per_s": useful_per_s,
+                "mfu": utilization(flops_per_s[0], 1.0, peak),
+                "hfu": utilization(flops_per_s[1], 1.0, peak),
+                "peak_memory_bytes": peak_memory_bytes(self.device),
+                "useful_token_fraction": m["useful_tokens"] / m["tokens"],
+                "block_density": m["block_density"],
+            },
+            self.state.step,
+        )
         if self.dist.is_main:
-            log.info("%s", format_step_line(self.state.step, self.job.train.max_steps, m, useful_per_s,
-                                            self._eta_s()))
+            log.info("%s", format_step_line(self.state.step, self.job.train.max_steps, m, useful_per_s, self._eta_s()))
 
     def _eta_s(self) -> float:
         """Seconds left at the mean step time of this process so far (evaluation pauses excluded)."""
@@ -387,8 +454,7 @@ class Trainer:
         """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience."""
         start = time.perf_counter()
         self.model.eval()
-        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._prepare,
-                               self._autocast)
+        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._prepare, self._autocast)
         self.model.train()
         s, cfg = self.state, self.job.train
         record = {"step": s.step, **result}
@@ -399,8 +465,15 @@ class Trainer:
             s.best_eval_loss, s.best_step, s.evals_since_best = result["loss"], s.step, 0
         else:
             s.evals_since_best += 1
-        log.info("eval step %d: loss %.4f | ppl %.2f | %d tokens | best %.4f (step %d)", s.step, result["loss"],
-                 result["ppl"], result["tokens"], s.best_eval_loss, s.best_step)
+        log.info(
+            "eval step %d: loss %.4f | ppl %.2f | %d tokens | best %.4f (step %d)",
+            s.step,
+            result["loss"],
+            result["ppl"],
+            result["tokens"],
+            s.best_eval_loss,
+            s.best_step,
+        )
         if improved and self._saves_best:
             path = self.save() if self._saved_step != s.step else step_dir(self.out_dir / CHECKPOINTS, s.step)
             if self.dist.is_main:
@@ -408,8 +481,13 @@ class Trainer:
             self._prune()  # the previous best may be past keep_last now
         if cfg.early_stop_patience and s.evals_since_best >= cfg.early_stop_patience:
             self.stopped_early = True
-            log.warning("early stop at step %d: no better eval loss in %d evaluations (best %.4f at step %d)",
-                        s.step, s.evals_since_best, s.best_eval_loss, s.best_step)
+            log.warning(
+                "early stop at step %d: no better eval loss in %d evaluations (best %.4f at step %d)",
+                s.step,
+                s.evals_since_best,
+                s.best_eval_loss,
+                s.best_step,
+            )
         self._last_eval_s = time.perf_counter() - start
         self._paused_s += self._last_eval_s
         return record
@@ -435,8 +513,14 @@ class Trainer:
         self.model.eval()
         with self._autocast():
             # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
-            texts = greedy_continue(logits_of, self.tokenizer, cfg.sample_prompts, cfg.sample_tokens, self.device,
-                                    pad_to=self.job.attn.block_size * self._cp)
+            texts = greedy_continue(
+                logits_of,
+                self.tokenizer,
+                cfg.sample_prompts,
+                cfg.sample_tokens,
+                self.device,
+                pad_to=self.job.attn.block_size * self._cp,
+            )
         self.model.train()
         for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
             self.metrics.text(f"samples/{i}", f"**{prompt}**{text}", self.state.step)
@@ -465,15 +549,26 @@ class Trainer:
             self._signals += 1
             if self._stop_signal is None:
                 self._stop_signal = signum
-                log.warning("signal %d: finishing step %d, then saving and exiting with status %d",
-                            signum, self.state.step + 1, 128 + signum)
+                log.warning(
+                    "signal %d: finishing step %d, then saving and exiting with status %d",
+                    signum,
+                    self.state.step + 1,
+                    128 + signum,
+                )
             elif self._signals == 2:
-                log.warning("signal %d again: still finishing and saving (step %d); exiting when the checkpoint "
-                            "and summary are written. A third signal aborts and loses this save (the previous "
-                            "checkpoint stays intact)", signum, self.state.step)
+                log.warning(
+                    "signal %d again: still finishing and saving (step %d); exiting when the checkpoint "
+                    "and summary are written. A third signal aborts and loses this save (the previous "
+                    "checkpoint stays intact)",
+                    signum,
+                    self.state.step,
+                )
             else:
-                log.warning("signal %d a third time: aborting; the checkpoint being written is lost, the previous "
-                            "one is intact", signum)
+                log.warning(
+                    "signal %d a third time: aborting; the checkpoint being written is lost, the previous "
+                    "one is intact",
+                    signum,
+                )
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
                 handler = previous.get(signum, signal.SIG_DFL)
@@ -517,7 +612,8 @@ class Trainer:
             # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
             "mfu": utilization(s.model_flops, wall, self.job.hardware.peak_tflops),
             "hfu": utilization(s.hardware_flops, wall, self.job.hardware.peak_tflops),
-            "model_flops": s.model_flops, "hardware_flops": s.hardware_flops,
+            "model_flops": s.model_flops,
+            "hardware_flops": s.hardware_flops,
             "initial_loss": s.losses[0] if s.losses else None,
             "final_loss": s.losses[-1] if s.losses else None,
             "losses": list(s.losses),
@@ -538,31 +634,53 @@ class Trainer:
         if not s.evals:
             return None
         best = step_dir(self.out_dir / CHECKPOINTS, s.best_step)
-        return {"loss": s.evals[-1]["loss"], "ppl": s.evals[-1]["ppl"], "best_loss": s.best_eval_loss,
-                "best_step": s.best_step, "best_checkpoint": str(best) if self._saves_best else None,
-                "history": list(s.evals)}
+        return {
+            "loss": s.evals[-1]["loss"],
+            "ppl": s.evals[-1]["ppl"],
+            "best_loss": s.best_eval_loss,
+            "best_step": s.best_step,
+            "best_checkpoint": str(best) if self._saves_best else None,
+            "history": list(s.evals),
+        }
 
     def _hparams(self) -> dict:
         j = self.job
-        return {"model": j.model.name, "attn": j.attn.mode,
-                "backend": self.attn.backend.value if self.attn is not None else "hf",
-                "memory": j.memory.policy, "seq_len": j.data.seq_len, "packing": j.data.packing,
-                "micro_batch": j.train.micro_batch, "grad_accum": j.train.grad_accum, "lr": j.optim.lr}
+        return {
+            "model": j.model.name,
+            "attn": j.attn.mode,
+            "backend": self.attn.backend.value if self.attn is not None else "hf",
+            "memory": j.memory.policy,
+            "seq_len": j.data.seq_len,
+            "packing": j.data.packing,
+            "micro_batch": j.train.micro_batch,
+            "grad_accum": j.train.grad_accum,
+            "lr": j.optim.lr,
+        }
 
     def trainer_state(self) -> dict:
         """Everything besides the weights that an exact resume needs."""
         return {
-            "train": asdict(self.state), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(), "rng": _rng_state(),
-            "wall_s": self.wall_s, "data_plan": dict(self.data_plan),
+            "train": asdict(self.state),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": _rng_state(),
+            "wall_s": self.wall_s,
+            "data_plan": dict(self.data_plan),
         }
 
     def save(self) -> Path:
         """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
         lora = self.job.model.lora
         merge = lora if lora.r > 0 and self.job.train.merge_lora_on_save else None
-        path = save_checkpoint(self.out_dir / CHECKPOINTS, self.state.step, self.model, self.tokenizer,
-                               self.trainer_state(), merge_lora=merge)
+        path = save_checkpoint(
+            self.out_dir / CHECKPOINTS,
+            self.state.step,
+            self.model,
+            self.tokenizer,
+            self.trainer_state(),
+            merge_lora=merge,
+        )
         self._saved_step = self.state.step
         self._prune()
         return path
@@ -584,8 +702,9 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.
-        for group, base_lr, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
-                                          self.scheduler.lr_lambdas):
+        for group, base_lr, factor in zip(
+            self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas
+        ):
             group["lr"] = base_lr * factor(self.scheduler.last_epoch)
         if not new_data:
             try:
@@ -613,13 +732,16 @@ class Trainer:
             return False
         if not self.job.train.resume_new_data:
             raise UserError(
-                f"train.resume: {path} was trained on another data stream; changed: " + "; ".join(changed)
+                f"train.resume: {path} was trained on another data stream; changed: "
+                + "; ".join(changed)
                 + ". Resuming would not continue that run's data order. Resume with the original settings, or "
                 "set train.resume_new_data=true to keep the weights, optimizer and step count and read the new "
                 "data from its first row."
             )
-        log.warning("resume: the data stream changed (%s); train.resume_new_data=true: reading the new data from "
-                    "its first row", "; ".join(changed))
+        log.warning(
+            "resume: the data stream changed (%s); train.resume_new_data=true: reading the new data from its first row",
+            "; ".join(changed),
+        )
         return True
 
 
@@ -639,5 +761,7 @@ def _duration(seconds: float) -> str:
 
 def format_step_line(step: int, max_steps: int, m: dict, useful_per_s: float, eta_s: float) -> str:
     """The plain-text progress line: readable in a job log where a progress bar is not."""
-    return (f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.3g} | grad norm {m['grad_norm']:.3g} | "
-            f"{useful_per_s:,.0f} useful tok/s | ETA {_duration(eta_s)}")
+    return (
+        f"step {step}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.3g} | grad norm {m['grad_norm']:.3g} | "
+        f"{useful_per_s:,.0f} useful tok/s | ETA {_duration(eta_s)}"
+    )

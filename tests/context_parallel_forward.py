@@ -69,19 +69,23 @@ def main(out: str) -> None:
     batch = packed_batch()
     other = packed_batch((300, 700, 24, 1000), seed=2)  # another layout of the same shape (eval's second batch)
     with torch.no_grad():
-        ref = {"logits": reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits,
-               "loss_sum": forward_loss_sum(reference, batch), "other_loss_sum": forward_loss_sum(reference, other),
-               "dense_logits": dense(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits}
+        ref = {
+            "logits": reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits,
+            "loss_sum": forward_loss_sum(reference, batch),
+            "other_loss_sum": forward_loss_sum(reference, other),
+            "dense_logits": dense(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits,
+        }
 
     def rows_of_group(b: dict) -> dict:  # this data-parallel group's rows (all of them when dp = 1)
-        return {k: v[info.data_rank::dp] for k, v in b.items() if isinstance(v, torch.Tensor)}
+        return {k: v[info.data_rank :: dp] for k, v in b.items() if isinstance(v, torch.Tensor)}
 
     cp = build_context_parallel(info, torch.device("cpu"))
     cp.apply(model)
     if dp == 1:
         apply_compile(model, "aot_eager")  # fullgraph per block, as training compiles: the CP hook must trace
-    root = apply_parallel(model, ParallelConfig(cp=CP), info, torch.device("cpu"), chunk_size=100,
-                          fsdp_mesh=cp.fsdp_mesh)
+    root = apply_parallel(
+        model, ParallelConfig(cp=CP), info, torch.device("cpu"), chunk_size=100, fsdp_mesh=cp.fsdp_mesh
+    )
     sharded = {n: p.to_local().shape[0] for n, p in model.named_parameters()}  # each rank's first-dim shard
     results = {}
     with torch.no_grad():
@@ -90,8 +94,13 @@ def main(out: str) -> None:
         loss_sum = root(share, **mask_kwargs).detach()
         logits = cp.logits(root, model, mine)  # whole rows, put together from the cp ranks' shares
         graphs = counters["stats"]["unique_graphs"]  # compiled blocks + torch's compiled CP mask builder
-        evaluation = evaluate_loss(root, [mine, rows_of_group(other)], torch.device("cpu"),
-                                   lambda b: cp.shard(model, b), contextlib.nullcontext)
+        evaluation = evaluate_loss(
+            root,
+            [mine, rows_of_group(other)],
+            torch.device("cpu"),
+            lambda b: cp.shard(model, b),
+            contextlib.nullcontext,
+        )
         if dp == 1:
             results["new_graphs"] = counters["stats"]["unique_graphs"] - graphs  # a new layout: no recompile
             variants = mask_builder_variants()
@@ -102,20 +111,39 @@ def main(out: str) -> None:
             def reference_logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
                 return reference(input_ids=input_ids, position_ids=position_ids).logits
 
-            sample = dict(tokenizer=CharTokenizer(), prompts=PROMPTS, new_tokens=2, device=torch.device("cpu"),
-                          pad_to=CP * 128)
+            sample = dict(
+                tokenizer=CharTokenizer(), prompts=PROMPTS, new_tokens=2, device=torch.device("cpu"), pad_to=CP * 128
+            )
             results["samples"] = greedy_continue(split_logits, **sample)
             results["sample_mask_variants"] = mask_builder_variants() - variants
             results["ref_samples"] = greedy_continue(reference_logits, **sample)
     masks = mask_kwargs["flexengine_mask"].by_hf_window
-    local = {"logits": logits, "token_index": share["token_index"], "targets": share["targets"],
-             "blocks": masks[None].computed_blocks, "mask_kinds": len({id(m) for m in masks.values()}),
-             "data_rank": info.data_rank, "loss_sum": loss_sum, "seq_len_local": share["input_ids"].shape[1]}
+    local = {
+        "logits": logits,
+        "token_index": share["token_index"],
+        "targets": share["targets"],
+        "blocks": masks[None].computed_blocks,
+        "mask_kinds": len({id(m) for m in masks.values()}),
+        "data_rank": info.data_rank,
+        "loss_sum": loss_sum,
+        "seq_len_local": share["input_ids"].shape[1],
+    }
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, local)
     if info.is_main:
-        torch.save({"ref": ref, "ranks": gathered, "eval": evaluation, "batch": batch, "other": other,
-                    "fsdp_shards": sharded, "graphs": graphs, **results}, out)
+        torch.save(
+            {
+                "ref": ref,
+                "ranks": gathered,
+                "eval": evaluation,
+                "batch": batch,
+                "other": other,
+                "fsdp_shards": sharded,
+                "graphs": graphs,
+                **results,
+            },
+            out,
+        )
     dist.destroy_process_group()
 
 

@@ -51,8 +51,9 @@ def main(out: Path, overrides: list[str]) -> None:
     for layer in decoder_layers(model):
         getattr(layer.self_attn, CP_ATTENTION).flex = sdpa_on_block_mask
     root = apply_parallel(model, job.parallel, info, device, job.loss.chunk_size, fsdp_mesh=cp.fsdp_mesh)
-    trainer = Trainer(job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root,
-                      context_parallel=cp)
+    trainer = Trainer(
+        job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root, context_parallel=cp
+    )
     record_steps(trainer, out, accums=(2,))  # the first step's gradients: one accumulation window of 2
 
 

@@ -12,8 +12,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 TINY_LLAMA = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024, use_cache=False, tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    use_cache=False,
+    tie_word_embeddings=False,
 )
 
 
@@ -95,11 +102,28 @@ def run_grads_script(out, *overrides: str, ranks: int = 0, script: str = "parall
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                "--master_port", str(31500 + os.getpid() % 1000 + ranks)] if ranks > 0 else [sys.executable]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(31500 + os.getpid() % 1000 + ranks),
+        ]
+        if ranks > 0
+        else [sys.executable]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
-    proc = subprocess.run([*launcher, str(here / script), str(out), *GRAD_RUN, *overrides], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=Path(out).parent)
+    proc = subprocess.run(
+        [*launcher, str(here / script), str(out), *GRAD_RUN, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(out).parent,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {**torch.load(Path(out) / "grads.pt"), "log": proc.stderr}
 
@@ -112,8 +136,9 @@ def sdpa_on_block_mask(query, key, value, block_mask, scale=None, enable_gqa=Fal
 
     B, _, Q, _ = query.shape
     mask = create_mask(block_mask.mask_mod, B, 1, Q, key.shape[2], query.device)
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
-                                                            enable_gqa=enable_gqa)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
 
 
 def flip_one_byte(path: Path) -> None:

@@ -20,12 +20,19 @@ from tests.helpers import make_llama
 CPU = torch.device("cpu")
 LR = 2e-5  # the 7B experiments' fine-tuning rate: 2e-5 rounds away against bf16 weights of ~0.02
 # 32 narrow blocks; every matrix [64, 64] or [128, 64] (few shapes: torchao compiles one step per shape)
-NARROW = dict(num_hidden_layers=32, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-              num_key_value_heads=4, vocab_size=128)
+NARROW = dict(
+    num_hidden_layers=32,
+    hidden_size=64,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+)
 
 
-def learnable_batches(steps: int, vocab: int, seq: int = 64, batch: int = 4,
-                      device: torch.device = CPU) -> list[torch.Tensor]:
+def learnable_batches(
+    steps: int, vocab: int, seq: int = 64, batch: int = 4, device: torch.device = CPU
+) -> list[torch.Tensor]:
     """A learnable stream (each token a fixed function of the previous one), the same for every mode."""
     g = torch.Generator().manual_seed(1)
     out = []
@@ -96,11 +103,13 @@ def update_slope(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
     return float(num / sum((ref[n] * ref[n]).sum() for n in ref))
 
 
-def agreement(run: Finetune, ref: Finetune, gain_ref: float, loss0: float, eval_batch: torch.Tensor,
-              arch: dict = NARROW) -> dict:
+def agreement(
+    run: Finetune, ref: Finetune, gain_ref: float, loss0: float, eval_batch: torch.Tensor, arch: dict = NARROW
+) -> dict:
     """How closely `run` follows the fp32 reference `ref` (both with keep_steps): per step, the relative loss
     difference, the slope of its update on fp32's and their norm ratio; overall, the fp32-measured loss gain
     relative to fp32's and the fraction of matrix entries that never moved."""
+
     def norm(d: dict) -> float:
         return float(sum((v * v).sum() for v in d.values()) ** 0.5)
 

@@ -45,8 +45,13 @@ def _state(model: torch.nn.Module, step: int) -> dict:
     from flexengine.trainer import _rng_state
 
     opt, sched = _optimizer_state(model)
-    return {"train": {"step": step, "losses": [0.0] * step}, "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(), "data": {"epoch": 0, "cursor": step}, "rng": _rng_state()}
+    return {
+        "train": {"step": step, "losses": [0.0] * step},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "data": {"epoch": 0, "cursor": step},
+        "rng": _rng_state(),
+    }
 
 
 @pytest.fixture
@@ -64,6 +69,7 @@ def run(tmp_path, model) -> Path:
 
 
 # -- the HF directory -----------------------------------------------------------------------------------------------
+
 
 def test_saved_directory_is_standard_hf_and_loads_back_exactly(tmp_path):
     model = make_llama(seed=1)
@@ -111,6 +117,7 @@ def test_write_json_atomic(tmp_path):
 
 
 # -- 1. weights_only ---------------------------------------------------------------------------------------------
+
 
 class _Payload:
     """A pickle that runs code when loaded (what a planted trainer_state.pt does)."""
@@ -169,10 +176,10 @@ def test_trainer_state_loads_weights_only_and_round_trips(model, tmp_path):
 
 # -- 6. manifest, checksums, fallback ---------------------------------------------------------------------------
 
+
 def test_manifest_lists_every_file_with_its_checksum(run):
     manifest = json.loads((run / "step_2" / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"config.json", "generation_config.json", "model.safetensors",
-                                      "trainer_state.pt"}
+    assert set(manifest["files"]) == {"config.json", "generation_config.json", "model.safetensors", "trainer_state.pt"}
     assert manifest["files"]["model.safetensors"]["sha256"] == storage.sha256_file(run / "step_2" / "model.safetensors")
     assert verify_checkpoint(run / "step_2") is None
 
@@ -233,7 +240,7 @@ def test_every_file_and_directory_is_fsynced_before_the_rename(tmp_path, model, 
         assert any(p.endswith(f"/{tmp_name}/{name}") for p in before_rename), name
     assert any(f"/{tmp_name}/.manifest.json.tmp_" in p for p in before_rename)
     assert str(tmp_path / tmp_name) in before_rename  # the directory's entries
-    assert str(tmp_path) in synced[renamed_after[-1]:]  # the rename itself
+    assert str(tmp_path) in synced[renamed_after[-1] :]  # the rename itself
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_newest_that_verifies(run, caplog):
@@ -272,6 +279,7 @@ def test_resume_auto_without_output_dir_says_so(tmp_path):
 
 
 # -- 5. temp dirs and free space -----------------------------------------------------------------------------------
+
 
 def test_stale_temp_dirs_of_dead_processes_are_removed(tmp_path, caplog):
     """Before: a dir named with this process's pid was skipped (in a container the trainer is PID 1 on every
@@ -320,6 +328,7 @@ def test_disk_full_while_writing_frees_the_partial_save(run, model, monkeypatch,
         def write(*args, **kwargs):
             usage["free"] = 4096  # another writer took the space after the check
             raise error
+
         return write
 
     if writer == "torch.save":
@@ -381,6 +390,7 @@ class _Usage:
 
 # -- 2. never destroy or mix runs ------------------------------------------------------------------------------------
 
+
 def test_a_step_is_never_overwritten(run, model):
     before = (run / "step_2" / "model.safetensors").read_bytes()
     with pytest.raises(UserError, match="never overwrites"):
@@ -404,6 +414,7 @@ def test_output_dir_holding_a_run_is_refused_unless_resumed(run):
 
 # -- 7. filesystem errors ----------------------------------------------------------------------------------------------
 
+
 def test_output_dir_that_is_a_file(tmp_path):
     (tmp_path / "out").write_text("")
     with pytest.raises(UserError, match=f"{tmp_path / 'out'} is a file, not a directory"):
@@ -424,9 +435,11 @@ def test_read_only_output_dir_is_one_paragraph_naming_the_path(tmp_path, monkeyp
 
 def test_os_error_message_names_both_paths():
     e = OSError(errno.EACCES, "Permission denied", "/a", None, "/b")
-    assert os_error_message(e, "renaming") == ("renaming failed at /a -> /b: Permission denied; check its "
-                                              "permissions, or choose a directory you can write (e.g. "
-                                              "train.output_dir=...).")
+    assert os_error_message(e, "renaming") == (
+        "renaming failed at /a -> /b: Permission denied; check its "
+        "permissions, or choose a directory you can write (e.g. "
+        "train.output_dir=...)."
+    )
 
 
 def test_torchao_optimizer_states_are_on_the_allow_list(tmp_path):
@@ -439,8 +452,9 @@ def test_torchao_optimizer_states_are_on_the_allow_list(tmp_path):
     state = load_trainer_state(tmp_path / "s.pt")  # weights_only, with torchao's state subclasses allowed
     again = ao.AdamW8bit(layer.parameters(), lr=1e-3)
     again.load_state_dict(state["optimizer"])
-    torch.testing.assert_close(again.state[layer.weight]["exp_avg"].dequantize(),
-                               opt.state[layer.weight]["exp_avg"].dequantize())
+    torch.testing.assert_close(
+        again.state[layer.weight]["exp_avg"].dequantize(), opt.state[layer.weight]["exp_avg"].dequantize()
+    )
 
 
 def test_size_estimate_counts_the_bytes_torchao_states_store(tmp_path):
@@ -460,6 +474,7 @@ def test_size_estimate_counts_the_bytes_torchao_states_store(tmp_path):
 
 # -- every rank fails together, none hangs (2 processes, gloo) ---------------------------------------------------
 
+
 def _two_ranks(rank: int, init_file: str, out: str) -> None:
     """Each phase records how this rank ended and how long it took. The job's own collectives time out after
     3 s; the checkpoint's waits go through their own group (rank 0 hashes for 5 s in phase "slow_hash")."""
@@ -470,8 +485,9 @@ def _two_ranks(rank: int, init_file: str, out: str) -> None:
 
     from flexengine import checkpoint, storage
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=3))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3)
+    )
     checkpoint.COLLECTIVE_TIMEOUT_S = 60.0  # a hang fails the test in a minute
     root, model, results = Path(out) / "checkpoints", make_llama(), {}
 
@@ -531,8 +547,10 @@ def test_a_failure_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
     assert manifest["world_size"] == 2 and "trainer_state.rank1.pt" in manifest["files"]  # each rank's file
     assert r1["rank1_write"][0] == "UserError"
     assert r1["rank1_write"][1].startswith(f"saving a checkpoint failed at {tmp_path}/checkpoints/.tmp_step_2_")
-    assert r1["rank1_write"][1].endswith("/trainer_state.rank1.pt: Permission denied; check its permissions, or "
-                                         "choose a directory you can write (e.g. train.output_dir=...).")
+    assert r1["rank1_write"][1].endswith(
+        "/trainer_state.rank1.pt: Permission denied; check its permissions, or "
+        "choose a directory you can write (e.g. train.output_dir=...)."
+    )
     assert r0["rank1_write"][0] == "UserError" and r0["rank1_write"][1].startswith("rank 1: saving a checkpoint")
     assert r0["rank0_bug"][:2] == ["TypeError", "a bug on rank 0"]  # its own exception, with its traceback
     assert r1["rank0_bug"][0] == "UserError" and "rank 0: preparing" in r1["rank0_bug"][1]
@@ -541,4 +559,3 @@ def test_a_failure_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
     for name in ("rank1_write", "rank0_bug", "rank1_load"):
         assert r0[name][2] < 20 and r1[name][2] < 20, name  # seconds: no rank waited for a timeout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # no partial save left
-

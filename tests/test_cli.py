@@ -24,25 +24,32 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_every_console_script_points_at_a_callable():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert {"flexengine", "flexengine-train", "flexengine-plan", "flexengine-doctor", "flexengine-stats",
-            "flexengine-sweep"} <= set(scripts)
+    assert {
+        "flexengine",
+        "flexengine-train",
+        "flexengine-plan",
+        "flexengine-doctor",
+        "flexengine-stats",
+        "flexengine-sweep",
+    } <= set(scripts)
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target
 
 
 def test_importing_the_entry_points_registers_nothing_and_loads_no_torch():
-    code = ("import sys, flexengine.cli, flexengine.train, flexengine.plan, flexengine.sweep\n"
-            "from hydra.core.config_store import ConfigStore\n"
-            "assert 'job_schema.yaml' not in ConfigStore.instance().repo, 'schema registered on import'\n"
-            "assert 'torch' not in sys.modules, 'torch imported by a command-line module'\n")
+    code = (
+        "import sys, flexengine.cli, flexengine.train, flexengine.plan, flexengine.sweep\n"
+        "from hydra.core.config_store import ConfigStore\n"
+        "assert 'job_schema.yaml' not in ConfigStore.instance().repo, 'schema registered on import'\n"
+        "assert 'torch' not in sys.modules, 'torch imported by a command-line module'\n"
+    )
     proc = _run("-c", code, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_flexengine_command_dispatches_to_the_planner(tmp_path):
-    proc = _run("-m", "flexengine", "plan", "model=deepseek7b", "hardware=a100_80g", "plan.format=json",
-                cwd=tmp_path)
+    proc = _run("-m", "flexengine", "plan", "model=deepseek7b", "hardware=a100_80g", "plan.format=json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["hf_config"]["model_type"] == "llama"
     bad = _run("-m", "flexengine", "nonsense", cwd=tmp_path)
@@ -56,8 +63,16 @@ def test_copied_experiment_runs_from_config_dir(tmp_path):
     copied = tmp_path / "my_conf" / "experiment" / "cpu_compare.yaml"
     mine = copied.with_name("mine.yaml")
     mine.write_text(copied.read_text().replace("max_steps: 20", "max_steps: 7"))  # the user's edit
-    proc = _run("-m", "flexengine.train", "--config-dir", str(tmp_path / "my_conf"), "experiment=mine",
-                "--cfg", "job", cwd=tmp_path)
+    proc = _run(
+        "-m",
+        "flexengine.train",
+        "--config-dir",
+        str(tmp_path / "my_conf"),
+        "experiment=mine",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "max_steps: 7" in proc.stdout and "seq_len: 512" in proc.stdout
     assert not list(tmp_path.glob("outputs"))  # --cfg job runs nothing

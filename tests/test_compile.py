@@ -84,8 +84,11 @@ def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, in
         backward_graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward,
-                           partition_fn=min_cut_rematerialization_partition)  # inductor's partitioner
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=keep_backward,
+        partition_fn=min_cut_rematerialization_partition,
+    )  # inductor's partitioner
     torch._dynamo.reset()
     model = patch_attention(make_llama(), mode="packed_doc", backend="flex", compile=True)
     apply_memory_policy(model, memory)
@@ -105,8 +108,10 @@ def test_sac_saves_flex_attention_instead_of_recomputing_it(monkeypatch):
     assert recomputed == 0, "op-level SAC re-ran flex attention in backward"
     # the planner's figure for ops is 0 recompute FLOPs: backward runs exactly the matmuls of no policy
     _, plain_mm, _ = _flex_graphs_in_backward(MemoryConfig(), monkeypatch)
-    assert sac_mm == plain_mm and recompute_flops_per_block(ModelShape(64, 4, 2, 16, 128, 2, 256, 0),
-                                                            Workload(1, S), "ops") == 0
+    assert (
+        sac_mm == plain_mm
+        and recompute_flops_per_block(ModelShape(64, 4, 2, 16, 128, 2, 256, 0), Workload(1, S), "ops") == 0
+    )
     # the check can fail: full checkpointing does recompute flex (and the matmuls) in backward
     full, full_mm, _ = _flex_graphs_in_backward(MemoryConfig(policy="full"), monkeypatch)
     assert full >= 1 and full_mm > plain_mm

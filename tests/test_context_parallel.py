@@ -26,9 +26,22 @@ def _forward_run(tmp_path_factory, ranks: int) -> dict:
     out = tmp_path_factory.mktemp(f"cp{ranks}") / "cp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-         str(32500 + os.getpid() % 1000 + ranks), str(ROOT / "tests" / "context_parallel_forward.py"), str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=out.parent,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(32500 + os.getpid() % 1000 + ranks),
+            str(ROOT / "tests" / "context_parallel_forward.py"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=out.parent,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
@@ -142,11 +155,23 @@ def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path):
     model_dir = tmp_path / "model"  # the same weights for both runs (read from disk)
     make_llama(vocab_size=2048, num_hidden_layers=4).save_pretrained(model_dir)
     load_demo_tokenizer().save_pretrained(model_dir)
-    common = ["attn=packed_doc", "data.seq_len=512", "train.micro_batch=2", "model.init=pretrained",
-              f"model.path={model_dir}"]
+    common = [
+        "attn=packed_doc",
+        "data.seq_len=512",
+        "train.micro_batch=2",
+        "model.init=pretrained",
+        f"model.path={model_dir}",
+    ]
     one = run_grads_script(tmp_path / "one", *common, "attn.backend=dense")
-    cp = run_grads_script(tmp_path / "cp", *common, "attn.backend=flex", "attn.compile=false", "parallel.cp=2",
-                          ranks=2, script="context_parallel_trainer.py")
+    cp = run_grads_script(
+        tmp_path / "cp",
+        *common,
+        "attn.backend=flex",
+        "attn.compile=false",
+        "parallel.cp=2",
+        ranks=2,
+        script="context_parallel_trainer.py",
+    )
     # the job read the same rows once (the two ranks of the cp group share them): whole counts, not halves
     for key in ("tokens", "useful_tokens"):
         assert cp["metrics"][0][key] == one["metrics"][0][key] and isinstance(cp["metrics"][0][key], int), key
@@ -173,8 +198,16 @@ def test_trainer_step_on_two_groups_of_two_ranks_gives_one_process_gradients(tmp
     load_demo_tokenizer().save_pretrained(model_dir)
     common = ["attn=packed_doc", "data.seq_len=256", "model.init=pretrained", f"model.path={model_dir}"]
     one = run_grads_script(tmp_path / "one", *common, "train.micro_batch=2", "attn.backend=dense")
-    cp = run_grads_script(tmp_path / "cp", *common, "train.micro_batch=1", "attn.backend=flex", "attn.compile=false",
-                          "parallel.cp=2", ranks=4, script="context_parallel_trainer.py")
+    cp = run_grads_script(
+        tmp_path / "cp",
+        *common,
+        "train.micro_batch=1",
+        "attn.backend=flex",
+        "attn.compile=false",
+        "parallel.cp=2",
+        ranks=4,
+        script="context_parallel_trainer.py",
+    )
     # the job's tokens: both groups' rows, each once (not a quarter of a group's, nor every row twice)
     for key in ("tokens", "useful_tokens"):
         assert cp["metrics"][0][key] == one["metrics"][0][key], key
@@ -229,30 +262,43 @@ def test_shifted_targets_give_the_same_loss_in_chunks():
     labels = torch.randint(0, 11, (2, 40))
     labels[:, [0, 7, 8, 30]] = -100
     for chunk in (0, 7):
-        torch.testing.assert_close(shifted_loss_sum(hidden, shift_targets(labels), head, chunk),
-                                   causal_lm_loss_sum(hidden, labels, head, chunk))
+        torch.testing.assert_close(
+            shifted_loss_sum(hidden, shift_targets(labels), head, chunk),
+            causal_lm_loss_sum(hidden, labels, head, chunk),
+        )
     assert shift_targets(labels)[:, -1].eq(-100).all()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.cp=0"], "parallel.cp=0 must be >= 1"),
-    (["parallel=ddp", "parallel.cp=2"], "composes with FSDP2 only"),
-    (["parallel.cp=2", "attn.backend=varlen"], "needs attn.backend=flex"),
-    (["parallel.cp=2", "attn.block_size=64"], "needs attn.block_size=128"),
-    (["parallel.cp=4", "data.seq_len=1664"], "1664 must be a multiple of .* = 512: .* data.seq_len=2048"),
-    # dynamic NTK rescales by the largest position id a rank sees: each rank would rotate Q/K differently
-    (["parallel.cp=2", "model.rope_scaling={rope_type:dynamic,factor:2.0}"],
-     r"parallel.cp=2 cannot train with model.rope_scaling rope_type=dynamic.*model.rope_scaling=\{rope_type:yarn"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.cp=0"], "parallel.cp=0 must be >= 1"),
+        (["parallel=ddp", "parallel.cp=2"], "composes with FSDP2 only"),
+        (["parallel.cp=2", "attn.backend=varlen"], "needs attn.backend=flex"),
+        (["parallel.cp=2", "attn.block_size=64"], "needs attn.block_size=128"),
+        (["parallel.cp=4", "data.seq_len=1664"], "1664 must be a multiple of .* = 512: .* data.seq_len=2048"),
+        # dynamic NTK rescales by the largest position id a rank sees: each rank would rotate Q/K differently
+        (
+            ["parallel.cp=2", "model.rope_scaling={rope_type:dynamic,factor:2.0}"],
+            (
+                r"parallel.cp=2 cannot train with model.rope_scaling rope_type=dynamic"
+                r".*model.rope_scaling=\{rope_type:yarn"
+            ),
+        ),
+    ],
+)
 def test_config_refuses_what_context_parallel_cannot_do(overrides, message):
     with pytest.raises(UserError, match=message):
         compose_job(["attn=packed_doc", "data.seq_len=2048", *overrides])
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "dynamic", "factor": 2.0},
-    {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 512},  # + its factor lists
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 512},  # + its factor lists
+    ],
+)
 def test_checkpoint_with_position_dependent_rope_is_refused_under_context_parallel(tmp_path, monkeypatch, rope):
     """A checkpoint whose config.json carries dynamic or longrope RoPE (no model.rope_scaling in the job): refused
     from the model's own config, before the process group exists."""
@@ -266,10 +312,20 @@ def test_checkpoint_with_position_dependent_rope_is_refused_under_context_parall
         rope = {**rope, "short_factor": [1.0] * (head_dim // 2), "long_factor": [2.0] * (head_dim // 2)}
     LlamaConfig(**TINY_LLAMA, rope_parameters={"rope_theta": 10000.0, **rope}).save_pretrained(tmp_path / "model")
     monkeypatch.delenv("RANK", raising=False)  # without the check: "launch with torchrun" instead
-    job = compose_job(["attn=packed_doc", "data.seq_len=512", "parallel.cp=2", f"model.path={tmp_path / 'model'}",
-                       f"train.output_dir={tmp_path / 'out'}"])
-    with pytest.raises(UserError, match=f"parallel.cp=2 cannot train with model.path=.*model, whose config.json "
-                                        f"has rope_type={rope['rope_type']}.*yarn, linear or llama3"):
+    job = compose_job(
+        [
+            "attn=packed_doc",
+            "data.seq_len=512",
+            "parallel.cp=2",
+            f"model.path={tmp_path / 'model'}",
+            f"train.output_dir={tmp_path / 'out'}",
+        ]
+    )
+    with pytest.raises(
+        UserError,
+        match=f"parallel.cp=2 cannot train with model.path=.*model, whose config.json "
+        f"has rope_type={rope['rope_type']}.*yarn, linear or llama3",
+    ):
         build_trainer(job, tmp_path / "out")
 
 

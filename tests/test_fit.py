@@ -57,8 +57,15 @@ def test_random_7b_on_this_cpu_stops_before_allocating(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run, "load_model", no_allocation)
     monkeypatch.setattr(run, "load_tokenizer", no_allocation)
-    job = compose_job(["model=llama2_7b", "model.init=random", "hardware.memory_gb=23", "hardware.host_memory_gb=23",
-                       f"train.output_dir={tmp_path}"])
+    job = compose_job(
+        [
+            "model=llama2_7b",
+            "model.init=random",
+            "hardware.memory_gb=23",
+            "hardware.host_memory_gb=23",
+            f"train.output_dir={tmp_path}",
+        ]
+    )
     with pytest.raises(UserError, match="does not fit"):
         run.build_trainer(job, tmp_path)
 
@@ -90,14 +97,21 @@ def test_cpu_plan_picks_fp32():
 def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
     """Issue 16: offload's pinned-memory bound is the plan's per-rank host budget, less what the host optimizer
     keeps there, and the plan says the figure."""
-    _, mixed = _fit(*SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload",
-                    "hardware.host_memory_gb=100")
+    _, mixed = _fit(
+        *SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload", "hardware.host_memory_gb=100"
+    )
     assert mixed.plan["host_budget_bytes"] == 100 * 2**30
     assert mixed.plan["offload_pinned_bound_bytes"] == 100 * 2**30  # fp32 masters on the device: no host state
     assert mixed.plan["host_bytes"] <= mixed.plan["offload_pinned_bound_bytes"]  # fits: the activations pin
     assert "offload: at most 100.0 GiB of pinned host memory per rank" in format_fit(mixed)
-    _, master = _fit(*SEVEN_B, "hardware=h200_141g", "precision=bf16_cpu_master", "memory=full",
-                     "memory.offload=true", "hardware.host_memory_gb=128")
+    _, master = _fit(
+        *SEVEN_B,
+        "hardware=h200_141g",
+        "precision=bf16_cpu_master",
+        "memory=full",
+        "memory.offload=true",
+        "hardware.host_memory_gb=128",
+    )
     state = master.plan["host_bytes"] - _offloaded(master)  # the plan's host terms: state + offloaded activations
     assert state > 50 * 2**30  # fp32 masters and AdamW states of 6.7B parameters
     assert master.plan["offload_pinned_bound_bytes"] == 128 * 2**30 - state
@@ -105,8 +119,9 @@ def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
 
 def _offloaded(fit) -> int:
     """The activation bytes the chosen policy offloads (the plan's other host term)."""
-    chosen = next(r for r in fit.plan["candidates"] if r["label"] == fit.plan["policy"]
-                  and r["micro_batch"] == fit.micro_batch)
+    chosen = next(
+        r for r in fit.plan["candidates"] if r["label"] == fit.plan["policy"] and r["micro_batch"] == fit.micro_batch
+    )
     return chosen["offloaded_bytes"]
 
 

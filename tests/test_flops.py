@@ -33,15 +33,23 @@ def _backward_without_recompute(grad_out, q, k, v, *args, out_shape=None, **kwar
 
 
 # torch has no formula for the CPU flash kernel the dense backend runs; these count its calls' real shapes.
-HARDWARE = {aten._scaled_dot_product_flash_attention_for_cpu: _forward_flops,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops}
+HARDWARE = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
+}
 MODEL = {**HARDWARE, aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_without_recompute}
 
 
 @pytest.fixture(scope="module")
 def base():
-    return make_llama(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB)
+    return make_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
 
 
 def _rows(docs_per_row: list[list[int]], width: int) -> dict:
@@ -55,15 +63,21 @@ def _rows(docs_per_row: list[list[int]], width: int) -> dict:
     for r, docs in enumerate(docs_per_row):
         at = 0
         for d, n in enumerate(docs):
-            labels[r, at + 1:at + n] = ids[r, at + 1:at + n]
-            position_ids[r, at:at + n] = torch.arange(n)
-            document_ids[r, at:at + n] = d
+            labels[r, at + 1 : at + n] = ids[r, at + 1 : at + n]
+            position_ids[r, at : at + n] = torch.arange(n)
+            document_ids[r, at : at + n] = d
             at += n
         position_ids[r, at:] = torch.arange(width - at)
         document_ids[r, at:] = len(docs)
-    return {"input_ids": ids, "labels": labels, "position_ids": position_ids, "document_ids": document_ids,
-            "predicting_index": predicting_positions(labels), "useful_tokens": sum(map(sum, docs_per_row)),
-            "document_lengths": [n for docs in docs_per_row for n in docs]}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "document_ids": document_ids,
+        "predicting_index": predicting_positions(labels),
+        "useful_tokens": sum(map(sum, docs_per_row)),
+        "document_lengths": [n for docs in docs_per_row for n in docs],
+    }
 
 
 def _model(base, mode="packed_doc", dense_chunk=512, memory=None, lora=None):
@@ -88,8 +102,9 @@ def _claimed(model, batch: dict, kwargs: dict, chunk_size: int = 0, window=None)
     flops = TrainFlops(model, chunk_size)
     B, S = batch["input_ids"].shape
     predicting = len(batch["predicting_index"])
-    model_flops = flops.model_flops(batch["useful_tokens"], predicting,
-                                    attended_pairs(batch["document_lengths"], window))
+    model_flops = flops.model_flops(
+        batch["useful_tokens"], predicting, attended_pairs(batch["document_lengths"], window)
+    )
     return model_flops, flops.hardware_flops(B * S, predicting, kwargs[MASK_KWARG].executed_pairs)
 
 
@@ -131,8 +146,9 @@ def test_padded_rows_hardware_counts_padding_model_counts_documents(base):
     assert model_flops < 0.75 * hardware  # 90 of 144 slots are real
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                     ["q_proj", "v_proj"]])
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]
+)
 def test_lora_counts_no_weight_gradients_for_frozen_weights(base, targets):
     lora = LoraConfig(r=8, alpha=16, target_modules=targets)
     batch = _rows(PACKED, 128)
@@ -149,15 +165,19 @@ def test_lora_counts_no_weight_gradients_for_frozen_weights(base, targets):
     assert TrainFlops(exact).block_flops_per_token < 0.75 * full.block_flops_per_token  # ~4N, not 6N
 
 
-@pytest.mark.parametrize("memory,lora,chunk_size", [
-    (MemoryConfig(policy="full", layers="last_1"), None, 32),
-    (MemoryConfig(policy="selective", granularity="attention"), None, 0),
-    (MemoryConfig(policy="selective", granularity="mlp"), None, 0),
-    (MemoryConfig(policy="selective", granularity="ops"), None, 0),
-    (MemoryConfig(policy="none", tiled_mlp="32"), None, 0),
-    (MemoryConfig(policy="full"), LoraConfig(r=8, alpha=16), 0),
-    (MemoryConfig(policy="selective", granularity="attention"), LoraConfig(r=8, alpha=16), 0),
-], ids=["full_last_1+chunked_loss", "attention", "mlp", "sac", "tiled_mlp", "full+lora", "attention+lora"])
+@pytest.mark.parametrize(
+    "memory,lora,chunk_size",
+    [
+        (MemoryConfig(policy="full", layers="last_1"), None, 32),
+        (MemoryConfig(policy="selective", granularity="attention"), None, 0),
+        (MemoryConfig(policy="selective", granularity="mlp"), None, 0),
+        (MemoryConfig(policy="selective", granularity="ops"), None, 0),
+        (MemoryConfig(policy="none", tiled_mlp="32"), None, 0),
+        (MemoryConfig(policy="full"), LoraConfig(r=8, alpha=16), 0),
+        (MemoryConfig(policy="selective", granularity="attention"), LoraConfig(r=8, alpha=16), 0),
+    ],
+    ids=["full_last_1+chunked_loss", "attention", "mlp", "sac", "tiled_mlp", "full+lora", "attention+lora"],
+)
 def test_checkpointed_hardware_flops_include_recompute(base, memory, lora, chunk_size):
     batch = _rows(PACKED, 128)
     model = _model(base, dense_chunk=32, memory=memory, lora=lora)

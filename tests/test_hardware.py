@@ -12,11 +12,21 @@ from flexengine.errors import UserError
 from flexengine.hardware import GiB, available_host_memory_gb, lookup_peak_tflops, resolve_hardware
 
 
-@pytest.mark.parametrize("name,tflops", [
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0), ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0),
-    ("NVIDIA L4", 121.0), ("Tesla V100-SXM2-16GB", None), ("Some Future GPU", None),
-])
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),
+        ("NVIDIA L4", 121.0),
+        ("Tesla V100-SXM2-16GB", None),
+        ("Some Future GPU", None),
+    ],
+)
 def test_peak_table_matches_specific_names_first(name, tflops):
     assert lookup_peak_tflops(name) == tflops
 
@@ -39,14 +49,17 @@ def test_auto_on_cuda_reads_device_properties(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: unknown)
     assert resolve_hardware(HardwareConfig(), device=torch.device("cuda", 0)).peak_tflops is None
     # a named config cannot promise memory the machine does not have
-    capped = resolve_hardware(HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, host_memory_gb=1e6),
-                              device=torch.device("cuda", 0))
+    capped = resolve_hardware(
+        HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, host_memory_gb=1e6),
+        device=torch.device("cuda", 0),
+    )
     assert capped.memory_gb == pytest.approx(48) and capped.host_memory_gb < 1e6
 
 
 def test_given_values_are_kept():
-    hw = resolve_hardware(HardwareConfig(name="mine", memory_gb=2, peak_tflops=1.5, host_memory_gb=1),
-                          device=torch.device("cpu"))
+    hw = resolve_hardware(
+        HardwareConfig(name="mine", memory_gb=2, peak_tflops=1.5, host_memory_gb=1), device=torch.device("cpu")
+    )
     assert (hw.name, hw.memory_gb, hw.peak_tflops, hw.host_memory_gb) == ("mine", 2, 1.5, 1)
 
 

@@ -1,4 +1,4 @@
-"""ruff (configured in pyproject.toml) finds nothing: the same check CI runs before the tests."""
+"""ruff (configured in pyproject.toml) finds nothing and would reformat nothing: the checks CI runs before the tests."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ def test_ruff_clean():
     ruff = _ruff()
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
-    proc = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", str(REPO)],
-                          cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [ruff, "check", "--no-cache", "--output-format", "concise", str(REPO)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, f"ruff check found problems (fix them or `ruff check --fix`):\n{proc.stdout}"
+
+
+def test_ruff_format_clean():
+    ruff = _ruff()
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    proc = subprocess.run(
+        [ruff, "format", "--check", "--no-cache", str(REPO)], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, f"files ruff would reformat (run `ruff format .`):\n{proc.stdout}"

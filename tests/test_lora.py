@@ -22,8 +22,9 @@ def make_job(tmp_path: Path, *overrides: str):
 
 def _base_state(peft_model) -> dict:
     """The frozen base weights of a peft model under plain HF names."""
-    merged = merge_lora_state_dict({k: v for k, v in peft_model.state_dict().items() if ".lora_" not in k},
-                                   LoraConfig(r=1))
+    merged = merge_lora_state_dict(
+        {k: v for k, v in peft_model.state_dict().items() if ".lora_" not in k}, LoraConfig(r=1)
+    )
     return {k: v.clone() for k, v in merged.items()}
 
 
@@ -56,8 +57,9 @@ def test_merged_directory_equals_base_plus_adapter(tmp_path):
 
 
 def test_lora_resume_continues_the_same_trajectory(tmp_path):
-    full = build_trainer(make_job(tmp_path / "a", "train.max_steps=4", "train.save_every=2",
-                                  "model.lora.dropout=0.1"), tmp_path / "a")
+    full = build_trainer(
+        make_job(tmp_path / "a", "train.max_steps=4", "train.save_every=2", "model.lora.dropout=0.1"), tmp_path / "a"
+    )
     losses = full.train()["losses"]
     resumed = build_trainer(make_job(tmp_path / "b", "train.max_steps=4", "model.lora.dropout=0.1"), tmp_path / "b")
     resumed.resume(str(tmp_path / "a" / "checkpoints" / "step_2"))
@@ -98,8 +100,10 @@ def test_embedding_adapters_and_unknown_adapter_tensors_are_refused(tiny_llama):
     """The merge knows Linear LoRA only: an embedding adapter (or DoRA magnitude) must not pass silently."""
     with pytest.raises(UserError, match=r"embed_tokens.*not Linear layers"):
         apply_lora(tiny_llama, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
-    state = {"base_model.model.model.embed_tokens.lora_embedding_A.default": torch.zeros(4, 8),
-             "base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(8, 8)}
+    state = {
+        "base_model.model.model.embed_tokens.lora_embedding_A.default": torch.zeros(4, 8),
+        "base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(8, 8),
+    }
     with pytest.raises(ValueError, match="lora_embedding_A"):
         merge_lora_state_dict(state, LoraConfig(r=4))
     dora = {"base_model.model.q_proj.lora_magnitude_vector.default.weight": torch.ones(8)}

@@ -12,8 +12,9 @@ from flexengine.loss import causal_lm_loss_sum, count_valid_targets
 def _reference(hidden_BSH, labels_BS, lm_head):
     """Full [B, S, V] logits, shifted labels, ignore_index: the textbook loss (summed)."""
     logits = lm_head(hidden_BSH).float()
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels_BS[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels_BS[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [0, 1, 7, 64, 10_000])
@@ -74,8 +75,9 @@ def test_host_computed_positions_give_the_same_loss():
     head = torch.nn.Linear(8, 16, bias=False)
     index = predicting_positions(labels)
     assert len(index) == int((labels[:, 1:] != -100).sum())
-    plain = torch.nn.functional.cross_entropy(head(hidden[:, :-1]).reshape(-1, 16), labels[:, 1:].reshape(-1),
-                                              ignore_index=-100, reduction="sum")
+    plain = torch.nn.functional.cross_entropy(
+        head(hidden[:, :-1]).reshape(-1, 16), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
     for chunk in (0, 5):
         torch.testing.assert_close(causal_lm_loss_sum(hidden, labels, head, chunk, index), plain)
 
@@ -94,8 +96,9 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
     lm_head = torch.nn.Linear(H, V, bias=False)
     labels = torch.randint(0, V, (1, S))
     out = {}
-    peak = measure_peak_bytes(lambda: out.update(loss=causal_lm_loss_sum(hidden, labels, lm_head, chunk)) or
-                              out["loss"].backward())
+    peak = measure_peak_bytes(
+        lambda: out.update(loss=causal_lm_loss_sum(hidden, labels, lm_head, chunk)) or out["loss"].backward()
+    )
     shape = ModelShape(hidden=H, heads=1, kv_heads=1, head_dim=H, intermediate=H, layers=0, vocab=V, params=0)
     w = Workload(1, S, 4, "flex", chunk)
     planned = constant_bytes(shape, w, False)["loss_inputs"] + loss_transient_bytes(shape, w)
@@ -105,6 +108,7 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
     assert peak == pytest.approx(planned, rel=0.25)
     with torch.no_grad():
         ends = [(i, min(i + 8192, S - 1)) for i in range(0, S - 1, 8192)]
-        want = sum(F.cross_entropy(lm_head(hidden[0, i:j]).float(), labels[0, i + 1:j + 1], reduction="sum")
-                   for i, j in ends)
+        want = sum(
+            F.cross_entropy(lm_head(hidden[0, i:j]).float(), labels[0, i + 1 : j + 1], reduction="sum") for i, j in ends
+        )
     torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-5, atol=1e-2)

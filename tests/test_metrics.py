@@ -20,8 +20,16 @@ def _accumulator(log_dir):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    job = compose_job(["debug=fast", "attn=packed_doc", "train.max_steps=3", "hardware=cpu", "train.save_final=false",
-                       f"train.output_dir={out}"])
+    job = compose_job(
+        [
+            "debug=fast",
+            "attn=packed_doc",
+            "train.max_steps=3",
+            "hardware=cpu",
+            "train.save_final=false",
+            f"train.output_dir={out}",
+        ]
+    )
     summary = run_training(job, out)
     return out, summary
 

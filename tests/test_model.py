@@ -67,8 +67,15 @@ def test_pretrained_without_path_names_the_key():
 def test_meta_model_allocates_nothing_and_counts_like_the_planner():
     from flexengine.memory.planner import ModelShape
 
-    arch = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+    arch = dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
     config = build_hf_config(ModelConfig(arch=arch))
     lm = build_meta_model(config, torch.bfloat16)
     params = list(lm.parameters())
@@ -85,8 +92,9 @@ def test_training_config_with_model_path_trains_those_weights(tmp_path):
     model = make_llama(num_hidden_layers=3, vocab_size=2048)
     model.save_pretrained(tmp_path / "ckpt")
     load_demo_tokenizer().save_pretrained(tmp_path / "ckpt")
-    trainer = build_trainer(make_job(tmp_path / "run", f"model.path={tmp_path / 'ckpt'}", "train.max_steps=1"),
-                            tmp_path / "run")
+    trainer = build_trainer(
+        make_job(tmp_path / "run", f"model.path={tmp_path / 'ckpt'}", "train.max_steps=1"), tmp_path / "run"
+    )
     assert trainer.job.model.init == "auto" and trainer.job.model.loads_weights
     assert len(trainer.model.model.layers) == 3
     torch.testing.assert_close(trainer.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)

@@ -31,8 +31,12 @@ def _steps(model, opt, n: int, seed: int = 0) -> list:
 
 
 def _state_bytes(opt) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.ndim > 0)
+    return sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.ndim > 0
+    )
 
 
 def test_adamw_decays_matrices_only_and_matches_torch(tiny_llama):
@@ -45,8 +49,12 @@ def test_adamw_decays_matrices_only_and_matches_torch(tiny_llama):
     # independent reference: torch AdamW with the same two groups
     matrices = [p for p in twin.parameters() if p.ndim >= 2]
     vectors = [p for p in twin.parameters() if p.ndim < 2]
-    ref = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     assert _steps(tiny_llama, opt, 3) == pytest.approx(_steps(twin, ref, 3), rel=1e-6)
     measured = _state_bytes(opt) / sum(p.numel() for p in tiny_llama.parameters())
     assert measured == optimizer_state_bytes_per_param("adamw", torch.float32)[0] == 8.0

@@ -53,8 +53,10 @@ def _compose_here(cases: dict[str, list[str]]) -> dict[str, dict]:
     register_schema()
     assert conf_dir() == REPO / "conf"
     with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
-        return {name: json.loads(json.dumps(dataclasses.asdict(to_job_config(compose("config", overrides=o)))))
-                for name, o in cases.items()}
+        return {
+            name: json.loads(json.dumps(dataclasses.asdict(to_job_config(compose("config", overrides=o)))))
+            for name, o in cases.items()
+        }
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -77,8 +79,9 @@ def test_no_config_left_under_the_old_location():
     # A branch that added a config group under flexengine/conf/ before the move keeps it there after a rebase (git
     # moves new files only into directories that existed): such a file would silently never be composed.
     stray = sorted(str(p.relative_to(REPO)) for p in (REPO / "flexengine" / "conf").rglob("*.yaml"))
-    assert not stray, ("configs live in the top-level conf/ now; move them with "
-                       + "; ".join(f"git mv {s} {s.removeprefix('flexengine/')}" for s in stray))
+    assert not stray, "configs live in the top-level conf/ now; move them with " + "; ".join(
+        f"git mv {s} {s.removeprefix('flexengine/')}" for s in stray
+    )
 
 
 @pytest.mark.slow
@@ -90,8 +93,10 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    build = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                  str(src)], cwd=tmp_path)
+    build = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
+        cwd=tmp_path,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = dist.glob("flexengine-*.whl")
     with zipfile.ZipFile(wheel) as zf:
@@ -105,8 +110,12 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
     assert modules - names == set(), "add their packages to [tool.setuptools] packages in pyproject.toml"
 
     cases = {"default": []}
-    cases.update({f"experiment={p.stem}": [f"experiment={p.stem}", *PLACEHOLDERS]
-                  for p in sorted((REPO / "conf" / "experiment").glob("*.yaml"))})
+    cases.update(
+        {
+            f"experiment={p.stem}": [f"experiment={p.stem}", *PLACEHOLDERS]
+            for p in sorted((REPO / "conf" / "experiment").glob("*.yaml"))
+        }
+    )
     check = _run([sys.executable, "-c", CHECK, str(site), json.dumps(cases)], cwd=elsewhere, PYTHONPATH=str(site))
     assert check.returncode == 0, check.stderr[-3000:]
     from_wheel = json.loads(check.stdout.strip().splitlines()[-1])
@@ -114,7 +123,10 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
     assert from_wheel.pop("pkg") == expected["default"]
     assert from_wheel == expected
     # hydra.main from the wheel: print the composed job config without running it
-    cli = _run([sys.executable, "-m", "flexengine.train", "experiment=cpu_compare", "--cfg", "job"], cwd=elsewhere,
-               PYTHONPATH=str(site))
+    cli = _run(
+        [sys.executable, "-m", "flexengine.train", "experiment=cpu_compare", "--cfg", "job"],
+        cwd=elsewhere,
+        PYTHONPATH=str(site),
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "seq_len: 512" in cli.stdout

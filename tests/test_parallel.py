@@ -19,14 +19,32 @@ from tests.helpers import run_grads_script
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
-RUN = ["debug=fast", "train.max_steps=4", "optim.lr=1e-3", "optim.eps=1e-6", "data.shuffle=true",
-       'train.sample_prompts=["def main(", "import "]', "train.sample_tokens=4"]
+RUN = [
+    "debug=fast",
+    "train.max_steps=4",
+    "optim.lr=1e-3",
+    "optim.eps=1e-6",
+    "data.shuffle=true",
+    'train.sample_prompts=["def main(", "import "]',
+    "train.sample_tokens=4",
+]
 
 
 def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
     """One training run (torchrun with `ranks` processes; 0 = a plain process); returns summary.json."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 0 else [sys.executable]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+        ]
+        if ranks > 0
+        else [sys.executable]
+    )
     cmd = [*launcher, "-m", "flexengine.train", *RUN, f"train.output_dir={out}", f"hydra.run.dir={out}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
@@ -111,11 +129,27 @@ def test_ddp_two_ranks_match_one_process(single, tmp_path):
 @pytest.mark.slow
 def test_resume_with_another_world_size_is_refused(single, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(30500 + os.getpid() % 1000), "-m", "flexengine.train", *RUN, "train.micro_batch=2",
-         f"train.output_dir={tmp_path}", f"hydra.run.dir={tmp_path}",
-         f"train.resume={single / 'checkpoints' / 'step_4'}"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(30500 + os.getpid() % 1000),
+            "-m",
+            "flexengine.train",
+            *RUN,
+            "train.micro_batch=2",
+            f"train.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}",
+            f"train.resume={single / 'checkpoints' / 'step_4'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
     )
     assert proc.returncode != 0
     assert "written by 1 rank(s) but this job has 2" in proc.stderr
@@ -197,8 +231,9 @@ def _slow_rank_0(rank: int, init_file: str, result_dir: str) -> None:
 
     from flexengine.parallel import DistInfo, main_rank_first
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=2))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2)
+    )
     try:
         with main_rank_first(DistInfo(rank, 2, rank), timeout_s=60):
             if rank == 0:

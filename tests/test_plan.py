@@ -15,17 +15,32 @@ ROOT = Path(__file__).parents[1]
 
 
 def _plan(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flexengine.plan", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flexengine.plan", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plan_json_for_deepseek7b_on_a100():
     proc = _plan("model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g", "plan.format=json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    for key in ("hf_config", "seq_len", "micro_batch", "dtype", "weights_bytes", "grads_bytes", "optimizer_bytes",
-                "activation_bytes", "activation_bytes_per_block", "logits_bytes", "total_bytes", "budget_bytes",
-                "fits", "policy", "recompute_flops_fraction"):
+    for key in (
+        "hf_config",
+        "seq_len",
+        "micro_batch",
+        "dtype",
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activation_bytes",
+        "activation_bytes_per_block",
+        "logits_bytes",
+        "total_bytes",
+        "budget_bytes",
+        "fits",
+        "policy",
+        "recompute_flops_fraction",
+    ):
         assert key in plan, key
     assert plan["hf_config"]["hidden_size"] == 4096 and plan["hf_config"]["vocab_size"] == 102400
     assert plan["seq_len"] == 6144 and plan["dtype"] == "bfloat16"
@@ -49,9 +64,15 @@ def test_plan_reports_documents_against_the_trained_context(tmp_path):
     load_demo_tokenizer().save_pretrained(str(tokenizer_dir))
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": "x = 1\n" * n}) + "\n" for n in (5, 20, 80, 200)))
-    job = make_job(tmp_path, "data=jsonl", f"data.path={path}", "data.num_workers=0",
-                   f"model.tokenizer={tokenizer_dir}", "model.arch.max_position_embeddings=256",
-                   "model.rope_scaling={rope_type:linear,factor:4.0}")
+    job = make_job(
+        tmp_path,
+        "data=jsonl",
+        f"data.path={path}",
+        "data.num_workers=0",
+        f"model.tokenizer={tokenizer_dir}",
+        "model.arch.max_position_embeddings=256",
+        "model.rope_scaling={rope_type:linear,factor:4.0}",
+    )
     report = context_report(job, build_hf_config(job.model))
     assert (report["trained_context"], report["supported_context"]) == (256, 1024)
     docs = report["documents"]
@@ -85,9 +106,21 @@ def test_training_still_composes_without_plan_key():
 
 @pytest.mark.slow
 def test_train_with_memory_auto_reports_activation_bytes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flexengine.train", "debug=fast", "memory=auto",
-                           "train.max_steps=1", f"train.output_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.train",
+            "debug=fast",
+            "memory=auto",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["activation_bytes"] > 0 and len(summary["activation_bytes_per_block"]) == 4
@@ -102,13 +135,19 @@ def test_max_seq_len_search_takes_any_data_seq_len_under_context_parallelism():
     from flexengine.cli import compose_config
     from flexengine.plan import PlanJobConfig, plan_job_config
 
-    common = ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "hardware.world_size=8",
-              "data.seq_len=6000"]
+    common = [
+        "model=deepseek7b",
+        "model.init=random",
+        "hardware=a100_80g",
+        "hardware.world_size=8",
+        "data.seq_len=6000",
+    ]
     for cp in (["parallel.cp=8"], ["plan.cp=8"]):
         job = plan_job_config(compose_config([*common, *cp, "plan.max_seq_len=true"], PlanJobConfig))
         assert job.parallel.cp == 8 and job.data.seq_len == 6000
         with pytest.raises(UserError, match="data.seq_len=6000 must be a multiple of parallel.cp x 128 = 1024"):
             plan_job_config(compose_config([*common, *cp], PlanJobConfig))
     with pytest.raises(UserError, match="parallel.cp=8 needs attn.block_size=128"):
-        plan_job_config(compose_config([*common, "plan.cp=8", "attn.block_size=64", "plan.max_seq_len=true"],
-                                       PlanJobConfig))
+        plan_job_config(
+            compose_config([*common, "plan.cp=8", "attn.block_size=64", "plan.max_seq_len=true"], PlanJobConfig)
+        )

@@ -27,9 +27,11 @@ def test_every_mode_but_pure_bf16_delivers_the_fp32_update():
         run = finetune(mode, batches)
         delta = run.delta
         unchanged = sum(int((d == 0).sum()) for d in delta.values()) / sum(d.numel() for d in delta.values())
-        results[mode] = {"slope": update_slope(delta, ref.delta),
-                         "gain": (loss0 - loss_fp32(run.model, eval_batch)) / gain_fp32,
-                         "unchanged": unchanged}
+        results[mode] = {
+            "slope": update_slope(delta, ref.delta),
+            "gain": (loss0 - loss_fp32(run.model, eval_batch)) / gain_fp32,
+            "unchanged": unchanged,
+        }
     print(results)
     # Measured (torch 2.13 CPU, torchao 0.18): slope / gain / entries unchanged
     #   bf16_mixed 0.999 / 1.002 / 0.0 %   bf16_cpu_master 0.971 / 0.968 / 35 % (device copy of the masters)

@@ -21,8 +21,16 @@ def test_schedule_skips_first_steps_only_when_there_is_room():
 
 
 def test_profiled_run_writes_trace_and_top_ops(tmp_path):
-    job = compose_job(["debug=fast", "train.max_steps=3", "train.profile=true", "train.profile_steps=1",
-                       "train.save_final=false", f"train.output_dir={tmp_path}"])
+    job = compose_job(
+        [
+            "debug=fast",
+            "train.max_steps=3",
+            "train.profile=true",
+            "train.profile_steps=1",
+            "train.save_final=false",
+            f"train.output_dir={tmp_path}",
+        ]
+    )
     summary = run_training(job, tmp_path)
     assert summary["steps"] == 3  # profiling does not change the loop
     traces = list((tmp_path / "tb" / "profile").glob("*.pt.trace.json"))

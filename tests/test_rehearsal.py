@@ -28,8 +28,11 @@ from flexengine.model import build_hf_config, build_meta_model
 
 CONF = conf_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-MODELS_7B = sorted(p.stem for p in (CONF / "model").glob("*.yaml")
-                   if yaml.safe_load(p.read_text()).get("model", {}).get("arch", {}).get("hidden_size", 0) >= 4096)
+MODELS_7B = sorted(
+    p.stem
+    for p in (CONF / "model").glob("*.yaml")
+    if yaml.safe_load(p.read_text()).get("model", {}).get("arch", {}).get("hidden_size", 0) >= 4096
+)
 # A model config alone has no hardware of its own: it is rehearsed on the smallest shipped GPU config.
 MODEL_HARDWARE = "hardware=a100_80g"
 CONFIGS = [f"experiment={e}" for e in EXPERIMENTS] + [f"model={m}" for m in MODELS_7B]
@@ -78,9 +81,11 @@ def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == ModelShape.from_hf_config(hf_config).params
     assert sum(p.numel() * p.element_size() for p in params) == fit.plan["weights_bytes"]
-    print(f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} / {fit.plan['budget_bytes'] / 2**30:.1f} GiB on "
-          f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan['policy']}, "
-          f"micro_batch {fit.micro_batch} x {fit.grad_accum}")
+    print(
+        f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} / {fit.plan['budget_bytes'] / 2**30:.1f} GiB on "
+        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan['policy']}, "
+        f"micro_batch {fit.micro_batch} x {fit.grad_accum}"
+    )
 
 
 def _shrunk(job, fit) -> list[str]:
@@ -91,17 +96,30 @@ def _shrunk(job, fit) -> list[str]:
     ratio = SHRUNK_HIDDEN / arch["hidden_size"]
     seq = min(job.data.seq_len, REHEARSAL_SEQ)
     scale = seq / job.data.seq_len
-    out = [f"model.arch.hidden_size={SHRUNK_HIDDEN}",
-           f"model.arch.intermediate_size={round(arch['intermediate_size'] * ratio)}",
-           f"model.arch.num_attention_heads={SHRUNK_HEADS}",
-           f"model.arch.num_key_value_heads={max(1, SHRUNK_HEADS * kv // heads)}",
-           f"data.seq_len={seq}", f"precision={fit.precision.name}", f"memory={fit.memory.policy}",
-           f"train.micro_batch={fit.micro_batch}", f"train.grad_accum={fit.grad_accum}", "train.max_steps=2",
-           "train.save_final=false", "train.save_every=0", "train.progress=false", "optim.warmup_steps=1",
-           "train.compile_backend=aot_eager", "data.num_workers=0"]
+    out = [
+        f"model.arch.hidden_size={SHRUNK_HIDDEN}",
+        f"model.arch.intermediate_size={round(arch['intermediate_size'] * ratio)}",
+        f"model.arch.num_attention_heads={SHRUNK_HEADS}",
+        f"model.arch.num_key_value_heads={max(1, SHRUNK_HEADS * kv // heads)}",
+        f"data.seq_len={seq}",
+        f"precision={fit.precision.name}",
+        f"memory={fit.memory.policy}",
+        f"train.micro_batch={fit.micro_batch}",
+        f"train.grad_accum={fit.grad_accum}",
+        "train.max_steps=2",
+        "train.save_final=false",
+        "train.save_every=0",
+        "train.progress=false",
+        "optim.warmup_steps=1",
+        "train.compile_backend=aot_eager",
+        "data.num_workers=0",
+    ]
     if fit.memory.policy != "none":
-        out += [f"memory.layers={fit.memory.layers}", f"memory.granularity={fit.memory.granularity}",
-                f"memory.offload={str(fit.memory.offload).lower()}"]
+        out += [
+            f"memory.layers={fit.memory.layers}",
+            f"memory.granularity={fit.memory.granularity}",
+            f"memory.offload={str(fit.memory.offload).lower()}",
+        ]
     if arch.get("sliding_window"):
         out.append(f"model.arch.sliding_window={max(16, int(arch['sliding_window'] * scale))}")
     if job.attn.window:

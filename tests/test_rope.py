@@ -27,36 +27,57 @@ def _llama(**kw) -> LlamaConfig:
 
 def test_context_limits_of_published_configs():
     assert context_limits(_llama(max_position_embeddings=4096)) == ContextLimits(4096, 4096)
-    llama31 = _llama(max_position_embeddings=131072, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
+    llama31 = _llama(
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    )
     assert context_limits(llama31) == ContextLimits(8192, 131072, "llama3", 8.0)
     longchat = _llama(max_position_embeddings=16384, rope_parameters={"rope_type": "linear", "factor": 8.0})
     assert context_limits(longchat) == ContextLimits(2048, 16384, "linear", 8.0)
-    qwen_yarn = _llama(max_position_embeddings=32768, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    qwen_yarn = _llama(
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    )
     assert context_limits(qwen_yarn).supported == 131072
 
 
-@pytest.mark.parametrize("scaling,max_pos", [
-    ({"rope_type": "yarn", "factor": 2.0}, 8192), ({"rope_type": "linear", "factor": 2}, 8192),
-    ({"rope_type": "dynamic", "factor": 2.0}, 4096),  # NTK reads max_position_embeddings as the trained length
-    ({"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, 8192),
-])
+@pytest.mark.parametrize(
+    "scaling,max_pos",
+    [
+        ({"rope_type": "yarn", "factor": 2.0}, 8192),
+        ({"rope_type": "linear", "factor": 2}, 8192),
+        ({"rope_type": "dynamic", "factor": 2.0}, 4096),  # NTK reads max_position_embeddings as the trained length
+        ({"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, 8192),
+    ],
+)
 def test_model_rope_scaling_goes_into_the_hf_config(scaling, max_pos):
-    cfg = build_hf_config(ModelConfig(init="random", arch={"model_type": "llama", "max_position_embeddings": 4096,
-                                                           "hidden_size": 64, "num_attention_heads": 4},
-                                      rope_scaling=RopeScalingConfig(**scaling)))
+    cfg = build_hf_config(
+        ModelConfig(
+            init="random",
+            arch={"model_type": "llama", "max_position_embeddings": 4096, "hidden_size": 64, "num_attention_heads": 4},
+            rope_scaling=RopeScalingConfig(**scaling),
+        )
+    )
     assert cfg.rope_parameters["rope_type"] == scaling["rope_type"]
     assert cfg.rope_parameters["factor"] == 2.0 and cfg.max_position_embeddings == max_pos
     assert context_limits(cfg) == ContextLimits(4096, 8192, cfg.rope_parameters["rope_type"], 2.0)
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("model.rope_scaling.rope_type=ntk", "model.rope_scaling.rope_type='ntk' is not valid"),
-    ("model.rope_scaling={rope_type:yarn,factor:0.5}", "model.rope_scaling.factor=0.5 must be >= 1"),
-    ("model.rope_scaling.scale=2", "scale"),  # a typo'd key fails at composition
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.rope_scaling.rope_type=ntk", "model.rope_scaling.rope_type='ntk' is not valid"),
+        ("model.rope_scaling={rope_type:yarn,factor:0.5}", "model.rope_scaling.factor=0.5 must be >= 1"),
+        ("model.rope_scaling.scale=2", "scale"),  # a typo'd key fails at composition
+    ],
+)
 def test_bad_rope_scaling_is_refused_by_key(tmp_path, override, needle):
     with pytest.raises(Exception, match=re.escape(needle)):
         make_job(tmp_path, override)
@@ -79,8 +100,13 @@ def test_check_context_names_both_lengths_and_every_option(caplog):
     with pytest.raises(UserError) as e:
         check_context(6000, limits, 8192, "split", False)
     msg = str(e.value)
-    for needle in ("6000 tokens", "trained on 4096 positions", "model.rope_scaling={rope_type:yarn,factor:2}",
-                   "data.seq_len=4096", "model.allow_long_context=true"):
+    for needle in (
+        "6000 tokens",
+        "trained on 4096 positions",
+        "model.rope_scaling={rope_type:yarn,factor:2}",
+        "data.seq_len=4096",
+        "model.allow_long_context=true",
+    ):
         assert needle in msg, needle
     check_context(6000, limits, 8192, "split", True)
     assert "training anyway" in caplog.text
@@ -101,8 +127,9 @@ def test_packed_rows_count_by_longest_document_not_row(tmp_path):
 
 @pytest.mark.slow
 def test_scaled_model_saved_by_flexengine_reloads_with_the_same_logits_past_the_old_limit(tmp_path):
-    trainer = build_trainer(make_job(tmp_path, *SMALL, "train.max_steps=2",
-                                     "model.rope_scaling={rope_type:yarn,factor:2.0}"), tmp_path)
+    trainer = build_trainer(
+        make_job(tmp_path, *SMALL, "train.max_steps=2", "model.rope_scaling={rope_type:yarn,factor:2.0}"), tmp_path
+    )
     assert trainer.data_report["longest_piece"] == 256  # documents do reach past position 128
     trainer.train()
     path = tmp_path / "checkpoints" / "step_2"
@@ -111,8 +138,9 @@ def test_scaled_model_saved_by_flexengine_reloads_with_the_same_logits_past_the_
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(0, 2048, (1, 256), generator=torch.Generator().manual_seed(0))
     ours = trainer.model.eval()
-    unscaled = AutoModelForCausalLM.from_config(LlamaConfig(**{**saved, "rope_parameters": None,
-                                                               "max_position_embeddings": 128})).eval()
+    unscaled = AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**saved, "rope_parameters": None, "max_position_embeddings": 128})
+    ).eval()
     unscaled.load_state_dict(hf.state_dict())
     with torch.no_grad():
         got = ours(input_ids=ids, position_ids=torch.arange(256)[None]).logits[:, 128:]

@@ -16,10 +16,19 @@ from tests.test_train import make_job
 STEPS, SAVE_EVERY, STOP_AT = 200, 40, 120
 # A model small enough for hundreds of steps in seconds on 2 cores (the point is the loop, not the math).
 SOAK = [
-    f"train.max_steps={STEPS}", f"train.save_every={SAVE_EVERY}", "train.micro_batch=2", "train.grad_accum=1",
-    "train.log_every=40", "data.seq_len=32", "data.demo_max_files=8", "model.arch.hidden_size=32",
-    "model.arch.intermediate_size=64", "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=2",
-    "model.arch.num_key_value_heads=1", "optim.warmup_steps=10",
+    f"train.max_steps={STEPS}",
+    f"train.save_every={SAVE_EVERY}",
+    "train.micro_batch=2",
+    "train.grad_accum=1",
+    "train.log_every=40",
+    "data.seq_len=32",
+    "data.demo_max_files=8",
+    "model.arch.hidden_size=32",
+    "model.arch.intermediate_size=64",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=2",
+    "model.arch.num_key_value_heads=1",
+    "optim.warmup_steps=10",
 ]
 RSS_GROWTH_LIMIT = 24 * 2**20  # bytes over the second half of the resumed run
 
@@ -64,4 +73,5 @@ def test_soak_periodic_saves_forced_stop_corrupt_checkpoint_resume(tmp_path, mon
     for run in (tmp_path / "straight", out):
         assert not list((run / "checkpoints").glob(".tmp*")), "leftover temp dirs"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(
-        [f"step_{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + [f"step_{STOP_AT}.corrupt"])
+        [f"step_{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + [f"step_{STOP_AT}.corrupt"]
+    )

@@ -69,7 +69,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         path.pop()
@@ -121,16 +121,26 @@ def test_package_has_no_import_cycle():
 
 def test_cycle_finder_sees_lazy_relative_and_package_cycles(tmp_path):
     # a lazy import inside a function closes the circle a -> b -> a
-    lazy = _write_package(tmp_path / "lazy", {
-        "__init__.py": "", "a.py": "from pkg.b import f\n",
-        "b.py": "def f():\n    from pkg.a import g\n    return g\n",
-    })
+    lazy = _write_package(
+        tmp_path / "lazy",
+        {
+            "__init__.py": "",
+            "a.py": "from pkg.b import f\n",
+            "b.py": "def f():\n    from pkg.a import g\n    return g\n",
+        },
+    )
     assert find_cycle(import_graph(lazy)) == ["pkg.a", "pkg.b", "pkg.a"]
     # relative imports, and a submodule importing a name its package __init__ re-exports from it
-    rel = _write_package(tmp_path / "rel", {
-        "__init__.py": "", "sub/__init__.py": "from .x import X\n", "sub/x.py": "X = 1\n",
-        "sub/y.py": "from . import X\n", "z.py": "from .sub import y\n",
-    })
+    rel = _write_package(
+        tmp_path / "rel",
+        {
+            "__init__.py": "",
+            "sub/__init__.py": "from .x import X\n",
+            "sub/x.py": "X = 1\n",
+            "sub/y.py": "from . import X\n",
+            "z.py": "from .sub import y\n",
+        },
+    )
     graph = import_graph(rel)
     assert graph["pkg.sub.y"] == {"pkg.sub"} and graph["pkg.z"] == {"pkg.sub.y"}
     assert find_cycle(graph) is None
@@ -148,11 +158,14 @@ def test_no_function_takes_more_than_six_positional_parameters():
     )
 
 
-@pytest.mark.parametrize(("source", "expected"), [
-    ("def f(a, b, c, d, e, f, g): pass", 7),
-    ("def f(a, b, /, c, *, d, e, f, g): pass", 3),  # keyword-only parameters are free
-    ("class C:\n    def m(self, a, b, *args, **kw): pass", 2),  # self and *args/**kwargs not counted
-])
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(a, b, c, d, e, f, g): pass", 7),
+        ("def f(a, b, /, c, *, d, e, f, g): pass", 3),  # keyword-only parameters are free
+        ("class C:\n    def m(self, a, b, *args, **kw): pass", 2),  # self and *args/**kwargs not counted
+    ],
+)
 def test_signature_counter(tmp_path, source, expected):
     pkg = _write_package(tmp_path, {"__init__.py": "", "m.py": source + "\n"})
     assert [s.positional for s in signatures(pkg)] == [expected]
@@ -163,8 +176,13 @@ def test_tests_import_helpers_not_conftest():
     offenders = []
     for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
-                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             if any(n.split(".")[-1] == "conftest" for n in names):
                 offenders.append(f"{path.relative_to(tests.parent)}:{node.lineno}")
     assert not offenders, "import shared helpers from tests.helpers (conftest is for fixtures): " + ", ".join(offenders)

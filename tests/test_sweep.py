@@ -31,8 +31,15 @@ def _read_csv(path: Path) -> list[dict]:
 def test_rows_come_from_each_jobs_files(tmp_path):
     # jobs created out of order, with 10 > 2 to catch a string sort of job numbers
     ok = _job(tmp_path, 10, ["attn=packed_doc", "memory=none"])
-    summary = {"tokens_per_s": 1000.0, "useful_tokens_per_s": 900.0, "mfu": 0.25, "peak_memory_bytes": 3 * 2**30,
-               "final_loss": 2.5, "steps": 20, "wall_s": 12.0}
+    summary = {
+        "tokens_per_s": 1000.0,
+        "useful_tokens_per_s": 900.0,
+        "mfu": 0.25,
+        "peak_memory_bytes": 3 * 2**30,
+        "final_loss": 2.5,
+        "steps": 20,
+        "wall_s": 12.0,
+    }
     (ok / "summary.json").write_text(json.dumps(summary))
     failed = _job(tmp_path, 2, ["attn=causal", "memory=none"])
     try:
@@ -68,8 +75,10 @@ def test_error_json_keeps_the_traceback(tmp_path):
 
 
 def test_labels_keep_only_what_varies():
-    rows = [{"job": "0", "overrides": "debug=fast attn=causal memory=none"},
-            {"job": "1", "overrides": "debug=fast attn=packed_doc memory=none"}]
+    rows = [
+        {"job": "0", "overrides": "debug=fast attn=causal memory=none"},
+        {"job": "1", "overrides": "debug=fast attn=packed_doc memory=none"},
+    ]
     assert varying_overrides(rows) == ["attn=causal", "attn=packed_doc"]
     assert varying_overrides(rows[:1]) == ["debug=fast attn=causal memory=none"]
 
@@ -83,9 +92,21 @@ def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
     """micro_batch=100000 asks for more rows than the demo data has: that job fails, the sweep goes on."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "flexengine.train", "-m", "debug=fast", "train.max_steps=2", "train.save_final=false",
-         "train.micro_batch=100000,2", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "flexengine.train",
+            "-m",
+            "debug=fast",
+            "train.max_steps=2",
+            "train.save_final=false",
+            "train.micro_batch=100000,2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = _read_csv(sweep / "sweep_summary.csv")
@@ -104,9 +125,15 @@ def test_plot_overlays_loss_curves_and_prints_bar_values(tmp_path):
     rows = []
     for num, lr in enumerate(("1e-3", "3e-3")):
         d = _job(tmp_path, num, ["debug=fast", f"optim.lr={lr}"])
-        summary = {"useful_tokens_per_s": 1234.0 * (num + 1), "peak_memory_bytes": (num + 1) * 2**30,
-                   "losses": [5.0, 4.0, 3.5, 3.0], "final_loss": 3.0, "steps": 4, "status": "ok",
-                   "eval": {"history": [{"step": 2, "loss": 4.2}, {"step": 4, "loss": 3.4}]}}
+        summary = {
+            "useful_tokens_per_s": 1234.0 * (num + 1),
+            "peak_memory_bytes": (num + 1) * 2**30,
+            "losses": [5.0, 4.0, 3.5, 3.0],
+            "final_loss": 3.0,
+            "steps": 4,
+            "status": "ok",
+            "eval": {"history": [{"step": 2, "loss": 4.2}, {"step": 4, "loss": 3.4}]},
+        }
         (d / "summary.json").write_text(json.dumps(summary))
         rows.append(job_row(d, str(num)))
     fig = write_plot(rows, tmp_path / "p.png")
@@ -136,9 +163,22 @@ def test_interrupted_job_row_and_non_training_sweep(tmp_path):
 
 
 def test_stats_multirun_writes_no_training_summary(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flexengine.data.stats", "-m", "debug=fast", "data.num_workers=0",
-                           "data.seq_len=128,256", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.data.stats",
+            "-m",
+            "debug=fast",
+            "data.num_workers=0",
+            "data.seq_len=128,256",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(tmp_path.glob("*/data_stats.json"))) == 2
     assert not (tmp_path / "sweep_summary.csv").exists()
@@ -149,9 +189,24 @@ def test_ctrl_c_stops_the_whole_multirun_and_marks_the_job_interrupted(tmp_path)
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "flexengine.train", "-m", "debug=fast", "train.max_steps=200",
-                             "data.num_workers=0", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "flexengine.train",
+            "-m",
+            "debug=fast",
+            "train.max_steps=200",
+            "data.num_workers=0",
+            "optim.lr=1e-3,2e-3",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 600
     for line in proc.stdout:  # wait until the first job is really training
         if "step 2/200" in line or time.time() > deadline:

@@ -33,8 +33,20 @@ def test_default_entry_point_runs_and_writes_everything(tmp_path):
     proc = run_cli("debug=fast", "train.max_steps=6", "train.save_every=3", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("steps", "tokens_seen", "useful_tokens_seen", "tokens_per_s", "useful_tokens_per_s",
-                "initial_loss", "final_loss", "losses", "peak_memory_bytes", "wall_s", "config", "block_density"):
+    for key in (
+        "steps",
+        "tokens_seen",
+        "useful_tokens_seen",
+        "tokens_per_s",
+        "useful_tokens_per_s",
+        "initial_loss",
+        "final_loss",
+        "losses",
+        "peak_memory_bytes",
+        "wall_s",
+        "config",
+        "block_density",
+    ):
         assert key in summary, key
     assert summary["steps"] == 6 and len(summary["losses"]) == 6
     assert summary["final_loss"] < summary["initial_loss"]
@@ -83,8 +95,14 @@ def test_accumulation_equals_one_big_batch(tmp_path, packing):
     grads, losses = [], []
     for micro, accum in ((1, 4), (4, 1)):
         trainer = build_trainer(
-            make_job(tmp_path, attn, f"train.micro_batch={micro}", f"train.grad_accum={accum}", "optim.grad_clip=0",
-                     "data.shuffle=false"),
+            make_job(
+                tmp_path,
+                attn,
+                f"train.micro_batch={micro}",
+                f"train.grad_accum={accum}",
+                "optim.grad_clip=0",
+                "data.shuffle=false",
+            ),
             tmp_path,
         )
         trainer.optimizer.step = lambda *a, **k: None  # keep the grads to compare them
@@ -97,6 +115,7 @@ def test_accumulation_equals_one_big_batch(tmp_path, packing):
 
 
 # --- bad input: one paragraph, no traceback, non-zero exit, before heavy work -----------------------------
+
 
 def _bad_jsonl(tmp_path: Path) -> Path:
     path = tmp_path / "train.jsonl"
@@ -128,8 +147,12 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, case):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "badmodel").mkdir()
     (tmp_path / "badmodel" / "config.json").write_text('{"model_type": "llama", ')
-    subs = {"tmp": str(tmp_path), "jsonl": str(_bad_jsonl(tmp_path)), "empty": str(tmp_path / "empty.jsonl"),
-            "badmodel": str(tmp_path / "badmodel")}
+    subs = {
+        "tmp": str(tmp_path),
+        "jsonl": str(_bad_jsonl(tmp_path)),
+        "empty": str(tmp_path / "empty.jsonl"),
+        "badmodel": str(tmp_path / "badmodel"),
+    }
     proc = run_cli(*[a.format(**subs) for a in args], f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr, proc.stderr[-2000:]
@@ -193,6 +216,7 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
 
 
 # --- trust: runs never mixed, signals end in a save + summary + 128+signal, data faults refused -----------------
+
 
 def _files(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*")) if p.is_file()}
@@ -287,8 +311,13 @@ def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatc
     assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("error, raised", [(TimeoutError("timed out"), TimeoutError),
-                                           (FileNotFoundError(2, "No such file or directory", "/x/y"), "UserError")])
+@pytest.mark.parametrize(
+    "error, raised",
+    [
+        (TimeoutError("timed out"), TimeoutError),
+        (FileNotFoundError(2, "No such file or directory", "/x/y"), "UserError"),
+    ],
+)
 def test_only_os_errors_with_a_path_become_a_path_message(tmp_path, monkeypatch, error, raised):
     """Before: every OSError, a timeout or a lost connection too, became "check the path and the disk"."""
     from flexengine import run as run_module
@@ -323,8 +352,21 @@ main()
 def test_signal_stopped_run_exits_128_plus_signal_without_traceback(tmp_path):
     # a preemptible job sets resume=auto from its first launch; hydra.run.dir pins its directory (before: refused,
     # "resume=auto without train.output_dir")
-    proc = subprocess.run([sys.executable, "-c", _SIGNAL_RUN, "debug=fast", "train.max_steps=5", "train.resume=auto",
-                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SIGNAL_RUN,
+            "debug=fast",
+            "train.max_steps=5",
+            "train.resume=auto",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
@@ -346,8 +388,13 @@ main()
 def test_ctrl_c_while_preparing_the_run_exits_130_without_traceback(tmp_path):
     """Before: Ctrl-C during tokenization or the model build (before the trainer's handlers exist) printed a
     KeyboardInterrupt traceback."""
-    proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_PREPARING, "debug=fast", f"hydra.run.dir={tmp_path}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_PREPARING, "debug=fast", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr  # Hydra's job log goes to stdout
     assert proc.returncode == 130, out[-3000:]
     assert "Traceback" not in out and "interrupted by SIGINT outside the training loop" in out
@@ -384,8 +431,9 @@ def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path)
     assert len(other.loader.plan.rows) == len(first.loader.plan.rows)  # the old check (row count) saw no change
     with pytest.raises(UserError, match="changed: corpus_sha256: '[0-9a-f]+' -> '[0-9a-f]+'.*resume_new_data"):
         other.resume("auto")
-    longer = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "data.seq_len=128", "train.micro_batch=1"),
-                           tmp_path)
+    longer = build_trainer(
+        make_job(tmp_path, *data, f"data.path={a}", "data.seq_len=128", "train.micro_batch=1"), tmp_path
+    )
     with pytest.raises(UserError, match="data.seq_len: 64 -> 128; train.micro_batch: 2 -> 1"):
         longer.resume("auto")
     # the same corpus, other training rows: before, only the corpus and config keys were compared

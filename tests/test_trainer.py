@@ -33,9 +33,12 @@ def _loader(micro_batch: int, n_docs: int = 60) -> RowLoader:
 
 
 def _trainer(tmp_path, model, *, micro_batch: int = 2, grad_accum: int = 2, **train) -> Trainer:
-    job = JobConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.0),
-                    train=TrainConfig(micro_batch=micro_batch, grad_accum=grad_accum, max_steps=3, progress=False,
-                                      save_final=False, **train))
+    job = JobConfig(
+        optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.0),
+        train=TrainConfig(
+            micro_batch=micro_batch, grad_accum=grad_accum, max_steps=3, progress=False, save_final=False, **train
+        ),
+    )
     job.data.seq_len = SEQ_LEN
     return Trainer(job, model, None, _loader(micro_batch), out_dir=tmp_path, device=CPU)
 
@@ -68,8 +71,9 @@ def test_one_step_matches_hf_loss_over_the_accumulation_window(tmp_path):
     reference.train()
     ref_loss = 0.0
     for b in batches:
-        out = reference(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                        num_items_in_batch=n_valid)
+        out = reference(
+            input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], num_items_in_batch=n_valid
+        )
         out.loss.backward()
         ref_loss += out.loss.item()
     assert m["loss"] == pytest.approx(ref_loss, rel=1e-5)

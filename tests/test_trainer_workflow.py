@@ -33,10 +33,22 @@ def _events(run_dir: Path) -> dict:
 
 def test_eval_best_retention_samples_and_logs(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="flexengine")
-    summary = run_training(make_job(
-        tmp_path, "train.max_steps=6", "data.eval_fraction=0.1", "train.eval_every=2", "train.eval_batches=2",
-        "train.save_every=1", "train.keep_last=2", "train.log_every=2", "optim.lr=3e-3",
-        'train.sample_prompts=["def main("]', "train.sample_tokens=3"), tmp_path)
+    summary = run_training(
+        make_job(
+            tmp_path,
+            "train.max_steps=6",
+            "data.eval_fraction=0.1",
+            "train.eval_every=2",
+            "train.eval_batches=2",
+            "train.save_every=1",
+            "train.keep_last=2",
+            "train.log_every=2",
+            "optim.lr=3e-3",
+            'train.sample_prompts=["def main("]',
+            "train.sample_tokens=3",
+        ),
+        tmp_path,
+    )
     ev = summary["eval"]
     assert [e["step"] for e in ev["history"]] == [2, 4, 6]
     best = min(ev["history"], key=lambda e: e["loss"])
@@ -66,8 +78,9 @@ def test_eval_best_retention_samples_and_logs(tmp_path, caplog):
 
 def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
     """Packed, masked eval == the token-weighted mean of HF's own loss on each held-out document alone."""
-    trainer = build_trainer(make_job(tmp_path, "data.eval_fraction=0.1", "data.seq_len=256",
-                                     "data.long_docs=truncate"), tmp_path)
+    trainer = build_trainer(
+        make_job(tmp_path, "data.eval_fraction=0.1", "data.seq_len=256", "data.long_docs=truncate"), tmp_path
+    )
     from transformers import AutoModelForCausalLM
 
     # an independent model: HF's eager attention, same weights, none of our patching
@@ -81,7 +94,7 @@ def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
         for row in held.plan.rows:
             for doc, start, length in row:
                 a = held.corpus.offsets[doc] + start
-                ids = torch.tensor(held.corpus.tokens[a:a + length], dtype=torch.long)[None]
+                ids = torch.tensor(held.corpus.tokens[a : a + length], dtype=torch.long)[None]
                 out = ref_model(input_ids=ids, labels=ids)
                 total += out.loss.item() * (length - 1)
                 count += length - 1
@@ -91,8 +104,18 @@ def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
 
 def test_early_stop_keeps_best_and_resumed_from(tmp_path):
     # lr=0: the eval loss never improves after the first evaluation, so patience 1 stops at the second
-    summary = run_training(make_job(tmp_path, "train.max_steps=8", "data.eval_fraction=0.1", "train.eval_every=2",
-                                    "train.eval_batches=1", "train.early_stop_patience=1", "optim.lr=0"), tmp_path)
+    summary = run_training(
+        make_job(
+            tmp_path,
+            "train.max_steps=8",
+            "data.eval_fraction=0.1",
+            "train.eval_every=2",
+            "train.eval_batches=1",
+            "train.early_stop_patience=1",
+            "optim.lr=0",
+        ),
+        tmp_path,
+    )
     assert summary["stopped_early"] and summary["steps"] == 4
     assert summary["eval"]["best_step"] == 2 and summary["status"] == "ok"
     ckpts = tmp_path / "checkpoints"
@@ -106,7 +129,11 @@ def test_keep_last_never_deletes_best_or_resumed_from(tmp_path):
     deleted = prune_checkpoints(tmp_path, keep_last=2, protect=(tmp_path / "step_2",))
     assert sorted(p.name for p in deleted) == ["step_3"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
-        "step_1", "step_2", "step_4", "step_5"]
+        "step_1",
+        "step_2",
+        "step_4",
+        "step_5",
+    ]
     assert prune_checkpoints(tmp_path, keep_last=0) == []  # 0 keeps everything
 
 

@@ -43,8 +43,7 @@ class BatchMask:
         """(query, key) pairs the backend computes per layer and head, summed over rows: flex runs whole
         blocks (a 0-d tensor: no host sync), the dense backend each chunk's query x key rectangle (an int)."""
         if self.dense_chunks is not None:
-            return sum(c.mask_B1QK.shape[0] * (c.q_end - c.q_start) * (c.q_end - c.kv_start)
-                       for c in self.dense_chunks)
+            return sum(c.mask_B1QK.shape[0] * (c.q_end - c.q_start) * (c.q_end - c.kv_start) for c in self.dense_chunks)
         return self.computed_blocks * self.block_size**2
 
     @property
@@ -95,13 +94,19 @@ def document_block_mask(documents: bool, document_ids_BS: Tensor, window: Option
     kv_num, kv_idx = _ordered_blocks(partial)
     full_num, full_idx = _ordered_blocks(all_allowed)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-        mask_mod=get_mask_mod(document_ids_BS if documents else None, window), seq_lengths=(S, S),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=get_mask_mod(document_ids_BS if documents else None, window),
+        seq_lengths=(S, S),
     )
 
 
-def block_occupancy(documents: bool, document_ids_BS: Tensor, window: Optional[int],
-                    block_size: int) -> tuple[Tensor, Tensor]:
+def block_occupancy(
+    documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int
+) -> tuple[Tensor, Tensor]:
     """(some pair may attend, every pair attends) per (q block, kv block): two [B, nq, nk] bool tensors.
 
     document_ids_BS must be monotonic along each row (`canonical_document_ids`). A ragged tail is padded with
@@ -173,29 +178,45 @@ def build_batch_mask(
         computed = block_mask.kv_num_blocks.sum()
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()
-        return BatchMask(documents, window, backend, block_mask=block_mask, computed_blocks=computed,
-                         causal_blocks=causal_blocks, block_size=block_size)
+        return BatchMask(
+            documents,
+            window,
+            backend,
+            block_mask=block_mask,
+            computed_blocks=computed,
+            causal_blocks=causal_blocks,
+            block_size=block_size,
+        )
     if backend is AttnBackend.VARLEN:
         # one sequence per row unless packed: the causal/sliding_window masks ignore document ids
         ids = document_ids_BS if documents else torch.zeros_like(document_ids_BS)
         plan_calls(ids, window or 0)  # planned now, on the host, once per batch (every layer finds it)
         return BatchMask(
-            documents, window, backend, varlen_ids=ids,
+            documents,
+            window,
+            backend,
+            varlen_ids=ids,
             computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
-            causal_blocks=causal_blocks, block_size=block_size,
+            causal_blocks=causal_blocks,
+            block_size=block_size,
         )
     if backend is AttnBackend.DENSE:
         chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
         return BatchMask(
-            documents, window, backend, dense_chunks=chunks,
+            documents,
+            window,
+            backend,
+            dense_chunks=chunks,
             computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
-            causal_blocks=causal_blocks, block_size=block_size,
+            causal_blocks=causal_blocks,
+            block_size=block_size,
         )
     raise ValueError(f"unknown mask backend {backend!r}")
 
 
-def _dense_chunks(documents: bool, mask_mod, document_ids_BS: Tensor, window: Optional[int],
-                  chunk: int) -> list[DenseChunk]:
+def _dense_chunks(
+    documents: bool, mask_mod, document_ids_BS: Tensor, window: Optional[int], chunk: int
+) -> list[DenseChunk]:
     # Keys before the earliest document start of a query chunk (or before its window) can never be attended,
     # so each chunk's SDPA call skips them: dense cost follows the documents, not S^2. Exact either way: the
     # mask still decides inside the kept range. Reading the starts costs one host sync per batch (CPU backend).

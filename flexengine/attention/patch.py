@@ -59,8 +59,10 @@ class LayerMasks:
         """The mask of a layer that received `sliding_window=hf_window` from HF."""
         mask = self.by_hf_window.get(hf_window)
         if mask is None:
-            raise RuntimeError(f"flexengine attention: a layer passed sliding_window={hf_window}, which the model "
-                               f"config did not announce ({sorted(map(str, self.by_hf_window))})")
+            raise RuntimeError(
+                f"flexengine attention: a layer passed sliding_window={hf_window}, which the model "
+                f"config did not announce ({sorted(map(str, self.by_hf_window))})"
+            )
         return mask
 
     @property
@@ -106,14 +108,21 @@ def flexengine_attention(
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
     elif mask.varlen_ids is not None:
         if dropout:
-            raise NotImplementedError("attn.backend=varlen has no attention dropout; use attn.backend=dense "
-                                      "or set the model's attention_dropout=0")
+            raise NotImplementedError(
+                "attn.backend=varlen has no attention dropout; use attn.backend=dense "
+                "or set the model's attention_dropout=0"
+            )
         return varlen_attention(query, key, value, mask.varlen_ids, mask.window, scaling), None
     else:
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, c.q_start : c.q_end], key[:, :, c.kv_start : c.q_end], value[:, :, c.kv_start : c.q_end],
-                attn_mask=c.mask_B1QK, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+                query[:, :, c.q_start : c.q_end],
+                key[:, :, c.kv_start : c.q_end],
+                value[:, :, c.kv_start : c.q_end],
+                attn_mask=c.mask_B1QK,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=gqa,
             )
             for c in mask.dense_chunks
         ]
@@ -132,8 +141,10 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
     segment (`fold_padding`). Recorded in `model.flexengine.attention`.
     """
     if len(spec.layer_windows) != model.config.num_hidden_layers:
-        raise ValueError(f"the spec has {len(spec.layer_windows)} layer windows, the model "
-                         f"{model.config.num_hidden_layers} layers: resolve it from this model's config")
+        raise ValueError(
+            f"the spec has {len(spec.layer_windows)} layer windows, the model "
+            f"{model.config.num_hidden_layers} layers: resolve it from this model's config"
+        )
     record = applied(model)
     if record.mask_hook is not None:
         record.mask_hook.remove()
@@ -198,8 +209,9 @@ def patch_attention(
     one-document-per-row baseline). window: None = the model's own (per layer). device: where the model runs
     (decides `auto`).
     """
-    attn = AttnConfig(mode=mode, backend=backend, window=window, block_size=block_size, compile=compile,
-                      dense_chunk=dense_chunk)
+    attn = AttnConfig(
+        mode=mode, backend=backend, window=window, block_size=block_size, compile=compile, dense_chunk=dense_chunk
+    )
     return apply_attention(model, resolve_attention_spec(attn, model.config, device=device))
 
 
@@ -243,9 +255,14 @@ def mask_kwargs(model: nn.Module, document_ids_BS: Tensor, separate_documents: b
     by_hf = {}
     for hf_window, window in spec.mask_windows.items():
         if window not in built:
-            built[window] = build_batch_mask(document_ids_BS, documents=spec.documents or separate_documents,
-                                             window=window, backend=spec.backend, block_size=spec.block_size,
-                                             dense_chunk=spec.dense_chunk)
+            built[window] = build_batch_mask(
+                document_ids_BS,
+                documents=spec.documents or separate_documents,
+                window=window,
+                backend=spec.backend,
+                block_size=spec.block_size,
+                dense_chunk=spec.dense_chunk,
+            )
         by_hf[hf_window] = built[window]
     return {MASK_KWARG: LayerMasks(spec, by_hf)}
 

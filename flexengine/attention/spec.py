@@ -65,9 +65,16 @@ class AttentionSpec:
         """JSON-ready form (summary.json, doctor)."""
         windows = sorted({w for w in self.layer_windows if w is not None})
         one = len(windows) == 1 and None not in self.layer_windows  # the same window on every layer
-        return {"mode": self.mode.value, "backend": self.backend.value, "documents": self.documents,
-                "window": windows[0] if one else (windows or None), "layer_windows": list(self.layer_windows),
-                "window_source": self.window_source, "block_size": self.block_size, "compile": self.compile}
+        return {
+            "mode": self.mode.value,
+            "backend": self.backend.value,
+            "documents": self.documents,
+            "window": windows[0] if one else (windows or None),
+            "layer_windows": list(self.layer_windows),
+            "window_source": self.window_source,
+            "block_size": self.block_size,
+            "compile": self.compile,
+        }
 
     def describe(self) -> str:
         """One log line: mode, backend and the windows with their source."""
@@ -75,8 +82,7 @@ class AttentionSpec:
         for w in self.layer_windows:
             groups[w] = groups.get(w, 0) + 1
         windows = ", ".join(f"{'none' if w is None else w} on {n} layer{'s' * (n > 1)}" for w, n in groups.items())
-        return (f"mode={self.mode.value} backend={self.backend.value} window: {windows} "
-                f"(from {self.window_source})")
+        return f"mode={self.mode.value} backend={self.backend.value} window: {windows} (from {self.window_source})"
 
 
 def resolve_backend(backend: str, device: Optional[torch.device] = None) -> AttnBackend:
@@ -102,8 +108,10 @@ def native_layer_windows(hf_config) -> tuple[tuple[Optional[int], ...], str]:
         return (window,) * n_layers, f"the model config: sliding_window={window} on every layer"
     unknown = sorted(set(layer_types) - {SLIDING_LAYER, FULL_LAYER})
     if unknown:
-        raise UserError(f"the model config's layer_types has {unknown}: flexengine masks only {SLIDING_LAYER!r} "
-                        f"and {FULL_LAYER!r} layers; use attn.backend=sdpa for this model.")
+        raise UserError(
+            f"the model config's layer_types has {unknown}: flexengine masks only {SLIDING_LAYER!r} "
+            f"and {FULL_LAYER!r} layers; use attn.backend=sdpa for this model."
+        )
     if len(layer_types) != n_layers:
         raise UserError(f"the model config has {len(layer_types)} layer_types for {n_layers} layers.")
     windows = tuple(window if t == SLIDING_LAYER else None for t in layer_types)
@@ -118,27 +126,46 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
     windowed_layers = [i for i, w in enumerate(native) if w is not None]
     if not backend.patched:
         if mode is not AttnMode.CAUSAL:
-            raise UserError(f"attn.backend=sdpa is HF's own causal attention; attn={mode.value} needs "
-                            "attn.backend=flex, varlen, dense or auto.")
-        return AttentionSpec(mode, backend, native, native, f"HF's own attention ({native_source})",
-                             attn.block_size, attn.dense_chunk, attn.compile)
+            raise UserError(
+                f"attn.backend=sdpa is HF's own causal attention; attn={mode.value} needs "
+                "attn.backend=flex, varlen, dense or auto."
+            )
+        return AttentionSpec(
+            mode,
+            backend,
+            native,
+            native,
+            f"HF's own attention ({native_source})",
+            attn.block_size,
+            attn.dense_chunk,
+            attn.compile,
+        )
     if mode.windowed:
         if attn.window is not None:
             # on the model's windowed layers only (its full-attention layers stay full), every layer if none
             layers = windowed_layers or range(len(native))
             windows = tuple(attn.window if i in layers else None for i in range(len(native)))
-            source = f"attn.window={attn.window}" + (f" on the model's {len(windowed_layers)} windowed layers"
-                                                     if 0 < len(windowed_layers) < len(native) else "")
+            source = f"attn.window={attn.window}" + (
+                f" on the model's {len(windowed_layers)} windowed layers"
+                if 0 < len(windowed_layers) < len(native)
+                else ""
+            )
         elif windowed_layers:
             windows, source = native, native_source
         else:
-            raise UserError(f"attn={mode.value} needs a window, and {native_source} gives none: set attn.window=N "
-                            "(tokens), or use attn=packed_doc.")
+            raise UserError(
+                f"attn={mode.value} needs a window, and {native_source} gives none: set attn.window=N "
+                "(tokens), or use attn=packed_doc."
+            )
     else:
         windows = (None,) * len(native)
         source = f"attn={mode.value} (no window)"
         if windowed_layers:
-            log.warning("the model has its own sliding window (%s) but attn=%s attends to whole documents; use "
-                        "attn=packed_sliding to keep the model's window", native_source, mode.value)
+            log.warning(
+                "the model has its own sliding window (%s) but attn=%s attends to whole documents; use "
+                "attn=packed_sliding to keep the model's window",
+                native_source,
+                mode.value,
+            )
             source += f"; the model's own window is not used ({native_source})"
     return AttentionSpec(mode, backend, windows, native, source, attn.block_size, attn.dense_chunk, attn.compile)

@@ -55,9 +55,7 @@ def document_runs(document_ids_BS: Tensor) -> list[list[tuple[int, int]]]:
     return runs
 
 
-def build_varlen_plan(
-    runs: list[list[tuple[int, int]]], window: Optional[int], chunk: Optional[int] = None
-) -> Tensor:
+def build_varlen_plan(runs: list[list[tuple[int, int]]], window: Optional[int], chunk: Optional[int] = None) -> Tensor:
     """Spans covering every query of every row once: int64 [spans, 4] (kind, row, q_start, q_len), sorted so
     that spans of one kernel call are adjacent. runs: per row, the (start, length) of each document."""
     spans = []
@@ -182,8 +180,13 @@ def _varlen_forward(
         mask = None if causal else _band_mask(q_len, window, q.dtype, q.device)
         k_where = _shift(where, k_off)
         o, o_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _gather(q, where, q_len), _gather(k, k_where, k_len), _gather(v, k_where, k_len),
-            0.0, causal, attn_mask=mask, scale=scale,
+            _gather(q, where, q_len),
+            _gather(k, k_where, k_len),
+            _gather(v, k_where, k_len),
+            0.0,
+            causal,
+            attn_mask=mask,
+            scale=scale,
         )
         _put(out_BHSD, o, where, q_len, accumulate=False)
         _put(lse_BHS1, o_lse[..., None], where, q_len, accumulate=False)
@@ -211,7 +214,8 @@ def _varlen_backward(
     calls = plan_calls(document_ids, window)
     if _whole_batch(calls, q.shape):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_BHSD, q, k, v, out_BHSD, lse_BHS1[..., 0], 0.0, True, scale=scale)
+            grad_BHSD, q, k, v, out_BHSD, lse_BHS1[..., 0], 0.0, True, scale=scale
+        )
         return tuple(_like(g, x) for g, x in zip(grads, (q, k, v)))
     overlap = any(kind == BAND for kind, _, _ in calls)  # windowed chunks share keys: accumulate
     dq = torch.empty_like(q)  # the spans partition the queries: every element is written once
@@ -221,9 +225,16 @@ def _varlen_backward(
         mask = None if causal else _band_mask(q_len, window, q.dtype, q.device)
         k_where = _shift(where, k_off)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _gather(grad_BHSD, where, q_len), _gather(q, where, q_len), _gather(k, k_where, k_len),
-            _gather(v, k_where, k_len), _gather(out_BHSD, where, q_len), _gather(lse_BHS1, where, q_len)[..., 0],
-            0.0, causal, attn_mask=mask, scale=scale,
+            _gather(grad_BHSD, where, q_len),
+            _gather(q, where, q_len),
+            _gather(k, k_where, k_len),
+            _gather(v, k_where, k_len),
+            _gather(out_BHSD, where, q_len),
+            _gather(lse_BHS1, where, q_len)[..., 0],
+            0.0,
+            causal,
+            attn_mask=mask,
+            scale=scale,
         )
         _put(dq, gq, where, q_len, accumulate=False)
         _put(dk, gk, k_where, k_len, accumulate=overlap)
@@ -254,7 +265,11 @@ _varlen_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def varlen_attention(
-    q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, document_ids_BS: Tensor, window: Optional[int],
+    q_BHSD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    document_ids_BS: Tensor,
+    window: Optional[int],
     scale: Optional[float],
 ) -> Tensor:
     """Per-document attention: q [B, Hq, S, D], k/v [B, Hkv, S, D], document ids [B, S] (runs of equal ids are

@@ -77,7 +77,7 @@ def array_sha256(array: np.ndarray, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     flat = array.reshape(-1)
     for start in range(0, len(flat), chunk):
-        h.update(np.ascontiguousarray(flat[start:start + chunk]).tobytes())
+        h.update(np.ascontiguousarray(flat[start : start + chunk]).tobytes())
     return h.hexdigest()
 
 
@@ -147,8 +147,13 @@ class CorpusWriter:
         np.save(self.tmp / "offsets.npy", offsets)
         mask_sha = self.mask.sha256.hexdigest() if self.mask is not None and self.masked_tokens else None
         digest = corpus_digest(self.tokens.sha256.hexdigest(), offsets, mask_sha)
-        meta = {**meta, "documents": len(self.lengths), "tokens": int(offsets[-1]), "masked_tokens": self.masked_tokens,
-                "content_sha256": digest}
+        meta = {
+            **meta,
+            "documents": len(self.lengths),
+            "tokens": int(offsets[-1]),
+            "masked_tokens": self.masked_tokens,
+            "content_sha256": digest,
+        }
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if self.directory.exists() and not (self.directory / "meta.json").exists():
             shutil.rmtree(self.directory)  # an entry damaged by hand; complete ones always have meta.json

@@ -138,8 +138,13 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
                 f"conversations longer than data.seq_len dropped: {chats['dropped']})."
             )
         seconds = time.perf_counter() - start
-        meta = {"key": key_inputs, "skipped": bad.counts, "tokenize_s": seconds, "num_workers": data.num_workers,
-                "chats": chats}
+        meta = {
+            "key": key_inputs,
+            "skipped": bad.counts,
+            "tokenize_s": seconds,
+            "num_workers": data.num_workers,
+            "chats": chats,
+        }
         writer.commit(meta)
     except BaseException:
         writer.abort()
@@ -148,7 +153,11 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
         bar.close()
     log.info(
         "data: tokenized %d documents (%d tokens) in %.1f s with %d worker(s); cached in %s",
-        len(writer.lengths), sum(writer.lengths), seconds, max(1, data.num_workers), directory,
+        len(writer.lengths),
+        sum(writer.lengths),
+        seconds,
+        max(1, data.num_workers),
+        directory,
     )
     return directory
 
@@ -172,7 +181,21 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
         log.warning("data: skipped %d bad records %s (data.on_error=skip)", sum(skipped.values()), skipped)
     chats = dict(meta.get("chats", {}))
     if any(chats.values()):
-        log.warning("data: conversations longer than data.seq_len=%d: %d truncated at a turn boundary, %d dropped "
-                    "(data.long_chats=%s)", data.seq_len, chats["truncated"], chats["dropped"], data.long_chats)
-    return Corpus(tokens, offsets, loss_mask, skipped, chats=chats, cache_path=directory, cache_hit=hit,
-                  digest=meta.get("content_sha256"))
+        log.warning(
+            "data: conversations longer than data.seq_len=%d: %d truncated at a turn boundary, %d dropped "
+            "(data.long_chats=%s)",
+            data.seq_len,
+            chats["truncated"],
+            chats["dropped"],
+            data.long_chats,
+        )
+    return Corpus(
+        tokens,
+        offsets,
+        loss_mask,
+        skipped,
+        chats=chats,
+        cache_path=directory,
+        cache_hit=hit,
+        digest=meta.get("content_sha256"),
+    )

@@ -57,8 +57,17 @@ def _template_text(tokenizer) -> str:
 class Encoder:
     """Encodes batches of RawDoc for one format with one tokenizer."""
 
-    def __init__(self, tokenizer, fmt: str, add_eos: bool = True, *, train_on: str = "assistant",
-                 assistant_mask: str = "template", max_len: Optional[int] = None, long_chats: str = "split"):
+    def __init__(
+        self,
+        tokenizer,
+        fmt: str,
+        add_eos: bool = True,
+        *,
+        train_on: str = "assistant",
+        assistant_mask: str = "template",
+        max_len: Optional[int] = None,
+        long_chats: str = "split",
+    ):
         self.tokenizer, self.format, self.add_eos = tokenizer, fmt, add_eos
         self.train_on, self.max_len, self.long_chats = train_on, max_len, long_chats
         self.mask_source = assistant_mask
@@ -80,15 +89,23 @@ class Encoder:
                     )
                 self.mask_source = "prefix"  # train_on=all: turn boundaries (for truncation) only
             if self.mask_source == "prefix" and not getattr(tokenizer, "is_fast", False):
-                raise UserError("data.assistant_mask=prefix needs a fast (Rust) tokenizer for token offsets; "
-                                "this one is slow.")
+                raise UserError(
+                    "data.assistant_mask=prefix needs a fast (Rust) tokenizer for token offsets; this one is slow."
+                )
         self.vocab_size = len(tokenizer)
 
     @classmethod
     def from_config(cls, tokenizer, data: DataConfig) -> "Encoder":
         """The encoder data.* describes."""
-        return cls(tokenizer, data.format, data.add_eos, train_on=data.train_on, assistant_mask=data.assistant_mask,
-                   max_len=data.seq_len, long_chats=data.long_chats)
+        return cls(
+            tokenizer,
+            data.format,
+            data.add_eos,
+            train_on=data.train_on,
+            assistant_mask=data.assistant_mask,
+            max_len=data.seq_len,
+            long_chats=data.long_chats,
+        )
 
     def encode_batch(self, docs: Sequence[RawDoc]) -> list[Any]:
         """Encoded, Rejected or Dropped per document, in order."""
@@ -125,9 +142,7 @@ class Encoder:
         return out
 
     def _render(self, messages: list, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def assistant_char_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the [start, end) character spans of its assistant turns.
@@ -154,8 +169,9 @@ class Encoder:
     def _chat_ids_and_mask(self, messages: list) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of the rendered conversation and its assistant-token mask."""
         if self.mask_source == "template":
-            enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True)
+            enc = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
             return np.asarray(enc["input_ids"], dtype=TOKEN_DTYPE), np.asarray(enc["assistant_masks"], dtype=bool)
         text, spans = self.assistant_char_spans(messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -178,9 +194,11 @@ class Encoder:
             ends = np.flatnonzero(mask & ~np.append(mask[1:], False)) + 1
             fitting = ends[ends <= self.max_len]
             if self.long_chats == "drop" or not len(fitting):
-                return Dropped("chat_too_long", f"{doc.where}: {len(ids)} tokens > data.seq_len={self.max_len}"
-                                                + ("" if self.long_chats == "drop" else
-                                                   " and its first assistant turn ends beyond it"))
+                return Dropped(
+                    "chat_too_long",
+                    f"{doc.where}: {len(ids)} tokens > data.seq_len={self.max_len}"
+                    + ("" if self.long_chats == "drop" else " and its first assistant turn ends beyond it"),
+                )
             ids, mask, truncated = ids[: fitting[-1]], mask[: fitting[-1]], True
         return Encoded(ids, mask if self.train_on == "assistant" else None, truncated)
 

@@ -20,8 +20,15 @@ def row_token_counts(plan: PackPlan) -> np.ndarray:
 
 
 def epoch_order(
-    row_tokens: np.ndarray, *, seed: int, epoch: int, micro_batch: int, shuffle: bool = True, bucket: bool = False,
-    rank: int = 0, world_size: int = 1,
+    row_tokens: np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    micro_batch: int,
+    shuffle: bool = True,
+    bucket: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> np.ndarray:
     """Row indices one rank reads in one epoch, consecutive micro_batch rows forming a batch; depends only on
     (seed, epoch) and the row lengths, which is what makes resuming exact."""
@@ -52,8 +59,9 @@ def batch_useful_fraction(
     return float(batches.sum() / max(1, (width * micro_batch).sum()))
 
 
-def make_batch(corpus: Corpus, plan: PackPlan, rows: Sequence[int], seq_len: int, pad_id: int,
-               trim_padding: bool = False) -> dict[str, torch.Tensor]:
+def make_batch(
+    corpus: Corpus, plan: PackPlan, rows: Sequence[int], seq_len: int, pad_id: int, trim_padding: bool = False
+) -> dict[str, torch.Tensor]:
     """The micro-batch of the given plan rows (-1 = an all-padding row that has no target); trim_padding cuts
     it to its longest row."""
     segments = [plan.rows[r] if r >= 0 else [] for r in rows]
@@ -99,19 +107,28 @@ class HeldOut:
             yield make_batch(self.corpus, self.plan, rows, self.seq_len, self.pad_id, self.trim_padding)
 
 
-def data_plan_fingerprint(corpus: Corpus, plan: PackPlan, *, data: DataConfig, micro_batch: int, world_size: int,
-                          cp: int, seed: int) -> dict:
+def data_plan_fingerprint(
+    corpus: Corpus, plan: PackPlan, *, data: DataConfig, micro_batch: int, world_size: int, cp: int, seed: int
+) -> dict:
     """What the order and content of the batches depend on, by config key: stored in every checkpoint, so a
     resume onto another data stream (other documents, held-out split, mixture, seq_len, packing, micro_batch,
     ranks, context parallelism, seed) is noticed. `rows_sha256` covers every input that changes the packed
     training rows; the named keys beside it say which setting changed. cp: the world_size / cp data-parallel
     groups each read their own rows, so another parallel.cp at the same world size gives a rank other rows."""
     return {
-        "corpus_sha256": corpus.fingerprint(), "documents": len(corpus), "data.seq_len": data.seq_len,
-        "data.packing": data.packing, "data.long_docs": data.long_docs, "data.shuffle": data.shuffle,
-        "data.bucket": data.bucket, "data.eval_fraction": data.eval_fraction,
-        "data.mix": [f"{m.path}:{m.weight:g}" for m in data.mix], "train.micro_batch": micro_batch,
-        "world_size": world_size, "parallel.cp": cp, "train.seed": seed,
+        "corpus_sha256": corpus.fingerprint(),
+        "documents": len(corpus),
+        "data.seq_len": data.seq_len,
+        "data.packing": data.packing,
+        "data.long_docs": data.long_docs,
+        "data.shuffle": data.shuffle,
+        "data.bucket": data.bucket,
+        "data.eval_fraction": data.eval_fraction,
+        "data.mix": [f"{m.path}:{m.weight:g}" for m in data.mix],
+        "train.micro_batch": micro_batch,
+        "world_size": world_size,
+        "parallel.cp": cp,
+        "train.seed": seed,
         "rows_sha256": plan.sha256(),  # last: listed after its cause
     }
 
@@ -158,15 +175,22 @@ class RowLoader:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """Row indices of this rank for one epoch, grouped so consecutive micro_batch rows form a batch."""
         return epoch_order(
-            self.row_tokens, seed=self.seed, epoch=epoch, micro_batch=self.micro_batch, shuffle=self.shuffle,
-            bucket=self.bucket, rank=self.rank, world_size=self.world_size,
+            self.row_tokens,
+            seed=self.seed,
+            epoch=epoch,
+            micro_batch=self.micro_batch,
+            shuffle=self.shuffle,
+            bucket=self.bucket,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     def useful_fraction(self, epoch: int = 0) -> float:
         """Non-padding tokens / tokens computed over one epoch of this rank (trim_padding cuts each batch to its
         longest row, so this is what one-document-per-row training really pays for padding)."""
-        return batch_useful_fraction(self.row_tokens, self._epoch_order(epoch), self.micro_batch, self.seq_len,
-                                     self.trim_padding)
+        return batch_useful_fraction(
+            self.row_tokens, self._epoch_order(epoch), self.micro_batch, self.seq_len, self.trim_padding
+        )
 
     @property
     def batches_per_epoch(self) -> int:

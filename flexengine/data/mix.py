@@ -38,8 +38,10 @@ def _concatenate(parts: list[Corpus], data: DataConfig) -> Corpus:
             for part in parts:
                 for d in range(len(part)):
                     a, b = part.offsets[d], part.offsets[d + 1]
-                    writer.append(np.asarray(part.tokens[a:b]),
-                                  None if part.loss_mask is None else np.asarray(part.loss_mask[a:b]))
+                    writer.append(
+                        np.asarray(part.tokens[a:b]),
+                        None if part.loss_mask is None else np.asarray(part.loss_mask[a:b]),
+                    )
             writer.commit({"parts": [str(p.cache_path) for p in parts], "skipped": {}})
         except BaseException:
             writer.abort()
@@ -64,8 +66,9 @@ def build_sources(data: DataConfig, tokenizer) -> tuple[Corpus, Optional[np.ndar
     return _concatenate(parts, data), source_of
 
 
-def mix_documents(lengths: np.ndarray, source_of: np.ndarray, candidates: np.ndarray, mix: list[MixSource],
-                  seed: int) -> tuple[np.ndarray, list[dict]]:
+def mix_documents(
+    lengths: np.ndarray, source_of: np.ndarray, candidates: np.ndarray, mix: list[MixSource], seed: int
+) -> tuple[np.ndarray, list[dict]]:
     """Training document indices (repeats allowed) giving each source its weight's share of the tokens, and the
     per-source report. candidates: the documents that may be used (the held-out ones excluded)."""
     candidates = np.asarray(candidates, dtype=np.int64)
@@ -77,8 +80,10 @@ def mix_documents(lengths: np.ndarray, source_of: np.ndarray, candidates: np.nda
         docs = candidates[source_of[candidates] == i]
         available = int(lengths[docs].sum())
         if available == 0:
-            raise UserError(f"data.mix[{i}] ({part.name or part.path}) has no training tokens (all held out or "
-                            "dropped?); remove it or lower data.eval_fraction.")
+            raise UserError(
+                f"data.mix[{i}] ({part.name or part.path}) has no training tokens (all held out or "
+                "dropped?); remove it or lower data.eval_fraction."
+            )
         target = weights[i] * total
         repeats, rest = divmod(target, available)
         order = docs[np.random.default_rng([seed, i]).permutation(len(docs))]
@@ -86,9 +91,16 @@ def mix_documents(lengths: np.ndarray, source_of: np.ndarray, candidates: np.nda
         cut = int(np.searchsorted(np.cumsum(lengths[order]), rest, side="left")) + (rest > 0)
         picked = np.concatenate([np.tile(docs, int(repeats)), order[:cut]])
         chosen.append(picked)
-        report.append({"source": part.name or part.path, "weight": float(weights[i]), "documents": len(docs),
-                       "tokens_available": available, "tokens_used": int(lengths[picked].sum()),
-                       "documents_used": len(picked)})
+        report.append(
+            {
+                "source": part.name or part.path,
+                "weight": float(weights[i]),
+                "documents": len(docs),
+                "tokens_available": available,
+                "tokens_used": int(lengths[picked].sum()),
+                "documents_used": len(picked),
+            }
+        )
     used = sum(r["tokens_used"] for r in report)
     for r in report:
         r["share"] = r["tokens_used"] / max(1, used)
@@ -98,5 +110,8 @@ def mix_documents(lengths: np.ndarray, source_of: np.ndarray, candidates: np.nda
 
 def format_mix_report(report: list[dict]) -> str:
     """One line per source for the log."""
-    return "; ".join(f"{r['source']}: weight {r['weight']:.3f} -> {r['share']:.3f} of {r['tokens_used']:,} tokens "
-                     f"(x{r['repeats']:.2f} of {r['tokens_available']:,})" for r in report)
+    return "; ".join(
+        f"{r['source']}: weight {r['weight']:.3f} -> {r['share']:.3f} of {r['tokens_used']:,} tokens "
+        f"(x{r['repeats']:.2f} of {r['tokens_available']:,})"
+        for r in report
+    )

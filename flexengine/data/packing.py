@@ -72,8 +72,9 @@ class PackPlan:
         return h.hexdigest()
 
 
-def _pieces(lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats,
-            documents: Sequence[int]) -> list[Segment]:
+def _pieces(
+    lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats, documents: Sequence[int]
+) -> list[Segment]:
     pieces: list[Segment] = []
     for doc in documents:
         doc, length = int(doc), int(lengths[doc])
@@ -137,8 +138,13 @@ def _greedy(pieces: list[Segment], seq_len: int) -> list[list[Segment]]:
     return rows
 
 
-def plan_packing(lengths: Sequence[int], seq_len: int, strategy: str = "bfd", long_docs: str = "split",
-                 documents: Optional[Sequence[int]] = None) -> PackPlan:
+def plan_packing(
+    lengths: Sequence[int],
+    seq_len: int,
+    strategy: str = "bfd",
+    long_docs: str = "split",
+    documents: Optional[Sequence[int]] = None,
+) -> PackPlan:
     """Decide which document pieces go into which row of `seq_len` tokens. documents: the indices to pack
     (e.g. the training side of a held-out split); None = all of them."""
     if seq_len <= 0:

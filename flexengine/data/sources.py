@@ -18,11 +18,20 @@ from flexengine.data.demo import demo_source_files
 from flexengine.errors import UserError
 
 # Directory entries read for each source (explicit files and globs are read whatever their suffix).
-SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet", ".pq"),
-            "hf": (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".arrow")}
+SUFFIXES = {
+    "jsonl": (".jsonl", ".json", ".ndjson"),
+    "parquet": (".parquet", ".pq"),
+    "hf": (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".arrow"),
+}
 # the `datasets` builder that reads each suffix (source=hf)
-HF_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",
-               ".arrow": "arrow"}
+HF_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+}
 PARQUET_BATCH_ROWS = 1024
 # Roles chat templates know (OpenAI/HF: system, user, assistant, tool; older or model-specific: developer,
 # function, ipython). Anything else is a typo or a foreign schema that a template would render silently.
@@ -95,8 +104,10 @@ def _import_datasets():
     try:
         import datasets
     except ImportError:
-        raise UserError("data.source=hf needs the `datasets` package: pip install datasets "
-                        "(or read the files directly with data=jsonl / data=parquet).") from None
+        raise UserError(
+            "data.source=hf needs the `datasets` package: pip install datasets "
+            "(or read the files directly with data=jsonl / data=parquet)."
+        ) from None
     datasets.config.HF_DATASETS_OFFLINE = True  # also when it was imported before the variables were set
     datasets.config.HF_HUB_OFFLINE = True
     return datasets
@@ -110,19 +121,26 @@ def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 if data.hf_split not in ds:
-                    raise UserError(f"data.path={path}: no split {data.hf_split!r} (data.hf_split); it has "
-                                    f"{', '.join(ds)}.")
+                    raise UserError(
+                        f"data.path={path}: no split {data.hf_split!r} (data.hf_split); it has {', '.join(ds)}."
+                    )
                 ds = ds[data.hf_split]
         else:
             from flexengine.data.cache import corpus_cache_dir
 
-            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), split="train",
-                                       cache_dir=str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets"))
+            ds = datasets.load_dataset(
+                HF_BUILDERS[path.suffix],
+                data_files=str(path),
+                split="train",
+                cache_dir=str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets"),
+            )
     except UserError:
         raise
     except Exception as e:  # datasets/pyarrow raise many types for unreadable files
-        raise UserError(f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
-                        "with file:line use data=jsonl.") from None
+        raise UserError(
+            f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
+            "with file:line use data=jsonl."
+        ) from None
     for row, record in enumerate(ds):
         yield f"{path}:row {row}", record, None, ""
 
@@ -197,8 +215,10 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
         if kind == "chat":
             value = record.get(data.messages_field)
             return (*check_chat_messages(value, data.messages_field), (kind, value))
-        message = (f"{data.format_field}={kind!r}: data.format=mixed needs \"text\" or \"chat\" in field "
-                   f"{data.format_field!r} (data.format_field)")
+        message = (
+            f'{data.format_field}={kind!r}: data.format=mixed needs "text" or "chat" in field '
+            f"{data.format_field!r} (data.format_field)"
+        )
         return "bad_format_field", message, None
     reason, message = _check_token_ids(record)
     return reason, message, (record.get("input_ids"), record.get("labels"))

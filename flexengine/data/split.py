@@ -20,8 +20,9 @@ def document_hashes(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """A uint64 hash of each document's token ids (offsets[i]:offsets[i+1])."""
     out = np.empty(len(offsets) - 1, dtype=np.uint64)
     for i in range(len(out)):
-        digest = hashlib.blake2b(np.ascontiguousarray(tokens[offsets[i]:offsets[i + 1]]).tobytes(),
-                                 digest_size=8, key=_SALT).digest()
+        digest = hashlib.blake2b(
+            np.ascontiguousarray(tokens[offsets[i] : offsets[i + 1]]).tobytes(), digest_size=8, key=_SALT
+        ).digest()
         out[i] = int.from_bytes(digest, "little")
     return out
 
@@ -36,6 +37,8 @@ def split_documents(tokens: np.ndarray, offsets: np.ndarray, eval_fraction: floa
     threshold = np.sort(hashes)[n_eval - 1]
     is_eval = hashes <= threshold  # ties (duplicates) at the threshold all go to eval
     if is_eval.all():
-        raise UserError(f"data.eval_fraction={eval_fraction} leaves no training document out of {n} "
-                        "(identical documents stay together): lower it or add documents.")
+        raise UserError(
+            f"data.eval_fraction={eval_fraction} leaves no training document out of {n} "
+            "(identical documents stay together): lower it or add documents."
+        )
     return np.flatnonzero(~is_eval), np.flatnonzero(is_eval)

@@ -34,22 +34,31 @@ def context_summary(lengths: np.ndarray, trained: int, supported: int) -> dict:
     """Where the document lengths fall against the model's trained and (RoPE-scaled) supported context."""
     lengths = np.asarray(lengths)
     over = lengths > trained
-    return {"trained_context": int(trained), "supported_context": int(supported),
-            "documents_within_trained": float(1.0 - over.mean()) if len(lengths) else 1.0,
-            "documents_over_trained": int(over.sum()), "documents_over_supported": int((lengths > supported).sum()),
-            "tokens_past_trained": int(np.clip(lengths - trained, 0, None).sum())}
+    return {
+        "trained_context": int(trained),
+        "supported_context": int(supported),
+        "documents_within_trained": float(1.0 - over.mean()) if len(lengths) else 1.0,
+        "documents_over_trained": int(over.sum()),
+        "documents_over_supported": int((lengths > supported).sum()),
+        "tokens_past_trained": int(np.clip(lengths - trained, 0, None).sum()),
+    }
 
 
 def format_context(summary: dict, context: dict, describe: str) -> str:
     """One paragraph: the length percentiles against the trained/supported context."""
-    marks = "  ".join(f"p{q}={summary[f'p{q}']}{'*' if summary[f'p{q}'] > context['trained_context'] else ''}"
-                      for q in PERCENTILES if q >= 50)
-    return (f"context: model {describe}\n"
-            f"  {100 * context['documents_within_trained']:.1f}% of documents within {context['trained_context']} "
-            f"positions; {context['documents_over_trained']} longer "
-            f"({context['tokens_past_trained']:,} tokens past it), "
-            f"{context['documents_over_supported']} longer than the supported {context['supported_context']}\n"
-            f"  {marks}   (* = past the trained context)")
+    marks = "  ".join(
+        f"p{q}={summary[f'p{q}']}{'*' if summary[f'p{q}'] > context['trained_context'] else ''}"
+        for q in PERCENTILES
+        if q >= 50
+    )
+    return (
+        f"context: model {describe}\n"
+        f"  {100 * context['documents_within_trained']:.1f}% of documents within {context['trained_context']} "
+        f"positions; {context['documents_over_trained']} longer "
+        f"({context['tokens_past_trained']:,} tokens past it), "
+        f"{context['documents_over_supported']} longer than the supported {context['supported_context']}\n"
+        f"  {marks}   (* = past the trained context)"
+    )
 
 
 def compare_strategies(
@@ -142,8 +151,9 @@ def main() -> None:
             corpus, source_of = build_sources(job.data, load_tokenizer(job.model))
             lengths, mix_report = corpus.lengths, None
             if source_of is not None:  # the documents the mixture trains on, repeats included
-                docs, mix_report = mix_documents(lengths, source_of, np.arange(len(corpus)), job.data.mix,
-                                                 job.train.seed)
+                docs, mix_report = mix_documents(
+                    lengths, source_of, np.arange(len(corpus)), job.data.mix, job.train.seed
+                )
                 lengths = lengths[docs]
         except UserError as e:
             fail(e)
@@ -155,8 +165,13 @@ def main() -> None:
         print(format_context(summary, context, limits.describe()))
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         report = {
-            "seq_len": d.seq_len, "long_docs": d.long_docs, "micro_batch": job.train.micro_batch,
-            "skipped": corpus.skipped, "lengths": summary, "strategies": strategies, "context": context,
+            "seq_len": d.seq_len,
+            "long_docs": d.long_docs,
+            "micro_batch": job.train.micro_batch,
+            "skipped": corpus.skipped,
+            "lengths": summary,
+            "strategies": strategies,
+            "context": context,
             "mix": mix_report,
         }
         write_json_atomic(out_dir / "data_stats.json", report)

@@ -5,5 +5,13 @@ from flexengine.memory.meter import ActivationReport, measure_activations
 from flexengine.memory.policy import apply_memory_policy
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
 
-__all__ = ["ActivationReport", "MemorySpec", "Recompute", "apply_memory_policy", "block_memory_specs",
-           "decoder_layers", "measure_activations", "select_layers"]
+__all__ = [
+    "ActivationReport",
+    "MemorySpec",
+    "Recompute",
+    "apply_memory_policy",
+    "block_memory_specs",
+    "decoder_layers",
+    "measure_activations",
+    "select_layers",
+]

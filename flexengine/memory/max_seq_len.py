@@ -51,9 +51,14 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
         row = {"label": label, "max_seq_len": n}
         if n:
             at = evaluate(m, dataclasses.replace(x, seq_len=n), memory)
-            row.update(memory=at["memory"], total_bytes=at["total_bytes"], step_s=at["step_s"],
-                       tokens_per_s=x.micro_batch * n / at["step_s"], offloaded_bytes=at["offloaded_bytes"],
-                       recompute_flops_fraction=at["recompute_flops_fraction"])
+            row.update(
+                memory=at["memory"],
+                total_bytes=at["total_bytes"],
+                step_s=at["step_s"],
+                tokens_per_s=x.micro_batch * n / at["step_s"],
+                offloaded_bytes=at["offloaded_bytes"],
+                recompute_flops_fraction=at["recompute_flops_fraction"],
+            )
         rows.append(row)
     return rows
 
@@ -61,13 +66,16 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
 def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any = "auto") -> dict[str, list[float]]:
     """Total bytes (GiB) per candidate policy at each seq_len in `lengths`."""
     m = ModelShape.from_hf_config(hf_config)
-    return {label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
-            for label, memory in candidates_for(tiled_mlp)
-            if x.hardware.device != "cpu" or not (memory.policy == "offload" or memory.offload)}
+    return {
+        label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
+        for label, memory in candidates_for(tiled_mlp)
+        if x.hardware.device != "cpu" or not (memory.policy == "offload" or memory.offload)
+    }
 
 
-def plot_memory_vs_seq_len(curves: dict[str, list[float]], lengths: list[int], budget_gib: float, path: Path,
-                           title: str) -> None:
+def plot_memory_vs_seq_len(
+    curves: dict[str, list[float]], lengths: list[int], budget_gib: float, path: Path, title: str
+) -> None:
     """Log-log plot of total memory per policy against seq_len, with the card's budget."""
     import matplotlib
 

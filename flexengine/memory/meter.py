@@ -34,9 +34,13 @@ class ActivationReport:
 
     def as_dict(self) -> dict:
         """JSON-ready form (summary.json, bench results)."""
-        return {"activation_bytes": self.total_bytes, "activation_bytes_per_block": list(self.per_block),
-                "activation_other_bytes": self.other_bytes, "activation_offloaded_bytes": self.offloaded_bytes,
-                "forward_cuda_peak_bytes": self.cuda_peak_bytes}
+        return {
+            "activation_bytes": self.total_bytes,
+            "activation_bytes_per_block": list(self.per_block),
+            "activation_other_bytes": self.other_bytes,
+            "activation_offloaded_bytes": self.offloaded_bytes,
+            "forward_cuda_peak_bytes": self.cuda_peak_bytes,
+        }
 
 
 class _AliveOutputs(TorchDispatchMode):
@@ -57,13 +61,13 @@ class _AliveOutputs(TorchDispatchMode):
             if storage._cdata in inputs:  # a view or in-place result: counted where its storage was created
                 continue
             # keyed by the StorageImpl: a freed storage's key may be reused, then the newer record wins
-            self.records[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), self.block,
-                                            making_host_copies())
+            self.records[storage._cdata] = (StorageWeakRef(storage), storage.nbytes(), self.block, making_host_copies())
         return out
 
 
-def measure_activations(model: nn.Module, forward: Callable[[], Tensor],
-                        layers: Optional[nn.ModuleList] = None) -> tuple[ActivationReport, Tensor]:
+def measure_activations(
+    model: nn.Module, forward: Callable[[], Tensor], layers: Optional[nn.ModuleList] = None
+) -> tuple[ActivationReport, Tensor]:
     """Run `forward()` (eager) and report what it leaves alive for backward; returns (report, its output).
 
     Keep the returned output alive if you want to call backward on it; the report is taken before it returns.

@@ -43,6 +43,7 @@ def making_host_copies() -> bool:
     """Whether the tensors being created now are offload's host copies (read by flexengine.memory.meter)."""
     return _HOST_COPY_DEPTH[0] > 0
 
+
 log = logging.getLogger(__name__)
 GiB = 2**30
 DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # library use without a plan; a run takes the plan's per-rank host budget
@@ -125,7 +126,8 @@ def _storage_bytes(t: Tensor) -> Tensor:
 def _as_view(storage_bytes: Tensor, view: tuple) -> Tensor:
     dtype, offset, shape, stride = view
     return torch.empty(0, dtype=dtype, device=storage_bytes.device).set_(
-        storage_bytes.untyped_storage(), offset, shape, stride)
+        storage_bytes.untyped_storage(), offset, shape, stride
+    )
 
 
 def _is_parameter_view(t: Tensor) -> bool:
@@ -148,8 +150,12 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
 class OffloadManager:
     """Saved-tensor hooks for the blocks it is attached to; one side stream per model."""
 
-    def __init__(self, min_bytes: int = 1024, max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
-                 streams: Optional[CudaStreams] = None):
+    def __init__(
+        self,
+        min_bytes: int = 1024,
+        max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
+        streams: Optional[CudaStreams] = None,
+    ):
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
         self.max_pinned_bytes = max_pinned_bytes
         self.pinned_bytes = 0  # pinned host bytes held by live handles
@@ -170,8 +176,12 @@ class OffloadManager:
 
     # -- forward: device -> host ----------------------------------------------------------------------------
     def _pack(self, group: _Group, shared: set, t: Tensor) -> Any:
-        if (not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes or _is_parameter_view(t)
-                or t.untyped_storage().data_ptr() in shared):
+        if (
+            not t.is_floating_point()
+            or t.numel() * t.element_size() < self.min_bytes
+            or _is_parameter_view(t)
+            or t.untyped_storage().data_ptr() in shared
+        ):
             return t
         storage = t.untyped_storage()
         hit = group.seen.get(storage._cdata)
@@ -192,8 +202,11 @@ class OffloadManager:
         """Reserve pinned bytes for a handle within the bound (released when the handle dies)."""
         if self.pinned_bytes + nbytes > self.max_pinned_bytes:
             if self.pageable_bytes == 0:
-                log.warning("activation offload: %.1f GiB of pinned host memory in use (the bound); further "
-                            "copies use pageable memory and do not overlap compute", self.pinned_bytes / GiB)
+                log.warning(
+                    "activation offload: %.1f GiB of pinned host memory in use (the bound); further "
+                    "copies use pageable memory and do not overlap compute",
+                    self.pinned_bytes / GiB,
+                )
             self.pageable_bytes += nbytes
             return False
         self.pinned_bytes += nbytes

@@ -93,9 +93,15 @@ class ModelShape:
     def lora_params(self, r: int, target_modules: list[str]) -> int:
         """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        shapes = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
-                  "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
-                  "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        shapes = {
+            "q_proj": (self.hidden, q),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (q, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
         return self.layers * sum(r * sum(shapes[t]) for t in target_modules if t in shapes)
 
 
@@ -145,8 +151,13 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
         return {"input_fp32": 4 * T * h, "normalised": p * T * h, "scaled_output": p * T * h, "rsqrt": 4 * T}
 
     # flex saves its K and V inputs: under context parallelism the whole row's, all-gathered (cp x T tokens)
-    attention = {"q_rope": p * T * ad, "k_rope": p * T * w.cp * kd, "v": p * T * w.cp * kd, "attn_out": p * T * ad,
-                 "logsumexp": 4 * T * m.heads}
+    attention = {
+        "q_rope": p * T * ad,
+        "k_rope": p * T * w.cp * kd,
+        "v": p * T * w.cp * kd,
+        "attn_out": p * T * ad,
+        "logsumexp": 4 * T * m.heads,
+    }
     if w.backend == "flex":
         attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
     elif w.backend == "dense":
@@ -154,8 +165,12 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
         if w.seq_len > w.dense_chunk:  # the chunks' outputs are concatenated [B, H, S, D]: o_proj gets a copy
             attention["o_proj_input"] = p * T * ad
     # varlen: its output is already [B, S, H, D], so o_proj's input is a view of attn_out: nothing more
-    mlp = {"gate": p * T * m.intermediate, "silu": p * T * m.intermediate, "up": p * T * m.intermediate,
-           "down_input": p * T * m.intermediate}
+    mlp = {
+        "gate": p * T * m.intermediate,
+        "silu": p * T * m.intermediate,
+        "up": p * T * m.intermediate,
+        "down_input": p * T * m.intermediate,
+    }
     return {"norm1": norm(), "attention": attention, "norm2": norm(), "mlp": mlp}
 
 
@@ -163,9 +178,18 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     """Bytes one block holds under op-level SAC: its input plus every matmul and attention output."""
     T, p, h = w.tokens, w.act_bytes, m.hidden
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return {"block_input": p * T * h, "q_proj": p * T * ad, "k_proj": p * T * kd, "v_proj": p * T * kd,
-            "attn_out": p * T * ad, "logsumexp": 4 * T * m.heads, "o_proj": p * T * h,
-            "gate_proj": p * T * m.intermediate, "up_proj": p * T * m.intermediate, "down_proj": p * T * h}
+    return {
+        "block_input": p * T * h,
+        "q_proj": p * T * ad,
+        "k_proj": p * T * kd,
+        "v_proj": p * T * kd,
+        "attn_out": p * T * ad,
+        "logsumexp": 4 * T * m.heads,
+        "o_proj": p * T * h,
+        "gate_proj": p * T * m.intermediate,
+        "up_proj": p * T * m.intermediate,
+        "down_proj": p * T * h,
+    }
 
 
 def block_bytes(m: ModelShape, w: Workload, recompute: Optional[str], offload: bool) -> tuple[int, int]:
@@ -200,9 +224,13 @@ def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0
     """Forward FLOPs of one block by matmul (2 per multiply-add); attention core scaled by keys attended."""
     T, h = w.tokens, m.hidden
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return {"qkv_proj": 2 * T * h * (ad + 2 * kd), "o_proj": 2 * T * ad * h,
-            "attention_core": 4 * w.micro_batch * m.heads * w.seq_len**2 * m.head_dim * attended_fraction,
-            "gate_up_proj": 4 * T * h * m.intermediate, "down_proj": 2 * T * h * m.intermediate}
+    return {
+        "qkv_proj": 2 * T * h * (ad + 2 * kd),
+        "o_proj": 2 * T * ad * h,
+        "attention_core": 4 * w.micro_batch * m.heads * w.seq_len**2 * m.head_dim * attended_fraction,
+        "gate_up_proj": 4 * T * h * m.intermediate,
+        "down_proj": 2 * T * h * m.intermediate,
+    }
 
 
 def pointwise_bytes(m: ModelShape, w: Workload) -> dict[str, int]:
@@ -215,15 +243,23 @@ def pointwise_bytes(m: ModelShape, w: Workload) -> dict[str, int]:
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     casts = (4 + p) * h if p < 4 else 0  # to(fp32) and back are no-ops for fp32 activations
     norm = T * ((8 + p) * h + casts + 12)  # pow, x*rsqrt (fp32), weight* (p), mean/+eps/rsqrt (fp32 per token)
-    return {"norm1": norm, "rope": int(4.5 * p * T * (ad + kd)), "norm2": norm, "swiglu": 2 * p * T * f,
-            "residual": 2 * p * T * h}
+    return {
+        "norm1": norm,
+        "rope": int(4.5 * p * T * (ad + kd)),
+        "norm2": norm,
+        "swiglu": 2 * p * T * f,
+        "residual": 2 * p * T * h,
+    }
 
 
 # Which pointwise ops each recompute granularity re-runs (a checkpoint around self_attn/mlp leaves the norms
 # and residual adds outside; op-level SAC recomputes every pointwise op of the block).
-_POINTWISE_RECOMPUTED = {"block": ("norm1", "rope", "norm2", "swiglu", "residual"),
-                         "ops": ("norm1", "rope", "norm2", "swiglu", "residual"),
-                         "attention": ("rope",), "mlp": ("swiglu",)}
+_POINTWISE_RECOMPUTED = {
+    "block": ("norm1", "rope", "norm2", "swiglu", "residual"),
+    "ops": ("norm1", "rope", "norm2", "swiglu", "residual"),
+    "attention": ("rope",),
+    "mlp": ("swiglu",),
+}
 
 
 def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity: str) -> int:
@@ -233,8 +269,9 @@ def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity:
     return 2 * sum(ops[name] for name in _POINTWISE_RECOMPUTED[granularity])
 
 
-def recompute_flops_per_block(m: ModelShape, w: Workload, granularity: str, attended_fraction: float = 0.5,
-                              count_attention_core: bool = True) -> float:
+def recompute_flops_per_block(
+    m: ModelShape, w: Workload, granularity: str, attended_fraction: float = 0.5, count_attention_core: bool = True
+) -> float:
     """Extra forward FLOPs backward spends re-running one checkpointed block at `granularity`.
 
     Non-reentrant checkpointing stops recomputing once the last tensor backward needs exists, so the region's
@@ -243,16 +280,23 @@ def recompute_flops_per_block(m: ModelShape, w: Workload, granularity: str, atte
     formula for the CPU flash-attention kernel."""
     f = block_forward_flops(m, w, attended_fraction)
     core = f["attention_core"] if count_attention_core else 0.0
-    return {"block": f["qkv_proj"] + core + f["o_proj"] + f["gate_up_proj"], "attention": f["qkv_proj"] + core,
-            "mlp": f["gate_up_proj"], "ops": 0.0}[granularity]
+    return {
+        "block": f["qkv_proj"] + core + f["o_proj"] + f["gate_up_proj"],
+        "attention": f["qkv_proj"] + core,
+        "mlp": f["gate_up_proj"],
+        "ops": 0.0,
+    }[granularity]
 
 
 def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, int]:
     """Bytes held once per micro-batch outside the blocks (saved for backward)."""
     T, p = w.tokens, w.act_bytes
     n = w.micro_batch * (w.seq_len - 1)  # next-token targets (all valid: the worst case)
-    out = {"rotary_cos_sin": 2 * T * m.head_dim * p, "final_norm": (4 + p) * T * m.hidden + 4 * T,
-           "loss_inputs": n * m.hidden * p + 16 * n}  # hidden rows (lm_head's input), int64 row index
+    out = {
+        "rotary_cos_sin": 2 * T * m.head_dim * p,
+        "final_norm": (4 + p) * T * m.hidden + 4 * T,
+        "loss_inputs": n * m.hidden * p + 16 * n,
+    }  # hidden rows (lm_head's input), int64 row index
     # (index_select's backward) and int64 targets (cross-entropy's backward); the positions come from the loader
     if w.chunk_size <= 0 or n <= w.chunk_size:
         out["log_probs"] = 4 * n * m.vocab  # CE keeps fp32 log-softmax of all [tokens, vocab]
@@ -280,8 +324,9 @@ class ActivationEstimate:
     recompute_pointwise_bytes: int = 0  # bytes the re-run pointwise ops move per micro-batch (memory-bound)
 
 
-def estimate_activations(m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5,
-                         count_attention_core: bool = True) -> ActivationEstimate:
+def estimate_activations(
+    m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5, count_attention_core: bool = True
+) -> ActivationEstimate:
     """Bytes a forward under `memory` (a concrete policy) holds for backward, per block and in total."""
     w = dataclasses.replace(w, mlp_tile=resolve_tiles(memory, m).tiled_mlp)
     chosen = set(select_layers(memory.layers, m.layers)) if memory.policy != "none" else set()
@@ -365,7 +410,7 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
         if given.tiled_mlp == "auto":
             return [dataclasses.replace(given, tiled_mlp=0), given]
         return [given]
-    ks = ([len(select_layers(given.layers, n_layers))] if given.layers is not None else range(n_layers + 1))
+    ks = [len(select_layers(given.layers, n_layers))] if given.layers is not None else range(n_layers + 1)
     grans = [given.granularity] if given.granularity is not None else GRANULARITIES
     offloads = [given.offload] if given.offload is not None else [False, True]
     out = [MemoryConfig(policy="none")] if (given.offload is not True and given.layers is None) else []
@@ -380,11 +425,15 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
             out.append(MemoryConfig(policy="offload", layers=layers))
     tiles = given.tiled_mlp
     if tiles == "auto":  # tiling pays off only where the MLP's whole-row tensors still live: whole-block recompute
-        out += [dataclasses.replace(mem, tiled_mlp="auto") for mem in out
-                if mem.policy == "full" and mem.layers == "all"]
+        out += [
+            dataclasses.replace(mem, tiled_mlp="auto") for mem in out if mem.policy == "full" and mem.layers == "all"
+        ]
     elif tiles:
-        out = [dataclasses.replace(mem, tiled_mlp=tiles) for mem in out
-               if not (mem.policy == "selective" and mem.granularity == "mlp")]
+        out = [
+            dataclasses.replace(mem, tiled_mlp=tiles)
+            for mem in out
+            if not (mem.policy == "selective" and mem.granularity == "mlp")
+        ]
     return out
 
 
@@ -414,12 +463,18 @@ class PlanInputs:
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
 
 
-
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
     """One rank's micro-batch: under context parallelism its seq_len / cp tokens of every row (the whole row's
     K and V gathered in attention)."""
-    return Workload(x.micro_batch if micro_batch is None else micro_batch, -(-x.seq_len // x.cp), x.dtype_bytes,
-                    x.backend, x.chunk_size, mlp_tile, cp=x.cp)
+    return Workload(
+        x.micro_batch if micro_batch is None else micro_batch,
+        -(-x.seq_len // x.cp),
+        x.dtype_bytes,
+        x.backend,
+        x.chunk_size,
+        mlp_tile,
+        cp=x.cp,
+    )
 
 
 # Not counted under CP: the whole-row block mask ContextParallel.shard builds per window before each micro-batch's
@@ -470,9 +525,12 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     root = m.embedding_params + m.hidden
     root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
     unsharded_blocks = m.layers if x.grad_accum > 1 else 1
-    return {"fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
-            "fsdp_unsharded_grads_bytes": int(unsharded_blocks * m.block_params * x.trainable_fraction * 4
-                                              + root_trainable * gathered)}
+    return {
+        "fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
+        "fsdp_unsharded_grads_bytes": int(
+            unsharded_blocks * m.block_params * x.trainable_fraction * 4 + root_trainable * gathered
+        ),
+    }
 
 
 def hbm_gb_s(hardware: HardwareConfig) -> float:
@@ -483,9 +541,13 @@ def hbm_gb_s(hardware: HardwareConfig) -> float:
 
 def assumptions(hardware: HardwareConfig) -> dict[str, float]:
     """The constants a plan rests on (sources in the comments above their definitions)."""
-    return {"assumed_mfu": ASSUMED_MFU, "cuda_reserve_bytes": CUDA_RESERVE_BYTES if hardware.device != "cpu" else 0,
-            "memory_gb_s": hbm_gb_s(hardware), "pcie_gb_s": hardware.pcie_gb_s,
-            "peak_tflops": hardware.peak_tflops}
+    return {
+        "assumed_mfu": ASSUMED_MFU,
+        "cuda_reserve_bytes": CUDA_RESERVE_BYTES if hardware.device != "cpu" else 0,
+        "memory_gb_s": hbm_gb_s(hardware),
+        "pcie_gb_s": hardware.pcie_gb_s,
+        "peak_tflops": hardware.peak_tflops,
+    }
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
@@ -501,9 +563,14 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
     backward = max(block_working_bytes(m, w) + gathered_kv_bytes(m, x), loss_transient_bytes(m, w))
     offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
-    terms = {**static, "activation_bytes": act.total_bytes, "backward_workspace_bytes": backward,
-             "offload_in_flight_bytes": offload_resident,
-             "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0, **fsdp_bytes(m, x)}
+    terms = {
+        **static,
+        "activation_bytes": act.total_bytes,
+        "backward_workspace_bytes": backward,
+        "offload_in_flight_bytes": offload_resident,
+        "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0,
+        **fsdp_bytes(m, x),
+    }
     total = sum(terms.values())
     world = max(1, x.hardware.world_size)
     local_trainable = m.params * x.trainable_fraction / world
@@ -513,8 +580,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     # hardware.host_memory_gb is already this rank's share (flexengine.hardware divides by the node's ranks)
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
-    fits = ((total <= budget and (host_budget is None or host <= host_budget)) if on_gpu
-            else total + host <= budget)
+    fits = (total <= budget and (host_budget is None or host <= host_budget)) if on_gpu else total + host <= budget
     blocks_flops = m.layers * sum(block_forward_flops(m, w, attended).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
     peak = x.hardware.peak_tflops or FALLBACK_PEAK_TFLOPS
@@ -528,20 +594,32 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     optimizer_s = 0.0
     if x.host_bytes_per_param:  # masters on the host: grads down, weights up, and the host AdamW step
         weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
-        optimizer_s = (local_trainable * 2 * weight / (x.hardware.pcie_gb_s * 1e9)
-                       + local_trainable * 32 / (HOST_ADAMW_GB_S * 1e9))
+        optimizer_s = local_trainable * 2 * weight / (x.hardware.pcie_gb_s * 1e9) + local_trainable * 32 / (
+            HOST_ADAMW_GB_S * 1e9
+        )
     step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s  # one optimizer step
-    return {"memory": dataclasses.asdict(memory), "activation_bytes": act.total_bytes,
-            "activation_bytes_per_block": act.per_block,
-            "offloaded_bytes": act.offloaded_bytes,
-            "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
-            "total_bytes": total, "budget_bytes": budget, "host_bytes": host, "host_budget_bytes": host_budget or 0,
-            "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
-            "fits": fits, "terms": terms, "recompute_flops_fraction": recompute_fraction,
-            "recompute_pointwise_s": pointwise_s,
-            "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
-            "offload_exposed_s": exposed_s, "optimizer_s": optimizer_s, "step_s": step_s,
-            "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12), **static}
+    return {
+        "memory": dataclasses.asdict(memory),
+        "activation_bytes": act.total_bytes,
+        "activation_bytes_per_block": act.per_block,
+        "offloaded_bytes": act.offloaded_bytes,
+        "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
+        "total_bytes": total,
+        "budget_bytes": budget,
+        "host_bytes": host,
+        "host_budget_bytes": host_budget or 0,
+        "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
+        "fits": fits,
+        "terms": terms,
+        "recompute_flops_fraction": recompute_fraction,
+        "recompute_pointwise_s": pointwise_s,
+        "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
+        "offload_exposed_s": exposed_s,
+        "optimizer_s": optimizer_s,
+        "step_s": step_s,
+        "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
+        **static,
+    }
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
@@ -552,8 +630,11 @@ def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
     plain = [(label, mem) for label, mem in CANDIDATES if not mem.tiled_mlp]
     if not tiled_mlp:
         return plain
-    return [(f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp)) for label, mem in plain
-            if not (mem.policy == "selective" and mem.granularity == "mlp")]
+    return [
+        (f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp))
+        for label, mem in plain
+        if not (mem.policy == "selective" and mem.granularity == "mlp")
+    ]
 
 
 def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, int]]:
@@ -565,8 +646,14 @@ def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, in
 def _rank(row: dict) -> tuple:
     # Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, fewer
     # checkpointed blocks, the larger micro-batch and the coarser granularity.
-    return (round(row["step_s"], 6), row["uses_offload"], bool(row["memory"]["tiled_mlp"]), row["k"],
-            -row["micro_batch"], GRANULARITIES.index(row["memory"]["granularity"]))
+    return (
+        round(row["step_s"], 6),
+        row["uses_offload"],
+        bool(row["memory"]["tiled_mlp"]),
+        row["k"],
+        -row["micro_batch"],
+        GRANULARITIES.index(row["memory"]["granularity"]),
+    )
 
 
 def pinned_bound_bytes(host_budget: Optional[int], host_state: int) -> Optional[int]:
@@ -575,8 +662,9 @@ def pinned_bound_bytes(host_budget: Optional[int], host_state: int) -> Optional[
     return None if host_budget is None else max(0, host_budget - host_state)
 
 
-def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
-                search_micro_batch: bool = False) -> dict:
+def plan_memory(
+    hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None, search_micro_batch: bool = False
+) -> dict:
     """Every candidate policy's bytes and step time, the cheapest that fits, and what to change if none does.
 
     given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
@@ -591,31 +679,58 @@ def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
         xb = dataclasses.replace(x, micro_batch=b, grad_accum=accum)
         for mem in space:
             row = evaluate(m, xb, mem)
-            rows.append({"label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}"),
-                         "micro_batch": b, "grad_accum": accum,
-                         "k": 0 if mem.policy == "none" else len(select_layers(mem.layers, m.layers)),
-                         "uses_offload": _offloads(mem), **row})  # row["memory"]: tiles resolved
+            rows.append(
+                {
+                    "label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}"),
+                    "micro_batch": b,
+                    "grad_accum": accum,
+                    "k": 0 if mem.policy == "none" else len(select_layers(mem.layers, m.layers)),
+                    "uses_offload": _offloads(mem),
+                    **row,
+                }
+            )  # row["memory"]: tiles resolved
     fitting = [r for r in rows if r["fits"]]
-    best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: (r["total_bytes"] + r["host_bytes"]))
+    best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: r["total_bytes"] + r["host_bytes"])
     w = rank_workload(x, micro_batch=best["micro_batch"])
     per_block = {r["label"]: r.pop("activation_bytes_per_block") for r in rows}
     plan = {
-        "hf_config": hf_config.to_dict(), "seq_len": x.seq_len, "micro_batch": best["micro_batch"],
-        "grad_accum": best["grad_accum"], "precision": x.precision,
+        "hf_config": hf_config.to_dict(),
+        "seq_len": x.seq_len,
+        "micro_batch": best["micro_batch"],
+        "grad_accum": best["grad_accum"],
+        "precision": x.precision,
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
-        **{key: best[key] for key in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
-                                      "workspace_bytes", "total_bytes", "terms", "budget_bytes", "host_bytes",
-                                      "host_budget_bytes", "offload_pinned_bound_bytes", "fits", "memory",
-                                      "step_s", "optimizer_s",
-                                      "recompute_flops_fraction", "recompute_pointwise_s",
-                                      "offload_bytes_per_step")},
+        **{
+            key: best[key]
+            for key in (
+                "weights_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activation_bytes",
+                "workspace_bytes",
+                "total_bytes",
+                "terms",
+                "budget_bytes",
+                "host_bytes",
+                "host_budget_bytes",
+                "offload_pinned_bound_bytes",
+                "fits",
+                "memory",
+                "step_s",
+                "optimizer_s",
+                "recompute_flops_fraction",
+                "recompute_pointwise_s",
+                "offload_bytes_per_step",
+            )
+        },
         "assumptions": {**assumptions(x.hardware), "host_adamw_gb_s": HOST_ADAMW_GB_S},
         "activation_bytes_per_block": {label: per_block[label] for label in {rows[0]["label"], best["label"]}},
         "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
         "policy": best["label"],
         "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
-        "candidates": rows, "suggestions": [] if fitting else suggestions(m, x),
+        "candidates": rows,
+        "suggestions": [] if fitting else suggestions(m, x),
     }
     return plan
 
@@ -623,12 +738,26 @@ def plan_memory(hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None,
 def k_table(plan: dict) -> list[dict]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
     best = plan["memory"]
-    family = [r for r in plan["candidates"] if r["micro_batch"] == plan["micro_batch"] and (
-        r["k"] == 0 or (r["memory"]["policy"] == best["policy"] and r["memory"]["granularity"] == best["granularity"]
-                        and r["memory"]["offload"] == best["offload"]))]
+    family = [
+        r
+        for r in plan["candidates"]
+        if r["micro_batch"] == plan["micro_batch"]
+        and (
+            r["k"] == 0
+            or (
+                r["memory"]["policy"] == best["policy"]
+                and r["memory"]["granularity"] == best["granularity"]
+                and r["memory"]["offload"] == best["offload"]
+            )
+        )
+    ]
     if best["policy"] == "none":  # nothing needed: show what whole-block checkpointing would cost
-        family = [r for r in plan["candidates"] if r["micro_batch"] == plan["micro_batch"] and (
-            r["k"] == 0 or (r["memory"]["policy"] == "full" and not r["memory"]["offload"]))]
+        family = [
+            r
+            for r in plan["candidates"]
+            if r["micro_batch"] == plan["micro_batch"]
+            and (r["k"] == 0 or (r["memory"]["policy"] == "full" and not r["memory"]["offload"]))
+        ]
     return sorted(family, key=lambda r: r["k"])
 
 
@@ -660,8 +789,9 @@ def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
     if _fits(m, dataclasses.replace(x, optimizer_state_bytes=1)):
         out.append("8-bit AdamW states (optim.name=adamw_8bit) fit")
     for world in (2, 4, 8, 16, 32, 64):
-        if world > x.hardware.world_size and _fits(m, dataclasses.replace(
-                x, hardware=dataclasses.replace(x.hardware, world_size=world))):
+        if world > x.hardware.world_size and _fits(
+            m, dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=world))
+        ):
             out.append(f"{world} GPUs with FSDP (hardware.world_size={world}) fit")
             break
     return out or ["nothing in reach fits: use a smaller model or a larger card (hardware.memory_gb)"]
@@ -688,12 +818,23 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
     from flexengine.optim import EMBEDDING_STATE_BYTES
 
     per_param = spec.bytes_per_param()
-    return PlanInputs(seq_len=job.data.seq_len, micro_batch=job.train.micro_batch, dtype_bytes=spec.act_bytes,
-                      hardware=hardware, chunk_size=job.loss.chunk_size, backend=backend,
-                      grad_accum=job.train.grad_accum, optimizer_state_bytes=per_param["optimizer"] / 2,
-                      trainable_fraction=trainable, weight_bytes=per_param["weights"], grad_bytes=per_param["grads"],
-                      compute_copy_bytes=per_param["compute_copy"], host_bytes_per_param=per_param["host"],
-                      embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
-                      # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
-                      fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
-                      precision=spec.name, cp=job.parallel.cp)
+    return PlanInputs(
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        dtype_bytes=spec.act_bytes,
+        hardware=hardware,
+        chunk_size=job.loss.chunk_size,
+        backend=backend,
+        grad_accum=job.train.grad_accum,
+        optimizer_state_bytes=per_param["optimizer"] / 2,
+        trainable_fraction=trainable,
+        weight_bytes=per_param["weights"],
+        grad_bytes=per_param["grads"],
+        compute_copy_bytes=per_param["compute_copy"],
+        host_bytes_per_param=per_param["host"],
+        embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
+        # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
+        fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
+        precision=spec.name,
+        cp=job.parallel.cp,
+    )

@@ -42,8 +42,12 @@ def _saved_ops() -> set:
     relative to the pointwise ops around them)."""
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     ops.add(torch.ops.higher_order.flex_attention)  # torchtitan #1631: flex must be saved, not recomputed
@@ -124,16 +128,17 @@ def apply_block_spec(layer: nn.Module, spec: MemorySpec, index: int, offload: Op
     if spec.mlp_tile:
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
-            raise UserError(f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `mlp` sub-module to "
-                            "tile; use memory.tiled_mlp=0")
+            raise UserError(
+                f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `mlp` sub-module to "
+                "tile; use memory.tiled_mlp=0"
+            )
         wrap_module(mlp, MemorySpec(mlp_tile=spec.mlp_tile), index, None)
     own = dataclasses.replace(spec, mlp_tile=0)  # the tiles belong to the mlp's forward, not the block's
     if own.changes_block or isinstance(layer, MemoryBlock):
         wrap_module(layer, own, index, offload if spec.offload else None)
 
 
-def apply_memory_policy(model: nn.Module, memory: MemoryConfig,
-                        max_pinned_bytes: Optional[int] = None) -> list[int]:
+def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes: Optional[int] = None) -> list[int]:
     """Apply memory.* to the selected blocks in place (recorded in `model.flexengine.memory`); returns the
     indices of the blocks it changed.
 
@@ -145,14 +150,24 @@ def apply_memory_policy(model: nn.Module, memory: MemoryConfig,
     if any(s.offload for s in specs) and record.offload is None:
         bound = DEFAULT_MAX_PINNED_BYTES if max_pinned_bytes is None else max_pinned_bytes
         record.offload = OffloadManager(max_pinned_bytes=bound)  # one manager (one side stream) per model
-        log.info("memory: activation offload pins at most %.1f GiB of host memory on this rank (%s)", bound / GiB,
-                 "the plan's host budget less host optimizer state" if max_pinned_bytes is not None
-                 else "default bound: no host budget given")
+        log.info(
+            "memory: activation offload pins at most %.1f GiB of host memory on this rank (%s)",
+            bound / GiB,
+            "the plan's host budget less host optimizer state"
+            if max_pinned_bytes is not None
+            else "default bound: no host budget given",
+        )
     for i, (layer, spec) in enumerate(zip(layers, specs)):
         apply_block_spec(layer, spec, i, record.offload)
     record.memory = specs
     chosen = [i for i, s in enumerate(specs) if s.changes_block]
     if memory.policy != "none" or memory.tiled_mlp:
-        log.info("memory: policy=%s (%s) on %d of %d blocks %s", memory.policy,
-                 specs[chosen[0]].describe() if chosen else "-", len(chosen), len(layers), chosen)
+        log.info(
+            "memory: policy=%s (%s) on %d of %d blocks %s",
+            memory.policy,
+            specs[chosen[0]].describe() if chosen else "-",
+            len(chosen),
+            len(layers),
+            chosen,
+        )
     return chosen

@@ -36,6 +36,11 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
         return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}
     x = plan_inputs(job, job.hardware, precision, on_cuda=device.type == "cuda")
     est = estimate_activations(ModelShape.from_hf_config(model.config), rank_workload(x), memory)
-    return {"activation_bytes": est.total_bytes, "activation_bytes_per_block": est.per_block,
-            "activation_other_bytes": est.other_bytes, "activation_offloaded_bytes": est.offloaded_bytes,
-            "activation_bytes_source": "planner", "memory_policy": dataclasses.asdict(memory)}
+    return {
+        "activation_bytes": est.total_bytes,
+        "activation_bytes_per_block": est.per_block,
+        "activation_other_bytes": est.other_bytes,
+        "activation_offloaded_bytes": est.offloaded_bytes,
+        "activation_bytes_source": "planner",
+        "memory_policy": dataclasses.asdict(memory),
+    }

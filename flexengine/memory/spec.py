@@ -34,8 +34,11 @@ class MemorySpec:
 
     def describe(self) -> str:
         """Short label for logs: e.g. 'ops', 'block+offload+mlp_tile4096', 'none'."""
-        return (self.recompute.value + ("+offload" if self.offload else "")
-                + (f"+mlp_tile{self.mlp_tile}" if self.mlp_tile else ""))
+        return (
+            self.recompute.value
+            + ("+offload" if self.offload else "")
+            + (f"+mlp_tile{self.mlp_tile}" if self.mlp_tile else "")
+        )
 
 
 def block_memory_specs(memory: MemoryConfig, n_layers: int) -> tuple[MemorySpec, ...]:

@@ -10,8 +10,13 @@ from flexengine.config import AttnMode
 
 def _mask(doc, mode, backend, window=100, block_size=128):
     m = AttnMode(mode)
-    return build_batch_mask(doc, documents=m.documents, window=window if m.windowed else None,
-                            backend=AttnBackend(backend), block_size=block_size)
+    return build_batch_mask(
+        doc,
+        documents=m.documents,
+        window=window if m.windowed else None,
+        backend=AttnBackend(backend),
+        block_size=block_size,
+    )
 
 
 def _layout(seq_len, lengths):

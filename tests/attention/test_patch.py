@@ -178,7 +178,7 @@ def _left_padded(lengths, width, vocab=256):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, (n, doc) in enumerate(zip(lengths, _docs(lengths, vocab))):
-        ids[r, width - n:], mask[r, width - n:] = torch.tensor(doc), 1
+        ids[r, width - n :], mask[r, width - n :] = torch.tensor(doc), 1
     return ids, mask
 
 
@@ -210,7 +210,7 @@ def test_attention_mask_with_packed_positions_keeps_documents_apart():
         got = patched(input_ids=ids, position_ids=position_ids, attention_mask=mask).logits[0]
         for start, doc in ((0, docs[0]), (10, docs[1])):
             alone = reference(input_ids=torch.tensor([doc])).logits[0]
-            assert (got[start:start + len(doc)] - alone).abs().max().item() <= ATOL
+            assert (got[start : start + len(doc)] - alone).abs().max().item() <= ATOL
 
 
 def test_attention_mask_that_would_split_a_document_or_is_not_2d_is_refused():

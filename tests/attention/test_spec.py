@@ -43,8 +43,7 @@ def test_per_layer_windows_equal_hf_eager_qwen2():
     with torch.no_grad():
         want = reference(input_ids=ids).logits
         got = patched(input_ids=ids).logits
-        everywhere = patch_attention(clone_model(reference), mode="sliding_window", window=6,
-                                     backend="dense")
+        everywhere = patch_attention(clone_model(reference), mode="sliding_window", window=6, backend="dense")
         # a window on every layer would differ: proves the full-attention layers stayed full
         windows_everywhere = apply_attention(everywhere, _every_layer(attention_spec(everywhere), 6))
         wrong = windows_everywhere(input_ids=ids).logits
@@ -94,8 +93,9 @@ def test_whole_document_mode_on_a_windowed_model_warns_and_records_it(caplog):
 
 def test_modes_compose_masks_without_mode_strings():
     for mode in AttnMode:
-        spec = resolve_attention_spec(AttnConfig(mode=mode.value, backend="dense",
-                                                 window=4 if mode.windowed else None), make_llama().config)
+        spec = resolve_attention_spec(
+            AttnConfig(mode=mode.value, backend="dense", window=4 if mode.windowed else None), make_llama().config
+        )
         assert spec.documents == mode.documents
         assert (spec.layer_windows[0] is not None) == mode.windowed
         assert spec.backend is AttnBackend.DENSE

@@ -17,8 +17,9 @@ def _random_row(seq_len: int, g: torch.Generator) -> torch.Tensor:
     lengths, total = [], 0
     while total < seq_len:
         kind = int(torch.randint(0, 4, (1,), generator=g))
-        n = [1, int(torch.randint(2, 20, (1,), generator=g)), int(torch.randint(60, 200, (1,), generator=g)),
-             seq_len][kind]
+        n = [1, int(torch.randint(2, 20, (1,), generator=g)), int(torch.randint(60, 200, (1,), generator=g)), seq_len][
+            kind
+        ]
         n = min(n, seq_len - total)
         lengths.append(n)
         total += n
@@ -29,8 +30,9 @@ def layer_masks(mode: str, backend: str, doc, window=None, dense_chunk=512) -> L
     """One batch's masks for a single-layer model attending as `mode` on `backend`."""
     m = AttnMode(mode)
     window = window if m.windowed else None
-    mask = build_batch_mask(doc, documents=m.documents, window=window, backend=AttnBackend(backend), block_size=16,
-                            dense_chunk=dense_chunk)
+    mask = build_batch_mask(
+        doc, documents=m.documents, window=window, backend=AttnBackend(backend), block_size=16, dense_chunk=dense_chunk
+    )
     spec = AttentionSpec(m, AttnBackend(backend), (window,), (None,), "test")
     return LayerMasks(spec, {None: mask})
 

@@ -18,8 +18,10 @@ from flexengine.run import build_data, run_training
 def _conversation(i: int, turns: int) -> list[dict]:
     messages = [{"role": "system", "content": "Answer in one word."}]
     for t in range(turns):
-        messages += [{"role": "user", "content": f"question {i}.{t}: what is {t} plus {i}?"},
-                     {"role": "assistant", "content": f"answer{i + t}"}]
+        messages += [
+            {"role": "user", "content": f"question {i}.{t}: what is {t} plus {i}?"},
+            {"role": "assistant", "content": f"answer{i + t}"},
+        ]
     return messages
 
 
@@ -36,10 +38,23 @@ def chat_dir(tmp_path, chat_tokenizer):
 
 
 def _job(tmp_path, tok_dir, path, *overrides):
-    return compose_job(["debug=fast", "data=jsonl", f"data.path={path}", "data.format=chat", "data.seq_len=128",
-                        f"model.tokenizer={tok_dir}", "model.arch.vocab_size=2064", "data.num_workers=0",
-                        f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}",
-                        "train.max_steps=2", "train.save_final=false", *overrides])
+    return compose_job(
+        [
+            "debug=fast",
+            "data=jsonl",
+            f"data.path={path}",
+            "data.format=chat",
+            "data.seq_len=128",
+            f"model.tokenizer={tok_dir}",
+            "model.arch.vocab_size=2064",
+            "data.num_workers=0",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=2",
+            "train.save_final=false",
+            *overrides,
+        ]
+    )
 
 
 def test_chat_sft_trains_only_assistant_replies_and_counts_long_conversations(chat_dir):
@@ -77,7 +92,8 @@ def test_full_sequence_loss_and_drop_policy(chat_dir):
 def test_template_without_markers_fails_before_training(chat_dir):
     tmp_path, tok_dir, path = chat_dir
     template_file = tok_dir / "chat_template.jinja"  # where transformers saves the template
-    template_file.write_text(template_file.read_text().replace("{% generation %}", "").replace(
-        "{% endgeneration %}", ""))
+    template_file.write_text(
+        template_file.read_text().replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    )
     with pytest.raises(UserError, match="data.assistant_mask=prefix"):
         run_training(_job(tmp_path, tok_dir, path), tmp_path / "run")

@@ -73,9 +73,19 @@ def test_skip_counts_reach_summary_json(tmp_path, write_lines):
     good = [json.dumps({"text": t}) for t in TEXTS]
     path = write_lines(tmp_path / "d.jsonl", good[:6] + ["{oops", json.dumps({"text": 3})] + good[6:] + ["{again"])
     job = JobConfig(
-        model=ModelConfig(init="random", arch=dict(
-            model_type="llama", vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)),
+        model=ModelConfig(
+            init="random",
+            arch=dict(
+                model_type="llama",
+                vocab_size=2048,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=256,
+            ),
+        ),
         attn=AttnConfig(mode="packed_doc"),
         data=DataConfig(source="jsonl", path=str(path), on_error="skip", seq_len=64, cache_dir=str(tmp_path / "c")),
         train=TrainConfig(max_steps=1, micro_batch=1, grad_accum=1, progress=False, save_final=False),

@@ -84,7 +84,8 @@ def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
 
     bos = demo_tokenizer.convert_tokens_to_ids("<|pad|>")  # stand-in for LLaMA's <s>
     demo_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<|pad|> $A", special_tokens=[("<|pad|>", bos)])
+        single="<|pad|> $A", special_tokens=[("<|pad|>", bos)]
+    )
     result = Encoder(demo_tokenizer, "text").encode_batch([RawDoc("a:1", "import os")])[0]
     assert result.ids.tolist() == demo_tokenizer("import os")["input_ids"] + [demo_tokenizer.eos_token_id]
     assert result.ids[0] == bos
@@ -92,7 +93,8 @@ def test_text_keeps_the_tokenizers_own_special_tokens(demo_tokenizer):
 
 def test_template_without_generation_markers_names_the_alternatives(chat_tokenizer):
     chat_tokenizer.chat_template = chat_tokenizer.chat_template.replace("{% generation %}", "").replace(
-        "{% endgeneration %}", "")
+        "{% endgeneration %}", ""
+    )
     with pytest.raises(UserError, match=r"no \{% generation %\} markers.*data.assistant_mask=prefix.*train_on=all"):
         Encoder(chat_tokenizer, "chat")
     # the alternatives it names both work

@@ -20,6 +20,7 @@ TEXTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)]
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
     """Any connection attempt fails the test: local data must never reach for the hub."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args}")
 
@@ -38,8 +39,12 @@ def test_json_parquet_and_saved_dataset_read_the_same_documents(tmp_path):
     jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)))
     pq.write_table(pa.table({"text": TEXTS}), tmp_path / "b.parquet")
     datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS[:3]}),
-                          "test": datasets.Dataset.from_dict({"text": TEXTS[3:5]})}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": TEXTS[:3]}),
+            "test": datasets.Dataset.from_dict({"text": TEXTS[3:5]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
     cache = str(tmp_path / "cache")
     reference = _texts(DataConfig(source="jsonl", path=str(jsonl)))
     assert reference == TEXTS
@@ -66,8 +71,18 @@ def test_hf_source_trains_end_to_end_from_a_saved_dataset(tmp_path):
 
     rows = {"text": [t * 20 for t in TEXTS * 4]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
-    job = compose_job(["debug=fast", "data=hf", f"data.path={tmp_path / 'saved'}", "data.seq_len=128",
-                       f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0", "train.max_steps=2",
-                       "train.save_final=false", f"train.output_dir={tmp_path / 'run'}"])
+    job = compose_job(
+        [
+            "debug=fast",
+            "data=hf",
+            f"data.path={tmp_path / 'saved'}",
+            "data.seq_len=128",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.num_workers=0",
+            "train.max_steps=2",
+            "train.save_final=false",
+            f"train.output_dir={tmp_path / 'run'}",
+        ]
+    )
     summary = run_training(job, tmp_path / "run")
     assert summary["steps"] == 2 and summary["data"]["documents"] == 48

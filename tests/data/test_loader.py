@@ -54,6 +54,7 @@ def test_each_epoch_is_a_seeded_permutation():
     corpus, plan = _corpus_and_plan()
     loader = _loader(corpus, plan, seed=3, micro_batch=1)
     n = len(plan.rows)
+
     def order(seed: int, epoch: int, **kw) -> np.ndarray:
         return epoch_order(loader.row_tokens, seed=seed, epoch=epoch, micro_batch=1, **kw)
 
@@ -89,8 +90,9 @@ def test_data_plan_names_a_change_of_context_parallelism():
         rank1 = DistInfo(rank=1, world_size=4, cp=cp)
         loader = _loader(corpus, plan, rank=rank1.data_rank, world_size=rank1.data_world_size)
         first_rows[cp] = loader.next_batch()["input_ids"]
-        prints[cp] = data_plan_fingerprint(corpus, plan, data=DataConfig(seq_len=SEQ_LEN), micro_batch=2,
-                                           world_size=4, cp=cp, seed=0)
+        prints[cp] = data_plan_fingerprint(
+            corpus, plan, data=DataConfig(seq_len=SEQ_LEN), micro_batch=2, world_size=4, cp=cp, seed=0
+        )
     assert not torch.equal(first_rows[1], first_rows[2])  # the same rank reads other rows
     assert [k for k in prints[1] if prints[1][k] != prints[2][k]] == ["parallel.cp"]
 

@@ -48,8 +48,16 @@ def test_mixture_through_the_data_path_reports_each_source(tmp_path):
     a.write_text("".join(json.dumps({"text": f"alpha {i} " * 30}) + "\n" for i in range(40)))
     b.write_text("".join(json.dumps({"text": f"beta {i} " * 30}) + "\n" for i in range(8)))
     mix = f"data.mix=[{{path: {a}, weight: 3}}, {{path: {b}, weight: 1, name: b}}]"
-    job = compose_job(["debug=fast", "data=mix", mix, "data.seq_len=256", "data.num_workers=0",
-                       f"data.cache_dir={tmp_path / 'cache'}"])
+    job = compose_job(
+        [
+            "debug=fast",
+            "data=mix",
+            mix,
+            "data.seq_len=256",
+            "data.num_workers=0",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
     _, _, report = build_data(job, load_tokenizer(job.model), DistInfo())
     mix = report["mix"]
     assert [m["source"] for m in mix] == [str(a), "b"]

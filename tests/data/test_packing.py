@@ -36,8 +36,10 @@ def _reassemble(plan, batch, n_docs: int) -> list[np.ndarray]:
     for r, row in enumerate(plan.rows):
         for d, (doc, start, _) in enumerate(row):
             pieces[doc].append((start, ids[r][doc_ids[r] == d]))
-    return [np.concatenate([t for _, t in sorted(pieces[i], key=lambda p: p[0])] or [np.zeros(0, int)])
-            for i in range(n_docs)]
+    return [
+        np.concatenate([t for _, t in sorted(pieces[i], key=lambda p: p[0])] or [np.zeros(0, int)])
+        for i in range(n_docs)
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["bfd", "greedy", "none"])
@@ -57,7 +59,10 @@ def test_every_token_accounted_for(strategy, long_docs):
     assert s.tokens_in == sum(len(d) for d in docs)
     assert s.tokens_in == s.tokens + s.tokens_truncated + s.tokens_dropped
     assert (s.documents_split, s.documents_truncated, s.documents_dropped) == {
-        "split": (longer, 0, 0), "truncate": (0, longer, 0), "drop": (0, 0, longer)}[long_docs]
+        "split": (longer, 0, 0),
+        "truncate": (0, longer, 0),
+        "drop": (0, 0, longer),
+    }[long_docs]
     assert s.useful_token_fraction == pytest.approx(s.tokens / (s.rows * SEQ_LEN))
     assert all(sum(seg[2] for seg in row) <= SEQ_LEN for row in plan.rows)
 

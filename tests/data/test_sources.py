@@ -52,8 +52,7 @@ def test_skip_counts_every_bad_record_by_reason(tmp_path, write_lines):
         ({"messages": [{"role": "user"}]}, "bad_messages"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
         ({"conversation": []}, "missing_field"),
-        ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-         "unknown_role"),
+        ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "unknown_role"),
     ],
 )
 def test_bad_chat_records(tmp_path, write_jsonl, record, reason):
@@ -116,9 +115,14 @@ def test_paths_globs_directories_and_max_docs(tmp_path, write_jsonl):
 
 def test_mixed_file_reads_text_and_chat_records_by_their_field(tmp_path, write_jsonl):
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    path = write_jsonl(tmp_path / "m.jsonl", [{"format": "text", "text": "print(1)"},
-                                             {"format": "chat", "messages": chat},
-                                             {"format": "audio", "text": "?"}])
+    path = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"format": "text", "text": "print(1)"},
+            {"format": "chat", "messages": chat},
+            {"format": "audio", "text": "?"},
+        ],
+    )
     docs, counts = _read(DataConfig(source="jsonl", path=str(path), format="mixed", on_error="skip"))
     assert [d.payload for d in docs] == [("text", "print(1)"), ("chat", chat)]
     assert counts == {"bad_format_field": 1}
@@ -127,8 +131,11 @@ def test_mixed_file_reads_text_and_chat_records_by_their_field(tmp_path, write_j
 
 
 def test_unknown_chat_role_names_the_role_and_the_line(tmp_path, write_jsonl):
-    turns = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"},
-             {"role": "assistant", "content": "yo"}]
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "wizard", "content": "abracadabra"},
+        {"role": "assistant", "content": "yo"},
+    ]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": turns}])
     with pytest.raises(UserError, match=f"{path}:1: messages\\[1\\].role='wizard' is not a chat role"):
         _read(DataConfig(source="jsonl", path=str(path), format="chat"))
@@ -136,8 +143,13 @@ def test_unknown_chat_role_names_the_role_and_the_line(tmp_path, write_jsonl):
 
 
 # invalid UTF-8 (a Latin-1 byte after a valid two-byte "é") and binary junk (NUL, 0xff) on lines 2 and 4 of five
-UNDECODABLE = [GOOD.encode(), '{"text": "é café'.encode() + b'\xe9"}', GOOD.encode(), b"\x00\xff\xfe binary \x89PNG",
-               GOOD.encode()]
+UNDECODABLE = [
+    GOOD.encode(),
+    '{"text": "é café'.encode() + b'\xe9"}',
+    GOOD.encode(),
+    b"\x00\xff\xfe binary \x89PNG",
+    GOOD.encode(),
+]
 
 
 def test_invalid_utf8_is_a_bad_record_with_file_and_line(tmp_path):

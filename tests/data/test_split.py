@@ -35,7 +35,8 @@ def test_split_is_deterministic_sized_and_keeps_duplicates_together():
     t2, o2 = flatten_documents([docs[i] for i in order])
     _, held2 = split_documents(t2, o2, 0.1)
     assert sorted(map(tuple, (docs[order[i]].tolist() for i in held2))) == sorted(
-        map(tuple, (docs[i].tolist() for i in held)))
+        map(tuple, (docs[i].tolist() for i in held))
+    )
     assert len(split_documents(tokens, offsets, 0.0)[1]) == 0
 
 
@@ -64,9 +65,18 @@ def test_no_document_crosses_the_train_eval_boundary(tmp_path):
     texts += texts[:5]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    job = compose_job(["debug=fast", "data=jsonl", f"data.path={path}", "data.seq_len=128",
-                       "data.eval_fraction=0.25", "data.num_workers=0", "train.micro_batch=2",
-                       f"data.cache_dir={tmp_path / 'cache'}"])
+    job = compose_job(
+        [
+            "debug=fast",
+            "data=jsonl",
+            f"data.path={path}",
+            "data.seq_len=128",
+            "data.eval_fraction=0.25",
+            "data.num_workers=0",
+            "train.micro_batch=2",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
     loader, held, report = build_data(job, load_tokenizer(job.model), DistInfo())
     train_docs = {seg[0] for row in loader.plan.rows for seg in row}
     eval_docs = {seg[0] for row in held.plan.rows for seg in row}
@@ -76,13 +86,16 @@ def test_no_document_crosses_the_train_eval_boundary(tmp_path):
     assert report["eval"]["documents_split"] > 0  # some held-out documents span several rows
     # by content, through the batches both sides really serve: no text is trained on and evaluated
     corpus = loader.corpus
-    content = {d: tuple(corpus.tokens[corpus.offsets[d]:corpus.offsets[d + 1]].tolist()) for d in range(len(texts))}
+    content = {d: tuple(corpus.tokens[corpus.offsets[d] : corpus.offsets[d + 1]].tolist()) for d in range(len(texts))}
     assert {content[d] for d in train_docs}.isdisjoint({content[d] for d in eval_docs})
     eval_pieces = [p for b in held.batches() for p in _documents_in(b)]
     train_pieces = [p for _ in range(loader.batches_per_epoch) for p in _documents_in(loader.next_batch())]
     eval_tokens = sum(len(p) for p in eval_pieces)
     assert eval_tokens == report["eval"]["tokens"]  # every held-out token is evaluated, once
     for piece in eval_pieces:
-        assert any(piece == content[d][s:s + len(piece)] for d in eval_docs for s in (0,) +
-                   tuple(range(128, len(content[d]), 128)))
+        assert any(
+            piece == content[d][s : s + len(piece)]
+            for d in eval_docs
+            for s in (0,) + tuple(range(128, len(content[d]), 128))
+        )
     assert set(train_pieces).isdisjoint(eval_pieces)

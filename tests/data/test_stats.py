@@ -51,9 +51,21 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, write_jsonl, demo_tokenize
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "x = 1\n" * int(n)} for n in rng.integers(1, 200, 40)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXENGINE_CACHE": str(cache_root)}  # demo tokenizer reused
     out = subprocess.run(
-        [sys.executable, "-m", "flexengine.data.stats", "data=jsonl", f"data.path={path}", "data.seq_len=256",
-         "model.arch.max_position_embeddings=512", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "flexengine.data.stats",
+            "data=jsonl",
+            f"data.path={path}",
+            "data.seq_len=256",
+            "model.arch.max_position_embeddings=512",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "length percentiles" in out.stdout and "bfd" in out.stdout and "greedy" in out.stdout
@@ -71,8 +83,18 @@ def test_cli_bad_record_is_a_clean_error(tmp_path, write_lines, demo_tokenizer, 
     path = write_lines(tmp_path / "d.jsonl", ['{"text": "a"}', "{bad"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEXENGINE_CACHE": str(cache_root)}  # demo tokenizer reused
     out = subprocess.run(
-        [sys.executable, "-m", "flexengine.data.stats", "data=jsonl", f"data.path={path}",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "flexengine.data.stats",
+            "data=jsonl",
+            f"data.path={path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert out.returncode == 2 and f"{path}:2: not valid JSON" in out.stderr and "Traceback" not in out.stderr

@@ -10,11 +10,19 @@ import math
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=65536, use_cache=False, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=65536,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
 
 
 def _llama(arch: dict, dtype: torch.dtype, seed: int = 0):
@@ -145,10 +153,23 @@ def test_planner_matches_max_memory_allocated_on_a_full_width_7b(memory, tmp_pat
     from flexengine.memory.planner import CUDA_RESERVE_BYTES, ModelShape, evaluate, plan_inputs
     from flexengine.run import build_trainer
 
-    job = compose_job(["model=llama2_7b", "model.init=random", "++model.arch.num_hidden_layers=2",
-                       "attn=packed_doc", "data.seq_len=4096", "data.demo_max_files=200", "train.micro_batch=1",
-                       "train.grad_accum=1", f"memory={memory}", "hardware=h100_80g", "loss.chunk_size=1024",
-                       "train.progress=false", "train.save_final=false"])
+    job = compose_job(
+        [
+            "model=llama2_7b",
+            "model.init=random",
+            "++model.arch.num_hidden_layers=2",
+            "attn=packed_doc",
+            "data.seq_len=4096",
+            "data.demo_max_files=200",
+            "train.micro_batch=1",
+            "train.grad_accum=1",
+            f"memory={memory}",
+            "hardware=h100_80g",
+            "loss.chunk_size=1024",
+            "train.progress=false",
+            "train.save_final=false",
+        ]
+    )
     torch.cuda.reset_peak_memory_stats()
     trainer = build_trainer(job, tmp_path)
     for _ in range(2):  # optimizer states exist from the first step on
@@ -156,7 +177,13 @@ def test_planner_matches_max_memory_allocated_on_a_full_width_7b(memory, tmp_pat
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
     inputs = plan_inputs(trainer.job, trainer.plan.hardware, trainer.plan.precision, on_cuda=True)
-    planned = evaluate(ModelShape.from_hf_config(trainer.model.config), inputs,
-                       MemoryConfig(**trainer.memory_report["memory_policy"]))["total_bytes"] - CUDA_RESERVE_BYTES
+    planned = (
+        evaluate(
+            ModelShape.from_hf_config(trainer.model.config),
+            inputs,
+            MemoryConfig(**trainer.memory_report["memory_policy"]),
+        )["total_bytes"]
+        - CUDA_RESERVE_BYTES
+    )
     print(json.dumps({"memory": memory, "planned_gib": planned / 2**30, "measured_gib": measured / 2**30}))
     assert abs(planned - measured) / measured < 0.10, f"planned {planned / 2**30:.2f} vs {measured / 2**30:.2f} GiB"

@@ -12,11 +12,16 @@ import torch
 
 from tests.precision_proof import agreement, finetune, learnable_batches, loss_fp32, start_model
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-WIDE = dict(num_hidden_layers=32, hidden_size=256, intermediate_size=688, num_attention_heads=8,
-            num_key_value_heads=4, vocab_size=512)
+WIDE = dict(
+    num_hidden_layers=32,
+    hidden_size=256,
+    intermediate_size=688,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=512,
+)
 STEPS = 12
 # Tolerances. Measured at this shape and these batches with the CPU's bf16 autocast (this file's check run on
 # the CPU, 66 s): bf16_mixed: step losses within 0.03 % of fp32's, per-step update slope 0.994-1.000, norm
@@ -50,13 +55,25 @@ def test_bf16_mixed_follows_fp32_and_bf16_pure_does_not():
         results[mode] = agreement(run, ref, gain_ref, loss0, eval_batch, WIDE)
         del run
         torch.cuda.empty_cache()
-    summary = {"check": "precision_vs_fp32", "steps": STEPS, "lr": 2e-5, "fp32_losses": ref.losses,
-               "fp32_gain": gain_ref, "loss_rtol": LOSS_RTOL, "update_range": UPDATE_RANGE}
+    summary = {
+        "check": "precision_vs_fp32",
+        "steps": STEPS,
+        "lr": 2e-5,
+        "fp32_losses": ref.losses,
+        "fp32_gain": gain_ref,
+        "loss_rtol": LOSS_RTOL,
+        "update_range": UPDATE_RANGE,
+    }
     for mode, r in results.items():
-        summary[mode] = {"max_loss_rel_diff": max(r["loss_rel_diff"]), "min_step_slope": min(r["step_slope"]),
-                         "mean_step_slope": sum(r["step_slope"]) / STEPS,
-                         "step_norm_ratio": [min(r["step_norm_ratio"]), max(r["step_norm_ratio"])],
-                         "gain": r["gain"], "unchanged": r["unchanged"], "failures": failures(r)[:6]}
+        summary[mode] = {
+            "max_loss_rel_diff": max(r["loss_rel_diff"]),
+            "min_step_slope": min(r["step_slope"]),
+            "mean_step_slope": sum(r["step_slope"]) / STEPS,
+            "step_norm_ratio": [min(r["step_norm_ratio"]), max(r["step_norm_ratio"])],
+            "gain": r["gain"],
+            "unchanged": r["unchanged"],
+            "failures": failures(r)[:6],
+        }
     print(json.dumps(summary))  # one line: bench/gpu_check.py puts it into gpu_check.json
     assert not failures(results["bf16_mixed"]), failures(results["bf16_mixed"])
     assert failures(results["bf16_pure"]), "bf16_pure passed the check meant to catch it: the check is too loose"

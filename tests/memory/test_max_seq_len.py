@@ -37,8 +37,12 @@ def test_longest_fitting_is_the_boundary():
 
 
 def test_long_rows_need_checkpointing_offload_and_tiles():
-    rows = {r["label"]: r for r in max_seq_len_table(_deepseek(), PlanInputs(
-        seq_len=0, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))}
+    rows = {
+        r["label"]: r
+        for r in max_seq_len_table(
+            _deepseek(), PlanInputs(seq_len=0, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024)
+        )
+    }
     n = {label: r["max_seq_len"] for label, r in rows.items()}
     assert n["none"] < n["full"] < n["full + offload"] < n["full + offload + tiled MLP"]
     assert n["full"] < n["full + tiled MLP"]
@@ -50,9 +54,24 @@ def test_long_rows_need_checkpointing_offload_and_tiles():
 
 def test_cli_table_json_and_png(tmp_path):
     png = tmp_path / "maxlen.png"
-    proc = subprocess.run([sys.executable, "-m", "flexengine.plan", "model=deepseek7b", "hardware=a100_80g",
-                           "train.micro_batch=1", "model.lora.r=16", "plan.max_seq_len=true", f"plan.png={png}",
-                           "plan.format=json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.plan",
+            "model=deepseek7b",
+            "hardware=a100_80g",
+            "train.micro_batch=1",
+            "model.lora.r=16",
+            "plan.max_seq_len=true",
+            f"plan.png={png}",
+            "plan.format=json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert report["trainable_fraction"] < 0.01 and report["micro_batch"] == 1
@@ -94,15 +113,30 @@ def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
     from flexengine.doctor import compose_job
     from flexengine.plan import build_max_seq_len
 
-    job = compose_job(["model=deepseek7b", "model.init=random", "hardware=a100_80g", "hardware.world_size=8",
-                       "parallel.cp=8", "train.micro_batch=1", "loss.chunk_size=1024"])
+    job = compose_job(
+        [
+            "model=deepseek7b",
+            "model.init=random",
+            "hardware=a100_80g",
+            "hardware.world_size=8",
+            "parallel.cp=8",
+            "train.micro_batch=1",
+            "loss.chunk_size=1024",
+        ]
+    )
     report = build_max_seq_len(job, None)
     assert report["cp"] == 8 and report["world_size"] == 8
     lengths = {r["label"]: r["max_seq_len"] for r in report["policies"]}
     assert all(n % 1024 == 0 for n in lengths.values()) and lengths["full"] > 0
     m = ModelShape.from_hf_config(_deepseek())
-    x = PlanInputs(seq_len=1024, micro_batch=1, dtype_bytes=2, hardware=dataclasses.replace(A100, world_size=8),
-                   chunk_size=1024, cp=8)
+    x = PlanInputs(
+        seq_len=1024,
+        micro_batch=1,
+        dtype_bytes=2,
+        hardware=dataclasses.replace(A100, world_size=8),
+        chunk_size=1024,
+        cp=8,
+    )
     full = candidates_for("auto")[6][1]
     n = longest_fitting(m, x, full)
     assert n % 1024 == 0 and evaluate(m, dataclasses.replace(x, seq_len=n), full)["fits"]

@@ -26,17 +26,27 @@ from flexengine.model import build_hf_config
 from tests.helpers import clone_model, make_llama
 
 MEASURED_POLICIES = [
-    MemoryConfig(), MemoryConfig(policy="full"), MemoryConfig(policy="full", layers="every_2"),
-    MemoryConfig(policy="selective", granularity="attention"), MemoryConfig(policy="selective", granularity="mlp"),
-    MemoryConfig(policy="selective", granularity="ops"), MemoryConfig(policy="offload"),
+    MemoryConfig(),
+    MemoryConfig(policy="full"),
+    MemoryConfig(policy="full", layers="every_2"),
+    MemoryConfig(policy="selective", granularity="attention"),
+    MemoryConfig(policy="selective", granularity="mlp"),
+    MemoryConfig(policy="selective", granularity="ops"),
+    MemoryConfig(policy="offload"),
     MemoryConfig(policy="full", offload=True),
 ]
 
 
 @pytest.fixture(scope="module")
 def small():
-    return make_llama(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512)
+    return make_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
 
 
 @pytest.mark.parametrize("B,S,chunk", [(1, 256, 0), (2, 384, 128), (1, 768, 0)])
@@ -65,8 +75,11 @@ def test_meter_sees_sac_cache_and_checkpoint_closures(small):
     ids = torch.randint(0, 512, (B, S))
     batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
     per_block = {}
-    for label, memory in [("none", MemoryConfig()), ("ops", MemoryConfig(policy="selective", granularity="ops")),
-                          ("full", MemoryConfig(policy="full"))]:
+    for label, memory in [
+        ("none", MemoryConfig()),
+        ("ops", MemoryConfig(policy="selective", granularity="ops")),
+        ("full", MemoryConfig(policy="full")),
+    ]:
         model = clone_model(small)
         patch_attention(model, mode="packed_doc", backend="dense")
         apply_memory_policy(model, memory)
@@ -96,8 +109,15 @@ def test_7b_none_matches_published_formula_adapted(name):
     assert m.params == pytest.approx({"llama2_7b": 6.74e9, "deepseek7b": 6.91e9}[name], rel=0.01)
 
 
-DEEPSEEK = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
-                num_attention_heads=32, num_key_value_heads=32, vocab_size=102400)
+DEEPSEEK = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=30,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=102400,
+)
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 
 
@@ -109,8 +129,11 @@ def test_plan_picks_cheapest_fitting_policy():
     assert not rows["none"]["fits"]
     faster = [r for r in plan["candidates"] if r["step_s"] < rows[plan["policy"]]["step_s"] - 1e-6]
     assert all(not r["fits"] for r in faster)
-    assert (rows["block k=30/30"]["activation_bytes"] < rows["ops k=30/30"]["activation_bytes"]
-            < rows["none"]["activation_bytes"])
+    assert (
+        rows["block k=30/30"]["activation_bytes"]
+        < rows["ops k=30/30"]["activation_bytes"]
+        < rows["none"]["activation_bytes"]
+    )
     assert 0.25 < rows["block k=30/30"]["recompute_flops_fraction"] < 0.34  # ~one extra forward of three
     # "how many layers?": the answer is a k strictly between 0 and L here, the fewest blocks of its family that fit
     family = k_table(plan)
@@ -139,8 +162,18 @@ def test_spread_layers_and_search_space_respect_given_fields():
 
 def test_micro_batch_search_keeps_rows_per_step():
     cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
-    x = PlanInputs(seq_len=8192, micro_batch=4, grad_accum=2, dtype_bytes=2, hardware=A100, chunk_size=1024,
-                   weight_bytes=2, grad_bytes=2, optimizer_state_bytes=0, host_bytes_per_param=16)
+    x = PlanInputs(
+        seq_len=8192,
+        micro_batch=4,
+        grad_accum=2,
+        dtype_bytes=2,
+        hardware=A100,
+        chunk_size=1024,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_state_bytes=0,
+        host_bytes_per_param=16,
+    )
     plan = plan_memory(cfg, x, search_micro_batch=True)
     assert plan["fits"] and plan["micro_batch"] * plan["grad_accum"] == 8
     assert {(r["micro_batch"], r["grad_accum"]) for r in plan["candidates"]} == {(4, 2), (2, 4), (1, 8)}
@@ -150,8 +183,17 @@ def test_micro_batch_search_keeps_rows_per_step():
 
 def test_host_memory_is_a_budget_too():
     cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
-    x = PlanInputs(seq_len=4096, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024, weight_bytes=2,
-                   grad_bytes=2, optimizer_state_bytes=0, host_bytes_per_param=16)
+    x = PlanInputs(
+        seq_len=4096,
+        micro_batch=1,
+        dtype_bytes=2,
+        hardware=A100,
+        chunk_size=1024,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_state_bytes=0,
+        host_bytes_per_param=16,
+    )
     assert plan_memory(cfg, x)["fits"]
     small_host = dataclasses.replace(A100, host_memory_gb=64)  # 6.9e9 x 16 bytes = 103 GiB of masters + states
     plan = plan_memory(cfg, dataclasses.replace(x, hardware=small_host))
@@ -159,11 +201,19 @@ def test_host_memory_is_a_budget_too():
 
 
 def test_plan_says_what_would_fit():
-    arch = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    arch = dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    )
     cfg = build_hf_config(ModelConfig(init="random", arch=arch))
-    small_card = HardwareConfig(name="24g", device="cuda", memory_gb=24, peak_tflops=100, pcie_gb_s=25,
-                                host_memory_gb=64)
+    small_card = HardwareConfig(
+        name="24g", device="cuda", memory_gb=24, peak_tflops=100, pcie_gb_s=25, host_memory_gb=64
+    )
     plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=small_card))
     assert not plan["fits"]
     text = " ".join(plan["suggestions"])
@@ -178,8 +228,9 @@ def _deepseek_inputs(**overrides) -> tuple:
     arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["model"]["arch"]
     cfg = build_hf_config(ModelConfig(name="deepseek7b", init="random", arch=arch))
     a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
-    return cfg, PlanInputs(**{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100,
-                              "chunk_size": 1024, **overrides})
+    return cfg, PlanInputs(
+        **{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100, "chunk_size": 1024, **overrides}
+    )
 
 
 def test_every_term_is_named_and_adds_up_to_the_total():
@@ -236,8 +287,12 @@ def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
 
     from flexengine.memory.planner import pointwise_bytes
 
-    skip = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    skip = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
 
     class Written(TorchDispatchMode):
         total = 0
@@ -246,7 +301,7 @@ def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
             out = func(*args, **(kwargs or {}))
             inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
             if func not in skip and func.overloadpacket is not torch.ops.aten.copy_:
-                for t in (out if isinstance(out, (tuple, list)) else [out]):
+                for t in out if isinstance(out, (tuple, list)) else [out]:
                     if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                         Written.total += t.numel() * t.element_size()
             return out

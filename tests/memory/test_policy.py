@@ -81,10 +81,18 @@ def test_policy_keeps_state_dict_keys(base):
     assert list(model.state_dict()) == keys
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("all", [0, 1, 2, 3, 4, 5]), ("every_2", [1, 3, 5]), ("every_4", [3]), ("first_2", [0, 1]),
-    ("last_2", [4, 5]), ("5,0,3", [0, 3, 5]), ("none", []),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("all", [0, 1, 2, 3, 4, 5]),
+        ("every_2", [1, 3, 5]),
+        ("every_4", [3]),
+        ("first_2", [0, 1]),
+        ("last_2", [4, 5]),
+        ("5,0,3", [0, 3, 5]),
+        ("none", []),
+    ],
+)
 def test_select_layers(spec, expected):
     assert select_layers(spec, 6) == expected
 
@@ -95,12 +103,15 @@ def test_select_layers_rejects_bad_specs(spec):
         select_layers(spec, 6)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"policy": "sometimes"}, "memory.policy"),
-    ({"policy": "selective", "granularity": "heads"}, "memory.granularity"),
-    ({"policy": "full", "granularity": "mlp"}, "memory=selective"),
-    ({"policy": "none", "offload": True}, "memory.offload"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"policy": "sometimes"}, "memory.policy"),
+        ({"policy": "selective", "granularity": "heads"}, "memory.granularity"),
+        ({"policy": "full", "granularity": "mlp"}, "memory=selective"),
+        ({"policy": "none", "offload": True}, "memory.offload"),
+    ],
+)
 def test_memory_config_rejects(kwargs, match):
     with pytest.raises(UserError, match=match):
         MemoryConfig(**kwargs)
@@ -128,12 +139,15 @@ def test_backward_flops_match_claimed_recompute(base, granularity):
     policy = clone_model(base)
     patch_attention(policy, mode="packed_doc", backend="dense")
     layers = "every_2"
-    apply_memory_policy(policy, MemoryConfig(policy="full" if granularity == "block" else "selective",
-                                             granularity=granularity, layers=layers))
+    apply_memory_policy(
+        policy,
+        MemoryConfig(policy="full" if granularity == "block" else "selective", granularity=granularity, layers=layers),
+    )
     extra = _train_flops(policy) - _train_flops(plain)
     shape = ModelShape.from_hf_config(base.config)
     claimed = len(select_layers(layers, shape.layers)) * recompute_flops_per_block(
-        shape, Workload(B, S, 4, "dense"), granularity, count_attention_core=False)
+        shape, Workload(B, S, 4, "dense"), granularity, count_attention_core=False
+    )
     assert extra == claimed
     if granularity != "ops":
         assert extra > 0

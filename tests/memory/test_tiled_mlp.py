@@ -100,8 +100,9 @@ def _train_flops(model: torch.nn.Module) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("memory", [MemoryConfig(tiled_mlp=16),
-                                    MemoryConfig(policy="selective", granularity="attention", tiled_mlp=48)])
+@pytest.mark.parametrize(
+    "memory", [MemoryConfig(tiled_mlp=16), MemoryConfig(policy="selective", granularity="attention", tiled_mlp=48)]
+)
 def test_backward_flops_match_claimed_tile_recompute(base, memory):
     """Each tile re-runs gate_proj + up_proj in backward (non-reentrant checkpoint stops before down_proj): the
     planner's estimate, exactly (FlopCounterMode counts matmuls, not the CPU flash-attention kernel)."""
@@ -116,8 +117,14 @@ def test_only_one_tile_of_the_intermediate_is_ever_alive():
     """Under full checkpointing the peak is the backward recompute of one block: untiled it holds gate, up,
     silu(gate), their product and two gradients of that size for all 1024 tokens; tiled, for 128 -- the
     planner's block_working_bytes."""
-    base = make_llama(hidden_size=32, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=64)
+    base = make_llama(
+        hidden_size=32,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     batch = {"input_ids": torch.randint(0, 64, (1, 1024), generator=torch.Generator().manual_seed(0))}
     batch.update(labels=batch["input_ids"], position_ids=torch.arange(1024)[None])
     peaks = {}
@@ -126,18 +133,31 @@ def test_only_one_tile_of_the_intermediate_is_ever_alive():
         peaks[tile] = measure_peak_bytes(lambda m=model: forward_loss_sum(m, batch).backward())
     shape = ModelShape.from_hf_config(base.config)
     saved = block_working_bytes(shape, Workload(1, 1024, 4, "dense")) - block_working_bytes(
-        shape, Workload(1, 1024, 4, "dense", mlp_tile=128))
+        shape, Workload(1, 1024, 4, "dense", mlp_tile=128)
+    )
     assert saved == 6 * 4 * (1024 - 128) * 512  # 6 fp32 [tokens, intermediate] tensors, 7 of 8 tiles fewer
     assert peaks[0] - peaks[128] == pytest.approx(saved, rel=0.05)
 
 
-@pytest.mark.parametrize("memory", [MemoryConfig(tiled_mlp=128), MemoryConfig(policy="full", tiled_mlp=128),
-                                    MemoryConfig(policy="selective", granularity="attention", tiled_mlp=200),
-                                    MemoryConfig(policy="full", offload=True, tiled_mlp=128)])
+@pytest.mark.parametrize(
+    "memory",
+    [
+        MemoryConfig(tiled_mlp=128),
+        MemoryConfig(policy="full", tiled_mlp=128),
+        MemoryConfig(policy="selective", granularity="attention", tiled_mlp=200),
+        MemoryConfig(policy="full", offload=True, tiled_mlp=128),
+    ],
+)
 def test_planner_within_5_percent_of_meter(memory):
     """Bytes saved for backward at shrunk width (H128, f344, 3 blocks, 768 tokens, fp32, dense attention)."""
-    small = make_llama(hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512)
+    small = make_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
     ids = torch.randint(0, 512, (1, 768), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "position_ids": torch.arange(768)[None], "labels": ids}
     model = _model(small, memory)
