@@ -11,6 +11,10 @@ to move at all. Modes, most exact first:
   bf16_cpu_master  bf16 weights and grads on the device; fp32 masters and AdamW states in host memory.
   bf16_sr          bf16 weights, grads and states; torchao AdamW with stochastic rounding (unbiased updates).
   bf16_pure        bf16 everything with torch AdamW: small updates round away. Only when asked.
+
+Under LoRA the frozen base weights are never updated, so an fp32 master of them is pure waste: every bf16 mode
+stores frozen matrices (Linear weights, embeddings) in bf16 (`cast_frozen`), as PEFT/QLoRA do; the adapters keep
+the mode's master dtype. Autocast casts every matmul weight to bf16 anyway, so the matmuls see the same values.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ class PrecisionSpec:
         return self.compute_dtype != self.param_dtype
 
     @property
+    def frozen_dtype(self) -> torch.dtype:
+        """Dtype of frozen matrices (LoRA's base weights): the bf16 compute dtype when there is one."""
+        return torch.bfloat16 if self.compute_dtype == torch.bfloat16 else self.param_dtype
+
+    @property
     def act_bytes(self) -> int:
         """Bytes per activation element."""
         return torch.empty((), dtype=self.compute_dtype).element_size()
@@ -57,7 +66,8 @@ class PrecisionSpec:
         """Bytes per trainable parameter: weights, grads, states on the device, and host bytes.
 
         bf16_mixed on one device also holds autocast's bf16 copy of every weight (cached for the forward and
-        saved for backward by the matmuls that use it). adamw_cpu_offload's host side holds the fp32 master,
+        saved for backward by the matmuls that use it); frozen matrices (LoRA) are stored in frozen_dtype with no
+        copy ("frozen_weights" bytes each). adamw_cpu_offload's host side holds the fp32 master,
         two fp32 states and an fp32 copy of the gradient during the step."""
         from flexengine.optim import optimizer_state_bytes_per_param
 
@@ -69,6 +79,7 @@ class PrecisionSpec:
             "grads": w,
             "optimizer": device,
             "compute_copy": 2.0 if self.autocast else 0.0,
+            "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
             "host": host + host_grad,
         }
 
@@ -145,6 +156,27 @@ def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
             "bf16_sr (stochastic rounding), or precision=auto.",
             lr,
         )
+
+
+def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
+    """Store frozen matrices in spec.frozen_dtype (LoRA); returns how many elements were cast.
+
+    Only matrices: frozen 1-D parameters (norm weights, biases) stay in the master dtype, since HF's RMSNorm
+    returns `weight * x` and an fp32 weight keeps that output, and so the residual stream, in fp32 as before. The
+    input embedding's output is cast back to the master dtype for the same reason (a bf16 lookup would make the
+    whole residual stream bf16); its values differ from before only by the bf16 rounding autocast gives every
+    Linear weight."""
+    cast = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.ndim >= 2 and p.is_floating_point() and p.dtype != spec.frozen_dtype:
+            p.data = p.data.to(spec.frozen_dtype)
+            cast += p.numel()
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if cast and embedding is not None and embedding.weight.dtype != spec.param_dtype:
+        embedding.register_forward_hook(lambda module, args, out: out.to(spec.param_dtype))
+    if cast:
+        log.info("precision: %.1fM frozen weights stored in %s (no master copy)", cast / 1e6, spec.frozen_dtype)
+    return cast
 
 
 def autocast_context(spec: PrecisionSpec, device: torch.device, sharded: bool = False):

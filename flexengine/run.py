@@ -38,6 +38,7 @@ from flexengine.parallel import (
     rank_device,
     shutdown_distributed,
 )
+from flexengine.precision import cast_frozen
 from flexengine.rope import check_context, context_limits
 from flexengine.storage import CHECKPOINTS, check_output_dir, clean_stale_temp_dirs, write_json_atomic
 from flexengine.trainer import Trainer
@@ -195,6 +196,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         model = load_model(job.model, device, fit.precision.param_dtype)
     check_vocab(model, tokenizer)
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
+    cast_frozen(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
     apply_attention(model, attention)
     if context_parallel is not None:

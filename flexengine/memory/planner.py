@@ -72,6 +72,11 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tied else 2)
 
     @property
+    def norm_params(self) -> int:
+        """Norm weights: two per block and the final norm (the 1-D parameters `precision.cast_frozen` keeps)."""
+        return self.hidden * (2 * self.layers + 1)
+
+    @property
     def block_params(self) -> int:
         """Parameters of one decoder block."""
         return (self.params - self.embedding_params - self.hidden) // self.layers
@@ -457,6 +462,8 @@ class PlanInputs:
     weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
     grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
     compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
+    frozen_weight_bytes: Optional[float] = None  # per frozen matrix element when trainable_fraction < 1 (LoRA's
+    # base weights, stored in the compute dtype with no autocast copy: precision.cast_frozen); None = weight bytes
     host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
     precision: str = ""  # the precision mode these bytes come from (for reports)
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
@@ -496,7 +503,15 @@ def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
     grad = x.grad_bytes if x.grad_bytes is not None else weight
     state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else weight
-    out = {"weights_bytes": int(m.params * weight / world), "grads_bytes": int(trainable * grad / world)}
+    copied = m.params  # parameters autocast keeps a bf16 copy of
+    if x.frozen_weight_bytes is not None and x.trainable_fraction < 1.0:
+        # LoRA: base matrices frozen in the compute dtype; norm weights and adapters in the master dtype
+        frozen = m.params - m.norm_params
+        weights = frozen * x.frozen_weight_bytes + (m.norm_params + trainable) * weight
+        copied = trainable
+    else:
+        weights = m.params * weight
+    out = {"weights_bytes": int(weights / world), "grads_bytes": int(trainable * grad / world)}
     if x.embedding_state_bytes is not None and x.trainable_fraction >= 1.0:
         embedding = m.vocab * m.hidden  # the input embedding's states replace its share of the others
         out["optimizer_bytes"] = int(2 * (trainable - embedding) * state / world)
@@ -504,7 +519,7 @@ def _static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     else:
         out["optimizer_bytes"] = int(2 * trainable * state / world)  # AdamW: exp_avg + exp_avg_sq
     if x.compute_copy_bytes:
-        out["compute_copy_bytes"] = int(m.params * x.compute_copy_bytes / world)
+        out["compute_copy_bytes"] = int(copied * x.compute_copy_bytes / world)
     return out
 
 
@@ -831,6 +846,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         weight_bytes=per_param["weights"],
         grad_bytes=per_param["grads"],
         compute_copy_bytes=per_param["compute_copy"],
+        frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
         host_bytes_per_param=per_param["host"],
         embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
         # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)

@@ -337,3 +337,27 @@ def test_varlen_estimate_matches_meter_and_keeps_less_than_dense(small):
         assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), backend
         measured[backend] = report.total_bytes
     assert measured["varlen"] < measured["dense"]
+
+
+def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
+    """Under bf16_mixed LoRA the frozen base matrices are bf16 (precision.cast_frozen): 2 bytes, no autocast copy;
+    adapters (and the norm vectors kept for fp32 norm outputs) are fp32 masters with a bf16 copy of the adapters."""
+    from flexengine.doctor import compose_job
+    from flexengine.hardware import assumed_hardware
+    from flexengine.memory.planner import plan_inputs
+    from flexengine.model import build_meta_model
+    from flexengine.precision import precision_spec
+
+    job = compose_job(
+        ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "model.lora.r=16", "loss.chunk_size=1024"]
+    )
+    cfg = build_hf_config(job.model)
+    x = plan_inputs(job, assumed_hardware(job.hardware), precision_spec("bf16_mixed"))
+    terms = plan_memory(cfg, x)["terms"]
+    h, L, f = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    params = sum(p.numel() for p in build_meta_model(cfg, torch.float32).parameters())
+    norms = h * (2 * L + 1)
+    lora = 16 * L * (4 * 2 * h + 3 * (h + f))  # q, k, v, o (MHA: h x h) and gate, up, down: r x (in + out)
+    assert terms["weights_bytes"] == (params - norms) * 2 + (norms + lora) * 4
+    assert terms["compute_copy_bytes"] == lora * 2  # autocast copies only the fp32 adapters
+    assert terms["weights_bytes"] / 2**30 == pytest.approx(13.0, abs=0.1)  # was 25.7 GiB + 12.9 GiB copy
