@@ -274,5 +274,10 @@ def varlen_attention(
 ) -> Tensor:
     """Per-document attention: q [B, Hq, S, D], k/v [B, Hkv, S, D], document ids [B, S] (runs of equal ids are
     documents) -> out [B, S, Hq, D]. window: keys at most window - 1 before the query (None = whole document)."""
+    if torch.is_autocast_enabled(q_BHSD.device.type):
+        # a custom op gets no autocast rule: compute in the autocast dtype, as SDPA (the dense backend) does under
+        # autocast; HF's rotary embedding hands over fp32 q/k next to a bf16 v, which the CPU kernel refuses
+        dtype = torch.get_autocast_dtype(q_BHSD.device.type)
+        q_BHSD, k_BHSD, v_BHSD = (t.to(dtype) for t in (q_BHSD, k_BHSD, v_BHSD))
     out, _ = _varlen_forward(q_BHSD, k_BHSD, v_BHSD, document_ids_BS, window or 0, scale)
     return out

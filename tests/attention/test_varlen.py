@@ -72,6 +72,22 @@ def test_bf16_matches_dense():
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_under_autocast_mixed_dtypes_compute_like_dense():
+    """bf16 autocast hands fp32 q/k (HF's rotary embedding) next to a bf16 v: varlen computes in the autocast dtype,
+    as the dense backend's SDPA does, with gradients back in each input's dtype."""
+    g = torch.Generator().manual_seed(1)
+    doc = torch.stack([_random_row(256, g) for _ in range(2)])
+    q, k = torch.randn(2, 4, 256, 16, generator=g), torch.randn(2, 2, 256, 16, generator=g)
+    v = torch.randn(2, 2, 256, 16, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _attend("dense", "packed_doc", doc, q, k, v, None)
+        got = _attend("varlen", "packed_doc", doc, q, k, v, None)
+    assert got[0].dtype == ref[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+    got[0].float().sum().backward()
+    assert [t.grad.dtype for t in got[1:]] == [torch.float32, torch.float32, torch.bfloat16]
+
+
 def test_plan_covers_every_query_once_and_batches_equal_documents():
     doc = torch.tensor([[0] * 10 + [1] * 3 + [2] * 3, [0] * 3 + [1] * 13, [0] * 16])
     runs = document_runs(doc)
