@@ -134,7 +134,9 @@ def estimate_checkpoint_bytes(
     opt = _tensor_bytes(states)
     if not any(hasattr(t, "to_local") for t in states):
         opt *= world_size
-    base = _tensor_bytes(p for p in params if not p.requires_grad) if merged else 0
+    # the merged export is written in the adapters' dtype (lora.merge_lora_state_dict), whatever the frozen base's
+    master_size = next((p.element_size() for p in params if p.requires_grad), 4)
+    base = sum(p.numel() for p in params if not p.requires_grad) * master_size if merged else 0
     return int((weights + opt + base) * SPACE_MARGIN)
 
 

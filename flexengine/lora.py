@@ -92,11 +92,15 @@ def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> D
             )
         else:
             merged[key.replace(".base_layer.", ".")] = value
+    # the export is in the adapters' (master) dtype: bf16 modes store the frozen base in bf16 (precision.cast_frozen),
+    # and rounding W + dW to bf16 would lose most of a small LoRA update
+    master = next((ab["A"].dtype for ab in factors.values()), None)
+    if master is not None:
+        merged = {k: v.to(master) if v.is_floating_point() else v for k, v in merged.items()}
     for module, ab in factors.items():
         weight_key = module + ".weight"
-        base = merged[weight_key]
         delta = (ab["B"].float() @ ab["A"].float()) * scaling  # [out, r] @ [r, in]
-        merged[weight_key] = (base.float() + delta).to(base.dtype)
+        merged[weight_key] = (merged[weight_key].float() + delta).to(master)
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in merged.items()}
 
 

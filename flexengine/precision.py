@@ -173,7 +173,11 @@ def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
             cast += p.numel()
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if cast and embedding is not None and embedding.weight.dtype != spec.param_dtype:
-        embedding.register_forward_hook(lambda module, args, out: out.to(spec.param_dtype))
+        # only under autocast: with FSDP2's MixedPrecisionPolicy (no autocast) everything runs in bf16 anyway, and an
+        # fp32 copy of the embeddings would be held through the whole forward
+        embedding.register_forward_hook(
+            lambda module, args, out: out.to(spec.param_dtype) if torch.is_autocast_enabled(out.device.type) else out
+        )
     if cast:
         log.info("precision: %.1fM frozen weights stored in %s (no master copy)", cast / 1e6, spec.frozen_dtype)
     return cast

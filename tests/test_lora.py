@@ -80,6 +80,30 @@ def test_merge_formula_matches_peft_merge_and_unload(tiny_llama):
         torch.testing.assert_close(mine[key], theirs[key], atol=1e-6, rtol=1e-6)
 
 
+def test_merge_of_a_bf16_frozen_base_keeps_the_update_in_the_adapters_dtype(tiny_llama):
+    """bf16 modes store the frozen base in bf16: the merged export is W + dW in fp32 (the adapters' dtype), not
+    rounded back to bf16, where most of a small LoRA update would vanish."""
+    config = LoraConfig(r=2, alpha=4.0, target_modules=["q_proj"])
+    peft_model = apply_lora(tiny_llama, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=1e-4)  # an update ~1e-3 of the weights
+            elif not p.requires_grad and p.ndim >= 2:
+                p.data = p.data.bfloat16()
+    state = peft_model.state_dict()
+    merged = merge_lora_state_dict(state, config)
+    key = "model.layers.0.self_attn.q_proj"
+    a, b = (
+        state[f"base_model.model.{key}.lora_A.default.weight"],
+        state[f"base_model.model.{key}.lora_B.default.weight"],
+    )
+    expected = state[f"base_model.model.{key}.base_layer.weight"].float() + (b @ a) * (config.alpha / config.r)
+    assert merged[f"{key}.weight"].dtype == torch.float32
+    torch.testing.assert_close(merged[f"{key}.weight"], expected, atol=1e-7, rtol=1e-6)
+    assert {v.dtype for v in merged.values() if v.is_floating_point()} == {torch.float32}
+
+
 def test_adapter_keys_round_trip_to_model_keys(tiny_llama):
     from peft import get_peft_model_state_dict
 
