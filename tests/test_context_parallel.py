@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from flexengine.doctor import compose_job
 from flexengine.errors import UserError
 from flexengine.loss import causal_lm_loss_sum, shift_targets, shifted_loss_sum
 from flexengine.parallel import init_distributed
+from tests.helpers import python_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,13 +27,7 @@ def _forward_run(tmp_path_factory, ranks: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(ranks),
-            "--master_port",
-            str(32500 + os.getpid() % 1000 + ranks),
+            *python_launcher(ranks, port_base=32500),
             str(ROOT / "tests" / "context_parallel_forward.py"),
             str(out),
         ],

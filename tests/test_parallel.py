@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 from flexengine.config import ParallelConfig
 from flexengine.loss import forward_loss_sum
 from flexengine.parallel import DistInfo, LossForward, apply_parallel, init_distributed
-from tests.helpers import run_grads_script
+from tests.helpers import python_launcher, run_grads_script
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
@@ -32,20 +31,15 @@ RUN = [
 
 def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
     """One training run (torchrun with `ranks` processes; 0 = a plain process); returns summary.json."""
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(ranks),
-            "--master_port",
-            str(29500 + os.getpid() % 1000),
-        ]
-        if ranks > 0
-        else [sys.executable]
-    )
-    cmd = [*launcher, "-m", "flexengine.train", *RUN, f"train.output_dir={out}", f"hydra.run.dir={out}", *overrides]
+    cmd = [
+        *python_launcher(ranks, port_base=29500),
+        "-m",
+        "flexengine.train",
+        *RUN,
+        f"train.output_dir={out}",
+        f"hydra.run.dir={out}",
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out.parent)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -130,13 +124,7 @@ def test_ddp_two_ranks_match_one_process(single, tmp_path):
 def test_resume_with_another_world_size_is_refused(single, tmp_path):
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(30500 + os.getpid() % 1000),
+            *python_launcher(2, port_base=30500),
             "-m",
             "flexengine.train",
             *RUN,
