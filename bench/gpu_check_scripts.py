@@ -29,19 +29,10 @@ from flexengine.config import MemoryConfig  # noqa: E402
 from flexengine.data.packing import IGNORE_INDEX  # noqa: E402
 from flexengine.loss import forward_loss_sum  # noqa: E402
 from flexengine.memory import apply_memory_policy  # noqa: E402
+from tests.helpers import GPU_TINY_LLAMA  # noqa: E402
 
 DEV = torch.device("cuda")
-TINY = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=65536,
-    use_cache=False,
-    tie_word_embeddings=False,
-)
+TINY = GPU_TINY_LLAMA
 ONE_B = dict(
     vocab_size=32000,
     hidden_size=2048,

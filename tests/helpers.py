@@ -11,6 +11,19 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+# the GPU checks' small LLaMA (wide enough for flex's 128-token blocks and bf16 tolerances)
+GPU_TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=65536,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+
 TINY_LLAMA = dict(
     vocab_size=256,
     hidden_size=64,

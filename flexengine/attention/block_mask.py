@@ -187,6 +187,10 @@ def build_batch_mask(
             causal_blocks=causal_blocks,
             block_size=block_size,
         )
+    if backend not in (AttnBackend.VARLEN, AttnBackend.DENSE):
+        raise ValueError(f"unknown mask backend {backend!r}")
+    # these visit no blocks: the density metric counts what a block-sparse kernel would compute
+    computed = block_occupancy(documents, document_ids_BS, window, block_size)[0].sum()
     if backend is AttnBackend.VARLEN:
         # one sequence per row unless packed: the causal/sliding_window masks ignore document ids
         ids = document_ids_BS if documents else torch.zeros_like(document_ids_BS)
@@ -196,22 +200,20 @@ def build_batch_mask(
             window,
             backend,
             varlen_ids=ids,
-            computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
+            computed_blocks=computed,
             causal_blocks=causal_blocks,
             block_size=block_size,
         )
-    if backend is AttnBackend.DENSE:
-        chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
-        return BatchMask(
-            documents,
-            window,
-            backend,
-            dense_chunks=chunks,
-            computed_blocks=block_occupancy(documents, document_ids_BS, window, block_size)[0].sum(),
-            causal_blocks=causal_blocks,
-            block_size=block_size,
-        )
-    raise ValueError(f"unknown mask backend {backend!r}")
+    chunks = _dense_chunks(documents, mask_mod, document_ids_BS, window, dense_chunk)
+    return BatchMask(
+        documents,
+        window,
+        backend,
+        dense_chunks=chunks,
+        computed_blocks=computed,
+        causal_blocks=causal_blocks,
+        block_size=block_size,
+    )
 
 
 def _dense_chunks(

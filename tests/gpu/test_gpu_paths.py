@@ -10,19 +10,11 @@ import math
 import pytest
 import torch
 
+from tests.helpers import GPU_TINY_LLAMA
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=65536,
-    use_cache=False,
-    tie_word_embeddings=False,
-)
+TINY = GPU_TINY_LLAMA
 
 
 def _llama(arch: dict, dtype: torch.dtype, seed: int = 0):
