@@ -37,7 +37,8 @@ def select_layers(spec: str, n_layers: int) -> list[int]:
         indices = sorted({int(i) for i in spec.split(",")})
     except ValueError:
         raise UserError(
-            f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k>, spread_<k> or a list like 0,3,7"
+            f"memory.layers={spec!r}: use all, every_<n>, first_<k>, last_<k>, spread_<k> or a list of blocks, "
+            "quoted for Hydra: 'memory.layers=\"0,3,7\"'"
         ) from None
     bad = [i for i in indices if not 0 <= i < n_layers]
     if bad:
