@@ -8,6 +8,7 @@ Cross-field rules live in `__post_init__` and raise `UserError` naming the key t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -47,6 +48,7 @@ MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
+OPTIM_NAMES = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")  # flexengine.optim builds each
 
 
 def conf_dir() -> Path:
@@ -60,6 +62,38 @@ def conf_dir() -> Path:
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise UserError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+
+
+def _check_finite(
+    key: str,
+    value: float,
+    *,
+    low: float = -math.inf,
+    low_ok: bool = True,
+    high: float = math.inf,
+    high_ok: bool = True,
+    hint: str = "",
+) -> None:
+    """A number that must be finite and inside [low, high] (open ends where *_ok is False): NaN compares false
+    with everything, so without this a NaN slips through every `<` check (grad_clip=nan meant "no clipping")."""
+    inside = (value >= low if low_ok else value > low) and (value <= high if high_ok else value < high)
+    if not math.isfinite(value) or not inside:
+        lo, hi = ("[" if low_ok else "(") + f"{low:g}", f"{high:g}" + ("]" if high_ok else ")")
+        raise UserError(f"{key}={value} must be a finite number in {lo}, {hi}{hint}.")
+
+
+# model.arch sizes a model cannot have zero (or fewer) of: HF builds such a config and fails deep in torch
+ARCH_POSITIVE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+)
+MAX_SAMPLE_TOKENS = 4096  # train.sample_tokens: generation re-runs the whole row per token (no KV cache)
 
 
 @dataclass
@@ -152,11 +186,23 @@ class ModelConfig:
             )
         if self.path is None and "model_type" not in self.arch:
             raise UserError(f"model={self.name}: without model.path, model.arch must give at least model_type.")
+        check_arch_sizes(self.arch, "model.arch")
 
     @property
     def loads_weights(self) -> bool:
         """Whether the weights come from model.path (else they are initialised at random)."""
         return self.path is not None and self.init != "random"
+
+
+def check_arch_sizes(arch: Any, where: str) -> None:
+    """Positive model sizes (hidden_size, num_hidden_layers, ...) in an HF config dict: `where` names the source
+    (model.arch, or model.path's config.json)."""
+    for key in ARCH_POSITIVE_KEYS:
+        value = arch.get(key) if hasattr(arch, "get") else getattr(arch, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"{where}.{key}={value!r} must be a positive integer (e.g. {where}.{key}=256).")
 
 
 @dataclass
@@ -395,7 +441,7 @@ class OptimConfig:
     name: str = "adamw"  # adamw | adamw_8bit | adamw_bf16 (both torchao) | adamw_cpu_offload (states in host RAM)
 
     def __post_init__(self) -> None:
-        _check_choice("optim.name", self.name, ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload"))
+        _check_choice("optim.name", self.name, OPTIM_NAMES)
         _check_choice("optim.schedule", self.schedule, SCHEDULES)
         if self.warmup_steps < 0:
             raise UserError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")
@@ -403,6 +449,19 @@ class OptimConfig:
             raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise UserError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1].")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Each number a finite value the optimizer can use: a NaN lr or weight decay writes NaN weights, a
+        negative eps or a beta >= 1 fails late inside torch, and grad_clip=nan meant no clipping."""
+        _check_finite("optim.lr", self.lr, low=0.0, low_ok=False, hint=" (the peak learning rate, e.g. 1e-4)")
+        _check_finite("optim.eps", self.eps, low=0.0, low_ok=False, hint=" (e.g. 1e-8)")
+        _check_finite("optim.weight_decay", self.weight_decay, low=0.0, hint=" (0 = none, e.g. 0.1)")
+        _check_finite("optim.grad_clip", self.grad_clip, low=0.0, hint=" (the max global grad norm; 0 = no clipping)")
+        if len(self.betas) != 2:
+            raise UserError(f"optim.betas={list(self.betas)} must be two numbers, e.g. [0.9,0.95].")
+        for i, beta in enumerate(self.betas):
+            _check_finite(f"optim.betas[{i}]", beta, low=0.0, high=1.0, high_ok=False, hint=" (e.g. [0.9,0.95])")
 
 
 @dataclass
@@ -550,8 +609,11 @@ class TrainConfig:
             raise UserError(f"train.log_every={self.log_every} must be a positive number of steps.")
         if self.epochs is not None and self.epochs <= 0:
             raise UserError(f"train.epochs={self.epochs} must be positive (or null to use train.max_steps).")
-        if self.sample_tokens <= 0:
-            raise UserError(f"train.sample_tokens={self.sample_tokens} must be positive.")
+        if not 0 < self.sample_tokens <= MAX_SAMPLE_TOKENS:
+            raise UserError(
+                f"train.sample_tokens={self.sample_tokens} must be in 1..{MAX_SAMPLE_TOKENS}: each new token re-runs "
+                "the whole row (no KV cache), so long samples take minutes to hours between steps."
+            )
 
 
 @dataclass
@@ -585,6 +647,12 @@ class JobConfig:
             )
         if self.parallel.cp > 1:
             check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
+        positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
+        if positions and self.train.sample_prompts and self.train.sample_tokens > positions:
+            raise UserError(
+                f"train.sample_tokens={self.train.sample_tokens} is more than the model's "
+                f"max_position_embeddings={positions}: generation past it is untrained positions; lower it."
+            )
         if self.train.early_stop_patience and not self.data.has_eval:
             raise UserError(
                 f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
