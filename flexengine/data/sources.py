@@ -113,6 +113,34 @@ def _import_datasets():
     return datasets
 
 
+def needed_column(data: DataConfig) -> tuple[str, Optional[str]]:
+    """(the record field every record of data.format needs, the config key that names it, if one does)."""
+    if data.format == "text":
+        return data.text_field, "data.text_field"
+    if data.format == "chat":
+        return data.messages_field, "data.messages_field"
+    if data.format == "mixed":
+        return data.format_field, "data.format_field"  # its text/messages fields are needed per record
+    return "input_ids", None  # pretokenized: fixed names
+
+
+def check_columns(path: Path, columns: list[str], data: DataConfig) -> None:
+    """A column data.format needs that a table (Parquet, HF dataset) lacks is a config error, not a bad record:
+    every row would fail, and data.on_error=skip would skip them all. Name the key and the columns there are."""
+    name, key = needed_column(data)
+    if name in columns:
+        return
+    fix = (
+        f"Set {key} to the column holding them, e.g. {key}={columns[0]}"
+        if key and columns
+        else f"data.format={data.format} needs that column"
+    )
+    raise UserError(
+        f"{path}: no column {name!r} ({key or 'data.format=' + data.format}); its columns are "
+        f"{', '.join(map(repr, columns)) or 'none'}. {fix}."
+    )
+
+
 def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str], str]]:
     """Rows of a save_to_disk directory or of one local data file, through HF `datasets`."""
     datasets = _import_datasets()
@@ -141,6 +169,7 @@ def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[
             f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
             "with file:line use data=jsonl."
         ) from None
+    check_columns(path, list(ds.column_names), data)
     for row, record in enumerate(ds):
         yield f"{path}:row {row}", record, None, ""
 
@@ -244,7 +273,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str], str]]:
                 yield where, None, f"not valid JSON ({e.msg} at column {e.colno})", "malformed_json"
 
 
-def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[str], str]]:
+def _iter_parquet(path: Path, column: str, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str], str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -252,6 +281,7 @@ def _iter_parquet(path: Path, column: str) -> Iterator[tuple[str, Any, Optional[
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         raise UserError(f"{path}: cannot read as Parquet ({e}).") from None
     names = pf.schema_arrow.names
+    check_columns(path, names, data)
     columns = [c for c in ((column, "labels") if column == "input_ids" else (column,)) if c in names]
     row = 0
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns or None):
@@ -276,7 +306,7 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
             records = _iter_hf(path, data)
         else:
             column = {"text": data.text_field, "chat": data.messages_field, "pretokenized": "input_ids"}[data.format]
-            records = _iter_parquet(path, column)
+            records = _iter_parquet(path, column, data)
         for where, record, parse_error, parse_reason in records:
             if parse_error is not None:
                 bad.report(parse_reason, f"{where}: {parse_error}")

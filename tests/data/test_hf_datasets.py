@@ -86,3 +86,26 @@ def test_hf_source_trains_end_to_end_from_a_saved_dataset(tmp_path):
     )
     summary = run_training(job, tmp_path / "run")
     assert summary["steps"] == 2 and summary["data"]["documents"] == 48
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved", "hf_parquet"])
+def test_wrong_column_lists_the_columns_and_names_the_key(tmp_path, kind):
+    """A text_field that is no column is a config error naming data.text_field and the columns, for every row at
+    once, never a per-record error suggesting data.on_error=skip (which would skip every row)."""
+    import datasets
+
+    if kind == "saved":
+        datasets.Dataset.from_dict({"content": TEXTS, "id": list(range(12))}).save_to_disk(str(tmp_path / "d"))
+        path, source = tmp_path / "d", "hf"
+    else:
+        path = tmp_path / "a.parquet"
+        pq.write_table(pa.table({"content": TEXTS, "id": list(range(12))}), path)
+        source = "parquet" if kind == "parquet" else "hf"
+    data = DataConfig(source=source, path=str(path), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(UserError) as info:
+        _texts(data)
+    message = str(info.value)
+    assert "data.text_field" in message and "'content'" in message and "'id'" in message
+    assert "on_error" not in message
+    with pytest.raises(UserError, match="data.text_field"):  # skip cannot turn a wrong column into zero documents
+        _texts(DataConfig(source=source, path=str(path), cache_dir=str(tmp_path / "cache"), on_error="skip"))
