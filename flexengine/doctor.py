@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -371,8 +372,8 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    """CLI: parse --steps/--out, compose the overrides, diagnose, print, write doctor.json."""
+def run_doctor(argv: Optional[list[str]] = None) -> dict:
+    """Parse --steps/--out, compose the overrides, diagnose, print, write doctor.json; returns the report."""
     parser = argparse.ArgumentParser(prog="python -m flexengine.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="the same overrides as python -m flexengine.train")
     parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after 1 warm-up step)")
@@ -390,6 +391,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(format_report(report))
     print(f"\nwritten: {out / 'doctor.json'}")
     return report
+
+
+def exit_status(report: dict) -> int:
+    """0 when no check failed; 1 when one did (verdict bad: the run does not fit, or wastes most of its tokens)."""
+    return int(any(c["verdict"] == "bad" for c in report["checks"]))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point (`flexengine-doctor`): the report on stdout, exit status 0, or 1 on a failed check.
+    (Returning the report would hand it to sys.exit, which prints the dict and exits 1.)"""
+    sys.exit(exit_status(run_doctor(argv)))
 
 
 if __name__ == "__main__":

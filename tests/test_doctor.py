@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexengine.config import conf_dir
-from flexengine.doctor import compose_job, diagnose, format_report, main
+from flexengine.doctor import compose_job, diagnose, exit_status, format_report, run_doctor
 from flexengine.errors import UserError
 from flexengine.hooks import StepHooks
 from flexengine.run import build_trainer
@@ -46,7 +46,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
 
 
 def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
-    report = main([*FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
+    report = run_doctor([*FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
     n = report["numbers"]
     assert n["attn_backend"] == "sdpa" and n["block_density"] is None
     assert n["useful_token_fraction"] < 0.9
@@ -103,3 +103,23 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
 def test_every_experiment_composes(experiment):
     job = compose_job([f"experiment={experiment}", "model.path=/models/any", "data.path=/data/any.jsonl"])
     assert job.data.seq_len > 0 and job.train.max_steps > 0
+
+
+def test_console_script_exits_0_on_a_healthy_run_and_prints_no_dict(tmp_path):
+    import subprocess
+    import sys
+
+    # what the installed `flexengine-doctor` script runs: sys.exit(main())
+    script = "import sys; from flexengine.doctor import main; sys.argv[0] = 'flexengine-doctor'; sys.exit(main())"
+    args = [*FAST, "attn=packed_doc", "memory=none", "--steps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flexengine doctor" in proc.stdout and "{'checks'" not in proc.stdout + proc.stderr
+
+
+def test_exit_status_is_1_only_for_a_failed_check():
+    def report(*verdicts):
+        return {"checks": [{"verdict": v} for v in verdicts]}
+
+    assert exit_status(report("ok", "info", "warn")) == 0
+    assert exit_status(report("ok", "bad")) == 1
