@@ -371,6 +371,9 @@ class DataConfig:
     shuffle: bool = True  # shuffle packed rows each epoch (seeded by train.seed, resumable)
     demo_max_files: int = 400  # demo corpus: number of stdlib source files read
     eval_path: Optional[str] = None  # held-out documents (same source and format as data.path); None = split
+    eval_split: Optional[str] = None  # data.eval_path as a saved HF DatasetDict: the split evaluated on;
+    # None = "validation", else "test" (the log says which); a held-out set sharing a document with training is
+    # refused either way
     eval_fraction: float = 0.0  # with no eval_path: this fraction of the documents is held out for evaluation
     # (whole documents, chosen by a hash of their tokens: stable across runs and seeds); 0 = no held-out set
 
@@ -411,6 +414,11 @@ class DataConfig:
             raise UserError(
                 f"data.eval_path and data.eval_fraction={self.eval_fraction} both set: use one (the "
                 "held-out set comes from a file, or from splitting data.path), e.g. data.eval_fraction=0."
+            )
+        if self.eval_split and not self.eval_path:
+            raise UserError(
+                f"data.eval_split={self.eval_split} names a split of data.eval_path, which is not set: set "
+                "data.eval_path=<the saved DatasetDict> (it may be data.path itself)."
             )
         if self.eval_path and self.source == "demo":
             raise UserError(

@@ -17,11 +17,12 @@ from flexengine.attention import AttnBackend, apply_attention, resolve_attention
 from flexengine.compile import apply_compile, needs_compiled_blocks
 from flexengine.config import DataConfig, JobConfig, check_context_parallel_rope
 from flexengine.context_parallel import build_context_parallel
-from flexengine.data.corpus import build_corpus
+from flexengine.data.corpus import Corpus, build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import has_targets, plan_packing
-from flexengine.data.split import split_documents
+from flexengine.data.sources import resolve_eval_split
+from flexengine.data.split import shared_documents, split_documents
 from flexengine.errors import UserError, os_error_message
 from flexengine.fit import fit_job
 from flexengine.hardware import resolve_device, resolve_hardware
@@ -46,13 +47,42 @@ from flexengine.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-def _rounded(report: dict) -> dict:
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}
-
-
 def eval_source(data: DataConfig) -> DataConfig:
-    """data.eval_path read like data.path (same source, format and fields), all of its documents."""
-    return dataclasses.replace(data, path=data.eval_path, eval_path=None, max_docs=None, mix=[])
+    """data.eval_path read like data.path (same source, format and fields), all of its documents; of a saved
+    DatasetDict its held-out split (data.eval_split, else validation, else test), never data.hf_split."""
+    split = resolve_eval_split(data)
+    return dataclasses.replace(
+        data,
+        path=data.eval_path,
+        hf_split=split or data.hf_split,
+        eval_path=None,
+        eval_split=None,
+        max_docs=None,
+        mix=[],
+    )
+
+
+def describe_eval_source(data: DataConfig) -> str:
+    """Where the held-out documents come from, for the log and summary.json."""
+    split = resolve_eval_split(data)
+    if split is None:
+        return str(data.eval_path)
+    how = "data.eval_split" if data.eval_split else "data.eval_split default: validation, else test"
+    return f"{data.eval_path}, split {split!r} ({how})"
+
+
+def check_no_overlap(corpus: Corpus, train_docs: np.ndarray, eval_corpus: Corpus, data: DataConfig) -> None:
+    """Refuse a data.eval_path sharing documents with the training set: its loss would pick the best checkpoint
+    and stop early on training data."""
+    shared = shared_documents((corpus.tokens, corpus.offsets), train_docs, (eval_corpus.tokens, eval_corpus.offsets))
+    if len(shared):
+        raise UserError(
+            f"data.eval_path ({describe_eval_source(data)}): {len(shared)} of its {len(eval_corpus)} documents are "
+            f"also training documents (identical tokens; held-out document indices {shared[:5].tolist()}"
+            f"{' ...' if len(shared) > 5 else ''}), so the eval loss, best checkpoint and early stopping would "
+            "measure training data. Evaluate on a split the training set does not contain (data.eval_split), "
+            "remove the shared documents, or hold out part of data.path with data.eval_fraction instead."
+        )
 
 
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
@@ -77,14 +107,15 @@ def build_data(
         corpus, source_of = build_sources(job.data, tokenizer)
         eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus
     train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, job.data.eval_fraction)
-    if job.data.eval_path:
-        eval_docs = np.arange(len(eval_corpus))
     mix_report = None
     if source_of is not None:  # each source's weight as its share of the training tokens
         train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
         log.info("data mix: %s", format_mix_report(mix_report))
+    if job.data.eval_path:
+        eval_docs = np.arange(len(eval_corpus))
+        check_no_overlap(corpus, train_docs, eval_corpus, job.data)
     plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, train_docs)
-    log.info("data: %s", _rounded(plan.stats.as_dict()))
+    log.info("data: %s", plan.stats.describe())
     if plan.stats.rows == 0:
         raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
     if not has_targets(plan, corpus.offsets, corpus.loss_mask):
@@ -127,10 +158,10 @@ def build_data(
     report["eval"] = {
         **eval_plan.stats.as_dict(),
         "documents_skipped": eval_corpus.skipped,
-        "source": job.data.eval_path
+        "source": (job.data.eval_path and describe_eval_source(job.data))
         or f"{len(eval_docs)} of {len(corpus)} documents (data.eval_fraction={job.data.eval_fraction})",
     }
-    log.info("eval data: %s", _rounded(report["eval"]))
+    log.info("eval data: %s, from %s", eval_plan.stats.describe(), report["eval"]["source"])
     held_out = HeldOut(
         eval_corpus,
         eval_plan,

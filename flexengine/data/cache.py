@@ -50,6 +50,8 @@ def cache_key_inputs(data: DataConfig, files: list[Path], tokenizer) -> dict:
     """Everything the tokenized corpus depends on, as a JSON-able dict."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     keys = ["source", "format", "text_field", "messages_field", "max_docs", "on_error", "add_eos"]
+    if data.source == "hf":  # one saved DatasetDict holds several splits: each is its own corpus
+        keys.append("hf_split")
     if data.format in ("chat", "mixed"):  # what the chat encoding depends on (text caches ignore seq_len)
         keys += ["format_field", "train_on", "assistant_mask", "long_chats", "seq_len"]
     return {

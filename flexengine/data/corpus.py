@@ -178,7 +178,11 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
     tokens, offsets, loss_mask, meta = entry
     skipped = dict(meta["skipped"])
     if skipped:
-        log.warning("data: skipped %d bad records %s (data.on_error=skip)", sum(skipped.values()), skipped)
+        log.warning(
+            "data: skipped %d bad records (data.on_error=skip): %s",
+            sum(skipped.values()),
+            ", ".join(f"{n:,} {reason}" for reason, n in sorted(skipped.items())),
+        )
     chats = dict(meta.get("chats", {}))
     if any(chats.values()):
         log.warning(

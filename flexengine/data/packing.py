@@ -56,6 +56,24 @@ class PackStats:
         d["documents_per_row"] = self.documents_per_row
         return d
 
+    def describe(self) -> str:
+        """One readable log line: what went in, what came out, and what the long-document policy did."""
+        line = (
+            f"{self.documents:,} documents ({self.tokens_in:,} tokens) -> {self.rows:,} rows of {self.seq_len:,} "
+            f"tokens, {self.documents_per_row:.1f} documents/row, {self.useful_token_fraction:.1%} of slots useful; "
+            f"longest piece {self.longest_piece:,} tokens"
+        )
+        changed = [
+            f"{n:,} {what}" + (f" ({t:,} tokens)" if t else "")
+            for n, t, what in (
+                (self.documents_split, 0, "split"),
+                (self.documents_truncated, self.tokens_truncated, "truncated"),
+                (self.documents_dropped, self.tokens_dropped, "dropped"),
+            )
+            if n
+        ]
+        return line + (f"; longer than seq_len: {', '.join(changed)}" if changed else "")
+
 
 @dataclass
 class PackPlan:

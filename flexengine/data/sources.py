@@ -86,6 +86,45 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
+EVAL_SPLITS = ("validation", "test")  # data.eval_split's default, in order of preference
+
+
+def saved_splits(path: Path) -> Optional[list[str]]:
+    """The split names of a save_to_disk DatasetDict directory (from its dataset_dict.json); None if it is not one."""
+    index = path / "dataset_dict.json"
+    if not index.is_file():
+        return None
+    return list(json.loads(index.read_text(encoding="utf-8"))["splits"])
+
+
+def resolve_eval_split(data: DataConfig) -> Optional[str]:
+    """The split of data.eval_path evaluated on: data.eval_split, else validation, else test; None when
+    data.eval_path is not a saved DatasetDict (it has no splits). Never the training split by default."""
+    path = Path(data.eval_path or "")
+    splits = saved_splits(path) if data.source == "hf" else None
+    if splits is None:
+        if data.eval_split:
+            raise UserError(
+                f"data.eval_split={data.eval_split}: data.eval_path={path} is not a saved DatasetDict (data=hf, a "
+                "save_to_disk directory with dataset_dict.json), so it has no splits; remove data.eval_split."
+            )
+        return None
+    if data.eval_split:
+        if data.eval_split not in splits:
+            raise UserError(
+                f"data.eval_split={data.eval_split}: data.eval_path={path} has no such split; it has "
+                f"{', '.join(splits)}."
+            )
+        return data.eval_split
+    for name in EVAL_SPLITS:
+        if name in splits:
+            return name
+    raise UserError(
+        f"data.eval_path={path} has no {' or '.join(EVAL_SPLITS)} split (it has {', '.join(splits)}): name the "
+        f"held-out one with data.eval_split=<split>."
+    )
+
+
 def source_files(data: DataConfig) -> list[Path]:
     """The files the configured source reads, in reading order (also what the tokenized cache is keyed on)."""
     if data.source == "demo":

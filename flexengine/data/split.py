@@ -42,3 +42,12 @@ def split_documents(tokens: np.ndarray, offsets: np.ndarray, eval_fraction: floa
             "(identical documents stay together): lower it or add documents."
         )
     return np.flatnonzero(~is_eval), np.flatnonzero(is_eval)
+
+
+def shared_documents(
+    train: tuple[np.ndarray, np.ndarray], train_docs: np.ndarray, held_out: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """Indices of the held-out documents whose tokens equal a training document's. train and held_out are
+    (tokens, offsets) of two corpora; train_docs the training documents among the first."""
+    train_hashes = document_hashes(*train)[np.asarray(train_docs, dtype=np.int64)]
+    return np.flatnonzero(np.isin(document_hashes(*held_out), train_hashes))

@@ -1,0 +1,93 @@
+"""run.build_data: the held-out set (data.eval_path / data.eval_split, no overlap with training), mixtures of
+formats, and the data log lines a user reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from flexengine.cli import compose_job
+from flexengine.errors import UserError
+from flexengine.model import load_tokenizer
+from flexengine.parallel import DistInfo
+from flexengine.run import build_data
+
+# distinct documents long enough to fill rows of 64 tokens
+DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i} - {i % 7}  # function number {i}\n" * 3 for i in range(60)]
+
+
+def _build(tmp_path, *overrides: str):
+    job = compose_job(
+        [
+            "debug=fast",
+            "data.seq_len=64",
+            "data.num_workers=0",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"train.output_dir={tmp_path / 'run'}",
+            *overrides,
+        ]
+    )
+    return build_data(job, load_tokenizer(job.model), DistInfo())
+
+
+def _dataset_dict(path, **splits):
+    import datasets
+
+    parts = {name: datasets.Dataset.from_dict({"text": docs}) for name, docs in splits.items()}
+    datasets.DatasetDict(parts).save_to_disk(str(path))
+    return path
+
+
+def test_data_log_lines_are_readable_sentences(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="flexengine")
+    _build(tmp_path, "data.eval_fraction=0.2")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("data:", "eval data:"))]
+    packing = [line for line in lines if "rows of 64 tokens" in line]
+    assert len(packing) == 2, lines  # training and held-out
+    assert not any("{" in line or "': " in line for line in lines), lines  # no raw dicts
+
+
+@pytest.mark.parametrize(
+    ("splits", "eval_split", "expected"),
+    [
+        ({"train": 40, "validation": 8, "test": 12}, None, "validation"),
+        ({"train": 40, "test": 12}, None, "test"),
+        ({"train": 40, "validation": 8, "test": 12}, "test", "test"),
+    ],
+)
+def test_eval_path_dataset_dict_evaluates_its_held_out_split(tmp_path, caplog, splits, eval_split, expected):
+    """data.eval_path=<DatasetDict> (here the training dict itself) evaluates on validation / test / the named
+    split, never on data.hf_split=train, and the log says which."""
+    caplog.set_level(logging.INFO, logger="flexengine")
+    start, parts = 0, {}
+    for name, n in splits.items():
+        parts[name], start = DOCS[start : start + n], start + n
+    dd = _dataset_dict(tmp_path / "dd", **parts)
+    extra = [f"data.eval_split={eval_split}"] if eval_split else []
+    _, _, report = _build(tmp_path, "data=hf", f"data.path={dd}", f"data.eval_path={dd}", *extra)
+    assert report["documents"] == splits["train"]
+    assert report["eval"]["documents"] == splits[expected]
+    assert f"split '{expected}'" in report["eval"]["source"]
+    assert any(f"split '{expected}'" in r.getMessage() for r in caplog.records if "eval data" in r.getMessage())
+
+
+def test_eval_path_dataset_dict_without_a_held_out_split_is_refused(tmp_path):
+    dd = _dataset_dict(tmp_path / "dd", train=DOCS[:40], extra=DOCS[40:])
+    with pytest.raises(UserError, match="no validation or test split.*data.eval_split"):
+        _build(tmp_path, "data=hf", f"data.path={dd}", f"data.eval_path={dd}")
+    with pytest.raises(UserError, match="data.eval_split=dev.*train, extra"):
+        _build(tmp_path, "data=hf", f"data.path={dd}", f"data.eval_path={dd}", "data.eval_split=dev")
+
+
+def test_eval_set_sharing_documents_with_training_is_refused(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:40]))
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[36:48]))  # 4 shared
+    with pytest.raises(UserError, match=r"data.eval_path.*4 of its 12 documents are also training documents"):
+        _build(tmp_path, "data=jsonl", f"data.path={train}", f"data.eval_path={held_out}")
+    held_out.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[40:52]))  # disjoint: fine
+    _, batches, report = _build(tmp_path, "data=jsonl", f"data.path={train}", f"data.eval_path={held_out}")
+    assert batches is not None and report["eval"]["documents"] == 12
