@@ -10,6 +10,11 @@ class UserError(Exception):
     """A problem with the user's config or input files, with what to do about it in the message."""
 
 
+class OutputDirTaken(UserError):
+    """train.output_dir belongs to another run (finished, or live): this run writes nothing there, not even its
+    error record."""
+
+
 _ADVICE = {
     errno.EACCES: "check its permissions, or choose a directory you can write (e.g. train.output_dir=...)",
     errno.EPERM: "check its permissions, or choose a directory you can write (e.g. train.output_dir=...)",

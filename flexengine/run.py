@@ -41,7 +41,13 @@ from flexengine.parallel import (
 )
 from flexengine.precision import cast_frozen
 from flexengine.rope import check_context, context_limits
-from flexengine.storage import CHECKPOINTS, check_output_dir, clean_stale_temp_dirs, write_json_atomic
+from flexengine.storage import (
+    CHECKPOINTS,
+    check_output_dir,
+    clean_stale_temp_dirs,
+    hold_output_dir,
+    write_json_atomic,
+)
 from flexengine.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -286,7 +292,10 @@ def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] 
     """Train, checkpoint and write out_dir/summary.json; returns the summary. summary["exit_code"] is 0, or
     128 + signal when SIGTERM/SIGINT stopped the run (after its checkpoint and summary were written)."""
     try:
-        return _run_training(job, out_dir, resolved_config)
+        # the lock first: a live run's directory is refused before anything is checked, cleaned or truncated
+        # (under torchrun rank 0 holds it for the job; RANK is set before the process group exists)
+        with hold_output_dir(out_dir, job.train.resume, enabled=os.environ.get("RANK", "0") == "0"):
+            return _run_training(job, out_dir, resolved_config)
     except OSError as e:  # a filesystem fault anywhere (cache dir, output dir, ...): one paragraph with the path
         if e.filename is None:  # a timeout, a lost connection, too many open files: not "check the path"
             raise

@@ -7,6 +7,8 @@ output directory, and any layer may write JSON atomically.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -15,14 +17,15 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
-from flexengine.errors import UserError, os_error_message
+from flexengine.errors import OutputDirTaken, UserError, os_error_message
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"  # under the run's output directory
 MANIFEST = "manifest.json"
+RUN_LOCK = ".lock"  # in the output directory: held (flock) by the live run's rank 0
 MANIFEST_FORMAT = 1
 GIB = 2**30
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -250,13 +253,8 @@ def _earlier_run_files(out_dir: Path) -> list[str]:
     return found
 
 
-def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
-    """Make sure out_dir is a writable directory this run may use: never one holding another run's files.
-
-    resume=None needs a directory without a run in it; resume=auto continues the run that is there (and a
-    requeued job that was stopped before its first checkpoint starts again, unless that run had finished);
-    resume=<path> inside out_dir continues this run from that step only if no later step would be overwritten.
-    """
+def _writable_dir(out_dir: Path) -> None:
+    """Create out_dir if missing and prove this process can write there (UserError naming the path)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(
             f"the output directory {out_dir} is a file, not a directory; set train.output_dir to a "
@@ -269,6 +267,60 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(os_error_message(e, f"preparing the output directory {out_dir}")) from None
+
+
+@contextlib.contextmanager
+def hold_output_dir(out_dir: Path, resume: Optional[str], enabled: bool = True) -> Iterator[None]:
+    """Hold an advisory lock on out_dir/.lock for the run's life: a second run on the same directory (started
+    beside it, or a train.resume=auto requeued while it still runs) is refused before it writes or removes
+    anything. The kernel drops the lock when the process ends, however it ends, so a killed run never leaves a
+    stale lock. enabled=False (ranks > 0 of a torchrun job; rank 0 holds it for the job) holds nothing."""
+    if not enabled:
+        yield
+        return
+    _writable_dir(out_dir)
+    path = out_dir / RUN_LOCK
+    # closing releases the lock (the file stays: removing it would race with the next run's open)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that has not written its pid yet"
+            raise OutputDirTaken(_in_use_message(out_dir, resume, holder)) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        handle.flush()
+        yield
+
+
+def _in_use_message(out_dir: Path, resume: Optional[str], holder: str) -> str:
+    what = (
+        f"train.resume={resume}: the run in {out_dir} is still running"
+        if resume == "auto"
+        else f"train.output_dir={out_dir} is in use by a live run"
+    )
+    harm = (
+        "resuming it now would truncate its metrics and load a checkpoint it is about to supersede"
+        if resume == "auto"
+        else "two runs in one directory would mix their checkpoints and metrics.jsonl"
+    )
+    return (
+        f"{what} ({holder} holds {out_dir / RUN_LOCK}); {harm}. Wait for it to end or stop it (a stopped run "
+        "resumes with train.resume=auto), or choose a new train.output_dir."
+    )
+
+
+def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
+    """Make sure out_dir is a writable directory this run may use: never one holding another run's files.
+
+    resume=None needs a directory without a run in it; resume=auto continues the run that is there (and a
+    requeued job that was stopped before its first checkpoint starts again, unless that run had finished);
+    resume=<path> inside out_dir continues this run from that step only if no later step would be overwritten.
+    A live run in the directory is refused by hold_output_dir, which the run takes before this check.
+    """
+    _writable_dir(out_dir)
     earlier = _earlier_run_files(out_dir)
     steps = list_checkpoints(out_dir / CHECKPOINTS)
     advice = (
@@ -276,9 +328,9 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
         "train.output_dir."
     )
     if resume is None and earlier:
-        raise UserError(f"train.output_dir={out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}")
+        raise OutputDirTaken(f"train.output_dir={out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}")
     if resume == "auto" and not steps and "summary.json" in earlier:
-        raise UserError(
+        raise OutputDirTaken(
             f"train.resume=auto: {out_dir} holds a finished run without checkpoints (summary.json), "
             "so there is nothing to resume and a new run would overwrite it; choose a new "
             "train.output_dir."
@@ -289,13 +341,13 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
             start = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else -1
             later = [p.name for s, p in steps if s > start]
             if later:
-                raise UserError(
+                raise OutputDirTaken(
                     f"train.resume={resume}: this run already has later checkpoints ({', '.join(later[:4])}) that "
                     "resuming from an earlier step would overwrite. Resume in a new train.output_dir (the "
                     "checkpoint is read from where it is), or move the later steps away."
                 )
         elif earlier:
-            raise UserError(
+            raise OutputDirTaken(
                 f"train.resume={resume} starts from another run's checkpoint, but train.output_dir="
                 f"{out_dir} already holds a run ({', '.join(earlier[:4])}). {advice}"
             )

@@ -28,7 +28,7 @@ from flexengine.cli import (
     write_job_error,
 )
 from flexengine.config import JobConfig
-from flexengine.errors import UserError
+from flexengine.errors import OutputDirTaken, UserError
 
 __all__ = ["main", "run_dir", "to_job_config"]
 
@@ -67,7 +67,8 @@ def _main(cfg: DictConfig) -> dict:
         )
         sys.exit(130)  # 128 + SIGINT, like a shell, without a traceback
     except Exception as e:  # UserError, OOM, ...: error.json makes a failed run a row of the sweep summary
-        write_job_error(job_dir, e)
+        if not isinstance(e, OutputDirTaken):  # job_dir may be that other run's directory: leave it as it is
+            write_job_error(job_dir, e)
         if not multirun:
             if isinstance(e, UserError):
                 fail(e)
