@@ -47,6 +47,7 @@ PRECISIONS = ("auto", "fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
+DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
 OPTIM_NAMES = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")  # flexengine.optim builds each
 
@@ -439,7 +440,9 @@ class OptimConfig:
     lr: float = 1e-3  # peak learning rate
     schedule: str = "cosine"  # cosine | linear (to 0) | constant | constant_with_warmup | warmup_stable_decay
     min_lr_ratio: float = 0.1  # cosine and warmup_stable_decay end at lr * min_lr_ratio
-    warmup_steps: int = 10  # linear warmup, in optimizer steps
+    warmup_steps: Optional[int] = None  # linear warmup, in optimizer steps; None = 10 (or optim.warmup_ratio)
+    warmup_ratio: Optional[float] = None  # warmup as a fraction of train.max_steps, e.g. 0.05 (instead of
+    # optim.warmup_steps: setting both is refused)
     decay_fraction: float = 0.2  # warmup_stable_decay: the last fraction of the steps decays (cosine)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -451,13 +454,31 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _check_choice("optim.name", self.name, OPTIM_NAMES)
         _check_choice("optim.schedule", self.schedule, SCHEDULES)
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise UserError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")
+        if self.warmup_ratio is not None:
+            if self.warmup_steps is not None:
+                raise UserError(
+                    f"optim.warmup_steps={self.warmup_steps} and optim.warmup_ratio={self.warmup_ratio} are both set "
+                    "(a model or experiment config may set warmup_steps): use one, e.g. add optim.warmup_steps=null "
+                    "to warm up for warmup_ratio x train.max_steps."
+                )
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise UserError(
+                    f"optim.warmup_ratio={self.warmup_ratio} must be in [0, 1): the fraction of train.max_steps "
+                    "spent warming up (1 would never reach the peak lr)."
+                )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise UserError(f"optim.decay_fraction={self.decay_fraction} must be in (0, 1].")
         self._check_values()
+
+    def warmup_for(self, max_steps: int) -> int:
+        """Warmup steps of a run of max_steps optimizer steps: warmup_ratio of them, else warmup_steps (None: 10)."""
+        if self.warmup_ratio is not None:
+            return round(self.warmup_ratio * max_steps)
+        return DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
 
     def _check_values(self) -> None:
         """Each number a finite value the optimizer can use: a NaN lr or weight decay writes NaN weights, a

@@ -177,7 +177,7 @@ def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: i
     """
     from transformers import get_scheduler
 
-    warmup = min(optim.warmup_steps, max_steps)
+    warmup = min(optim.warmup_for(max_steps), max_steps)
     horizon = max_steps + 1
     kwargs: dict = {}
     name = optim.schedule
@@ -203,6 +203,31 @@ def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: i
         group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the first update, with the shift
     scheduler._last_lr = [group["lr"] for group in opt.param_groups]
     return scheduler
+
+
+# schedules that decay after warmup (constant and constant_with_warmup stay at the peak)
+_DECAYING = ("cosine", "linear", "warmup_stable_decay")
+
+
+def schedule_problem(optim: OptimConfig, max_steps: int) -> str:
+    """Why this schedule cannot do what its name says over max_steps updates ("" if it can): a warmup as long as
+    the run never decays (the last update is at the peak lr) or never reaches the peak."""
+    warmup = optim.warmup_for(max_steps)
+    if optim.schedule == "constant" or warmup < max_steps:
+        return ""
+    if optim.schedule in _DECAYING:
+        what = f"never leaves warmup: its last update is at the peak lr {optim.lr:g}, with no {optim.schedule} decay"
+    elif warmup == max_steps:
+        return ""  # constant_with_warmup reaching the peak at the last update is what it says
+    else:
+        what = f"never reaches the peak lr {optim.lr:g} (the last update is at {max_steps / warmup:.0%} of it)"
+    source = (
+        f"optim.warmup_ratio={optim.warmup_ratio}" if optim.warmup_ratio is not None else f"optim.warmup_steps={warmup}"
+    )
+    return (
+        f"{source} >= train.max_steps={max_steps}: the optim.schedule={optim.schedule} run {what}. Lower "
+        "optim.warmup_steps, or set optim.warmup_ratio=0.05 (with optim.warmup_steps=null) to scale it with the run."
+    )
 
 
 def _shifted(factor, horizon: int):

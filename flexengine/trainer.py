@@ -39,7 +39,7 @@ from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
-from flexengine.optim import build_optimizer, build_scheduler
+from flexengine.optim import build_optimizer, build_scheduler, schedule_problem
 from flexengine.parallel import DistInfo, LossForward, grad_norm_value, gradient_sync
 from flexengine.precision import PrecisionSpec, autocast_context, spec_for_params
 from flexengine.profiling import start_profiler
@@ -133,6 +133,8 @@ class Trainer:
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
+        if schedule_problem(job.optim, job.train.max_steps) and self.dist.is_main:
+            log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
         self.eval_data = eval_data  # the held-out rows; None = no held-out set
         self.state = TrainState()
         self.metrics = MetricsWriter(
@@ -666,6 +668,7 @@ class Trainer:
             "data": self.loader.state_dict(),
             "rng": _rng_state(),
             "wall_s": self.wall_s,
+            "max_steps": self.job.train.max_steps,  # the schedule's length: a resume with another one is told
             "data_plan": dict(self.data_plan),
         }
 
@@ -702,10 +705,12 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.
+        saved_lr = float(self.optimizer.param_groups[0]["lr"])
         for group, base_lr, factor in zip(
             self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas
         ):
             group["lr"] = base_lr * factor(self.scheduler.last_epoch)
+        self._warn_schedule_change(state, saved_lr)
         if not new_data:
             try:
                 self.loader.load_state_dict(state["data"])
@@ -723,6 +728,23 @@ class Trainer:
         self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
         log.info("resumed from %s at step %d", path, self.state.step)
         return path
+
+    def _warn_schedule_change(self, state: dict, saved_lr: float) -> None:
+        """A resume whose schedule differs from the saved run's (train.max_steps, optim.*) jumps the lr: say so."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        before = state.get("max_steps")
+        if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, self.job.train.max_steps):
+            return
+        changed = f"train.max_steps {before} -> {self.job.train.max_steps}" if before else "the lr schedule"
+        log.warning(
+            "resume: %s changed: the schedule is re-derived over %d steps, so the lr of step %d is %.3g (the saved "
+            "run's was %.3g); the warmup and decay are those of the new length.",
+            changed,
+            self.job.train.max_steps,
+            state["train"]["step"] + 1,
+            lr,
+            saved_lr,
+        )
 
     def _check_data_plan(self, saved: dict, path: Path) -> bool:
         """Refuse a resume onto a different data stream unless train.resume_new_data; True = start the new data

@@ -227,3 +227,39 @@ def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_fraction()
 def test_unknown_schedule_names_the_choices():
     with pytest.raises(UserError, match="optim.schedule.*warmup_stable_decay"):
         OptimConfig(schedule="poly")
+
+
+def test_warmup_ratio_scales_with_the_run_and_excludes_warmup_steps():
+    """optim.warmup_ratio warms up for that fraction of train.max_steps; together with warmup_steps it is refused."""
+    lrs = _lrs("cosine", max_steps=20, warmup_ratio=0.2, min_lr_ratio=0.1)  # 4 warmup steps
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and lrs[-1] < lrs[4]
+    assert _lrs("linear", max_steps=40, warmup_ratio=0.1)[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    with pytest.raises(UserError, match=r"optim.warmup_steps=10 and optim.warmup_ratio=0.1 are both set"):
+        OptimConfig(warmup_steps=10, warmup_ratio=0.1)
+    with pytest.raises(UserError, match=r"optim.warmup_ratio=1.0 must be in \[0, 1\)"):
+        OptimConfig(warmup_ratio=1.0)
+    assert OptimConfig().warmup_for(1000) == 10  # neither set: the old default
+
+
+def test_composed_warmup_ratio_needs_no_warmup_steps_override():
+    """The shipped optim config leaves warmup_steps null, so optim.warmup_ratio alone composes; a model config
+    that sets warmup_steps is told how to switch."""
+    from flexengine.cli import compose_job
+
+    assert compose_job(["optim.warmup_ratio=0.05"]).optim.warmup_for(200) == 10
+    with pytest.raises(UserError, match="warmup_steps=null"):
+        compose_job(["model=llama2_7b", "model.init=random", "optim.warmup_ratio=0.05"])
+
+
+def test_warmup_as_long_as_the_run_is_reported():
+    """max_steps <= warmup: a decaying schedule ends at the peak lr (no decay), so the run says so."""
+    from flexengine.optim import schedule_problem
+
+    assert _lrs("cosine", max_steps=5, warmup_steps=10)[-1] == pytest.approx(1.0)  # the peak, never decayed
+    problem = schedule_problem(OptimConfig(warmup_steps=10), max_steps=8)
+    assert "optim.warmup_steps=10 >= train.max_steps=8" in problem and "never leaves warmup" in problem
+    assert "never reaches the peak" in schedule_problem(OptimConfig(schedule="constant_with_warmup"), 5)
+    assert "warmup_ratio" in schedule_problem(OptimConfig(warmup_ratio=0.9), max_steps=2)
+    assert schedule_problem(OptimConfig(warmup_steps=10), max_steps=11) == ""
+    assert schedule_problem(OptimConfig(schedule="constant", warmup_steps=10), max_steps=5) == ""
+    assert schedule_problem(OptimConfig(schedule="constant_with_warmup", warmup_steps=5), max_steps=5) == ""

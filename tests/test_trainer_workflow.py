@@ -156,3 +156,19 @@ def test_early_stop_needs_a_held_out_set(tmp_path):
 
     with pytest.raises(UserError, match="data.eval_fraction"):
         make_job(tmp_path, "train.early_stop_patience=2")
+
+
+def test_schedule_that_cannot_decay_or_changes_on_resume_is_reported(tmp_path, caplog):
+    """A run no longer than its warmup ends at the peak lr, and a resume with another train.max_steps re-derives
+    the schedule (the lr jumps): both say so in the log."""
+    caplog.set_level(logging.WARNING, logger="flexengine")
+    build_trainer(make_job(tmp_path / "a", "train.max_steps=4", "optim.warmup_steps=10"), tmp_path / "a")
+    assert "optim.warmup_steps=10 >= train.max_steps=4" in caplog.text and "peak lr" in caplog.text
+    caplog.clear()
+    run_training(make_job(tmp_path, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
+    same = build_trainer(make_job(tmp_path, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
+    same.resume("auto")
+    assert "re-derived" not in caplog.text
+    longer = build_trainer(make_job(tmp_path, "train.max_steps=30", "optim.warmup_steps=1"), tmp_path)
+    longer.resume("auto")
+    assert "resume: train.max_steps 3 -> 30 changed" in caplog.text and "the lr of step 4" in caplog.text
