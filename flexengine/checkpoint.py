@@ -376,6 +376,7 @@ def save_checkpoint(
     *,
     optimizer_state: Optional[dict] = None,
     merge_lora: Optional[Any] = None,
+    weights: Optional[dict] = None,
 ) -> Path:
     """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
 
@@ -384,18 +385,26 @@ def save_checkpoint(
     rank 0 writes the manifest and renames the directory into place. Refuses to overwrite an existing step.
     optimizer_state: the optimizer part of trainer_state (for the size estimate; defaults to trainer_state's).
     merge_lora: the LoraConfig, to also write merged/ (base + adapters as a plain HF model).
+    weights: {state-dict name: tensor} written in place of the model's own (a host optimizer's fp32 masters: the
+    bf16 device copy has rounded their small updates away). Resume loads them back into the device dtype (the
+    same rounding the optimizer's upload makes) and the masters from the optimizer state: still exact.
     """
     rank, world_size = global_rank(), global_world_size()
     final = step_dir(root, step)
     merged = merge_lora is not None
     full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
+    replaced = 0  # bytes of the model's own tensors that `weights` stand in for
+    if weights and rank == 0:
+        own = full if full is not None else model.state_dict()
+        replaced = _tensor_bytes(own[name] for name in weights)
+        full = {**own, **weights}
     trainer_state = {**trainer_state, "world_size": world_size}
     needed = estimate_checkpoint_bytes(
         model,
         optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {}),
         world_size,
         merged,
-    )
+    ) + int((_tensor_bytes((weights or {}).values()) - replaced) * SPACE_MARGIN)
 
     def prepare() -> str:
         try:

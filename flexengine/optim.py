@@ -4,19 +4,21 @@
   adamw              torch AdamW; two states per parameter in the parameter's dtype
   adamw_8bit         torchao AdamW8bit: block-quantised 8-bit states (~2 bytes/param instead of 8)
   adamw_bf16         torchao AdamW with bf16 states and stochastic rounding of bf16 weights (no fp32 master)
-  adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU
+  adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU (host_adamw.py)
 The planner asks `optimizer_state_bytes_per_param` what each choice costs on the device and on the host.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import contextlib
+from typing import Iterable, List, Tuple
 
 import torch
 from torch import nn
 
 from flexengine.config import OptimConfig
 from flexengine.errors import UserError
+from flexengine.host_adamw import CPUOffloadAdamW
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")
 _TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
@@ -66,65 +68,24 @@ def _import_torchao(name: str):
     return getattr(ao_optim, _TORCHAO_OPTIMIZERS[name])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 DTensor, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def last_backward(opt: torch.optim.Optimizer, enabled: bool):
+    """Context for the accumulation window's last backward: an optimizer that moves gradients off the device
+    (CPUOffloadAdamW) starts each download as soon as the gradient is final; others need nothing."""
+    return opt.collecting_grads() if enabled and isinstance(opt, CPUOffloadAdamW) else contextlib.nullcontext()
 
 
-class CPUOffloadAdamW(torch.optim.AdamW):
-    """AdamW whose fp32 master weights and states live in host memory (the device keeps only weights and grads).
+def clip_gradients(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The gradients' total norm, clipped to max_norm (inf: none). CPUOffloadAdamW applies the clip on the host in
+    fp32 inside its step (its downloads may have left before the norm was known); others scale the device grads."""
+    if isinstance(opt, CPUOffloadAdamW):
+        return opt.clip_grad_norm(list(params), max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    step(): grads device -> host, AdamW on the host copies, updated weights host -> device. Under FSDP2 each
-    rank offloads only its own shard. Costs two weight-sized PCIe transfers per step; saves 8 bytes/param of
-    device memory (12 with bf16 weights, whose fp32 masters now live on the host).
-    """
 
-    def __init__(self, groups: List[dict], **adamw_kwargs):
-        pin = torch.cuda.is_available()  # pinned host memory needs an accelerator (docs/architecture.md, "Facts")
-        self._pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        host_groups = []
-        for group in groups:
-            host_params = []
-            for p in group["params"]:
-                host = _local(p).detach().to("cpu", torch.float32, copy=True)
-                host = nn.Parameter(host.pin_memory() if pin else host)
-                self._pairs.append((p, host))
-                host_params.append(host)
-            host_groups.append({**group, "params": host_params})
-        adamw_kwargs.pop("fused", None)  # fused AdamW is a device kernel; the host uses foreach
-        super().__init__(host_groups, **adamw_kwargs)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Copy grads to the host, update the fp32 masters there, copy the weights back."""
-        for device_p, host_p in self._pairs:
-            grad = device_p.grad
-            host_p.grad = None if grad is None else _local(grad).to("cpu", torch.float32, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non_blocking copies must land before the host reads them
-        loss = super().step(closure)
-        for device_p, host_p in self._pairs:
-            _local(device_p).copy_(host_p, non_blocking=True)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the device grads (the host grads are overwritten each step)."""
-        for device_p, host_p in self._pairs:
-            device_p.grad = None
-            host_p.grad = None
-
-    def state_dict(self) -> dict:
-        """AdamW's states plus the fp32 masters: bf16 device weights alone cannot restore them exactly."""
-        return {**super().state_dict(), "fp32_masters": [host_p.detach().clone() for _, host_p in self._pairs]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore states and the fp32 masters (older checkpoints without masters: re-read the device weights)."""
-        state_dict = dict(state_dict)
-        masters = state_dict.pop("fp32_masters", None)
-        with torch.no_grad():
-            for i, (device_p, host_p) in enumerate(self._pairs):
-                host_p.copy_(masters[i] if masters is not None else _local(device_p).float())
-        super().load_state_dict(state_dict)
+def exported_weights(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """Tensors the HF export writes in place of the model's own: CPUOffloadAdamW's fp32 masters (the bf16 device
+    copy rounds away the small updates the masters keep); empty for the other optimizers."""
+    return opt.master_weights(model) if isinstance(opt, CPUOffloadAdamW) else {}
 
 
 def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -151,7 +112,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
         impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
         return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
     if optim.name == "adamw_cpu_offload":
-        return CPUOffloadAdamW(groups, **common, foreach=True)
+        return CPUOffloadAdamW(groups, **common)
     if optim.name in _TORCHAO_OPTIMIZERS:
         cls = _import_torchao(optim.name)
         if optim.name == "adamw_bf16":

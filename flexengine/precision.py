@@ -67,20 +67,23 @@ class PrecisionSpec:
 
         bf16_mixed on one device also holds autocast's bf16 copy of every weight (cached for the forward and
         saved for backward by the matmuls that use it); frozen matrices (LoRA) are stored in frozen_dtype with no
-        copy ("frozen_weights" bytes each). adamw_cpu_offload's host side holds the fp32 master,
-        two fp32 states and an fp32 copy of the gradient during the step."""
+        copy ("frozen_weights" bytes each). adamw_cpu_offload's host side holds the fp32 master, two fp32
+        states and its slot of the transfer buffer (the device dtype: gradients come down and weights go up in it),
+        plus one fp32 scratch of the largest parameter when that dtype is not fp32 ("host_scratch" bytes per
+        element of the largest trainable tensor; flexengine.host_adamw)."""
         from flexengine.optim import optimizer_state_bytes_per_param
 
         w = torch.empty((), dtype=self.param_dtype).element_size()
         device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
-        host_grad = 4.0 if host else 0.0  # the step's fp32 gradient copy next to the host masters
+        transfer = w if host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in
         return {
             "weights": w,
             "grads": w,
             "optimizer": device,
             "compute_copy": 2.0 if self.autocast else 0.0,
             "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
-            "host": host + host_grad,
+            "host": host + transfer,
+            "host_scratch": 4.0 if host and w != 4 else 0.0,
         }
 
     def updates_arrive(self, lr: float) -> bool:

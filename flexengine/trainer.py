@@ -39,7 +39,14 @@ from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
-from flexengine.optim import build_optimizer, build_scheduler, schedule_problem
+from flexengine.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    exported_weights,
+    last_backward,
+    schedule_problem,
+)
 from flexengine.parallel import DistInfo, LossForward, grad_norm_value, gradient_sync
 from flexengine.precision import PrecisionSpec, autocast_context, spec_for_params
 from flexengine.profiling import start_profiler
@@ -238,10 +245,12 @@ class Trainer:
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2)
-            with gradient_sync(self.train_module, enabled=i == len(micro_batches) - 1):
+            last = i == len(micro_batches) - 1
+            with gradient_sync(self.train_module, enabled=last):
                 with self._phase("forward"), self._autocast():
                     micro_loss = self.train_module(batch, **mask_kwargs)
-                with self._phase("backward"):
+                # the window's gradients are final in this backward: a host optimizer starts its downloads in it
+                with self._phase("backward"), last_backward(self.optimizer, enabled=last):
                     (micro_loss / n_valid).backward()
             loss_sum += micro_loss.detach()
             if mask_kwargs:
@@ -250,8 +259,10 @@ class Trainer:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
         grad_norm = grad_norm_value(
-            torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
+            clip_gradients(
+                self.optimizer,
+                self.model.parameters(),
+                self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf"),
             )
         )
         block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
@@ -683,6 +694,7 @@ class Trainer:
             self.tokenizer,
             self.trainer_state(),
             merge_lora=merge,
+            weights=exported_weights(self.optimizer, self.model),
         )
         self._saved_step = self.state.step
         self._prune()

@@ -68,8 +68,8 @@ def test_cpu_offload_adamw_equals_adamw_and_resumes(tiny_llama):
     assert isinstance(offload, CPUOffloadAdamW)
     want = _steps(models[0], plain, 4)
     assert _steps(models[1], offload, 4) == pytest.approx(want, rel=1e-6)
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):  # fused (host) vs foreach: <= 2 fp32 ulps
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=2.4e-7)
     # the offloaded states are the host masters' (fp32 master + 2 states per parameter on the host)
     n = sum(p.numel() for p in tiny_llama.parameters())
     host = _state_bytes(offload) + sum(h.numel() * h.element_size() for _, h in offload._pairs)
