@@ -48,6 +48,7 @@ MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
+REDUCE_EVERY = ("auto", "window", "micro_batch")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
 OPTIM_NAMES = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")  # flexengine.optim builds each
 
@@ -508,9 +509,12 @@ class HardwareConfig:
     # and host optimizer state; None = the available host memory divided among the node's local ranks
     world_size: int = 1  # devices in the job (torchrun sets the real value)
 
+    interconnect_gb_s: Optional[float] = None  # GPU<->GPU bandwidth per GPU (GB/s, one direction, what NCCL's
+    # reduce-scatter achieves) for FSDP's gradient reduction time; None = by hardware.name (NVLink estimates in
+    # memory/planner.INTERCONNECT_GB_S), else pcie_gb_s
     def __post_init__(self) -> None:
         _check_choice("hardware.device", self.device, ("auto", "cpu", "cuda"))
-        for key in ("memory_gb", "peak_tflops", "host_memory_gb"):
+        for key in ("memory_gb", "peak_tflops", "host_memory_gb", "interconnect_gb_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise UserError(f"hardware.{key}={value} must be positive (or null to measure/look it up).")
@@ -528,12 +532,18 @@ class ParallelConfig:
     data_timeout_s: float = 7200.0  # ranks > 0 wait this long for rank 0 to tokenize the corpus (a CPU-side
     # gloo barrier of its own: NCCL's 10-minute default timeout stays for training collectives)
     cp: int = 1  # context parallel degree: each row's tokens are split over cp ranks (torch's context_parallel,
+    # fsdp with grad_accum > 1: when gradients are reduce-scattered. window: once, in the last micro-batch's
+    # backward (every block's unsharded fp32 gradient lives through the window: 4 bytes/param, 24 GiB per GPU at
+    # 7B) | micro_batch: in every backward (one block's at a time, grad_accum x the reduce-scatter traffic) |
+    # auto: the planner picks the cheaper step that fits (flexengine.memory.planner)
+    reduce_every: str = "auto"
     # FlexAttention with K/V all-gathered); the torchrun world is a (world/cp data-parallel x cp) mesh. 1 = off
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
         _check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         if self.data_timeout_s <= 0:
+        _check_choice("parallel.reduce_every", self.reduce_every, REDUCE_EVERY)
             raise UserError(f"parallel.data_timeout_s={self.data_timeout_s} must be a positive number of seconds.")
         if self.cp < 1:
             raise UserError(f"parallel.cp={self.cp} must be >= 1 (1 = no context parallelism).")
@@ -548,19 +558,27 @@ class ParallelConfig:
 CP_BLOCK_SIZE = 128
 # HF RoPE types whose frequencies follow the positions of the tensor they are given (transformers'
 # dynamic_rope_update: dynamic NTK rescales by max(position_ids) + 1, longrope picks its short or long factors by
-# it): under CP each rank holds only its share of a row, so the ranks would rotate Q and K differently
+# it, and the result is cached across batches): under CP each rank holds only its share of a row, so the ranks
+# would rotate Q and K differently; under packing a document's rotation depends on its neighbours in the batch
+# (2.4e-3 in logits for a 600-token document packed next to a 1,000-token one, measured with transformers 5.24)
 POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
+FIXED_ROPE_INSTEAD = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)"
 
-def check_context_parallel_rope(
-    cp: int,
-    rope_type: str,
+def check_fixed_rope(
+    rope_type: Optional[str],
     source: str,
-    instead: str = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)",
+    *,
+    cp: int = 1,
+    packed_attn: Optional[str] = None,
+    instead: str = FIXED_ROPE_INSTEAD,
 ) -> None:
-    """Refuse a RoPE whose frequencies depend on the positions a rank sees (`source`: where rope_type is set,
-    `instead`: how to set a fixed scaling there)."""
-    if cp > 1 and rope_type in POSITION_DEPENDENT_ROPE:
+    """Refuse a RoPE whose frequencies depend on the positions in the tensor it gets where tokens that belong
+    together would see different ones: context parallelism (cp > 1) or packed documents (packed_attn: attn.mode
+    when it packs). `source`: where rope_type is set; `instead`: how to set a fixed scaling there."""
+    if rope_type not in POSITION_DEPENDENT_ROPE:
+        return
+    if cp > 1:
         raise UserError(
             f"parallel.cp={cp} cannot train with {source} rope_type={rope_type}: that RoPE derives its frequencies "
             "from the largest position id in the tensor it gets, and under context parallelism each rank holds "
@@ -568,12 +586,19 @@ def check_context_parallel_rope(
             f"Use a fixed scaling, {instead}, or parallel.cp=1."
         )
 
+    if packed_attn is not None:
+        raise UserError(
+            f"attn={packed_attn} packs several documents into a row, which cannot train with {source} "
+            f"rope_type={rope_type}: that RoPE derives its frequencies from the largest position id in the batch "
+            "(and transformers caches them across batches), so a packed document would be rotated differently "
+            "depending on the documents packed next to it and on the batch before. Use a fixed scaling whose "
+            f"frequencies depend only on the configured length, {instead}, or attn=causal (one document per row)."
+        )
 
 def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], rope_type: Optional[str] = None) -> None:
     """The attention settings context parallelism can shard (UserError naming the key otherwise). seq_len None:
     rows of any length (plan.max_seq_len picks its own); rope_type: model.rope_scaling.rope_type."""
-    if rope_type is not None:
-        check_context_parallel_rope(cp, rope_type, "model.rope_scaling")
+    check_fixed_rope(rope_type, "model.rope_scaling", cp=cp)
     if attn.backend not in ("auto", "flex"):
         raise UserError(
             f"parallel.cp={cp} needs attn.backend=flex (or auto on CUDA): torch's context parallel shards packed-"
@@ -677,6 +702,8 @@ class JobConfig:
         if self.parallel.cp > 1:
             check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
         positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
+        packed = self.attn.mode if self.attn.packs_documents else None
+        check_fixed_rope(self.model.rope_scaling.rope_type, "model.rope_scaling", packed_attn=packed)
         if positions and self.train.sample_prompts and self.train.sample_tokens > positions:
             raise UserError(
                 f"train.sample_tokens={self.train.sample_tokens} is more than the model's "

@@ -80,7 +80,9 @@ def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
         train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
         # FSDP2 casts fp32 sharded params to bf16 for compute only when the mode computes in bf16
         parallel=dataclasses.replace(
-            job.parallel, mixed_precision=job.parallel.mixed_precision and fit.precision.autocast
+            job.parallel,
+            mixed_precision=job.parallel.mixed_precision and fit.precision.autocast,
+            reduce_every=fit.plan.get("reduce_every", "window"),  # the gradient reduction the plan counted
         ),
     )
 
@@ -189,6 +191,8 @@ def format_fit(fit: FitPlan) -> str:
         f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
         + ("" if fit.fits else "  -- DOES NOT FIT")
     )
+    if hw.world_size > 1 and fit.grad_accum > 1:
+        lines.append(_reduce_line(p, hw))
     if fit.memory.offload or fit.memory.policy == "offload":
         bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
         if bound is not None:
@@ -197,3 +201,33 @@ def format_fit(fit: FitPlan) -> str:
                 f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
             )
     return "\n".join(lines)
+
+
+def _reduce_line(p: dict, hw: HardwareConfig) -> str:
+    """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
+    from flexengine.memory.planner import interconnect_gb_s
+
+    other = next(
+        (
+            r
+            for r in p["candidates"]
+            if r["reduce_every"] != p["reduce_every"]
+            and r["memory"] == p["memory"]
+            and r["micro_batch"] == p["micro_batch"]
+        ),
+        None,
+    )
+    every = "every micro-batch" if p["reduce_every"] == "micro_batch" else "once per accumulation window"
+    line = (
+        f"gradients: reduce-scatter {every} (parallel.reduce_every={p['reduce_every']}): "
+        f"{p['reduce_scatter_bytes_per_step'] / 1e9:.1f} GB sent per rank per step, "
+        f"{p['reduce_scatter_s']:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
+        f"unless set), {p['reduce_exposed_s']:.2f} s not hidden by backward"
+    )
+    if other is not None:
+        unsharded = other["terms"].get("fsdp_unsharded_grads_bytes", 0)
+        line += (
+            f"; the other ({other['reduce_every']}): {_gib(other['total_bytes'])} GiB with unsharded grads "
+            f"{_gib(unsharded)} GiB, {other['step_s']:.2f} s/step{'' if other['fits'] else ', does not fit'}"
+        )
+    return line

@@ -112,7 +112,7 @@ def check_context(
     raise UserError(
         f"{problem}. Choose one:\n"
         f"  model.rope_scaling={{rope_type:yarn,factor:{factor:g}}}   scale RoPE to {int(limits.trained * factor)} "
-        "positions (also linear | dynamic | llama3; saved in config.json)\n"
+        "positions (also linear | llama3; saved in config.json)\n"
         f"  data.seq_len={limits.supported}   rows within the context (longer documents are split, truncated or "
         "dropped per data.long_docs, and counted)\n"
         "  model.allow_long_context=true   train past the context as it is"

@@ -15,7 +15,7 @@ import torch
 
 from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.compile import apply_compile, needs_compiled_blocks
-from flexengine.config import DataConfig, JobConfig, check_context_parallel_rope
+from flexengine.config import DataConfig, JobConfig, check_fixed_rope
 from flexengine.context_parallel import build_context_parallel
 from flexengine.data.corpus import Corpus, build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
@@ -188,11 +188,12 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
-    check_context_parallel_rope(
-        job.parallel.cp,
+    check_fixed_rope(
         context_limits(hf_config).rope_type,
         f"model.path={job.model.path}, whose config.json has" if job.model.path else "model.arch's",
-        "rope_parameters set to yarn, linear or llama3 there",
+        cp=job.parallel.cp,
+        packed_attn=job.attn.mode if job.attn.packs_documents else None,
+        instead="rope_parameters set to yarn, linear or llama3 there",
     )
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)

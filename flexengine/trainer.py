@@ -244,9 +244,10 @@ class Trainer:
                 batch, mask_kwargs = self._prepare(batch)
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
-            # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2)
+            # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2),
+            # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
             last = i == len(micro_batches) - 1
-            with gradient_sync(self.train_module, enabled=last):
+            with gradient_sync(self.train_module, enabled=last or self.job.parallel.reduce_every == "micro_batch"):
                 with self._phase("forward"), self._autocast():
                     micro_loss = self.train_module(batch, **mask_kwargs)
                 # the window's gradients are final in this backward: a host optimizer starts its downloads in it

@@ -190,6 +190,22 @@ def test_gradients_before_the_step_equal_one_process_and_sync_once_per_window(si
 
 
 @pytest.mark.slow
+def test_reduce_every_micro_batch_gives_the_window_gradients(single_grads, tmp_path):
+    """parallel.reduce_every=micro_batch: FSDP2 reduce-scatters in every backward and accumulates the sharded
+    gradients; the window's gradients are the same (one process on the same rows is the reference, which the
+    window reduction matches above), and the step reduces more often than with one micro-batch."""
+    run = run_grads_script(tmp_path / "per_mb", "train.micro_batch=2", "parallel.reduce_every=micro_batch", ranks=2)
+    ref, got = single_grads["grads"], run["grads"]
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for name in ref:
+        scale = ref[name].norm()
+        assert ((got[name] - ref[name]).norm() / scale) < 1e-5, name
+        assert (got[name] - ref[name]).abs().max() < 1e-6, name
+    reductions = {accum: sum("reduce" in n for n in names) for accum, names in run["collectives"].items()}
+    assert reductions[2] > reductions[1], run["collectives"]  # a reduce-scatter per micro-batch, not per window
+
+
+@pytest.mark.slow
 def test_pretrained_weights_are_read_by_rank_0_only_and_broadcast(tmp_path):
     """Ranks > 0 build placeholders (random init) and receive rank 0's weights: their first gradients equal
     a single process's on the pretrained weights."""

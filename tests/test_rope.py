@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,32 @@ def test_shipped_7b_experiments_keep_rows_within_the_supported_context(tmp_path,
     assert job.data.seq_len <= limits.supported
     if experiment == "deepseek7b_6k_a100":
         assert limits == ContextLimits(4096, 8192, "yarn", 2.0)
+
+
+@pytest.mark.parametrize("attn", ["packed_doc", "packed_sliding"])
+def test_position_dependent_rope_is_refused_under_packing(attn):
+    """Dynamic NTK frequencies follow the batch's largest position: a packed document would rotate by its
+    neighbours. One paragraph naming the fixed scalings; one document per row (attn=causal) stays allowed."""
+    scaling = "model.rope_scaling={rope_type:dynamic,factor:2.0}"
+    window = ["attn.window=64"] if attn == "packed_sliding" else []
+    with pytest.raises(UserError) as e:
+        make_job(Path("unused"), f"attn={attn}", *window, scaling)
+    msg = str(e.value)
+    assert f"attn={attn} packs several documents" in msg and "rope_type=dynamic" in msg
+    assert all(fixed in msg for fixed in ("yarn", "linear", "llama3")) and "\n" not in msg
+    assert make_job(Path("unused"), "attn=causal", scaling).model.rope_scaling.rope_type == "dynamic"
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_checkpoint_with_position_dependent_rope_is_refused_under_packing(tmp_path, rope_type):
+    """The same refusal when the scaling comes from model.path's config.json (no model.rope_scaling given)."""
+    from tests.helpers import TINY_LLAMA
+
+    rope = {"rope_theta": 10000.0, "rope_type": rope_type, "factor": 2.0}
+    if rope_type == "longrope":  # one factor per rotated frequency
+        half = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"] // 2
+        rope.update(original_max_position_embeddings=512, short_factor=[1.0] * half, long_factor=[2.0] * half)
+    LlamaConfig(**TINY_LLAMA, rope_parameters=rope).save_pretrained(tmp_path / "model")
+    job = make_job(tmp_path / "out", "attn=packed_doc", f"model.path={tmp_path / 'model'}", "model.init=random")
+    with pytest.raises(UserError, match=rf"attn=packed_doc packs .* config.json has rope_type={rope_type}.*llama3"):
+        build_trainer(job, tmp_path / "out")

@@ -50,6 +50,16 @@ CUDA_RESERVE_BYTES = 1 * GiB
 # this project's shared 2-core build machine under load); anything else: the A100 figure.
 HBM_GB_S = {"h200": 4800.0, "h100": 3350.0, "a100": 2039.0, "cpu": 10.0}
 DEFAULT_HBM_GB_S = 2039.0
+# GPU<->GPU bandwidth (GB/s per GPU, one direction) that FSDP's gradient reduce-scatter achieves, by hardware.name
+# substring. ESTIMATES, not measured here: the datasheets give NVLink 3 (A100 SXM) 600 GB/s and NVLink 4 (H100/H200
+# SXM) 900 GB/s, both directions together; NCCL's collectives reach roughly 75-80 % of one direction's half
+# (nccl-tests bus bandwidth on DGX A100 ~230 GB/s, DGX H100 ~360 GB/s). PCIe cards without NVLink: pcie_gb_s.
+# hardware.interconnect_gb_s overrides it.
+INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
+# FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
+REDUCE_BYTES = 4
+# parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
+REDUCE_CHOICES = ("window", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -468,6 +478,8 @@ class PlanInputs:
     precision: str = ""  # the precision mode these bytes come from (for reports)
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
+    reduce_every: str = "window"  # FSDP gradient reduce-scatter: window (once per step; every block's unsharded
+    # gradient lives through the accumulation window) | micro_batch (each backward) | auto (plan_memory weighs both)
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
@@ -530,22 +542,43 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
     embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
     block until its reduce-scatter, in the fp32 reduce dtype; the root's (lm_head's from the start of backward)
-    until the root's reduce-scatter at its end, in the compute dtype. With grad_accum > 1 the trainer reduces once
-    per accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False) until the last
-    micro-batch), so every block's unsharded gradient lives through the window."""
+    until the root's reduce-scatter at its end, in the compute dtype. With grad_accum > 1 and reduce_every=window
+    the trainer reduces once per accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False)
+    until the last micro-batch), so every block's unsharded gradient lives through the window; reduce_every=
+    micro_batch reduce-scatters in every backward and holds one block's at a time."""
     world = max(1, x.hardware.world_size)
     if world == 1:
         return {}
     gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
     root = m.embedding_params + m.hidden
     root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
-    unsharded_blocks = m.layers if x.grad_accum > 1 else 1
+    unsharded_blocks = m.layers if x.grad_accum > 1 and x.reduce_every == "window" else 1
     return {
         "fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
         "fsdp_unsharded_grads_bytes": int(
-            unsharded_blocks * m.block_params * x.trainable_fraction * 4 + root_trainable * gathered
+            unsharded_blocks * m.block_params * x.trainable_fraction * REDUCE_BYTES + root_trainable * gathered
         ),
     }
+
+
+def interconnect_gb_s(hardware: HardwareConfig) -> float:
+    """GPU<->GPU bandwidth for collectives: hardware.interconnect_gb_s, else INTERCONNECT_GB_S by name, else PCIe."""
+    if hardware.interconnect_gb_s:
+        return hardware.interconnect_gb_s
+    name = (hardware.name or "").lower()
+    return next((v for key, v in INTERCONNECT_GB_S.items() if key in name), hardware.pcie_gb_s)
+
+
+def reduce_scatter_traffic(m: ModelShape, x: PlanInputs) -> tuple[int, float]:
+    """(bytes each rank sends, seconds) of one step's gradient reduce-scatters: a ring reduce-scatter of the
+    trainable fp32 gradients sends (world - 1) / world of them per rank, once per window or once per micro-batch
+    (reduce_every). (0, 0.0) for one process."""
+    world = max(1, x.hardware.world_size)
+    if world == 1:
+        return 0, 0.0
+    reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
+    sent = int(reduces * m.params * x.trainable_fraction * REDUCE_BYTES * (world - 1) / world)
+    return sent, sent / (interconnect_gb_s(x.hardware) * 1e9)
 
 
 def hbm_gb_s(hardware: HardwareConfig) -> float:
@@ -568,6 +601,8 @@ def assumptions(hardware: HardwareConfig) -> dict[str, float]:
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
     memory = resolve_tiles(memory, m)
+    if x.reduce_every == "auto":  # one evaluation is one concrete plan; plan_memory weighs both reductions
+        x = dataclasses.replace(x, reduce_every="window")
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
     w = rank_workload(x, memory.tiled_mlp)
     # A causal row attends half its keys; local queries see all seq_len keys: S^2 / cp, i.e. (S / cp)^2 x cp.
@@ -612,7 +647,12 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         optimizer_s = local_trainable * 2 * weight / (x.hardware.pcie_gb_s * 1e9) + local_trainable * 32 / (
             HOST_ADAMW_GB_S * 1e9
         )
-    step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s  # one optimizer step
+    # FSDP2 reduce-scatters each block's gradient while the blocks before it run backward: only what the
+    # backward (2/3 of a micro-batch's compute) cannot cover is exposed, per reduction
+    reduce_bytes, reduce_s = reduce_scatter_traffic(m, x)
+    reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
+    reduce_exposed_s = reduces * max(0.0, reduce_s / reduces - 2 * compute_s / 3) if reduce_bytes else 0.0
+    step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s + reduce_exposed_s
     return {
         "memory": dataclasses.asdict(memory),
         "activation_bytes": act.total_bytes,
@@ -631,6 +671,10 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
         "offload_exposed_s": exposed_s,
         "optimizer_s": optimizer_s,
+        "reduce_every": x.reduce_every,
+        "reduce_scatter_bytes_per_step": reduce_bytes,
+        "reduce_scatter_s": reduce_s,
+        "reduce_exposed_s": reduce_exposed_s,
         "step_s": step_s,
         "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
         **static,
@@ -658,9 +702,22 @@ def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, in
     return [(b, rows // b) for b in range(micro_batch, 0, -1) if rows % b == 0]
 
 
+def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[tuple[int, int, str]]:
+    """(micro_batch, grad_accum, reduce_every) to evaluate: both reductions under reduce_every=auto where they
+    differ (FSDP over several ranks with accumulation), else the given one (auto: window)."""
+    out = []
+    for b, accum in shapes:
+        if x.reduce_every != "auto":
+            choices: tuple = (x.reduce_every,)
+        else:
+            choices = REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else ("window",)
+        out += [(b, accum, r) for r in choices]
+    return out
+
+
 def _rank(row: dict) -> tuple:
     # Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, fewer
-    # checkpointed blocks, the larger micro-batch and the coarser granularity.
+    # checkpointed blocks, the larger micro-batch, the coarser granularity and one reduction per window.
     return (
         round(row["step_s"], 6),
         row["uses_offload"],
@@ -668,6 +725,7 @@ def _rank(row: dict) -> tuple:
         row["k"],
         -row["micro_batch"],
         GRANULARITIES.index(row["memory"]["granularity"]),
+        row["reduce_every"] != "window",
     )
 
 
@@ -690,13 +748,14 @@ def plan_memory(
         space = [mem for mem in space if not _offloads(mem)] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
     rows = []
-    for b, accum in shapes:
-        xb = dataclasses.replace(x, micro_batch=b, grad_accum=accum)
+    for b, accum, reduce_every in _with_reduce_choices(shapes, x):
+        xb = dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every)
         for mem in space:
             row = evaluate(m, xb, mem)
+            per_micro_batch = " reduce/mb" if reduce_every == "micro_batch" and accum > 1 else ""
             rows.append(
                 {
-                    "label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}"),
+                    "label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}") + per_micro_batch,
                     "micro_batch": b,
                     "grad_accum": accum,
                     "k": 0 if mem.policy == "none" else len(select_layers(mem.layers, m.layers)),
@@ -713,6 +772,7 @@ def plan_memory(
         "seq_len": x.seq_len,
         "micro_batch": best["micro_batch"],
         "grad_accum": best["grad_accum"],
+        "reduce_every": best["reduce_every"],
         "precision": x.precision,
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
         **{
@@ -736,9 +796,16 @@ def plan_memory(
                 "recompute_flops_fraction",
                 "recompute_pointwise_s",
                 "offload_bytes_per_step",
+                "reduce_scatter_bytes_per_step",
+                "reduce_scatter_s",
+                "reduce_exposed_s",
             )
         },
-        "assumptions": {**assumptions(x.hardware), "host_adamw_gb_s": HOST_ADAMW_GB_S},
+        "assumptions": {
+            **assumptions(x.hardware),
+            "host_adamw_gb_s": HOST_ADAMW_GB_S,
+            "interconnect_gb_s": interconnect_gb_s(x.hardware),
+        },
         "activation_bytes_per_block": {label: per_block[label] for label in {rows[0]["label"], best["label"]}},
         "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
@@ -757,6 +824,7 @@ def k_table(plan: dict) -> list[dict]:
         r
         for r in plan["candidates"]
         if r["micro_batch"] == plan["micro_batch"]
+        and r["reduce_every"] == plan["reduce_every"]
         and (
             r["k"] == 0
             or (
@@ -771,6 +839,7 @@ def k_table(plan: dict) -> list[dict]:
             r
             for r in plan["candidates"]
             if r["micro_batch"] == plan["micro_batch"]
+            and r["reduce_every"] == plan["reduce_every"]
             and (r["k"] == 0 or (r["memory"]["policy"] == "full" and not r["memory"]["offload"]))
         ]
     return sorted(family, key=lambda r: r["k"])
@@ -781,9 +850,11 @@ def _offloads(memory: MemoryConfig) -> bool:
 
 
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
+    reductions = REDUCE_CHOICES if x.reduce_every == "auto" else (x.reduce_every,)
     for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
-        if evaluate(m, x, mem)["fits"]:
-            return True
+        for reduce_every in reductions:
+            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem)["fits"]:
+                return True
     return False
 
 
@@ -856,4 +927,8 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
         precision=spec.name,
         cp=job.parallel.cp,
+        # DDP keeps full gradients either way: reducing per micro-batch would only add traffic
+        reduce_every="window"
+        if job.parallel.strategy == "ddp" and job.parallel.reduce_every == "auto"
+        else job.parallel.reduce_every,
     )

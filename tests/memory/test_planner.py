@@ -269,6 +269,55 @@ def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
     assert window["fsdp_unsharded_grads_bytes"] == m.layers * m.block_params * 4 + root * 2
 
 
+def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
+    """Per micro-batch: one block's unsharded gradient instead of every block's, for grad_accum x the ring
+    reduce-scatter's (world - 1) / world of the fp32 gradients per rank, timed at the interconnect bandwidth."""
+    from flexengine.memory.planner import INTERCONNECT_GB_S
+
+    cfg, x = _deepseek_inputs(grad_accum=8)
+    m = ModelShape.from_hf_config(cfg)
+    node = dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=8), fsdp_param_bytes=2)
+    window = plan_memory(cfg, dataclasses.replace(node, reduce_every="window"))
+    per_mb = plan_memory(cfg, dataclasses.replace(node, reduce_every="micro_batch"))
+    held = window["terms"]["fsdp_unsharded_grads_bytes"] - per_mb["terms"]["fsdp_unsharded_grads_bytes"]
+    assert held == (m.layers - 1) * m.block_params * 4  # 24 GiB at 7B, freed
+    sent = m.params * 4 * 7 / 8
+    assert window["reduce_scatter_bytes_per_step"] == pytest.approx(sent, rel=1e-6)
+    assert per_mb["reduce_scatter_bytes_per_step"] == pytest.approx(8 * sent, rel=1e-6)
+    assert per_mb["reduce_scatter_s"] == pytest.approx(8 * sent / (INTERCONNECT_GB_S["a100"] * 1e9))
+    assert per_mb["assumptions"]["interconnect_gb_s"] == INTERCONNECT_GB_S["a100"]
+    # auto weighs both and takes the faster step; one process or one micro-batch has nothing to choose
+    auto = plan_memory(cfg, dataclasses.replace(node, reduce_every="auto"))
+    assert {r["reduce_every"] for r in auto["candidates"]} == {"window", "micro_batch"}
+    assert auto["step_s"] == min(window["step_s"], per_mb["step_s"])
+    single = plan_memory(cfg, dataclasses.replace(x, reduce_every="auto"))
+    assert {r["reduce_every"] for r in single["candidates"]} == {"window"} and single["reduce_scatter_s"] == 0
+    # a slow interconnect makes per-micro-batch traffic visible in the step time
+    slow = dataclasses.replace(node.hardware, interconnect_gb_s=1.0)
+    slow_mb = plan_memory(cfg, dataclasses.replace(node, hardware=slow, reduce_every="micro_batch"))
+    assert slow_mb["reduce_exposed_s"] > 0 and slow_mb["step_s"] > per_mb["step_s"]
+
+
+def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(tmp_path):
+    """experiment=deepseek7b_6k_a100 on 8 GPUs: holding the window's unsharded fp32 gradients (24 GiB per GPU)
+    forced activation offload; reducing per micro-batch fits without it at no slower an estimated step."""
+    from flexengine.cli import compose_job
+    from flexengine.fit import plan_job
+    from flexengine.hardware import assumed_hardware
+
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    common = ["experiment=deepseek7b_6k_a100", "hardware.world_size=8", "model.init=random", "precision=bf16_mixed"]
+    plans = {}
+    for reduce_every in ("window", "auto"):
+        job = compose_job([*common, f"data.path={tmp_path / 'd.jsonl'}", f"parallel.reduce_every={reduce_every}"])
+        plans[reduce_every] = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    before, after = plans["window"], plans["auto"]
+    assert before.fits and (before.memory.policy == "offload" or before.memory.offload)  # the old plan
+    assert after.fits and after.plan["reduce_every"] == "micro_batch"
+    assert after.memory.policy != "offload" and not after.memory.offload
+    assert after.plan["step_s"] <= before.plan["step_s"] + 1e-9
+
+
 def test_sac_recompute_is_not_free():
     """Pointwise recompute is memory-bound: SAC costs time although it re-runs no matmul."""
     cfg, x = _deepseek_inputs()
