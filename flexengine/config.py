@@ -356,8 +356,9 @@ class DataConfig:
     format_field: str = "format"  # format=mixed: the record field saying "text" or "chat" for that record
     train_on: str = "assistant"  # chat: assistant (completion-only loss: the replies and their end-of-turn
     # markers) | all (full-sequence loss)
-    assistant_mask: str = "template"  # chat: where replies are found. template: the chat template's
-    # {% generation %} markers (transformers' return_assistant_tokens_mask) | prefix: render turn by turn
+    assistant_mask: str = "auto"  # chat: where replies are found. template: the chat template's
+    # {% generation %} markers (transformers' return_assistant_tokens_mask) | prefix: render turn by turn |
+    # auto: template when it has the markers, else prefix (the log says which)
     long_chats: str = "truncate"  # chat longer than seq_len: truncate (after the last assistant turn that fits)
     # | drop | split (mid-turn, by data.long_docs: an explicit choice); truncated and dropped ones are counted
     max_docs: Optional[int] = None  # use only the first N documents (None = all)
@@ -386,7 +387,7 @@ class DataConfig:
         _check_choice("data.long_docs", self.long_docs, LONG_DOC_POLICIES)
         _check_choice("data.on_error", self.on_error, ("raise", "skip"))
         _check_choice("data.train_on", self.train_on, ("assistant", "all"))
-        _check_choice("data.assistant_mask", self.assistant_mask, ("template", "prefix"))
+        _check_choice("data.assistant_mask", self.assistant_mask, ("auto", "template", "prefix"))
         _check_choice("data.long_chats", self.long_chats, ("truncate", "drop", "split"))
         if self.seq_len <= 0:
             raise UserError(f"data.seq_len={self.seq_len} must be a positive number of tokens, e.g. data.seq_len=4096.")
@@ -508,10 +509,10 @@ class HardwareConfig:
     host_memory_gb: Optional[float] = None  # host memory (GiB) this process may use for offloaded activations
     # and host optimizer state; None = the available host memory divided among the node's local ranks
     world_size: int = 1  # devices in the job (torchrun sets the real value)
-
     interconnect_gb_s: Optional[float] = None  # GPU<->GPU bandwidth per GPU (GB/s, one direction, what NCCL's
     # reduce-scatter achieves) for FSDP's gradient reduction time; None = by hardware.name (NVLink estimates in
     # memory/planner.INTERCONNECT_GB_S), else pcie_gb_s
+
     def __post_init__(self) -> None:
         _check_choice("hardware.device", self.device, ("auto", "cpu", "cuda"))
         for key in ("memory_gb", "peak_tflops", "host_memory_gb", "interconnect_gb_s"):
@@ -531,19 +532,19 @@ class ParallelConfig:
     mixed_precision: bool = True  # fsdp on CUDA: bf16 compute weights, fp32 gradient reduction (CPU: ignored)
     data_timeout_s: float = 7200.0  # ranks > 0 wait this long for rank 0 to tokenize the corpus (a CPU-side
     # gloo barrier of its own: NCCL's 10-minute default timeout stays for training collectives)
-    cp: int = 1  # context parallel degree: each row's tokens are split over cp ranks (torch's context_parallel,
     # fsdp with grad_accum > 1: when gradients are reduce-scattered. window: once, in the last micro-batch's
     # backward (every block's unsharded fp32 gradient lives through the window: 4 bytes/param, 24 GiB per GPU at
     # 7B) | micro_batch: in every backward (one block's at a time, grad_accum x the reduce-scatter traffic) |
     # auto: the planner picks the cheaper step that fits (flexengine.memory.planner)
     reduce_every: str = "auto"
+    cp: int = 1  # context parallel degree: each row's tokens are split over cp ranks (torch's context_parallel,
     # FlexAttention with K/V all-gathered); the torchrun world is a (world/cp data-parallel x cp) mesh. 1 = off
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
         _check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
-        if self.data_timeout_s <= 0:
         _check_choice("parallel.reduce_every", self.reduce_every, REDUCE_EVERY)
+        if self.data_timeout_s <= 0:
             raise UserError(f"parallel.data_timeout_s={self.data_timeout_s} must be a positive number of seconds.")
         if self.cp < 1:
             raise UserError(f"parallel.cp={self.cp} must be >= 1 (1 = no context parallelism).")
@@ -562,8 +563,8 @@ CP_BLOCK_SIZE = 128
 # would rotate Q and K differently; under packing a document's rotation depends on its neighbours in the batch
 # (2.4e-3 in logits for a 600-token document packed next to a 1,000-token one, measured with transformers 5.24)
 POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-
 FIXED_ROPE_INSTEAD = "model.rope_scaling={rope_type:yarn,factor:F} (or linear, llama3)"
+
 
 def check_fixed_rope(
     rope_type: Optional[str],
@@ -585,7 +586,6 @@ def check_fixed_rope(
             "only its share of the row, so the ranks would rotate queries and keys with different frequencies. "
             f"Use a fixed scaling, {instead}, or parallel.cp=1."
         )
-
     if packed_attn is not None:
         raise UserError(
             f"attn={packed_attn} packs several documents into a row, which cannot train with {source} "
@@ -594,6 +594,7 @@ def check_fixed_rope(
             "depending on the documents packed next to it and on the batch before. Use a fixed scaling whose "
             f"frequencies depend only on the configured length, {instead}, or attn=causal (one document per row)."
         )
+
 
 def check_context_parallel(cp: int, attn: AttnConfig, seq_len: Optional[int], rope_type: Optional[str] = None) -> None:
     """The attention settings context parallelism can shard (UserError naming the key otherwise). seq_len None:
@@ -701,9 +702,9 @@ class JobConfig:
             )
         if self.parallel.cp > 1:
             check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
-        positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
         packed = self.attn.mode if self.attn.packs_documents else None
         check_fixed_rope(self.model.rope_scaling.rope_type, "model.rope_scaling", packed_attn=packed)
+        positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
         if positions and self.train.sample_prompts and self.train.sample_tokens > positions:
             raise UserError(
                 f"train.sample_tokens={self.train.sample_tokens} is more than the model's "

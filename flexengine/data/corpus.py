@@ -144,6 +144,7 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
             "tokenize_s": seconds,
             "num_workers": data.num_workers,
             "chats": chats,
+            "assistant_mask": encoder.describe_mask() if data.format in ("chat", "mixed") else None,
         }
         writer.commit(meta)
     except BaseException:
@@ -160,6 +161,22 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
         directory,
     )
     return directory
+
+
+def log_trained_tokens(meta: dict, loss_mask: np.ndarray) -> None:
+    """How many tokens carry loss and how many are masked (chat prompts, pretokenized -100 labels)."""
+    total = len(loss_mask)
+    masked = meta.get("masked_tokens")
+    trained = total - masked if masked is not None else int(np.count_nonzero(loss_mask))
+    how = f", assistant replies found by {meta['assistant_mask']}" if meta.get("assistant_mask") else ""
+    log.info(
+        "data: loss on %s of %s tokens (%.1f%%), %s masked%s",
+        f"{trained:,}",
+        f"{total:,}",
+        100 * trained / max(1, total),
+        f"{total - trained:,}",
+        how,
+    )
 
 
 def build_corpus(data: DataConfig, tokenizer) -> Corpus:
@@ -193,6 +210,8 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
             chats["dropped"],
             data.long_chats,
         )
+    if loss_mask is not None:
+        log_trained_tokens(meta, loss_mask)
     return Corpus(
         tokens,
         offsets,

@@ -3,8 +3,10 @@
 - text: the tokenizer's own special tokens (e.g. LLaMA's BOS) + EOS appended when data.add_eos.
 - chat: the conversation through the tokenizer's own chat template (`apply_chat_template`). With
   data.train_on=assistant only the assistant replies (and their end-of-turn markers) are trained on: found by
-  the template's {% generation %} markers (transformers' `return_assistant_tokens_mask`), or with
-  data.assistant_mask=prefix by rendering the conversation turn by turn. A conversation longer than
+  the template's {% generation %} markers (transformers' `return_assistant_tokens_mask`), or, for a template
+  without them (data.assistant_mask=auto falls back, saying so) or with data.assistant_mask=prefix, by rendering
+  the conversation turn by turn. Either way the text a template adds after the end-of-turn token (ChatML's newline
+  after <|im_end|>) is not trained on: the model never generates it. A conversation longer than
   data.seq_len is cut after the last assistant turn that fits, or dropped (data.long_chats), and counted.
 - pretokenized: input_ids as given; labels of -100 mark tokens not trained on.
 - mixed: each record is text or chat, as its data.format_field says.
@@ -13,6 +15,7 @@ An `Encoder` is picklable and stateless per call, so worker processes can each h
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -21,6 +24,8 @@ import numpy as np
 from flexengine.config import DataConfig
 from flexengine.data.sources import RawDoc
 from flexengine.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -64,7 +69,7 @@ class Encoder:
         add_eos: bool = True,
         *,
         train_on: str = "assistant",
-        assistant_mask: str = "template",
+        assistant_mask: str = "auto",
         max_len: Optional[int] = None,
         long_chats: str = "split",
     ):
@@ -78,7 +83,15 @@ class Encoder:
                     f"data.format={fmt} needs a tokenizer with a chat template; this one has none. Use the model's "
                     "instruct tokenizer (model.tokenizer=...) or data.format=text."
                 )
-            if assistant_mask == "template" and not _GENERATION_TAG.search(template):
+            has_markers = bool(_GENERATION_TAG.search(template))
+            if assistant_mask == "auto":
+                self.mask_source = "template" if has_markers else "prefix"
+                if not has_markers and train_on == "assistant":
+                    log.info(
+                        "data: the chat template has no {% generation %} markers: assistant replies are found by "
+                        "rendering each conversation turn by turn (data.assistant_mask=prefix)"
+                    )
+            elif assistant_mask == "template" and not has_markers:
                 if train_on == "assistant":
                     raise UserError(
                         "data.train_on=assistant: this tokenizer's chat template has no {% generation %} markers, so "
@@ -90,8 +103,11 @@ class Encoder:
                 self.mask_source = "prefix"  # train_on=all: turn boundaries (for truncation) only
             if self.mask_source == "prefix" and not getattr(tokenizer, "is_fast", False):
                 raise UserError(
-                    "data.assistant_mask=prefix needs a fast (Rust) tokenizer for token offsets; this one is slow."
+                    "data.assistant_mask=prefix (what a chat template without {% generation %} markers needs) "
+                    "needs a fast (Rust) tokenizer for token offsets; this one is slow. Use the model's fast "
+                    "tokenizer, a template with {% generation %} markers, or data.train_on=all."
                 )
+            self.special_tokens = _special_token_texts(tokenizer)
         self.vocab_size = len(tokenizer)
 
     @classmethod
@@ -141,6 +157,12 @@ class Encoder:
             out.append(Encoded(np.asarray(ids, dtype=TOKEN_DTYPE), None))
         return out
 
+    def describe_mask(self) -> str:
+        """How assistant tokens are found, for the log."""
+        if self.mask_source == "template":
+            return "the chat template's {% generation %} markers"
+        return "rendering each conversation turn by turn (data.assistant_mask=prefix)"
+
     def _render(self, messages: list, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -149,7 +171,8 @@ class Encoder:
 
         A turn's span runs from the end of the prompt rendered up to it (with the generation prompt, e.g.
         "<|im_start|>assistant\\n") to the end of the conversation rendered through it, so it covers the reply
-        and its end-of-turn marker, which the model must learn to emit.
+        and its end-of-turn marker, which the model must learn to emit; whitespace the template puts after that
+        marker (ChatML's "\\n" after <|im_end|>) is left out, as a {% generation %} block closed at the marker does.
         """
         text = self._render(messages, add_generation_prompt=False)
         spans = []
@@ -163,8 +186,17 @@ class Encoder:
                     "the chat template does not render earlier turns as a prefix of the whole conversation "
                     "(it rewrites history), so assistant tokens cannot be located"
                 )
-            spans.append((len(before), len(through)))
+            spans.append((len(before), self._end_of_turn(through, len(before))))
         return text, spans
+
+    def _end_of_turn(self, text: str, start: int) -> int:
+        """Where the assistant turn text[start:] really ends: after its last special token when only whitespace
+        follows it (the template's trailer), else at the end."""
+        tail_start = len(text.rstrip())
+        for token in self.special_tokens:
+            if text.endswith(token, start, tail_start):
+                return tail_start
+        return len(text)
 
     def _chat_ids_and_mask(self, messages: list) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of the rendered conversation and its assistant-token mask."""
@@ -215,6 +247,15 @@ class Encoder:
             )
         mask = None if labels is None else np.asarray(labels, dtype=np.int64) != -100
         return Encoded(ids.astype(TOKEN_DTYPE), mask)
+
+
+def _special_token_texts(tokenizer) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text (end-of-turn markers are among them), longest first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(added, "special", False):
+            texts.add(str(added.content))
+    return tuple(sorted((t for t in texts if t), key=len, reverse=True))
 
 
 # Worker-process side: fork copies the parent's Encoder into each worker once (initializer), not per batch.

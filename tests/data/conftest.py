@@ -9,11 +9,12 @@ import pytest
 
 from flexengine.data.demo import load_demo_tokenizer
 
-# ChatML, with HF's {% generation %} markers so transformers' own assistant mask can serve as a reference.
+# ChatML, with HF's {% generation %} markers so transformers' own assistant mask can serve as a reference. The
+# block closes at <|im_end|>: the newline after it is the template's trailer, which the model never generates.
 CHATML_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>\n"
-    "{% endgeneration %}"
+    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
+    "{% endgeneration %}{{ '\\n' }}"  # an expression: jinja's trim_blocks would eat a literal newline here
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

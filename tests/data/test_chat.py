@@ -4,6 +4,7 @@ ChatML template (with {% generation %} markers), loaded through model.tokenizer 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -89,11 +90,21 @@ def test_full_sequence_loss_and_drop_policy(chat_dir):
     assert "question" in text and "answer" in text  # prompts are trained on too
 
 
-def test_template_without_markers_fails_before_training(chat_dir):
+def test_template_without_markers_trains_with_the_prefix_mask_and_reports_token_counts(chat_dir, caplog):
+    """A stock template without {% generation %} markers trains by default (auto falls back to the prefix mask,
+    saying so) and the log reports how many tokens carry loss."""
     tmp_path, tok_dir, path = chat_dir
     template_file = tok_dir / "chat_template.jinja"  # where transformers saves the template
     template_file.write_text(
         template_file.read_text().replace("{% generation %}", "").replace("{% endgeneration %}", "")
     )
-    with pytest.raises(UserError, match="data.assistant_mask=prefix"):
-        run_training(_job(tmp_path, tok_dir, path), tmp_path / "run")
+    caplog.set_level(logging.INFO, logger="flexengine")
+    job = _job(tmp_path, tok_dir, path)
+    loader, _, _ = build_data(job, load_tokenizer(job.model), DistInfo())
+    assert "no {% generation %} markers" in caplog.text
+    mask = loader.corpus.loss_mask
+    trained, total = int(mask.sum()), len(mask)
+    assert 0 < trained < total
+    assert f"loss on {trained:,} of {total:,} tokens" in caplog.text and f"{total - trained:,} masked" in caplog.text
+    with pytest.raises(UserError, match="data.assistant_mask=prefix"):  # the markers, asked for explicitly
+        run_training(_job(tmp_path, tok_dir, path, "data.assistant_mask=template"), tmp_path / "run")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from flexengine.data.encode import Dropped, Encoded, Encoder, Rejected
@@ -31,7 +33,7 @@ def test_chat_mask_matches_transformers_generation_mask(chat_tokenizer, assistan
 def test_chat_trains_only_on_assistant_replies_and_their_end_marker(chat_tokenizer):
     result = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f.jsonl:1", CONVERSATION)])[0]
     trained = chat_tokenizer.decode(result.ids[result.loss_mask].tolist())
-    assert trained == "It returns its argument.<|im_end|>\n4<|im_end|>\n"
+    assert trained == "It returns its argument.<|im_end|>4<|im_end|>"  # not the "\n" trailer after <|im_end|>
     prompt = chat_tokenizer.decode(result.ids[~result.loss_mask].tolist())
     assert "What does def f(x)" in prompt and "terse" in prompt and "It returns" not in prompt
 
@@ -96,7 +98,7 @@ def test_template_without_generation_markers_names_the_alternatives(chat_tokeniz
         "{% endgeneration %}", ""
     )
     with pytest.raises(UserError, match=r"no \{% generation %\} markers.*data.assistant_mask=prefix.*train_on=all"):
-        Encoder(chat_tokenizer, "chat")
+        Encoder(chat_tokenizer, "chat", assistant_mask="template")  # asked for explicitly
     # the alternatives it names both work
     prefix = Encoder(chat_tokenizer, "chat", assistant_mask="prefix").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
     full = Encoder(chat_tokenizer, "chat", train_on="all").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
@@ -113,10 +115,11 @@ def test_full_sequence_loss_trains_every_token(chat_tokenizer):
 def test_long_conversation_is_cut_after_the_last_assistant_turn_that_fits(chat_tokenizer, assistant_mask):
     whole = Encoder(chat_tokenizer, "chat").encode_batch([RawDoc("f:1", CONVERSATION)])[0]
     n = len(whole.ids)
-    short = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=n - 1, long_chats="truncate")
+    # n - 2: the last reply's <|im_end|> no longer fits (n - 1 would only lose the trailer after it)
+    short = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=n - 2, long_chats="truncate")
     cut = short.encode_batch([RawDoc("f:1", CONVERSATION)])[0]
     assert isinstance(cut, Encoded) and cut.truncated
-    assert chat_tokenizer.decode(cut.ids.tolist()).endswith("It returns its argument.<|im_end|>\n")  # turn 1 whole
+    assert chat_tokenizer.decode(cut.ids.tolist()).endswith("It returns its argument.<|im_end|>")  # turn 1 whole
     assert cut.ids.tolist() == whole.ids[: len(cut.ids)].tolist()
     # nothing fits -> dropped (counted by the corpus), as with long_chats=drop
     tiny = Encoder(chat_tokenizer, "chat", assistant_mask=assistant_mask, max_len=5, long_chats="truncate")
@@ -135,3 +138,20 @@ def test_mixed_records_encode_by_kind(chat_tokenizer):
     text, chat = enc.encode_batch([RawDoc("m:1", ("text", "def f(): pass")), RawDoc("m:2", ("chat", CONVERSATION))])
     assert text.loss_mask is None and text.ids[-1] == chat_tokenizer.eos_token_id
     assert chat.loss_mask.any() and not chat.loss_mask.all()
+
+
+def test_template_without_markers_falls_back_to_the_prefix_mask_and_says_so(chat_tokenizer, caplog):
+    """The default (auto) trains a stock template without {% generation %} markers by rendering turn by turn, and
+    its mask (trailer after <|im_end|> excluded) equals transformers' mask of the same template with markers."""
+    reference = chat_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    chat_tokenizer.chat_template = chat_tokenizer.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""
+    )
+    caplog.set_level(logging.INFO, logger="flexengine")
+    encoder = Encoder(chat_tokenizer, "chat")
+    assert "no {% generation %} markers" in caplog.text and "data.assistant_mask=prefix" in caplog.text
+    result = encoder.encode_batch([RawDoc("f:1", CONVERSATION)])[0]
+    assert result.ids.tolist() == reference["input_ids"]
+    assert result.loss_mask.tolist() == [bool(m) for m in reference["assistant_masks"]]
