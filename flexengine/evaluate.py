@@ -8,7 +8,7 @@ sum(token CE) / valid targets, so it does not depend on how rows fall into batch
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,11 +23,16 @@ def evaluate_loss(
     device: torch.device,
     prepare: Callable[[dict], tuple[dict, dict]],
     autocast: Callable,
-) -> dict:
+    stop: Optional[Callable[[], bool]] = None,
+) -> Optional[dict]:
     """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced).
-    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer._prepare)."""
+    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer._prepare).
+    stop: asked before each batch (the same answer on every rank); True ends the evaluation there: None, since
+    a part of the held-out set is no eval loss to compare or keep (a stop signal must not wait for hours of eval)."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
     for batch in batches:
+        if stop is not None and stop():
+            return None
         # tensors only: the loader's host-side facts (useful_tokens, document_lengths) stay on the host
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         batch, mask_kwargs = prepare(batch)
@@ -53,8 +58,10 @@ def greedy_continue(
     new_tokens: int,
     device: torch.device,
     pad_to: int = 128,
-) -> list[str]:
-    """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations.
+    stop: Optional[Callable[[], bool]] = None,
+) -> Optional[list[str]]:
+    """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations, or None
+    when `stop()` (asked before each token, the same answer on every rank) said to stop.
 
     logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,
     right-padded to one width for the whole call (the longest prompt plus `new_tokens`, rounded up to `pad_to`;
@@ -73,6 +80,8 @@ def greedy_continue(
     for ids in prompt_ids:
         start = len(ids)
         for _ in range(new_tokens):
+            if stop is not None and stop():
+                return None
             row = torch.full((1, width), pad_id, dtype=torch.long, device=device)
             row[0, : len(ids)] = torch.tensor(ids, device=device)
             positions = torch.arange(width, device=device)[None]

@@ -152,13 +152,15 @@ class Trainer:
         self._stop_signal: Optional[int] = None  # set by this process's signal handler
         self._signals = 0  # SIGINT/SIGTERM received while stop_on_signals() is active
         self._handling_signals = False  # stop_on_signals() is active (it nests)
-        self._interrupted = False  # train() stopped the loop for a signal (not: a signal came after the loop)
+        self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
+        # that came after the last step, during the final save)
         self._saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
         self.data_plan: dict = {}  # what the data stream depends on (run.build_trainer); checked on resume
         self._stop_agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.stopped_early = False  # train.early_stop_patience ran out
         self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
         self._last_sample_step = -1
+        self._pause: Optional[str] = None  # "evaluation" / "sampling" while one runs (a signal cuts it short)
         self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
         self._loop_start, self._loop_start_step = time.perf_counter(), 0
         self.wall_s = 0.0
@@ -347,10 +349,11 @@ class Trainer:
                 )
             elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
                 self.evaluate()  # the end of the run is always evaluated
-            if self.job.train.sample_prompts and not stopped and self._last_sample_step != self.state.step:
+            if self.job.train.sample_prompts and not self._interrupted and self._last_sample_step != self.state.step:
                 self.sample()
-            # a signal before step 1 leaves nothing trained to save (a resume starts fresh, the same thing)
-            if (cfg.save_final or stopped) and self._saved_step != self.state.step and self.state.step > 0:
+            # a signal before step 1 leaves nothing trained to save (a resume starts fresh, the same thing); one that
+            # cut the final evaluation or sampling short (_interrupted) saves too: the requeue resumes from it
+            if (cfg.save_final or self._interrupted) and self._saved_step != self.state.step and self.state.step > 0:
                 self.save()
             summary = self.summary()
             final = summary["final_loss"]
@@ -404,7 +407,7 @@ class Trainer:
                 if self.eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0:
                     self.evaluate()
                     window["t"] += self._last_eval_s  # evaluation is not training time
-                if cfg.sample_prompts and self._sample_due(step):
+                if cfg.sample_prompts and self._sample_due(step) and not self._interrupted:
                     self.sample()
         self.wall_s += time.perf_counter() - self._loop_start - self._paused_s
         self._paused_s = 0.0
@@ -464,12 +467,24 @@ class Trainer:
         return tqdm(total=self.job.train.max_steps, initial=self.state.step, desc="train", unit="step")
 
     # -- evaluation and samples ---------------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience."""
+    def evaluate(self) -> Optional[dict]:
+        """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience.
+        None when a stop signal cut it short (within one eval batch)."""
         start = time.perf_counter()
         self.model.eval()
-        result = evaluate_loss(self.train_module, self.eval_data.batches(), self.device, self._prepare, self._autocast)
+        with self._pausing("evaluation"):
+            result = evaluate_loss(
+                self.train_module,
+                self.eval_data.batches(),
+                self.device,
+                self._prepare,
+                self._autocast,
+                stop=self._stop_requested,
+            )
         self.model.train()
+        if result is None:  # a stop signal: no eval record (a partial set is no loss to compare), on to the save
+            self._cut_short("evaluation", start)
+            return None
         s, cfg = self.state, self.job.train
         record = {"step": s.step, **result}
         s.evals.append(record)
@@ -512,8 +527,9 @@ class Trainer:
         cfg = self.job.train
         return cfg.save_best and bool(cfg.save_final or cfg.save_every)
 
-    def sample(self) -> list[str]:
-        """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>)."""
+    def sample(self) -> Optional[list[str]]:
+        """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>); None when a
+        stop signal cut it short (within one generated token)."""
         start = time.perf_counter()
         cfg = self.job.train
 
@@ -525,7 +541,7 @@ class Trainer:
             return self.train_module(batch, logits=True)
 
         self.model.eval()
-        with self._autocast():
+        with self._autocast(), self._pausing("sampling"):
             # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
             texts = greedy_continue(
                 logits_of,
@@ -534,14 +550,47 @@ class Trainer:
                 cfg.sample_tokens,
                 self.device,
                 pad_to=self.job.attn.block_size * self._cp,
+                stop=self._stop_requested,
             )
         self.model.train()
+        if texts is None:
+            self._cut_short("sampling", start)
+            return None
         for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
             self.metrics.text(f"samples/{i}", f"**{prompt}**{text}", self.state.step)
             self.metrics.record({"type": "sample", "step": self.state.step, "prompt": prompt, "text": text})
         self._last_sample_step = self.state.step
         self._paused_s += time.perf_counter() - start
         return texts
+
+    @contextlib.contextmanager
+    def _pausing(self, activity: str) -> Iterator[None]:
+        """Mark an evaluation or sampling pause (the signal handler then says it stops at the next batch/token)."""
+        self._pause = activity
+        try:
+            yield
+        finally:
+            self._pause = None
+
+    def _stop_requested(self) -> bool:
+        """Asked between eval batches and sampled tokens: whether a stop signal came. Under torchrun the ranks agree
+        through one small all-reduce (each forward there is a collective: all ranks must leave after the same one);
+        its cost is nothing beside an eval batch's or a whole row's forward."""
+        mine = self._stop_signal is not None
+        if not torch.distributed.is_initialized():
+            return mine
+        vote = torch.tensor([float(mine)], device=self.device)
+        torch.distributed.all_reduce(vote)
+        self._stop_agreed = self._stop_agreed or bool(vote.item() > 0)
+        return self._stop_agreed
+
+    def _cut_short(self, activity: str, start: float) -> None:
+        """An evaluation or sampling a signal stopped: the run ends as interrupted (saved, 128 + signal), so a
+        requeue with train.resume=auto does what is left."""
+        self._interrupted = True
+        self._last_eval_s = time.perf_counter() - start
+        self._paused_s += self._last_eval_s
+        log.warning("signal: %s at step %d stopped; saving and exiting", activity, self.state.step)
 
     def _should_stop(self) -> bool:
         if torch.distributed.is_initialized():
@@ -564,9 +613,11 @@ class Trainer:
             if self._stop_signal is None:
                 self._stop_signal = signum
                 log.warning(
-                    "signal %d: finishing step %d, then saving and exiting with status %d",
+                    "signal %d: %s, then saving and exiting with status %d",
                     signum,
-                    self.state.step + 1,
+                    f"stopping the {self._pause} at its next {'batch' if self._pause == 'evaluation' else 'token'}"
+                    if self._pause
+                    else f"finishing step {self.state.step + 1}",
                     128 + signum,
                 )
             elif self._signals == 2:

@@ -172,3 +172,65 @@ def test_schedule_that_cannot_decay_or_changes_on_resume_is_reported(tmp_path, c
     longer = build_trainer(make_job(tmp_path, "train.max_steps=30", "optim.warmup_steps=1"), tmp_path)
     longer.resume("auto")
     assert "resume: train.max_steps 3 -> 30 changed" in caplog.text and "the lr of step 4" in caplog.text
+
+
+# -- a stop signal during evaluation or sampling (issue 22 R-1) ------------------------------------------------------
+
+
+def _signal_on(counter: list, at: int) -> None:
+    import os
+    import signal
+
+    counter.append(1)
+    if len(counter) == at:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("eval_every", [2, 0])  # in the loop, and the final evaluation at the end of the run
+def test_a_signal_during_evaluation_stops_it_at_the_next_batch_and_saves(tmp_path, eval_every):
+    """Before: the whole held-out set was evaluated first (452 s unanswered in the review)."""
+    trainer = build_trainer(
+        make_job(tmp_path, "train.max_steps=2", "data.eval_fraction=0.5", f"train.eval_every={eval_every}"), tmp_path
+    )
+    total = sum(1 for _ in trainer.eval_data.batches())
+    assert total >= 4, total
+    fetched, batches = [], trainer.eval_data.batches
+
+    def batches_then_signal():
+        for batch in batches():
+            _signal_on(fetched, 1)
+            yield batch
+
+    trainer.eval_data.batches = batches_then_signal
+    summary = trainer.train()
+    assert len(fetched) <= 2 < total  # the batch in hand, and at most the one fetched before the check
+    assert summary["steps"] == 2 and summary["exit_code"] == 143 and summary["status"] == "interrupted"
+    assert summary["eval"] is None  # a partial held-out set is not an eval loss
+    assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+def test_a_signal_during_sampling_stops_it_at_the_next_token_and_saves(tmp_path):
+    """Before: every prompt ran to sample_tokens (287 s unanswered, and no checkpoint existed yet)."""
+    trainer = build_trainer(
+        make_job(
+            tmp_path,
+            "train.max_steps=3",
+            "train.sample_every=1",
+            "train.sample_tokens=40",
+            'train.sample_prompts=["def main(", "import os"]',
+            "train.save_final=false",
+        ),
+        tmp_path,
+    )
+    forward, sampled = trainer.train_module, []
+
+    def counting_forward(batch, **kwargs):
+        if kwargs.get("logits"):
+            _signal_on(sampled, 2)
+        return forward(batch, **kwargs)
+
+    trainer.train_module = counting_forward
+    summary = trainer.train()
+    assert len(sampled) == 2  # stopped before the third token (80 forwards before)
+    assert summary["steps"] == 1 and summary["exit_code"] == 143
+    assert (tmp_path / "checkpoints" / "step_1" / "manifest.json").is_file()
