@@ -14,7 +14,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from flexengine.config import JobConfig
 from flexengine.errors import UserError
@@ -32,8 +32,10 @@ def register_schema(node: type = JobConfig) -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=node)
 
 
-def to_job_config(cfg: Any) -> JobConfig:
-    """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError)."""
+def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:
+    """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError), with fine-tuning
+    defaults when model.path holds pretrained weights and no model group is named (flexengine.first_contact;
+    overrides: the command line's, kept as given; None = Hydra's record of them inside a Hydra app)."""
     from omegaconf import OmegaConf
 
     try:
@@ -46,7 +48,9 @@ def to_job_config(cfg: Any) -> JobConfig:
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    return job
+    from flexengine.first_contact import maybe_pretrained_defaults
+
+    return maybe_pretrained_defaults(job, overrides)
 
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
@@ -64,7 +68,7 @@ def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
 
 def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
     """Compose the shipped conf/ with the same overrides as `flexengine train`, into a validated JobConfig."""
-    return to_job_config(compose_config(overrides, schema))
+    return to_job_config(compose_config(overrides, schema), overrides)
 
 
 def fail(error: UserError) -> NoReturn:
