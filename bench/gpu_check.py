@@ -1,17 +1,14 @@
-"""Every GPU check of flexengine, each in its own process, within a time budget; one JSON whatever happens.
+"""Run the GPU checks (bench/gpu_check_list.py) in order within a time budget, streaming one JSON line per check.
 
-The driver imports nothing but the standard library, so a broken import or a CUDA error in one check cannot stop
-the others or the JSON (it is rewritten after every check, and once more on the way out). Checks:
-  pytest:<test>  every test marked `gpu`, one test function per process (tests/gpu/): flex backward == dense
-                 backward, a compiled training step with 0 recompiles over 5 layouts, offload copies overlapping
-                 compute (profiler timeline), the planner vs torch.cuda.max_memory_allocated on a full-width 7B,
-                 precision=bf16_mixed vs fp32 over 12 steps at lr 2e-5 on a 32-layer LLaMA (bf16_pure must fail).
-                 "No tests collected", a skip on a GPU machine or a collection error is a failure.
-  step_time      compiled flex (packed rows) vs HF SDPA (the same documents, padded) at 8K, ~0.9B LLaMA
-  doctor         `flexengine.doctor` on the GPU (tiny model, flex): verdicts, recompiles counted
-  cp_grads       context parallelism: with 2 GPUs a parallel.cp=2 training step's gradients vs one process;
-                 on 1 GPU (recorded: the 2-rank part skipped) torch's CP flex math with virtual ranks
-Run through bench/gpu_check.sh. Usage: python bench/gpu_check.py --out bench/results/gpu_check.json [--budget-s 380]
+One worker process (bench/gpu_check_scripts.py) runs the checks one after another, so flex and block compiles
+are shared; it appends each check's JSON line to <out>/<prefix>.jsonl the moment the check ends. This driver
+imports only the standard library and watches the worker: a check that outlives its cap (2x its estimate) is
+killed (SIGTERM, SIGKILL 10 s later) and recorded as timed out; a worker that dies (a CUDA error, an abort)
+has its check recorded as failed; either way a fresh worker resumes at the next check. Checks the budget does
+not reach are recorded as skipped. At the end <prefix>.json (every record + the environment) and <prefix>.md
+(a table) are written from the lines; a cut-off run still leaves the .jsonl.
+
+  python bench/gpu_check.py --out-dir $OUT [--budget-s 400] [--only NAME ...] [--dry-run]
 """
 
 from __future__ import annotations
@@ -19,153 +16,224 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_list import BY_NAME, CHECKS
+
 REPO = Path(__file__).resolve().parents[1]
-GPU_TESTS = "tests/gpu"  # where GPU-only tests live; collected with -m gpu
-SCRIPT_CHECKS = {"step_time": 150, "doctor": 60, "cp_grads": 240}  # name -> timeout (s)
-PYTEST_TIMEOUT_S = 150  # per test function (first compiles included)
+WORKER = REPO / "bench" / "gpu_check_scripts.py"
+KILL_GRACE_S = 10  # SIGTERM first (the worker's finally blocks run), then SIGKILL
 
 
-def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str]:
-    """(exit code, last 40 lines of output); 124 on timeout."""
-    try:
-        proc = subprocess.run(
+def read_records(path: Path) -> list[dict]:
+    """The JSON lines written so far (a line cut by a kill is dropped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line and make it durable (the driver's own records: timeouts, crashes, skips)."""
+    with path.open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group, SIGKILL it KILL_GRACE_S later (timeout -k semantics)."""
+    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Worker:
+    """One worker process over a list of checks; tells which check is running from its @@start lines."""
+
+    def __init__(self, cmd: list[str], log_path: Path):
+        self.current: str | None = None
+        self.started_at = time.monotonic()
+        self.tail: list[str] = []
+        self._log = log_path.open("a")
+        self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=max(5.0, timeout_s),
-            env={**os.environ, **(env or {})},
+            bufsize=1,
+            start_new_session=True,  # its own process group: a kill takes its compile workers and torchrun too
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, "\n".join(out.splitlines()[-40:]) + f"\n[timed out after {timeout_s:.0f} s]"
-    return proc.returncode, "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            self.tail = [*self.tail[-39:], line.rstrip()]
+            if line.startswith("@@start "):
+                self.current, self.started_at = line.split()[1], time.monotonic()
+            elif line.startswith("@@done "):
+                self.current = None
+                print(line[len("@@done ") :].rstrip(), flush=True)
+
+    def finish(self) -> int:
+        """Wait for the output to drain; the exit status."""
+        rc = self.proc.wait()
+        self._reader.join(5)
+        self._log.close()
+        return rc
 
 
-def collect_gpu_tests(timeout_s: float = 120) -> tuple[list[str], dict]:
-    """Test functions marked gpu (parametrisations grouped), or an error record."""
-    rc, out = _run(
-        [sys.executable, "-m", "pytest", GPU_TESTS, "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
-        timeout_s,
-    )
-    ids = [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(("ERROR", "FAILED"))]
-    functions = sorted({re.sub(r"\[.*\]$", "", i) for i in ids})
-    if rc != 0 or not functions:  # 5 = no tests collected: a vacuous pass is a failure here
-        error = "no gpu tests collected" if rc == 5 else "collection failed"
-        return [], {"ok": False, "returncode": rc, "error": error, "tail": out.splitlines()[-20:]}
-    return functions, {"ok": True, "tests": functions}
-
-
-def run_pytest_check(node: str, timeout_s: float) -> dict:
-    """One gpu test function (all its parametrisations) in its own process; passes only if every case ran."""
-    with tempfile.TemporaryDirectory() as d:
-        xml = Path(d) / "junit.xml"
-        rc, tail = _run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                node,
-                "-m",
-                "gpu",
-                "-q",
-                "-s",
-                "-p",
-                "no:cacheprovider",
-                f"--junitxml={xml}",
-            ],
-            timeout_s,
+def run_checks(names: list[str], args, jsonl: Path, log_path: Path, deadline: float) -> None:
+    """Run `names` in order across as many workers as crashes and timeouts need, within the deadline."""
+    pending = list(names)
+    while pending:
+        left = deadline - time.monotonic()
+        if left < 20:
+            break
+        cmd = [sys.executable, str(WORKER), "--jsonl", str(jsonl), *(["--dry-run"] if args.dry_run else []), *pending]
+        worker = Worker(cmd, log_path)
+        timed_out = None
+        while worker.proc.poll() is None:
+            time.sleep(0.5)
+            name = worker.current
+            if name is None:
+                continue
+            over_cap = time.monotonic() - worker.started_at > BY_NAME[name].cap_s * (4 if args.dry_run else 1)
+            if over_cap or time.monotonic() > deadline:
+                timed_out = (name, time.monotonic() - worker.started_at)
+                _kill(worker.proc)
+                break
+        rc = worker.finish()
+        done = {r.get("check") for r in read_records(jsonl)}
+        if timed_out and timed_out[0] not in done:
+            name, seconds = timed_out
+            reason = "its cap" if time.monotonic() < deadline else "the run's time budget"
+            append_record(
+                jsonl,
+                {"check": name, "ok": False, "status": "fail", "seconds": seconds, "error": f"killed at {reason}"},
+            )
+            print(f"{name}: killed after {seconds:.0f} s ({reason})", flush=True)
+        elif worker.current and worker.current not in done:  # died inside a check: a crash, not a timeout
+            append_record(
+                jsonl,
+                {
+                    "check": worker.current,
+                    "ok": False,
+                    "status": "fail",
+                    "error": f"worker exited with status {rc} during this check",
+                    "tail": worker.tail[-25:],
+                },
+            )
+            print(f"{worker.current}: worker died (exit {rc})", flush=True)
+        done = {r.get("check") for r in read_records(jsonl)}
+        pending = [n for n in pending if n not in done]
+        if pending and rc == 0 and not timed_out:
+            break  # a clean exit with checks left: the worker stopped them itself (e.g. no GPU); don't loop
+    for name in pending:
+        append_record(
+            jsonl, {"check": name, "ok": False, "status": "not_run", "error": "not reached within the time budget"}
         )
-        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-        if xml.is_file():
-            suite = ET.parse(xml).getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-            counts = {k: int(suite.get(k, 0)) for k in counts}
-    ran = counts["tests"] - counts["skipped"]
-    ok = rc == 0 and ran > 0 and counts["skipped"] == 0 and counts["failures"] == counts["errors"] == 0
-    numbers = [json.loads(line) for line in tail.splitlines() if line.startswith("{") and line.endswith("}")]
+
+
+def summarise(records: list[dict], names: list[str], total_s: float, dry_run: bool) -> dict:
+    """The final JSON: the environment, every check's record in list order, and the verdict."""
+    by_name = {r["check"]: r for r in records if "check" in r}
+    checks = {}
+    for name in names:
+        r = dict(by_name.get(name, {"ok": False, "status": "not_run", "error": "no record"}))
+        r.pop("check", None)
+        r["expected_h200_s"] = BY_NAME[name].expected_s
+        checks[name] = r
+    # status: pass | fail | skipped (this torch lacks what the check needs: said in its record) | not_run
+    failed = [n for n, r in checks.items() if r.get("status") in ("fail", "not_run")]
     return {
-        "ok": ok,
-        "returncode": rc,
-        **counts,
-        "printed": numbers,
-        **({} if ok else {"tail": tail.splitlines()[-25:]}),
+        "dry_run": dry_run,
+        "env": checks.get("env", {}).get("env", {}),
+        "total_s": round(total_s, 1),
+        "expected_h200_total_s": sum(BY_NAME[n].expected_s for n in names),
+        "failed": failed,
+        "skipped": {n: r.get("skipped") for n, r in checks.items() if r.get("status") == "skipped"},
+        "all_ok": not failed,
+        "checks": checks,
     }
 
 
-def run_script_check(name: str, timeout_s: float) -> dict:
-    """A scripted check (bench/gpu_check_scripts.py NAME) in its own process."""
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "result.json"
-        rc, tail = _run([sys.executable, str(REPO / "bench" / "gpu_check_scripts.py"), name, str(out)], timeout_s)
-        record = json.loads(out.read_text()) if out.is_file() else {"ok": False, "error": "no result written"}
-    record["returncode"] = rc
-    if rc != 0:
-        record["ok"] = False
-        record.setdefault("tail", tail.splitlines()[-25:])
-    return record
+def _key_numbers(record: dict) -> str:
+    """A short cell of a record's headline numbers (its 'headline' dict, else its error)."""
+    if record.get("error") or record.get("skipped"):
+        return str(record.get("error") or record["skipped"]).splitlines()[0][:160]
+    headline = record.get("headline", {})
+    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in headline.items())[:300]
+
+
+def markdown(result: dict) -> str:
+    """The result as a Markdown report."""
+    env = result["env"]
+    title = "GPU check, dry run on CPU" if result["dry_run"] else "GPU check"
+    lines = [
+        f"# {title}",
+        "",
+        (
+            f"torch {env.get('torch')}, transformers {env.get('transformers')}, python {env.get('python')}, "
+            f"device {env.get('gpu') or 'cpu'}; total {result['total_s']:.0f} s "
+            f"(H200 estimate for these checks: {result['expected_h200_total_s']} s); all_ok={result['all_ok']}"
+        ),
+        "",
+        "| # | check | status | seconds here | H200 s (est.) | numbers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, (name, r) in enumerate(result["checks"].items()):
+        status = r.get("status", "?")
+        seconds = f"{r['seconds']:.1f}" if isinstance(r.get("seconds"), (int, float)) else "-"
+        lines.append(f"| {i} | `{name}` | {status} | {seconds} | {r['expected_h200_s']} | {_key_numbers(r)} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json")
-    parser.add_argument(
-        "--budget-s", type=float, default=380.0, help="skip (as failed) checks that would start after this"
-    )
-    parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting checks after this")
+    parser.add_argument("--only", nargs="*", default=None, help="checks whose name contains one of these")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: imports, configs, each check's CPU part")
     args = parser.parse_args()
-    start = time.perf_counter()
-    result: dict = {"env": {"python": sys.version.split()[0]}, "checks": {}, "all_ok": False}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        result["total_s"] = time.perf_counter() - start
-        result["all_ok"] = bool(result["checks"]) and all(c.get("ok") for c in result["checks"].values())
-        args.out.write_text(json.dumps(result, indent=2, default=str))
-
+    start = time.monotonic()
+    prefix = "gpu_check_dryrun" if args.dry_run else "gpu_check"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl, log_path = args.out_dir / f"{prefix}.jsonl", args.out_dir / f"{prefix}.log"
+    jsonl.unlink(missing_ok=True)
+    log_path.unlink(missing_ok=True)
+    names = [c.name for c in CHECKS if c.name == "env" or not args.only or any(o in c.name for o in args.only)]
     try:
-        probe = (
-            "import json, torch; p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None; "
-            "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-            "'gpu': p.name if p else None, 'memory_gib': p.total_memory / 2**30 if p else None}))"
-        )
-        rc, env = _run([sys.executable, "-c", probe], 60)
-        result["env"].update(json.loads(env.splitlines()[-1]) if rc == 0 else {"error": env})
-        if not result["env"].get("gpu"):
-            result["checks"]["cuda"] = {"ok": False, "error": "no CUDA device visible: nothing was checked"}
-            return
-        functions, collected = collect_gpu_tests()
-        result["checks"]["collect"] = collected
-        save()
-        plan = [(f"pytest:{f.split('::')[-1]}", f, PYTEST_TIMEOUT_S) for f in functions]
-        plan += [(name, None, t) for name, t in SCRIPT_CHECKS.items()]
-        for name, node, timeout_s in plan:
-            if args.only and not any(o in name for o in args.only):
-                continue
-            left = args.budget_s - (time.perf_counter() - start)
-            if left < 30:
-                result["checks"][name] = {"ok": False, "skipped": f"time budget: {left:.0f} s left"}
-                continue
-            t0 = time.perf_counter()
-            budget = min(timeout_s, left)
-            record = run_pytest_check(node, budget) if node else run_script_check(name, budget)
-            record["seconds"] = time.perf_counter() - t0
-            result["checks"][name] = record
-            print(f"{name:>60}: {'ok' if record.get('ok') else 'FAILED'} ({record['seconds']:.0f} s)", flush=True)
-            save()
-    except Exception as e:  # the driver itself: still leave a JSON saying what broke
-        result["checks"]["driver"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        run_checks(names, args, jsonl, log_path, start + args.budget_s)
     finally:
-        save()
-        print(f"all_ok={result['all_ok']} total {result['total_s']:.0f} s -> {args.out}")
+        result = summarise(read_records(jsonl), names, time.monotonic() - start, args.dry_run)
+        (args.out_dir / f"{prefix}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        (args.out_dir / f"{prefix}.md").write_text(markdown(result))
+        print(f"all_ok={result['all_ok']} failed={result['failed']} total {result['total_s']:.0f} s")
+        print(f"results: {args.out_dir / prefix}.{{jsonl,json,md,log}}")
     sys.exit(0 if result["all_ok"] else 1)
 
 

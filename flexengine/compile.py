@@ -82,13 +82,16 @@ class CompileWatch:
 
         self._graphs = counters["stats"]["unique_graphs"]
         self._breaks = sum(counters["graph_break"].values())
-        self._seen = {id(m) for m in get_compilation_metrics()}
+        # The records themselves, not their id()s: dynamo keeps only the newest 64, and a dropped record's id can
+        # be reused by a new one, which an id set would then take for already seen (a recompile missed).
+        self._seen = list(get_compilation_metrics())
 
     def stats(self) -> CompileStats:
         """What was compiled since `start()`."""
         from torch._dynamo.utils import counters, get_compilation_metrics
 
-        new = [m for m in get_compilation_metrics() if id(m) not in self._seen]
+        seen = {id(m) for m in self._seen}  # safe: self._seen keeps these objects, so their ids stay theirs
+        new = [m for m in get_compilation_metrics() if id(m) not in seen]
         reasons = [str(m.recompile_reason).splitlines()[0] for m in new if m.recompile_reason]
         return CompileStats(
             counters["stats"]["unique_graphs"] - self._graphs,

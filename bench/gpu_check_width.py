@@ -1,0 +1,304 @@
+"""The 7B-width checks of bench/gpu_check.sh (hidden 4096, intermediate 11008, 32 heads; fewer layers).
+
+train_<mode>          each precision mode through the real loop at 8K: tokens/s, MFU, peak memory vs the plan
+planner_vs_allocator  the planner's device bytes vs torch.cuda.max_memory_allocated at 8 layers
+offload_overlap       memory=offload: copies pinned, on a side stream, overlapping compute (bench/gpu_overlap.py)
+
+Each `check_*(dry)` returns its record; with dry=True it composes the GPU jobs and plans them for one H200, then
+runs the CPU-possible part (a tiny LLaMA through the same code, attn.backend=varlen). Run by
+bench/gpu_check_scripts.py, never on its own.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure", "fp32")  # most used first (the CUDA auto order)
+MEMORY_RTOL = 0.10  # planner vs allocator (planner_vs_allocator); train_<mode> allows the plan to be 10 % low
+TIMED_STEPS = 3  # after one warm-up step (flex compile, optimizer states, allocator pools)
+
+
+def width_overrides(layers: int, seq_len: int, *extra: str) -> list[str]:
+    """A llama2_7b-width job with `layers` blocks on one H200 (random weights: no checkpoint travels)."""
+    return [
+        "model=llama2_7b",
+        "model.init=random",
+        f"++model.arch.num_hidden_layers={layers}",
+        "++model.arch.max_position_embeddings=32768",  # random weights: no trained context length to respect
+        "attn=packed_doc",
+        f"data.seq_len={seq_len}",
+        "data.demo_max_files=80",
+        "train.micro_batch=1",
+        "train.grad_accum=1",
+        "loss.chunk_size=1024",
+        "hardware=h200_141g",
+        "train.progress=false",
+        "train.save_final=false",
+        *extra,
+    ]
+
+
+def tiny_overrides(layers: int, seq_len: int, *extra: str) -> list[str]:
+    """The CPU stand-in of a width job: the same loop on a small LLaMA (CPU flex has no backward: varlen)."""
+    return [
+        "model=tiny",
+        f"++model.arch.num_hidden_layers={layers}",
+        "attn=packed_doc",
+        "attn.backend=varlen",
+        f"data.seq_len={seq_len}",
+        "data.demo_max_files=24",
+        "train.micro_batch=1",
+        "train.grad_accum=1",
+        "hardware=cpu",
+        "train.progress=false",
+        "train.save_final=false",
+        *extra,
+    ]
+
+
+def job_overrides() -> dict[str, list[str]]:
+    """Every GPU job these checks compose, by a descriptive key (tests/test_gpu_check.py composes them all)."""
+    jobs = {f"train_modes/{m}": width_overrides(4, 8192, f"precision.mode={m}") for m in MODES}
+    for policy in ("none", "full"):
+        jobs[f"planner_vs_allocator/{policy}"] = width_overrides(
+            8, 8192, "precision.mode=bf16_mixed", f"memory={policy}"
+        )
+    jobs["offload_overlap"] = width_overrides(4, 8192, "precision.mode=bf16_mixed", "memory=offload")
+    return jobs
+
+
+def plan_for_gpu(overrides: list[str]) -> dict:
+    """The planner's verdict for a GPU job, computed here (no device needed): what the GPU numbers face."""
+    from flexengine.cli import compose_job
+    from flexengine.fit import plan_job
+    from flexengine.model import build_hf_config
+
+    job = compose_job(overrides)
+    fit = plan_job(job, build_hf_config(job.model), job.hardware)
+    plan = fit.plan
+    return {
+        "precision": fit.precision.name,
+        "policy": plan["policy"] if "policy" in plan else plan["memory"]["policy"],
+        "device_gib": (plan["total_bytes"] - plan["terms"]["cuda_reserve_bytes"]) / 2**30,
+        "activation_gib": plan["activation_bytes"] / 2**30,
+        "host_gib": plan["host_bytes"] / 2**30,
+        "step_s": plan["step_s"],
+        "fits": plan["fits"],
+        "terms": plan["terms"],
+    }
+
+
+def _free(*objects) -> None:
+    """Drop a trainer and give its memory back before the next one is measured."""
+    for o in objects:
+        if hasattr(o, "metrics"):
+            o.metrics.close()
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
+    """Build the trainer (the real path: plan, data, surgery) and run 1 warm-up + `steps` optimizer steps; the
+    measured numbers next to the plan's. Device memory is counted from this trainer's baseline."""
+    from flexengine.cli import compose_job
+    from flexengine.run import build_trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cuda = torch.cuda.is_available()
+        baseline = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer = build_trainer(compose_job(overrides), Path(out))
+        t0 = time.perf_counter()
+        first = trainer.train_step()
+        _sync()
+        warm_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        metrics = [trainer.train_step() for _ in range(steps)]
+        _sync()
+        seconds = time.perf_counter() - t0
+        fit = trainer.plan
+        plan = fit.plan
+        peak_tflops = fit.hardware.peak_tflops or float("nan")
+        result = {
+            "precision": fit.precision.name,
+            "policy": plan["memory"]["policy"],
+            "losses": [first["loss"], *(m["loss"] for m in metrics)],
+            "finite": all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in [first, *metrics]),
+            "warmup_step_s": warm_s,
+            "step_s": seconds / steps,
+            "planned_step_s": plan["step_s"],
+            "tokens_per_s": sum(m["tokens"] for m in metrics) / seconds,
+            "useful_tokens_per_s": sum(m["useful_tokens"] for m in metrics) / seconds,
+            "mfu": sum(m["model_flops"] for m in metrics) / seconds / (peak_tflops * 1e12),
+            "planned_terms": plan["terms"],
+            "planned_device_bytes": plan["total_bytes"] - plan["terms"]["cuda_reserve_bytes"],
+            "planned_host_bytes": plan["host_bytes"],
+        }
+        if cuda:
+            result["measured_device_bytes"] = torch.cuda.max_memory_allocated() - baseline
+        else:
+            result["measured_device_bytes"] = cpu_step_bytes(trainer)
+        _free(trainer)
+        return result
+
+
+def cpu_step_bytes(trainer) -> int:
+    """The CPU analogue of max_memory_allocated over a step: parameters + optimizer states (real tensors) + the
+    peak of tensors alive at once during one more optimizer step (flexengine.memory.meter.measure_peak_bytes)."""
+    from flexengine.memory.meter import measure_peak_bytes
+
+    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    states = sum(
+        v.numel() * v.element_size() for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    return params + states + measure_peak_bytes(trainer.train_step)
+
+
+def memory_verdict(planned_terms: dict, measured: int, rtol: float = MEMORY_RTOL) -> dict:
+    """The planner's device bytes (its CUDA reserve left out: the allocator never sees it) against a measurement;
+    also what halving the activation term would do, so the check states whether it could catch that."""
+    planned = sum(v for k, v in planned_terms.items() if k != "cuda_reserve_bytes")
+    activations = planned_terms["activation_bytes"]
+    rel = (planned - measured) / measured
+    halved = (planned - activations / 2 - measured) / measured
+    return {
+        "planned_gib": planned / 2**30,
+        "measured_gib": measured / 2**30,
+        "rel_error": rel,
+        "activation_share": activations / planned,
+        "halved_activation_rel_error": halved,
+        "ok": abs(rel) < rtol,
+        "halved_activation_caught": abs(halved) >= rtol,
+    }
+
+
+# -- check 1 (one per mode) -----------------------------------------------------------------------------------
+def check_train_mode(mode: str, dry: bool) -> dict:
+    """One precision mode through the loop at 7B width, 8K (dry: planned for one H200, run tiny on the CPU)."""
+    overrides = job_overrides()[f"train_modes/{mode}"]
+    planned = plan_for_gpu(overrides)
+    planned.pop("terms")
+    r = run_steps(
+        tiny_overrides(2, 512, f"precision.mode={mode}") if dry else overrides, steps=1 if dry else TIMED_STEPS
+    )
+    r.pop("planned_terms")
+    r["peak_over_plan"] = r["measured_device_bytes"] / r["planned_device_bytes"]
+    # On the CPU the "device" is the host: a CPU-master mode's masters count there too, so the ratio is reported,
+    # not judged; the dry run proves the mode runs through the loop.
+    ok = r["finite"] and (dry or r["peak_over_plan"] <= 1 + MEMORY_RTOL)
+    headline = {"planned_h200_gib": planned["device_gib"], "planned_h200_step_s": planned["step_s"]}
+    if not dry:
+        headline = {
+            "tok_s": r["tokens_per_s"],
+            "mfu": r["mfu"],
+            "step_s": r["step_s"],
+            "peak_over_plan": r["peak_over_plan"],
+        }
+    return {"ok": ok, "planned_h200": planned, "run": r, "headline": headline}
+
+
+# -- check 4 --------------------------------------------------------------------------------------------------
+def check_planner_vs_allocator(dry: bool) -> dict:
+    """Planner vs measured bytes at 8 layers, memory=none and full; the broken (halved-activation) planner must
+    fail the same comparison. Dry: the comparison against a CPU measurement at 8 layers of hidden 512."""
+    jobs = job_overrides()
+    sensitivity = {}
+    for layers in (2, 8):  # why 8 layers: at 2 the static terms hide a halved activation term
+        terms = plan_for_gpu(width_overrides(layers, 8192, "precision.mode=bf16_mixed", "memory=none"))["terms"]
+        planned = sum(v for k, v in terms.items() if k != "cuda_reserve_bytes")
+        sensitivity[f"{layers}_layers"] = {
+            "activation_share": terms["activation_bytes"] / planned,
+            "halving_moves_total_by": terms["activation_bytes"] / 2 / planned,
+        }
+    policies = {}
+    for policy in ("none", "full"):
+        if dry:
+            overrides = tiny_overrides(
+                8,
+                2048,
+                "precision.mode=fp32",
+                f"memory={policy}",
+                "model.arch.hidden_size=512",
+                "model.arch.intermediate_size=1376",
+                "data.demo_max_files=40",
+            )
+        else:
+            overrides = jobs[f"planner_vs_allocator/{policy}"]
+        r = run_steps(overrides, steps=1)
+        verdict = memory_verdict(r["planned_terms"], r["measured_device_bytes"])
+        broken = dict(r["planned_terms"], activation_bytes=r["planned_terms"]["activation_bytes"] // 2)
+        verdict["broken_planner_ok"] = memory_verdict(broken, r["measured_device_bytes"])["ok"]
+        policies[policy] = verdict
+    none = policies["none"]
+    ok = all(v["ok"] for v in policies.values()) and none["halved_activation_caught"] and not none["broken_planner_ok"]
+    if dry:  # the CPU memory=full run is reported, not judged: its 8-layer activations are 11 % of the total
+        ok = none["ok"] and not none["broken_planner_ok"]
+    return {
+        "ok": ok,
+        "rtol": MEMORY_RTOL,
+        "policies": policies,
+        "gpu_sensitivity": sensitivity,
+        "headline": {
+            "none_rel_error": none["rel_error"],
+            "full_rel_error": policies["full"]["rel_error"],
+            "halved_planner_passes": none["broken_planner_ok"],
+        },
+    }
+
+
+# -- check 5 --------------------------------------------------------------------------------------------------
+def check_offload_overlap(dry: bool) -> dict:
+    """memory=offload at 7B width, 8K: profile one step after a warm-up (dry: the trace reader on synthetic
+    timelines and the planner's copy bytes at both shapes)."""
+    from gpu_overlap import overlap_verdict, profile_step, synthetic_demo
+
+    if dry:
+        shapes = {
+            "hidden4096_8k": plan_for_gpu(width_overrides(4, 8192, "precision.mode=bf16_mixed", "memory=offload")),
+            "hidden1024_4k": plan_for_gpu(
+                width_overrides(
+                    4,
+                    4096,
+                    "precision.mode=bf16_mixed",
+                    "memory=offload",
+                    "++model.arch.hidden_size=1024",
+                    "++model.arch.intermediate_size=2816",
+                    "++model.arch.num_attention_heads=8",
+                    "++model.arch.num_key_value_heads=8",
+                )
+            ),
+        }
+        demo = synthetic_demo()
+        return {
+            "ok": demo["ok"],
+            "synthetic": demo,
+            "planned_offload": {
+                k: {"step_s": v["step_s"], "activation_gib": v["activation_gib"]} for k, v in shapes.items()
+            },
+            "headline": {k: v["verdict"]["ok"] for k, v in demo["cases"].items()},
+        }
+    from flexengine.cli import compose_job
+    from flexengine.run import build_trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(compose_job(job_overrides()["offload_overlap"]), Path(out))
+        trainer.train_step()  # warm-up: flex compile, pinned pools
+        _sync()
+        events = profile_step(trainer.train_step)
+        _free(trainer)
+    verdict = overlap_verdict(events)
+    return {"ok": verdict["ok"], **verdict, "headline": {"overlap_of_possible": verdict["overlap_of_possible"]}}
