@@ -4,6 +4,8 @@ and a comparison plot in the sweep directory.
 `SweepSummary` is a Hydra callback (registered under `hydra.callbacks` in conf/config.yaml), so
 `python -m flexengine.train -m attn=causal,packed_doc memory=none,full` ends with sweep_summary.{csv,md,png}.
 `python -m flexengine.sweep <sweep_dir>` rebuilds the summary of an existing (or interrupted) sweep.
+`<sweep_dir>/tb/` links each job's TensorBoard directory under the overrides that vary between jobs, so
+`tensorboard --logdir <sweep_dir>/tb` names the runs (and their HPARAMS rows) by what was swept, not by job number.
 A failed job is a row with its error: train.py writes error.json (`write_job_error`) instead of ending the sweep.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -24,13 +27,16 @@ from flexengine.cli import ERROR_FILE, write_job_error  # noqa: F401  (write_job
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
-# (column, summary.json key, scale): the numbers each row reports.
+TB_LINKS = "tb"  # <sweep_dir>/tb/<varying overrides> -> <job dir>/tb
+# (column, summary.json key (dotted: nested), scale): the numbers each row reports.
 METRICS = (
     ("tokens_per_s", "tokens_per_s", 1.0),
     ("useful_tokens_per_s", "useful_tokens_per_s", 1.0),
     ("mfu", "mfu", 1.0),
     ("peak_memory_gib", "peak_memory_bytes", 1 / 2**30),
     ("final_loss", "final_loss", 1.0),
+    ("eval_loss", "eval.loss", 1.0),  # the last evaluation's held-out loss
+    ("best_eval_loss", "eval.best_loss", 1.0),
     ("steps", "steps", 1.0),
     ("wall_s", "wall_s", 1.0),
 )
@@ -53,6 +59,14 @@ def find_job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=job_num)
 
 
+def _lookup(summary: dict, key: str) -> Any:
+    """summary[key], following dots into nested dicts ("eval.loss"); None where a level is missing."""
+    value: Any = summary
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def job_row(job_dir: Path, job: str) -> dict:
     """One table row: the job's overrides and numbers from summary.json, or its error from error.json."""
     overrides = _read_yaml(job_dir / ".hydra" / "overrides.yaml") or []
@@ -67,8 +81,8 @@ def job_row(job_dir: Path, job: str) -> dict:
         summary = json.loads(summary_path.read_text())
         row["status"] = summary.get("status", "ok")  # "interrupted": stopped by Ctrl-C / SIGTERM mid-run
         for column, key, scale in METRICS:
-            value = summary.get(key)
-            if isinstance(value, (int, float)):
+            value = _lookup(summary, key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 row[column] = value * scale if scale != 1 else value  # integers (steps) stay integers
     else:  # killed, or still running
         row["status"] = "missing"
@@ -169,6 +183,35 @@ def write_plot(rows: list[dict], path: Path):
     return fig  # closed, but still inspectable (tests read its lines, legend and printed values)
 
 
+def _run_name(label: str) -> str:
+    """A directory name for a run label: no path separators, bounded length."""
+    return label.replace(os.sep, "_").replace(" ", ",")[:200] or "run"
+
+
+def link_tensorboard_runs(rows: list[dict], sweep_dir: Path) -> Optional[Path]:
+    """<sweep_dir>/tb/<overrides that vary> -> each job's tb/ (relative links): TensorBoard names a run by its
+    directory, so the runs and their HPARAMS rows read as what was swept. Returns the directory (None: no tb)."""
+    root = sweep_dir / TB_LINKS
+    made = 0
+    for row, label in zip(rows, varying_overrides(rows)):
+        target = Path(row["dir"]) / "tb"
+        if not target.is_dir():
+            continue
+        root.mkdir(exist_ok=True)
+        name = _run_name(label)
+        link = root / name
+        if link.is_symlink() or link.exists():
+            if link.is_symlink() and link.resolve() == target.resolve():
+                made += 1
+                continue
+            link = root / f"{name}_job{row['job'].replace(os.sep, '_')}"  # two jobs with one label
+            if link.is_symlink():
+                link.unlink()
+        link.symlink_to(os.path.relpath(target, root), target_is_directory=True)
+        made += 1
+    return root if made else None
+
+
 def summarize_sweep(sweep_dir: Path) -> list[dict]:
     """Write sweep_summary.csv/.md/.png into sweep_dir; returns the rows."""
     sweep_dir = Path(sweep_dir)
@@ -195,6 +238,9 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
         log.warning("sweep summary: could not draw sweep_summary.png (%s)", e)
     failed = sum(r["status"] != "ok" for r in rows)
     log.info("sweep summary: %d runs (%d not ok) -> %s", len(rows), failed, sweep_dir / "sweep_summary.md")
+    tb = link_tensorboard_runs(rows, sweep_dir)
+    if tb is not None:
+        log.info("sweep summary: tensorboard --logdir %s (runs named by their overrides)", tb)
     return rows
 
 

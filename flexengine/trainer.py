@@ -356,14 +356,7 @@ class Trainer:
             if (cfg.save_final or self._interrupted) and self._saved_step != self.state.step and self.state.step > 0:
                 self.save()
             summary = self.summary()
-            final = summary["final_loss"]
-            self.metrics.hparams(
-                self._hparams(),
-                {
-                    "final_loss": float("nan") if final is None else final,
-                    "useful_tokens_per_s": summary["useful_tokens_per_s"],
-                },
-            )
+            self.metrics.hparams(self._hparams(), self._hparam_metrics(summary))
             self.metrics.close()
         return summary
 
@@ -720,7 +713,24 @@ class Trainer:
             "micro_batch": j.train.micro_batch,
             "grad_accum": j.train.grad_accum,
             "lr": j.optim.lr,
+            "schedule": j.optim.schedule,
+            "warmup_steps": j.optim.warmup_for(j.train.max_steps),
+            "weight_decay": j.optim.weight_decay,
+            "max_steps": j.train.max_steps,
+            "lora_r": j.model.lora.r,  # 0 = full fine-tuning
+            "eval_fraction": j.data.eval_fraction,
         }
+
+    def _hparam_metrics(self, summary: dict) -> dict:
+        """The numbers TensorBoard's HPARAMS tab compares runs by (the held-out losses when there are evaluations)."""
+        final = summary["final_loss"]
+        metrics = {
+            "final_loss": float("nan") if final is None else final,
+            "useful_tokens_per_s": summary["useful_tokens_per_s"],
+        }
+        if summary["eval"]:
+            metrics.update(eval_loss=summary["eval"]["loss"], best_eval_loss=summary["eval"]["best_loss"])
+        return metrics
 
     def trainer_state(self) -> dict:
         """Everything besides the weights that an exact resume needs."""

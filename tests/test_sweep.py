@@ -117,6 +117,42 @@ def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
     assert float(table[1]["final_loss"]) == pytest.approx(summary["final_loss"])
     assert table[1]["steps"] == "2"
     assert (sweep / "sweep_summary.md").is_file() and (sweep / "sweep_summary.png").is_file()
+    # TensorBoard: the run is named by its overrides, and its HPARAMS row carries the schedule and friends
+    run = sweep / "tb" / "train.micro_batch=2"
+    assert run.is_dir() and run.resolve() == (sweep / "1" / "tb").resolve()
+    hparams = _hparams(run)
+    assert {"schedule", "warmup_steps", "weight_decay", "lora_r", "eval_fraction"} <= set(hparams)
+    assert hparams["schedule"] == "cosine" and hparams["warmup_steps"] == 1 and hparams["lora_r"] == 0
+
+
+def _hparams(tb_dir: Path) -> dict:
+    """The hparams TensorBoard's HPARAMS tab shows for the run in tb_dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    ea = EventAccumulator(str(tb_dir))
+    ea.Reload()
+    content = ea.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    return {k: (v.string_value or v.number_value) for k, v in info.hparams.items()}
+
+
+def test_table_has_eval_loss_and_tensorboard_runs_are_named_by_overrides(tmp_path):
+    for num, lr in enumerate(("1e-3", "3e-3")):
+        d = _job(tmp_path, num, ["debug=fast", f"optim.lr={lr}", "data.path=/d/x.jsonl"])
+        (d / "tb").mkdir()
+        summary = {"final_loss": 3.0, "steps": 4, "eval": {"loss": 3.5 - num, "best_loss": 3.25 - num}}
+        (d / "summary.json").write_text(json.dumps(summary))
+    _job(tmp_path, 2, ["debug=fast", "optim.lr=1e-2", "data.path=/d/x.jsonl"])  # no tb/ (failed early)
+    rows = summarize_sweep(tmp_path)
+    table = _read_csv(tmp_path / "sweep_summary.csv")
+    assert [float(r["eval_loss"]) for r in table[:2]] == [3.5, 2.5]
+    assert [float(r["best_eval_loss"]) for r in table[:2]] == [3.25, 2.25] and table[2]["eval_loss"] == ""
+    assert "eval_loss" in (tmp_path / "sweep_summary.md").read_text()
+    links = sorted(p.name for p in (tmp_path / "tb").iterdir())
+    assert links == ["optim.lr=1e-3", "optim.lr=3e-3"]
+    assert (tmp_path / "tb" / "optim.lr=3e-3").resolve() == (tmp_path / "1" / "tb").resolve()
+    assert summarize_sweep(tmp_path) == rows  # rebuilding keeps the links
 
 
 def test_plot_overlays_loss_curves_and_prints_bar_values(tmp_path):
