@@ -54,6 +54,7 @@ from torch import nn
 
 from flexengine.errors import UserError, os_error_message
 from flexengine.lora import adapter_to_model_keys, is_lora, merge_lora_state_dict
+from flexengine.nonfinite import nonfinite_names
 from flexengine.parallel import cpu_group, global_rank, global_world_size
 from flexengine.storage import (
     check_free_space,
@@ -377,6 +378,7 @@ def save_checkpoint(
     optimizer_state: Optional[dict] = None,
     merge_lora: Optional[Any] = None,
     weights: Optional[dict] = None,
+    finite_checked: bool = False,
 ) -> Path:
     """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
 
@@ -388,6 +390,8 @@ def save_checkpoint(
     weights: {state-dict name: tensor} written in place of the model's own (a host optimizer's fp32 masters: the
     bf16 device copy has rounded their small updates away). Resume loads them back into the device dtype (the
     same rounding the optimizer's upload makes) and the masters from the optimizer state: still exact.
+    finite_checked: the caller found no NaN/Inf in what is saved (Trainer.save): the manifest says so, and
+    train.resume=auto need not scan the weights again.
     """
     rank, world_size = global_rank(), global_world_size()
     final = step_dir(root, step)
@@ -438,7 +442,7 @@ def save_checkpoint(
 
     def publish() -> str:
         try:
-            write_manifest(tmp, step, sealed, world_size=world_size)
+            write_manifest(tmp, step, sealed, world_size=world_size, **({"finite": True} if finite_checked else {}))
             os.replace(tmp, final)
             fsync_dir(root)  # the rename itself survives a power cut
         except Exception as e:
@@ -476,6 +480,11 @@ def _newest_verifying(root: Path) -> Optional[Path]:
                 + "."
             )
         problem = verify_checkpoint(path)
+        if problem is None and (bad := nonfinite_weights(path)):
+            moved = move_aside(path, ".nonfinite")  # never reloaded, and out of the way of the resumed run's saves
+            problems.append(f"{path.name}: NaN/Inf in {', '.join(bad[:3])}")
+            log.warning("resume: %s holds NaN/Inf weights (%s); moved aside to %s", path, bad[0], moved.name)
+            continue
         if problem is None:
             if problems:
                 log.warning("resume: falling back to %s, the newest checkpoint that verifies", path)
@@ -487,7 +496,7 @@ def _newest_verifying(root: Path) -> Optional[Path]:
         raise UserError(
             f"train.resume=auto: no checkpoint under {root} verifies ("
             + "; ".join(problems)
-            + "). They were moved aside as step_<N>.corrupt; resume from a copy you trust, or start "
+            + "). They were moved aside (step_<N>.corrupt, or .nonfinite); resume from a copy you trust, or start "
             "a new run in a new train.output_dir."
         )
     return None
@@ -523,11 +532,29 @@ def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> O
                 f"train.resume={spec}: the checkpoint fails verification: {problem}. Resume from "
                 "another step (train.resume=auto picks the newest one that verifies)."
             )
+        bad = nonfinite_weights(path)
+        if bad:
+            raise UserError(
+                f"train.resume={spec}: its weights hold NaN/Inf ({', '.join(bad[:3])}); training on would only "
+                "produce NaN. Resume from an earlier step (train.resume=auto skips non-finite ones)."
+            )
         return str(path)
 
     with cpu_group(COLLECTIVE_TIMEOUT_S) as group:  # rank 0 hashes the whole checkpoint meanwhile
         chosen = _run_on_rank0(group, pick, f"train.resume={spec}")
     return None if chosen is None else Path(chosen)
+
+
+def nonfinite_weights(path: Path) -> list[str]:
+    """Names of the NaN/Inf tensors in a verified checkpoint's weight files; [] at once when the manifest records
+    the save-time check (a checkpoint written before that check is scanned, one file at a time)."""
+    if read_manifest(path).get("finite") is True:
+        return []
+    files = [path / "adapter_model.safetensors"] if (path / "adapter_model.safetensors").is_file() else []
+    bad = []
+    for f in files or _weight_files(path):
+        bad += nonfinite_names(_read_safetensors(f).items())
+    return bad
 
 
 def _saved_world_size(path: Path) -> int:

@@ -233,13 +233,13 @@ def check_free_space(root: Path, needed: int) -> None:
         raise UserError(disk_full_message(root, needed, free))
 
 
-def move_aside(path: Path) -> Path:
+def move_aside(path: Path, suffix: str = ".corrupt") -> Path:
     """Move a damaged checkpoint aside (kept for inspection, out of the way of the resumed run's saves)."""
-    target = path.with_name(path.name + ".corrupt")
+    target = path.with_name(path.name + suffix)
     n = 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}.corrupt{n}")
+        target = path.with_name(f"{path.name}{suffix}{n}")
     os.replace(path, target)
     return target
 

@@ -39,6 +39,7 @@ from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
+from flexengine.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
 from flexengine.optim import (
     build_optimizer,
     build_scheduler,
@@ -749,6 +750,8 @@ class Trainer:
         """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
         lora = self.job.model.lora
         merge = lora if lora.r > 0 and self.job.train.merge_lora_on_save else None
+        weights = exported_weights(self.optimizer, self.model)
+        self._check_finite(weights)
         path = save_checkpoint(
             self.out_dir / CHECKPOINTS,
             self.state.step,
@@ -756,11 +759,26 @@ class Trainer:
             self.tokenizer,
             self.trainer_state(),
             merge_lora=merge,
-            weights=exported_weights(self.optimizer, self.model),
+            weights=weights,
+            finite_checked=True,
         )
         self._saved_step = self.state.step
         self._prune()
         return path
+
+    def _check_finite(self, weights: Optional[dict]) -> None:
+        """Refuse to save NaN/Inf weights or optimizer states (UserError naming them and the likely optim.* cause;
+        every rank raises, as the save is collective)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        named = [*self.model.named_parameters(), *optimizer_tensors(self.optimizer, names), *(weights or {}).items()]
+        bad = nonfinite_names(named)
+        count = len(bad)
+        if torch.distributed.is_initialized():
+            total = torch.tensor([float(count)], device=self.device)
+            torch.distributed.all_reduce(total)
+            count = int(total.item())
+        if count:
+            raise UserError(nonfinite_message(self.state.step, bad, self.job.optim))
 
     def _prune(self) -> None:
         """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""

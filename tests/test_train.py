@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,64 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert trainer.scheduler.last_epoch == 2  # the skipped step did not advance the schedule
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs[1] == lrs[2]  # step 3 used the lr step 2 would have used
+
+
+def _nan_update(trainer, on_step: int, what: str) -> None:
+    """Make the optimizer update of step `on_step` write NaN into one weight (or one optimizer state), the way
+    optim.weight_decay=nan did before it was refused at composition."""
+    step = trainer.optimizer.step
+
+    def nan_step(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.state.step + 1 == on_step:
+            param = next(p for p in trainer.model.parameters() if p.requires_grad)
+            target = param if what == "weight" else trainer.optimizer.state[param]["exp_avg_sq"]
+            with torch.no_grad():
+                target.view(-1)[0] = float("nan")
+
+    trainer.optimizer.step = nan_step
+
+
+@pytest.mark.parametrize("what", ["weight", "optimizer state"])
+def test_nonfinite_weights_are_never_saved(tmp_path, what):
+    """Before: step_1 was written with NaN weights (99.9 % NaN after optim.weight_decay=nan), and the error at the
+    next step blamed the lr."""
+    from flexengine.errors import UserError
+
+    trainer = build_trainer(
+        make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1", "train.save_every=1", "optim.grad_clip=0"),
+        tmp_path,
+    )
+    _nan_update(trainer, 2, what)
+    name = next(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    shown = name if what == "weight" else f"optimizer exp_avg_sq of {name}"
+    with pytest.raises(UserError, match=rf"step 2: 1 tensor\(s\) hold NaN/Inf \({shown}\).*optim.grad_clip=0"):
+        trainer.train()
+    assert (tmp_path / "checkpoints" / "step_1").is_dir() and not (tmp_path / "checkpoints" / "step_2").exists()
+    assert json.loads((tmp_path / "checkpoints" / "step_1" / "manifest.json").read_text())["finite"] is True
+
+
+def test_resume_auto_never_reloads_a_nonfinite_step(tmp_path):
+    """A NaN checkpoint written before the save-time check (no `finite` in its manifest) is moved aside and the
+    newest finite step resumes; an explicit train.resume of it is refused."""
+    from flexengine.checkpoint import save_checkpoint
+    from flexengine.errors import UserError
+
+    run_training(make_job(tmp_path, "train.max_steps=2", "train.save_every=1"), tmp_path)
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=3"), tmp_path)
+    trainer.resume("auto")
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    trainer.state.step = 3
+    save_checkpoint(tmp_path / "checkpoints", 3, trainer.model, trainer.tokenizer, trainer.trainer_state())
+    with pytest.raises(UserError, match="its weights hold NaN/Inf"):
+        build_trainer(make_job(tmp_path, "train.max_steps=3"), tmp_path).resume(
+            str(tmp_path / "checkpoints" / "step_3")
+        )
+    summary = run_training(make_job(tmp_path, "train.max_steps=3", "train.resume=auto"), tmp_path)
+    assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+    assert (tmp_path / "checkpoints" / "step_3.nonfinite").is_dir()
+    assert json.loads((tmp_path / "checkpoints" / "step_3" / "manifest.json").read_text())["finite"] is True
 
 
 def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
