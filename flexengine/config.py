@@ -331,12 +331,14 @@ class LossConfig:
 
 @dataclass
 class MixSource:
-    """One source of a data mixture (data.mix): read with data.*'s format and fields."""
+    """One source of a data mixture (data.mix): read with data.*'s fields, and its format unless it names one."""
 
     path: str = ""  # file, directory or glob, like data.path
     weight: float = 1.0  # share of the training tokens (weights are normalised); a source is repeated or
     # subsampled (whole documents) to reach it
     source: Optional[str] = None  # jsonl | parquet | hf; None = data.source
+    format: Optional[str] = None  # text | chat | pretokenized | mixed; None = data.format (a text file and a
+    # chat file mix as [{path: code.jsonl}, {path: chats.jsonl, format: chat}])
     name: Optional[str] = None  # label in the packing report; None = the path
 
 
@@ -397,6 +399,8 @@ class DataConfig:
             for i, part in enumerate(self.mix):
                 part.source = part.source or self.source
                 _check_choice(f"data.mix[{i}].source", part.source, DATA_SOURCES[1:])
+                part.format = part.format or self.format
+                _check_choice(f"data.mix[{i}].format", part.format, DATA_FORMATS)
                 if not part.path:
                     raise UserError(f"data.mix[{i}] has no path.")
                 if not part.weight > 0:
@@ -428,6 +432,11 @@ class DataConfig:
                 "data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
                 "splits itself with data.eval_fraction."
             )
+
+    @property
+    def formats(self) -> set:
+        """The record formats read: data.format, or each mixture source's."""
+        return {m.format or self.format for m in self.mix} or {self.format}
 
     @property
     def has_eval(self) -> bool:

@@ -153,7 +153,7 @@ def build_data(
     report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
     if mix_report is not None:
         report["mix"] = mix_report
-    if job.data.format in ("chat", "mixed"):
+    if job.data.formats & {"chat", "mixed"}:
         report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": job.data.long_chats}
     if not len(eval_docs):
         return loader, None, report

@@ -24,8 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def part_config(data: DataConfig, part: MixSource) -> DataConfig:
-    """data.* for one source of the mixture."""
-    return dataclasses.replace(data, source=part.source or data.source, path=part.path, mix=[], eval_path=None)
+    """data.* for one source of the mixture (its own source and format, else data.*'s)."""
+    return dataclasses.replace(
+        data,
+        source=part.source or data.source,
+        format=part.format or data.format,
+        path=part.path,
+        mix=[],
+        eval_path=None,
+        eval_split=None,
+    )
 
 
 def _concatenate(parts: list[Corpus], data: DataConfig) -> Corpus:

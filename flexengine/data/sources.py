@@ -265,16 +265,25 @@ def _check_token_ids(record: dict) -> tuple[Optional[str], str]:
     return None, ""
 
 
+_FORMAT_HINT = "Set data.format={fmt} (in a data.mix, format: {fmt} on that source)"
+
+
 def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any]:
     """(reason, message, payload) for one parsed record: reason None means good and payload is what to encode."""
     if not isinstance(record, dict):
         return "not_an_object", f"record is {type(record).__name__}, not an object", None
     if data.format == "text":
         value = record.get(data.text_field)
-        return (*_check_text(value, data.text_field), value)
+        reason, message = _check_text(value, data.text_field)
+        if reason == "missing_field" and data.messages_field in record:
+            message += f"; it has {data.messages_field!r}: a chat record? {_FORMAT_HINT.format(fmt='chat')}"
+        return reason, message, value
     if data.format == "chat":
         value = record.get(data.messages_field)
-        return (*check_chat_messages(value, data.messages_field), value)
+        reason, message = check_chat_messages(value, data.messages_field)
+        if reason == "missing_field" and data.text_field in record:
+            message += f"; it has {data.text_field!r}: a text record? {_FORMAT_HINT.format(fmt='text')}"
+        return reason, message, value
     if data.format == "mixed":  # the record says which it is
         kind = record.get(data.format_field)
         if kind == "text":

@@ -91,3 +91,30 @@ def test_eval_set_sharing_documents_with_training_is_refused(tmp_path):
     held_out.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[40:52]))  # disjoint: fine
     _, batches, report = _build(tmp_path, "data=jsonl", f"data.path={train}", f"data.eval_path={held_out}")
     assert batches is not None and report["eval"]["documents"] == 12
+
+
+def test_a_text_file_and_a_chat_file_mix(tmp_path, chat_tokenizer):
+    """data.mix of a plain-text file and a chat file: each source is read in its own format (format: chat on the
+    chat one); text documents are trained whole, chat prompts are masked. Without it, the error says what to set."""
+    tok_dir = tmp_path / "tokenizer"
+    chat_tokenizer.save_pretrained(tok_dir)
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:30]))
+    chats = tmp_path / "chats.jsonl"
+    conversation = [{"role": "user", "content": "what is {i} + 1?"}, {"role": "assistant", "content": "{i}"}]
+    chats.write_text(
+        "".join(
+            json.dumps({"messages": [{**t, "content": t["content"].format(i=i)} for t in conversation]}) + "\n"
+            for i in range(30)
+        )
+    )
+    common = ["data=mix", f"model.tokenizer={tok_dir}", "model.arch.vocab_size=2064"]
+    loader, _, report = _build(tmp_path, *common, f"data.mix=[{{path: {text}}}, {{path: {chats}, format: chat}}]")
+    assert [r["documents"] for r in report["mix"]] == [30, 30]
+    assert all(r["tokens_used"] > 0 for r in report["mix"])
+    corpus = loader.corpus
+    text_part = corpus.loss_mask[: corpus.offsets[30]]
+    chat_part = corpus.loss_mask[corpus.offsets[30] :]
+    assert text_part.all() and 0 < chat_part.sum() < len(chat_part)
+    with pytest.raises(UserError, match="it has 'messages': a chat record.*format: chat on that source"):
+        _build(tmp_path, *common, f"data.mix=[{{path: {text}}}, {{path: {chats}}}]")
