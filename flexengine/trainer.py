@@ -34,7 +34,7 @@ from flexengine.config import JobConfig
 from flexengine.context_parallel import ContextParallel
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.errors import UserError
-from flexengine.evaluate import evaluate_loss, greedy_continue
+from flexengine.evaluate import EvalProgress, eval_budget_warning, evaluate_loss, greedy_continue
 from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
@@ -164,7 +164,10 @@ class Trainer:
         self._pause: Optional[str] = None  # "evaluation" / "sampling" while one runs (a signal cuts it short)
         self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
         self._loop_start, self._loop_start_step = time.perf_counter(), 0
-        self.wall_s = 0.0
+        self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
+        self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
+        self._train_start: Optional[float] = None  # when train() began (its time joins wall_s)
+        self._eval_seconds: list = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
 
     def add_hooks(self, hooks: StepHooks) -> None:
@@ -285,7 +288,9 @@ class Trainer:
         ).tolist()
         self._stop_agreed = stop_votes > 0
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-        lr = self.optimizer.param_groups[0]["lr"]  # this update's lr (read before the scheduler moves on)
+        # this update's lr (read before the scheduler moves on); float(): torchao keeps it as a tensor, and the
+        # metrics, the step line and metrics.jsonl need a number
+        lr = float(self.optimizer.param_groups[0]["lr"])
         if finite:
             with self._phase("optimizer"):
                 self.optimizer.step()
@@ -339,6 +344,7 @@ class Trainer:
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
         cfg = self.job.train
+        self._train_start = time.perf_counter()
         with self.stop_on_signals():  # through the final save: a signal must not cut it short
             self._loop()
             stopped = self._interrupted = self._should_stop()
@@ -403,7 +409,7 @@ class Trainer:
                     window["t"] += self._last_eval_s  # evaluation is not training time
                 if cfg.sample_prompts and self._sample_due(step) and not self._interrupted:
                     self.sample()
-        self.wall_s += time.perf_counter() - self._loop_start - self._paused_s
+        self.train_s += time.perf_counter() - self._loop_start - self._paused_s
         self._paused_s = 0.0
         if profiler is not None:
             profiler.stop()
@@ -447,10 +453,28 @@ class Trainer:
             log.info("%s", format_step_line(self.state.step, self.job.train.max_steps, m, useful_per_s, self._eta_s()))
 
     def _eta_s(self) -> float:
-        """Seconds left at the mean step time of this process so far (evaluation pauses excluded)."""
+        """Seconds left: the remaining steps at this process's mean training step time, plus the evaluations still
+        due at the mean time of one so far (before the first: a forward-only guess, a third of a micro-batch step)."""
+        cfg = self.job.train
         done = self.state.step - self._loop_start_step
-        elapsed = time.perf_counter() - self._loop_start - self._paused_s
-        return elapsed / max(1, done) * (self.job.train.max_steps - self.state.step)
+        step_s = (time.perf_counter() - self._loop_start - self._paused_s) / max(1, done)
+        eta = step_s * (cfg.max_steps - self.state.step)
+        if self.eval_data is None:
+            return eta
+        every = cfg.eval_every
+        in_loop = cfg.max_steps // every - self.state.step // every if every else 0
+        final = not every or cfg.max_steps % every > 0  # the end of the run is always evaluated
+        due = in_loop + final
+        if self._eval_seconds:
+            one = sum(self._eval_seconds) / len(self._eval_seconds)
+        else:
+            one = self.eval_data.num_batches * step_s / cfg.grad_accum / 3
+        return eta + due * one
+
+    def _elapsed_wall(self) -> float:
+        """wall_s including the part of train() still running."""
+        running = time.perf_counter() - self._train_start if self._train_start is not None else 0.0
+        return self.wall_s + running
 
     def _progress_bar(self):
         """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""
@@ -474,8 +498,12 @@ class Trainer:
                 self._prepare,
                 self._autocast,
                 stop=self._stop_requested,
+                on_batch=EvalProgress(self.state.step, self.eval_data.num_batches, enabled=self.dist.is_main),
             )
         self.model.train()
+        if result is not None:
+            self._eval_seconds.append(time.perf_counter() - start)
+            self._check_eval_budget(self._eval_seconds[-1])
         if result is None:  # a stop signal: no eval record (a partial set is no loss to compare), on to the save
             self._cut_short("evaluation", start)
             return None
@@ -514,6 +542,18 @@ class Trainer:
         self._last_eval_s = time.perf_counter() - start
         self._paused_s += self._last_eval_s
         return record
+
+    def _check_eval_budget(self, eval_s: float) -> None:
+        """After the first in-loop evaluation: warn when one costs more than ~10 % of the training between two, and
+        say which train.eval_batches would fit."""
+        cfg = self.job.train
+        done = self.state.step - self._loop_start_step
+        if len(self._eval_seconds) != 1 or not cfg.eval_every or not done or self.state.step >= cfg.max_steps:
+            return
+        step_s = (time.perf_counter() - self._loop_start - self._paused_s - eval_s) / done
+        warning = eval_budget_warning(eval_s, self.eval_data.num_batches, cfg.eval_every, step_s, cfg.eval_batches)
+        if warning and self.dist.is_main:
+            log.warning("eval: %s", warning)
 
     @property
     def _saves_best(self) -> bool:
@@ -660,7 +700,7 @@ class Trainer:
     def summary(self) -> dict:
         """The numbers summary.json reports."""
         s = self.state
-        wall = max(self.wall_s, 1e-9)
+        wall = max(self.train_s, 1e-9)  # rates are of training time (evaluations and saves are not steps)
         return {
             "steps": s.step,
             "tokens_seen": s.tokens_seen,
@@ -680,7 +720,9 @@ class Trainer:
             "block_density": s.block_density_sum / max(1, s.step) if self._patched_attention else None,
             "attention": self.attn.as_dict() if self.attn is not None else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
-            "wall_s": self.wall_s,
+            "wall_s": self._elapsed_wall(),  # the whole run, evaluations included
+            "train_s": self.train_s,  # training steps only (tokens/s, MFU)
+            "eval_s": sum(self._eval_seconds),  # evaluations of this process
             "stopped_by_signal": self._stop_signal,
             "status": "interrupted" if self._interrupted else "ok",
             "stopped_early": self.stopped_early,
@@ -741,7 +783,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "rng": _rng_state(),
-            "wall_s": self.wall_s,
+            "wall_s": self._elapsed_wall(),
+            "train_s": self.train_s,
             "max_steps": self.job.train.max_steps,  # the schedule's length: a resume with another one is told
             "data_plan": dict(self.data_plan),
         }
@@ -761,6 +804,7 @@ class Trainer:
             merge_lora=merge,
             weights=weights,
             finite_checked=True,
+            base_dir=Path(self.job.model.path) if merge is not None and self.job.model.loads_weights else None,
         )
         self._saved_step = self.state.step
         self._prune()
@@ -815,6 +859,7 @@ class Trainer:
             saved = {**saved, "block_density_sum": saved["block_sparsity_sum"]}
         self.state = TrainState(**{k: v for k, v in saved.items() if k in known})
         self.wall_s = state.get("wall_s", 0.0)
+        self.train_s = state.get("train_s", self.wall_s)  # older checkpoints: wall_s was training time only
         self.resumed_from = path
         self._saved_step = self.state.step
         self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
