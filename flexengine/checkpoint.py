@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from flexengine.errors import UserError, os_error_message
-from flexengine.lora import adapter_to_model_keys, is_lora, merge_lora_state_dict
+from flexengine.lora import adapter_to_model_keys, hf_key, is_lora, merge_lora_state_dict
 from flexengine.nonfinite import nonfinite_names
 from flexengine.parallel import cpu_group, global_rank, global_world_size
 from flexengine.storage import (
@@ -328,14 +328,50 @@ def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Opti
         tokenizer.save_pretrained(str(directory))
 
 
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def exact_base(directory: Optional[Path], state: dict) -> Optional[Callable[[str], Optional[torch.Tensor]]]:
+    """For the LoRA merge: hf key -> the frozen tensor as `directory` (model.path) stores it, where it stores it
+    wider than `state` holds it (an fp32 checkpoint whose base a bf16 mode keeps in bf16), else None. Tensors are
+    read one at a time, when the merge asks."""
+    if directory is None:
+        return None
+    from safetensors import safe_open
+
+    held = {hf_key(k): v.element_size() for k, v in state.items() if ".lora_" not in k and v.is_floating_point()}
+    where = {}
+    for f in _weight_files(directory):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                if key in held and _SAFETENSORS_BYTES.get(handle.get_slice(key).get_dtype(), 0) > held[key]:
+                    where[key] = f
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        if key not in where:
+            return None
+        with safe_open(str(where[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    return read
+
+
 def _write_rank0_part(
-    tmp: Path, model: nn.Module, tokenizer: Any, trainer_state: dict, full: Optional[dict], merge_lora: Optional[Any]
+    tmp: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    trainer_state: dict,
+    full: Optional[dict],
+    merge_lora: Optional[Any],
+    *,
+    base_dir: Optional[Path] = None,
 ) -> list[str]:
     """The HF directory, rank 0's trainer state (and merged/); returns the files written, relative to tmp."""
     _write_hf_dir(tmp, model, tokenizer, full)
     torch.save(trainer_state, tmp / TRAINER_STATE)
     if merge_lora is not None:
-        _write_hf_dir(tmp / "merged", model.get_base_model(), tokenizer, merge_lora_state_dict(full, merge_lora))
+        merged = merge_lora_state_dict(full, merge_lora, exact_base(base_dir, full))
+        _write_hf_dir(tmp / "merged", model.get_base_model(), tokenizer, merged)
     # the other ranks write their trainer_state.rank<r>.pt into the same directory meanwhile: theirs to seal
     return [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file() and not _RANK_FILE.match(p.name)]
 
@@ -379,6 +415,7 @@ def save_checkpoint(
     merge_lora: Optional[Any] = None,
     weights: Optional[dict] = None,
     finite_checked: bool = False,
+    base_dir: Optional[Path] = None,
 ) -> Path:
     """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
 
@@ -392,6 +429,8 @@ def save_checkpoint(
     same rounding the optimizer's upload makes) and the masters from the optimizer state: still exact.
     finite_checked: the caller found no NaN/Inf in what is saved (Trainer.save): the manifest says so, and
     train.resume=auto need not scan the weights again.
+    base_dir: with merge_lora, the directory the frozen base was loaded from (model.path): merged/ takes the base
+    as stored there, not the copy a bf16 mode rounded (lora.merge_lora_state_dict).
     """
     rank, world_size = global_rank(), global_world_size()
     final = step_dir(root, step)
@@ -432,7 +471,7 @@ def save_checkpoint(
     def write() -> dict:
         try:
             if rank == 0:
-                names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora)
+                names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora, base_dir=base_dir)
             else:
                 names = [RANK_STATE.format(rank=rank)]
                 torch.save(trainer_state, tmp / names[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -76,8 +76,21 @@ def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> Dict[str, torch.Tensor]:
-    """A peft model's full state dict -> the plain HF state dict with W + (alpha / r) * B @ A merged in."""
+def hf_key(peft_key: str) -> str:
+    """A peft model's state-dict key -> the plain HF model's (and its checkpoint's) key for the same tensor."""
+    return peft_key.replace(".base_layer.", ".").removeprefix(_PEFT_PREFIX)
+
+
+def merge_lora_state_dict(
+    state: Dict[str, torch.Tensor],
+    lora: LoraConfig,
+    exact_base: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+) -> Dict[str, torch.Tensor]:
+    """A peft model's full state dict -> the plain HF state dict with W + (alpha / r) * B @ A merged in.
+
+    exact_base(hf key): the frozen tensor as the base checkpoint stores it, or None to take the state's. bf16 modes
+    hold the frozen base in bf16 (precision.cast_frozen): merging onto that copy would move every base weight of
+    an fp32 checkpoint by its bf16 rounding (up to 2.4e-4, 16 % of a LoRA update, measured in issue 22)."""
     scaling = lora.alpha / lora.r
     factors: Dict[str, Dict[str, torch.Tensor]] = {}
     merged: Dict[str, torch.Tensor] = {}
@@ -91,7 +104,8 @@ def merge_lora_state_dict(state: Dict[str, torch.Tensor], lora: LoraConfig) -> D
                 f"(.lora_A/B.{ADAPTER}.weight) merge into base weights"
             )
         else:
-            merged[key.replace(".base_layer.", ".")] = value
+            exact = exact_base(hf_key(key)) if exact_base is not None else None
+            merged[key.replace(".base_layer.", ".")] = value if exact is None else exact
     # the export is in the adapters' (master) dtype: bf16 modes store the frozen base in bf16 (precision.cast_frozen),
     # and rounding W + dW to bf16 would lose most of a small LoRA update
     master = next((ab["A"].dtype for ab in factors.values()), None)

@@ -133,3 +133,47 @@ def test_embedding_adapters_and_unknown_adapter_tensors_are_refused(tiny_llama):
     dora = {"base_model.model.q_proj.lora_magnitude_vector.default.weight": torch.ones(8)}
     with pytest.raises(ValueError, match="lora_magnitude_vector"):
         merge_lora_state_dict(dora, LoraConfig(r=4))
+
+
+def test_merged_export_from_an_fp32_checkpoint_in_a_bf16_mode_keeps_the_base_exact(tmp_path):
+    """Before: bf16 modes hold the frozen base in bf16 and merged/ was built on that copy, so every base weight of
+    an fp32 checkpoint moved by its bf16 rounding (up to 2.4e-4, 16 % of the LoRA update). Now merged/ is the
+    checkpoint's own fp32 base + (alpha / r) B A, exactly."""
+    from safetensors.torch import load_file
+
+    from flexengine.data.demo import load_demo_tokenizer
+    from tests.helpers import make_llama
+
+    model_dir = tmp_path / "base"
+    make_llama(vocab_size=2048, num_hidden_layers=2).save_pretrained(model_dir)
+    load_demo_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "run"
+    job = make_job(
+        out,
+        f"model.path={model_dir}",
+        "model.init=pretrained",
+        "precision=bf16_mixed",
+        "train.max_steps=2",
+        "train.merge_lora_on_save=true",
+        "model.lora.target_modules=[q_proj]",
+    )
+    trainer = build_trainer(job, out)
+    assert next(p for n, p in trainer.model.named_parameters() if "base_layer" in n).dtype == torch.bfloat16
+    trainer.train()
+    base = load_file(str(model_dir / "model.safetensors"))
+    step = out / "checkpoints" / "step_2"
+    merged = load_file(str(step / "merged" / "model.safetensors"))
+    adapter = load_file(str(step / "adapter_model.safetensors"))
+    scaling = job.model.lora.alpha / job.model.lora.r
+    adapted = 0
+    for key, weight in base.items():
+        module = key.removesuffix(".weight")
+        a_key = f"base_model.model.{module}.lora_A.weight"
+        if a_key in adapter:
+            b = adapter[f"base_model.model.{module}.lora_B.weight"]
+            expected = weight + (b.float() @ adapter[a_key].float()) * scaling
+            torch.testing.assert_close(merged[key], expected, atol=0, rtol=1e-6, msg=key)
+            adapted += 1
+        else:  # untouched by LoRA: bit-identical to the checkpoint (was: rounded to bf16 and back)
+            assert torch.equal(merged[key], weight), key
+    assert adapted == 2  # q_proj of both layers
