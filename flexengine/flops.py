@@ -24,6 +24,7 @@ from typing import Optional
 from torch import nn
 
 from flexengine.applied import applied
+from flexengine.attention.mask_mode import band_mode
 from flexengine.memory.layers import decoder_layers
 
 _INPUT_PROJ = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -204,11 +205,5 @@ class TrainFlops:
 
 def attended_pairs(lengths: list[int], window: Optional[int] = None) -> int:
     """(query, key) pairs a causal mask allows within documents of these lengths (window: keys per query at
-    most, HF sliding_window semantics)."""
-    total = 0
-    for n in lengths:
-        if window is None or window >= n:
-            total += n * (n + 1) // 2
-        else:  # the first `window` queries see 1..window keys, the rest `window` each
-            total += window * (window + 1) // 2 + (n - window) * window
-    return total
+    most, HF sliding_window semantics): the mask mode's own count (per layer: `AttentionSpec.attended_pairs`)."""
+    return band_mode(True, window).attended_pairs(lengths)

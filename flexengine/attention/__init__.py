@@ -1,7 +1,11 @@
 """Attention rewrite: the resolved spec, mask functions, per-batch masks, and the patch that routes HF attention."""
 
 from flexengine.attention.block_mask import BatchMask, build_batch_mask
+from flexengine.attention.mask_mode import MaskMode, mask_mode
 from flexengine.attention.masks import (
+    Causal,
+    InnerMask,
+    SlidingWindow,
     document_ids_from_position_ids,
     get_mask_mod,
     position_ids_from_document_ids,
@@ -14,12 +18,17 @@ __all__ = [
     "AttentionSpec",
     "AttnBackend",
     "BatchMask",
+    "Causal",
+    "InnerMask",
     "LayerMasks",
+    "MaskMode",
+    "SlidingWindow",
     "apply_attention",
     "build_batch_mask",
     "document_ids_from_position_ids",
     "get_mask_mod",
     "mask_kwargs",
+    "mask_mode",
     "patch_attention",
     "position_ids_from_document_ids",
     "resolve_attention_spec",

@@ -1,56 +1,157 @@
-"""Pure mask functions in FlexAttention's `mask_mod` signature, and their composition.
+"""What a query may see inside its own document: one class per inner mask, in document-local coordinates.
 
-Each function answers "may query `q_idx` attend to key `kv_idx`?" with tensor ops only, so the very same
-function feeds `create_block_mask` (flex backend, evaluated per block under vmap) and a dense boolean mask
-(reference backend, evaluated by broadcasting index tensors). One source of truth for both backends.
+An inner mask answers "may local query `q` see local key `kv`?" where 0 is the first token of the document
+(attention-gym's `generate_doc_mask_mod(mask_mod, offsets)` hands its inner mask the same coordinates). It knows
+nothing of packing: `MaskMode` (attention/mask_mode.py) wraps it in document separation and derives the forms
+each backend needs. Besides the predicate an inner mask states the contiguous key interval [first, last] each
+query sees; block occupancy, the dense backend's key ranges and the attended-pair count follow from it.
+
+A new attention pattern is one `InnerMask` subclass here plus one `MODES` entry (and conf/attn/<name>.yaml);
+tests/attention/test_mask_modes.py checks every derived form of every entry against the predicate.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import and_masks
 
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-def causal_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """A query sees itself and every earlier key."""
-    return q_idx >= kv_idx
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # FlexAttention's (b, h, q_idx, kv_idx) -> bool
 
 
-def get_document_mask_mod(document_ids_BS: Tensor) -> MaskMod:
-    """A query sees only keys of its own document (document_ids_BS: [B, S] int)."""
+class InnerMask:
+    """A causal-like pattern inside one document, in local coordinates. Contract (the derivations rely on it):
+    query q sees exactly the keys first(q) <= kv <= last(q), with first and last nondecreasing in q and
+    first(q) <= q <= last(q) (a query sees itself, so no softmax row is empty). Override `tile`/`pairs` for a
+    mask that is not one interval per query (e.g. attention sinks plus a window)."""
 
-    def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return document_ids_BS[b, q_idx] == document_ids_BS[b, kv_idx]
+    # allowed(q, kv) depends on q - kv only: inside one document local and global coordinates then give the same
+    # answer, so the packed mask_mod skips the two per-element offset gathers (today's cost for causal/window)
+    shift_invariant: ClassVar[bool] = False
 
-    return same_document
+    @property
+    def name(self) -> str:
+        """Descriptive name (the mask_mod's `__name__`, the log)."""
+        raise NotImplementedError
+
+    def allowed(self, q: Tensor, kv: Tensor) -> Tensor:
+        """The element-wise predicate: may local query q see local key kv (broadcasting int tensors)?"""
+        raise NotImplementedError
+
+    def key_interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """(first, last) local key query q sees; last may run past the document's end (the caller clips it)."""
+        raise NotImplementedError
+
+    @property
+    def varlen_window(self) -> Optional[int]:
+        """The varlen backend's form: 0 = causal over whole documents, w = the last w keys, None = it cannot
+        run this mask (its kernel calls are causal spans and fixed-width bands only)."""
+        return None
+
+    def tile(self, q_lo: Tensor, q_hi: Tensor, kv_lo: Tensor, kv_hi: Tensor) -> tuple[Tensor, Tensor]:
+        """(some pair may attend, every pair attends) for local query range [q_lo, q_hi] x key range
+        [kv_lo, kv_hi] (inclusive, element-wise tensors): exact for interval masks (see the class contract)."""
+        first_lo, last_lo = self.key_interval(q_lo)
+        first_hi, last_hi = self.key_interval(q_hi)
+        some = (first_lo <= kv_hi) & (last_hi >= kv_lo)  # the earliest first and the latest last reach the keys
+        every = (first_hi <= kv_lo) & (last_lo >= kv_hi)  # the narrowest ends still cover them
+        return some, every
+
+    def pairs(self, n: int) -> int:
+        """(query, key) pairs allowed inside a document of n tokens (model FLOPs)."""
+        return _interval_pairs(self, n)
 
 
-def get_sliding_window_mask_mod(window: int) -> MaskMod:
+@lru_cache(maxsize=4096)
+def _interval_pairs(inner: InnerMask, n: int) -> int:
+    # generic count from the key interval: O(n) once per (mask, length); Causal/SlidingWindow have closed forms
+    first, last = inner.key_interval(torch.arange(n, dtype=torch.int64))
+    return int((last.clamp(max=n - 1) - first + 1).clamp(min=0).sum())
+
+
+@dataclass(frozen=True)
+class Causal(InnerMask):
+    """A query sees itself and every earlier key of its document."""
+
+    shift_invariant: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        """`causal`."""
+        return "causal"
+
+    def allowed(self, q: Tensor, kv: Tensor) -> Tensor:
+        """kv <= q."""
+        return q >= kv
+
+    def key_interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """[0, q]."""
+        return torch.zeros_like(q), q
+
+    @property
+    def varlen_window(self) -> Optional[int]:
+        """Whole documents, one is_causal call each."""
+        return 0
+
+    def pairs(self, n: int) -> int:
+        """n (n + 1) / 2."""
+        return n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class SlidingWindow(InnerMask):
     """A query sees the `window` most recent keys including itself (HF's `sliding_window`: kv > q - window)."""
 
-    def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return q_idx - kv_idx < window
+    window: int
+    shift_invariant: ClassVar[bool] = True
 
-    sliding_window.__name__ = f"sliding_window_{window}"
-    return sliding_window
+    @property
+    def name(self) -> str:
+        """`sliding_window_<window>`."""
+        return f"sliding_window_{self.window}"
+
+    def allowed(self, q: Tensor, kv: Tensor) -> Tensor:
+        """0 <= q - kv < window."""
+        return (q >= kv) & (q - kv < self.window)
+
+    def key_interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """[max(0, q - window + 1), q]."""
+        return (q - self.window + 1).clamp(min=0), q
+
+    @property
+    def varlen_window(self) -> Optional[int]:
+        """A causal span, then band chunks of `window` keys."""
+        return self.window
+
+    def pairs(self, n: int) -> int:
+        """The first `window` queries see 1..window keys, the rest `window` each."""
+        w = min(self.window, n)
+        return w * (w + 1) // 2 + (n - w) * w
+
+
+def causal_or_window(window: Optional[int]) -> InnerMask:
+    """SlidingWindow(window), or Causal on a layer without a window (a model's full-attention layers)."""
+    return Causal() if window is None else SlidingWindow(window)
+
+
+# attn.mode -> (rows hold several documents, the inner mask given the layer's window). "packed X" is X with
+# document separation around it (attention/mask_mode.py), not a new mask.
+MODES: dict[str, tuple[bool, Callable[[Optional[int]], InnerMask]]] = {
+    "causal": (False, lambda window: Causal()),
+    "packed_doc": (True, lambda window: Causal()),
+    "sliding_window": (False, causal_or_window),
+    "packed_sliding": (True, causal_or_window),
+}
 
 
 def get_mask_mod(document_ids_BS: Optional[Tensor] = None, window: Optional[int] = None) -> MaskMod:
-    """Causal, and with document ids per-document, and with a window sliding: the masks composed (attention-gym's
-    `generate_doc_mask_mod` idea: "packed X" is X and a document mask, not a new mode)."""
-    mods: list[MaskMod] = [causal_mask]
-    if document_ids_BS is not None:
-        mods.append(get_document_mask_mod(document_ids_BS))
-    if window is not None:
-        mods.append(get_sliding_window_mask_mod(window))
-    composed = and_masks(*mods) if len(mods) > 1 else mods[0]
-    composed.__name__ = "_and_".join(m.__name__ for m in mods)
-    return composed
+    """Causal mask_mod, per document when ids are given, within `window` if set (`MaskMode.mask_mod` of it)."""
+    from flexengine.attention.mask_mode import band_mode  # the document wrapper imports this module
+
+    return band_mode(document_ids_BS is not None, window).mask_mod(document_ids_BS)
 
 
 def document_ids_from_position_ids(position_ids_BS: Tensor) -> Tensor:

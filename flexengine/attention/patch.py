@@ -112,13 +112,13 @@ def flexengine_attention(
                 "attn.backend=varlen has no attention dropout; use attn.backend=dense "
                 "or set the model's attention_dropout=0"
             )
-        return varlen_attention(query, key, value, mask.varlen_ids, mask.window, scaling), None
+        return varlen_attention(query, key, value, mask.varlen_ids, mask.mode.varlen_window, scaling), None
     else:
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, c.q_start : c.q_end],
-                key[:, :, c.kv_start : c.q_end],
-                value[:, :, c.kv_start : c.q_end],
+                key[:, :, c.kv_start : c.kv_end],
+                value[:, :, c.kv_start : c.kv_end],
                 attn_mask=c.mask_B1QK,
                 dropout_p=dropout,
                 scale=scaling,
@@ -251,19 +251,19 @@ def mask_kwargs(model: nn.Module, document_ids_BS: Tensor, separate_documents: b
     spec = attention_spec(model)
     if spec is None or not spec.backend.patched:
         return {}
-    built: dict = {}  # window -> mask: layers with the same window share one mask
+    built: dict = {}  # MaskMode -> mask: layers with the same mode share one mask
     by_hf = {}
-    for hf_window, window in spec.mask_windows.items():
-        if window not in built:
-            built[window] = build_batch_mask(
+    for hf_window, mode in spec.mask_modes.items():
+        mode = mode.packed() if separate_documents else mode
+        if mode not in built:
+            built[mode] = build_batch_mask(
                 document_ids_BS,
-                documents=spec.documents or separate_documents,
-                window=window,
+                mode=mode,
                 backend=spec.backend,
                 block_size=spec.block_size,
                 dense_chunk=spec.dense_chunk,
             )
-        by_hf[hf_window] = built[window]
+        by_hf[hf_window] = built[mode]
     return {MASK_KWARG: LayerMasks(spec, by_hf)}
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from flexengine.attention.mask_mode import MaskMode, band_mode, mask_mode
 from flexengine.config import AttnConfig, AttnMode
 from flexengine.errors import UserError
 
@@ -60,6 +61,23 @@ class AttentionSpec:
     def mask_windows(self) -> dict[Optional[int], Optional[int]]:
         """HF's per-layer `sliding_window` -> the window our mask applies there: one mask per entry per batch."""
         return dict(zip(self.hf_windows, self.layer_windows))
+
+    @property
+    def layer_masks(self) -> tuple[MaskMode, ...]:
+        """Per decoder layer: the MaskMode it attends with (its predicate and every form derived from it)."""
+        if not self.backend.patched:  # HF's own attention: causal, within the model's window where it has one
+            return tuple(band_mode(False, w) for w in self.layer_windows)
+        return tuple(mask_mode(self.mode.value, w) for w in self.layer_windows)
+
+    @property
+    def mask_modes(self) -> dict[Optional[int], MaskMode]:
+        """HF's per-layer `sliding_window` -> the MaskMode applied there: one mask per distinct mode per batch."""
+        return dict(zip(self.hf_windows, self.layer_masks))
+
+    def attended_pairs(self, lengths: list[int]) -> list[int]:
+        """(query, key) pairs each layer's mask allows within documents of these lengths, in layer order."""
+        counts = {m: m.attended_pairs(lengths) for m in set(self.layer_masks)}
+        return [counts[m] for m in self.layer_masks]
 
     def as_dict(self) -> dict:
         """JSON-ready form (summary.json, doctor)."""
@@ -168,4 +186,10 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
                 mode.value,
             )
             source += f"; the model's own window is not used ({native_source})"
-    return AttentionSpec(mode, backend, windows, native, source, attn.block_size, attn.dense_chunk, attn.compile)
+    spec = AttentionSpec(mode, backend, windows, native, source, attn.block_size, attn.dense_chunk, attn.compile)
+    if backend is AttnBackend.VARLEN and any(m.inner.varlen_window is None for m in spec.layer_masks):
+        raise UserError(
+            f"attn.backend=varlen runs causal and sliding-window masks only; attn={mode.value} needs "
+            "attn.backend=dense (CPU) or flex (CUDA)."
+        )
+    return spec

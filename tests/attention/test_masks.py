@@ -3,6 +3,7 @@
 import torch
 
 from flexengine.attention.block_mask import dense_mask_from_mod
+from flexengine.attention.mask_mode import mask_mode
 from flexengine.attention.masks import (
     document_ids_from_position_ids,
     get_mask_mod,
@@ -48,7 +49,7 @@ def test_position_ids_restart_per_document_and_round_trip():
     assert torch.equal(again[:, 1:] != again[:, :-1], doc[:, 1:] != doc[:, :-1])
 
 
-def test_composed_mask_has_a_descriptive_name():
-    assert get_mask_mod(torch.zeros(1, 4, dtype=torch.long), 2).__name__ == (
-        "causal_mask_and_same_document_and_sliding_window_2"
-    )
+def test_mask_mods_have_descriptive_names():
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert mask_mode("packed_sliding", 2).mask_mod(ids).__name__ == "document_sliding_window_2"
+    assert mask_mode("sliding_window", None).mask_mod(ids).__name__ == "causal"  # a layer without a window

@@ -8,6 +8,7 @@ from transformers import MistralConfig, Qwen2Config
 
 from flexengine.applied import attention_spec
 from flexengine.attention import MASK_KWARG, apply_attention, mask_kwargs, patch_attention, resolve_attention_spec
+from flexengine.attention.mask_mode import mask_mode
 from flexengine.attention.spec import AttnBackend
 from flexengine.config import AttnConfig, AttnMode
 from flexengine.errors import UserError
@@ -61,7 +62,10 @@ def test_one_mask_per_distinct_window_per_batch():
     model = patch_attention(_qwen_mixed(), mode="packed_sliding", backend="dense")
     masks = mask_kwargs(model, torch.zeros(1, 16, dtype=torch.int32))[MASK_KWARG]
     assert set(masks.by_hf_window) == {None, 6}
-    assert masks.for_layer(None).window is None and masks.for_layer(6).window == 6
+    assert masks.for_layer(None).mode == mask_mode("packed_doc") and masks.for_layer(6).mode == mask_mode(
+        "packed_sliding", 6
+    )
+    assert len({id(masks.for_layer(w)) for w in (None, 6)}) == 2
     with pytest.raises(RuntimeError, match="sliding_window=5"):
         masks.for_layer(5)
 
@@ -134,3 +138,16 @@ def test_no_attention_mode_string_is_compared_outside_the_spec():
                 constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in ATTN_MODES]
                 found += [f"{path.relative_to(package)}:{c.lineno} {c.value!r}" for c in constants]
     assert not found, found
+
+
+def test_each_layer_counts_the_pairs_of_its_own_mask():
+    """MFU's attended pairs come from each layer's MaskMode: windowed layers count the band, full layers the
+    triangle; HF's own attention (backend sdpa) keeps the model's window on its windowed layers."""
+    from flexengine.flops import attended_pairs
+
+    lengths = [5, 30, 12]
+    spec = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), _qwen_mixed().config)
+    assert spec.attended_pairs(lengths) == [attended_pairs(lengths, w) for w in spec.layer_windows]
+    assert spec.attended_pairs(lengths)[0] != spec.attended_pairs(lengths)[-1]  # the layers differ
+    hf_own = resolve_attention_spec(AttnConfig(mode="causal", backend="sdpa"), _qwen_mixed().config)
+    assert hf_own.attended_pairs(lengths) == [attended_pairs(lengths, w) for w in hf_own.layer_windows]
