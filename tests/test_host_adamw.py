@@ -12,17 +12,19 @@ import torch
 from safetensors.torch import load_file
 
 from flexengine.attention import patch_attention
-from flexengine.config import JobConfig, OptimConfig, PrecisionConfig, TrainConfig
+from flexengine.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.host_adamw import CPUOffloadAdamW
+from flexengine.memory.planner import ModelShape, host_optimizer_bytes, host_optimizer_seconds, plan_inputs
 from flexengine.optim import build_optimizer, clip_gradients, last_backward
 from flexengine.precision import SPECS
 from flexengine.trainer import Trainer
 from tests.helpers import make_llama
 
 CPU = torch.device("cpu")
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, peak_tflops=312, host_memory_gb=128)
 
 
 def _bf16_llama(seed: int = 0) -> torch.nn.Module:
@@ -190,6 +192,14 @@ def test_host_bytes_are_the_planners_terms():
     assert (held["masters"] + held["states"] + held["transfer_buffer"]) / n == pytest.approx(per_param["host"], 1e-2)
     assert held["grad_scratch"] == per_param["host_scratch"] * max(p.numel() for p in model.parameters())
     assert not opt.pinned  # no CUDA here: a plain buffer, the same code path
+    # the planner's host and PCIe terms for this model are what the optimizer holds and moves
+    x = plan_inputs(JobConfig(), A100, SPECS["bf16_cpu_master"], on_cuda=True)
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.params == n
+    held_total = sum(held.values()) - 4 * len(opt._pairs)  # less fused AdamW's step counters
+    assert host_optimizer_bytes(shape, x) == pytest.approx(held_total, rel=1e-2)  # slot alignment
+    slots = sum(slot.numel() * slot.element_size() for slot in opt._slots)
+    assert host_optimizer_seconds(shape, x, compute_s=1.0)[1] == 2 * slots  # each slot down and up once a step
 
 
 # -- through the trainer: the window's hooks, and the HF export of the masters --------------------------------------

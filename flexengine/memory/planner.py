@@ -87,6 +87,11 @@ class ModelShape:
         return self.hidden * (2 * self.layers + 1)
 
     @property
+    def largest_matrix(self) -> int:
+        """Elements of the largest weight matrix (the embedding, unless the MLP or attention is wider)."""
+        return max(self.vocab, self.intermediate, self.heads * self.head_dim) * self.hidden
+
+    @property
     def block_params(self) -> int:
         """Parameters of one decoder block."""
         return (self.params - self.embedding_params - self.hidden) // self.layers
@@ -393,9 +398,12 @@ CANDIDATES: list[tuple[str, MemoryConfig]] = [
 
 GRANULARITIES = ("block", "attention", "mlp", "ops")  # what a checkpointed block recomputes
 FALLBACK_PEAK_TFLOPS = 100.0  # only to weigh recompute against PCIe time when the device's peak is unknown
-# A host-side AdamW step (adamw_cpu_offload) is memory-bound: it reads and writes the fp32 master, two states
-# and the gradient (32 bytes per parameter) at roughly this host-memory rate with a few cores (assumed).
-HOST_ADAMW_GB_S = 20.0
+# adamw_cpu_offload's host step per trainable parameter (flexengine.host_adamw: bf16 slot -> fp32 scratch, fused
+# AdamW, fp32 master -> bf16 slot, the copies): measured on this project's CPU, 1.19 ns of one core per parameter
+# (bench/results/host_optimizer.json: 207M parameters, CPU seconds on one thread of a shared 2-core VM; the replaced
+# foreach step took 5.65). For an A100's host this is an estimate, the same figure: the step is memory-bound and
+# multi-threaded, and a DGX host gives each GPU more cores and memory channels than this VM has.
+HOST_STEP_NS_PER_PARAM = 1.2
 
 
 def spread_layers(k: int, n_layers: int) -> str:
@@ -475,6 +483,7 @@ class PlanInputs:
     frozen_weight_bytes: Optional[float] = None  # per frozen matrix element when trainable_fraction < 1 (LoRA's
     # base weights, stored in the compute dtype with no autocast copy: precision.cast_frozen); None = weight bytes
     host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
+    host_scratch_bytes: float = 0.0  # per element of the largest trainable tensor: the host step's fp32 scratch
     precision: str = ""  # the precision mode these bytes come from (for reports)
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
@@ -622,9 +631,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         **fsdp_bytes(m, x),
     }
     total = sum(terms.values())
-    world = max(1, x.hardware.world_size)
-    local_trainable = m.params * x.trainable_fraction / world
-    host_state = int(local_trainable * x.host_bytes_per_param)  # masters/states a CPU optimizer keeps
+    host_state = host_optimizer_bytes(m, x)  # masters/states a CPU optimizer keeps
     host = host_state + act.offloaded_bytes
     budget = int(x.hardware.memory_gb * GiB)
     # hardware.host_memory_gb is already this rank's share (flexengine.hardware divides by the node's ranks)
@@ -641,12 +648,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
     pointwise_s = act.recompute_pointwise_bytes / (hbm_gb_s(x.hardware) * 1e9)
     recompute_s = recompute_fraction * compute_s + pointwise_s
-    optimizer_s = 0.0
-    if x.host_bytes_per_param:  # masters on the host: grads down, weights up, and the host AdamW step
-        weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
-        optimizer_s = local_trainable * 2 * weight / (x.hardware.pcie_gb_s * 1e9) + local_trainable * 32 / (
-            HOST_ADAMW_GB_S * 1e9
-        )
+    optimizer_s, host_pcie_bytes = host_optimizer_seconds(m, x, compute_s)
     # FSDP2 reduce-scatters each block's gradient while the blocks before it run backward: only what the
     # backward (2/3 of a micro-batch's compute) cannot cover is exposed, per reduction
     reduce_bytes, reduce_s = reduce_scatter_traffic(m, x)
@@ -671,6 +673,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
         "offload_exposed_s": exposed_s,
         "optimizer_s": optimizer_s,
+        "host_optimizer_pcie_bytes_per_step": host_pcie_bytes,
         "reduce_every": x.reduce_every,
         "reduce_scatter_bytes_per_step": reduce_bytes,
         "reduce_scatter_s": reduce_s,
@@ -679,6 +682,32 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
         **static,
     }
+
+
+def host_optimizer_bytes(m: ModelShape, x: PlanInputs) -> int:
+    """Host bytes a CPU-offloaded optimizer holds on this rank: fp32 master, states and transfer slot per trainable
+    parameter, plus one fp32 scratch of the largest tensor (LoRA's adapters: negligible)."""
+    world = max(1, x.hardware.world_size)
+    largest = m.largest_matrix / world if x.trainable_fraction == 1.0 else 0
+    return int(m.params * x.trainable_fraction / world * x.host_bytes_per_param + largest * x.host_scratch_bytes)
+
+
+def host_optimizer_seconds(m: ModelShape, x: PlanInputs, compute_s: float) -> tuple[float, int]:
+    """(exposed seconds, PCIe bytes) of a host optimizer step (flexengine.host_adamw) per optimizer step.
+
+    Each trainable parameter crosses PCIe twice in the device dtype. The gradients go down during the window's last
+    backward (2/3 of a micro-batch's compute; under torchrun the step downloads them itself, exposed); the host
+    steps once the last one has landed (the clip needs the global norm), and each upload runs on the side stream
+    under the next parameter's host step."""
+    if not x.host_bytes_per_param:
+        return 0.0, 0
+    n = m.params * x.trainable_fraction / max(1, x.hardware.world_size)
+    transfer = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
+    one_way_s = n * transfer / (x.hardware.pcie_gb_s * 1e9)
+    under = 2 * compute_s / 3 if x.hardware.world_size <= 1 else 0.0
+    host_s = n * HOST_STEP_NS_PER_PARAM * 1e-9
+    exposed = host_s + max(0.0, one_way_s - host_s) + max(0.0, one_way_s - under)
+    return exposed, int(2 * n * transfer)
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
@@ -803,7 +832,7 @@ def plan_memory(
         },
         "assumptions": {
             **assumptions(x.hardware),
-            "host_adamw_gb_s": HOST_ADAMW_GB_S,
+            "host_step_ns_per_param": HOST_STEP_NS_PER_PARAM,
             "interconnect_gb_s": interconnect_gb_s(x.hardware),
         },
         "activation_bytes_per_block": {label: per_block[label] for label in {rows[0]["label"], best["label"]}},
@@ -922,6 +951,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         compute_copy_bytes=per_param["compute_copy"],
         frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
         host_bytes_per_param=per_param["host"],
+        host_scratch_bytes=per_param["host_scratch"],
         embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
         # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
         fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
