@@ -165,8 +165,8 @@ class MaskMode:
 
 def mask_mode(name: str, window: Optional[int] = None) -> MaskMode:
     """attn.mode + a layer's window -> its MaskMode (a layer without a window: the mode's unwindowed mask)."""
-    documents, inner = MODES[name]
-    return MaskMode(inner(window), documents)
+    entry = MODES[name]
+    return MaskMode(entry.inner(window), entry.documents)
 
 
 def band_mode(documents: bool, window: Optional[int]) -> MaskMode:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, ClassVar, Optional
+from typing import Callable, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -137,13 +137,20 @@ def causal_or_window(window: Optional[int]) -> InnerMask:
     return Causal() if window is None else SlidingWindow(window)
 
 
-# attn.mode -> (rows hold several documents, the inner mask given the layer's window). "packed X" is X with
-# document separation around it (attention/mask_mode.py), not a new mask.
-MODES: dict[str, tuple[bool, Callable[[Optional[int]], InnerMask]]] = {
-    "causal": (False, lambda window: Causal()),
-    "packed_doc": (True, lambda window: Causal()),
-    "sliding_window": (False, causal_or_window),
-    "packed_sliding": (True, causal_or_window),
+class ModeEntry(NamedTuple):
+    """One attn.mode: whether rows hold several documents, whether it takes a window, and its inner mask."""
+
+    documents: bool  # "packed X": document separation around the inner mask (attention/mask_mode.py)
+    windowed: bool  # takes the model's sliding window (or attn.window); layers without one get inner(None)
+    inner: Callable[[Optional[int]], InnerMask]  # the layer's window -> the inner mask
+
+
+# attn.mode -> its entry. "packed X" is X with document separation around it, not a new mask.
+MODES: dict[str, ModeEntry] = {
+    "causal": ModeEntry(False, False, lambda window: Causal()),
+    "packed_doc": ModeEntry(True, False, lambda window: Causal()),
+    "sliding_window": ModeEntry(False, True, causal_or_window),
+    "packed_sliding": ModeEntry(True, True, causal_or_window),
 }
 
 

@@ -192,3 +192,12 @@ def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
             flexengine_attention(None, q, k, v, None, scaling=0.3, flexengine_mask=LayerMasks(spec, {None: mask}))[0]
         )
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+def test_the_mode_table_names_the_configs_modes():
+    """Until config.AttnMode reads the table, the two must agree: names, packing and windows."""
+    from flexengine.config import AttnMode
+
+    assert set(MODES) == {m.value for m in AttnMode}
+    for m in AttnMode:
+        assert (MODES[m.value].documents, MODES[m.value].windowed) == (m.documents, m.windowed), m
