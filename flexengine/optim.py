@@ -16,11 +16,11 @@ from typing import Iterable, List, Tuple
 import torch
 from torch import nn
 
-from flexengine.config import OptimConfig
+from flexengine.config import OPTIM_NAMES, OptimConfig
 from flexengine.errors import UserError
 from flexengine.host_adamw import CPUOffloadAdamW
 
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")
+OPTIMIZERS = OPTIM_NAMES  # one list: the schema checks optim.name against it
 _TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
 # torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
 _AO_8BIT_BLOCK = 256
