@@ -71,6 +71,29 @@ def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig
     return to_job_config(compose_config(overrides, schema), overrides)
 
 
+# Third-party lines that bury a run's first useful ones (issue 22 F-10): torchao's optional CUDA kernels its wheel
+# cannot load, torch's _pytree deprecation notes about torchao's enums, and HF's progress bars in job logs.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+QUIET_ENV = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+VERBOSE_ENV = "FLEXENGINE_VERBOSE"  # =1 keeps every library's own output
+
+
+def quiet_third_party() -> None:
+    """Only flexengine's lines (and the libraries' errors) unless FLEXENGINE_VERBOSE=1: call it first in an entry
+    point, before transformers or torchao are imported (HF reads its progress-bar switch at import)."""
+    import logging
+    import os
+
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
+    for name in QUIET_ENV:
+        os.environ.setdefault(name, "1")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if "transformers" in sys.modules:  # imported already: its switch was read; turn the bars off directly
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def fail(error: UserError) -> NoReturn:
     """The one way a command reports a user mistake: the message on stderr, exit status 2."""
     print(f"\nflexengine: error: {error}\n", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ import torch
 
 from flexengine.applied import applied
 from flexengine.attention.spec import AttnBackend
-from flexengine.cli import compose_job, fail
+from flexengine.cli import compose_job, fail, quiet_third_party
 from flexengine.compile import CompileWatch
 from flexengine.config import JobConfig, MemoryConfig
 from flexengine.errors import UserError
@@ -381,6 +381,7 @@ def run_doctor(argv: Optional[list[str]] = None) -> dict:
         "--out", type=Path, default=None, help="output dir (default train.output_dir or outputs/doctor/<time>)"
     )
     args = parser.parse_args(argv)
+    quiet_third_party()
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     try:
         job = compose_job(args.overrides)

@@ -23,6 +23,7 @@ from flexengine.cli import (
     fail,
     format_job_short,
     free_memory,
+    quiet_third_party,
     register_schema,
     to_job_config,
     write_job_error,
@@ -100,6 +101,7 @@ def _stop_sweep(sweep_dir: Path) -> None:
 
 def main() -> None:
     """Console entry point: register the schema, then let Hydra parse sys.argv."""
+    quiet_third_party()
     register_schema(JobConfig)
     _main()
 

@@ -196,6 +196,35 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert lrs[1] == lrs[2]  # step 3 used the lr step 2 would have used
 
 
+def test_a_run_prints_flexengine_lines_and_one_plan_line(tmp_path):
+    """Before: torch _pytree warnings, HF's 'Writing model shards' bars and a 31-row plan table at every run."""
+    out = tmp_path / "run"
+    proc = run_cli("debug=fast", "train.max_steps=1", "train.progress=false", f"train.output_dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr
+    for noise in ("_pytree", "Writing model shards", "Failed to load", "it/s]"):
+        assert noise not in printed, noise
+    plan_lines = [line for line in printed.splitlines() if "plan" in line.lower()]
+    assert len(plan_lines) == 1 and "<- chosen" not in printed, plan_lines
+    assert "runners-up:" in plan_lines[0] and "full table: flexengine-plan" in plan_lines[0]
+    assert next(line for line in printed.splitlines() if line.strip()).startswith("[")  # a flexengine line first
+
+
+def test_quiet_third_party_leaves_everything_on_when_asked(monkeypatch):
+    import logging
+    import os
+
+    from flexengine.cli import QUIET_ENV, quiet_third_party
+
+    for name in QUIET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLEXENGINE_VERBOSE", "1")
+    level = logging.getLogger("torch.utils._pytree").level
+    quiet_third_party()
+    assert not any(name in os.environ for name in QUIET_ENV)
+    assert logging.getLogger("torch.utils._pytree").level == level
+
+
 def _nan_update(trainer, on_step: int, what: str) -> None:
     """Make the optimizer update of step `on_step` write NaN into one weight (or one optimizer state), the way
     optim.weight_decay=nan did before it was refused at composition."""
