@@ -29,6 +29,7 @@ from gpu_check_list import BY_NAME, CHECKS
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "gpu_check_scripts.py"
 KILL_GRACE_S = 10  # SIGTERM first (the worker's finally blocks run), then SIGKILL
+DRY_CAP_FACTOR = 8  # --dry-run: 2 CPU cores shared with other work, and CPU steps in place of GPU ones
 
 
 def read_records(path: Path) -> list[dict]:
@@ -121,7 +122,9 @@ def run_checks(names: list[str], args, jsonl: Path, log_path: Path, deadline: fl
             name = worker.current
             if name is None:
                 continue
-            over_cap = time.monotonic() - worker.started_at > BY_NAME[name].cap_s * (4 if args.dry_run else 1)
+            over_cap = time.monotonic() - worker.started_at > BY_NAME[name].cap_s * (
+                DRY_CAP_FACTOR if args.dry_run else 1
+            )
             if over_cap or time.monotonic() > deadline:
                 timed_out = (name, time.monotonic() - worker.started_at)
                 _kill(worker.proc)
