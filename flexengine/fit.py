@@ -1,9 +1,10 @@
 """Fit before allocating: resolve hardware, precision, memory policy and micro-batch from the planner, for every
 training run, from the HF config alone (no weight exists yet), or stop with an error that says what would fit.
 
-`precision=auto` takes the most exact mode that fits (flexengine.precision); `memory=auto` the policy with the
-cheapest estimated step (recompute FLOPs plus exposed PCIe time) over k = 0..L checkpointed blocks, granularity,
-offload and micro-batch (flexengine.memory.planner). Explicit choices are kept, and checked.
+`precision=auto` takes the fastest estimated step among the modes that fit and train correctly
+(PrecisionSpec.trains_correctly: the long-horizon numerics check), the more exact one on a tie; `memory=auto` the
+policy with the cheapest estimated step (recompute FLOPs plus exposed PCIe time) over k = 0..L checkpointed blocks,
+granularity, offload and micro-batch (flexengine.memory.planner). Explicit choices are kept, and checked.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flexengine.precision import PrecisionSpec, auto_order, check_updates_arrive
 log = logging.getLogger(__name__)
 
 GiB = 2**30
+TIE_FRACTION = 0.01  # step estimates this close are a tie, which the more exact mode wins (the estimate is no finer)
 
 
 @dataclass
@@ -59,14 +61,53 @@ def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
                 "step_s": plan["step_s"],
                 "updates_exact": spec.updates_exact,
                 "stochastic_rounding": spec.stochastic_rounding,
+                "trains_correctly": spec.trains_correctly,
+                "why_not_fit": _why_not_fit(plan),
             }
         )
         plans.append((spec, plan))
-    fitting = [sp for sp in plans if sp[1]["fits"]]
-    # the most exact mode that fits; if none does, the leanest (its suggestions say what would fit)
-    chosen = fitting[0] if fitting else min(plans, key=lambda sp: sp[1]["total_bytes"])
-    spec, plan = chosen
+    chosen = choose_precision(table)
+    _add_verdicts(table, chosen)
+    spec, plan = plans[chosen]
     return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan, table)
+
+
+def choose_precision(rows: list[dict]) -> int:
+    """The row precision=auto takes (rows most exact first): the fastest estimated step among the modes that fit
+    and train correctly, the more exact on a tie (within TIE_FRACTION); if none fits, the leanest correct mode,
+    whose plan's suggestions say what would. A single explicit mode is taken as given."""
+    correct = [i for i, r in enumerate(rows) if r["trains_correctly"]] or list(range(len(rows)))
+    fitting = [i for i in correct if rows[i]["fits"]]
+    if not fitting:
+        return min(correct, key=lambda i: rows[i]["total_bytes"])
+    fastest = min(rows[i]["step_s"] for i in fitting)
+    return next(i for i in fitting if rows[i]["step_s"] <= fastest * (1 + TIE_FRACTION))
+
+
+def _why_not_fit(plan: dict) -> str:
+    """Which budget a plan overruns, in GiB ("" when it fits)."""
+    if plan["fits"]:
+        return ""
+    if plan["total_bytes"] > plan["budget_bytes"] or not plan["host_budget_bytes"]:
+        return f"{_gib(plan['total_bytes'])} GiB > {_gib(plan['budget_bytes'])} GiB"
+    return f"host {_gib(plan['host_bytes'])} GiB > {_gib(plan['host_budget_bytes'])} GiB"
+
+
+def _add_verdicts(rows: list[dict], chosen: int) -> None:
+    """Each row's `verdict`: why precision=auto took it, or why it lost to the chosen row."""
+    best = rows[chosen]
+    vs = f"{best['precision']}'s {best['step_s']:.1f} s"
+    for i, r in enumerate(rows):
+        if i == chosen:
+            r["verdict"] = "chosen" if best["fits"] else f"leanest, and does not fit: {r['why_not_fit']}"
+        elif not r["trains_correctly"]:
+            r["verdict"] = "fails the long-horizon numerics check (small updates round away)"
+        elif not r["fits"]:
+            r["verdict"] = f"does not fit: {r['why_not_fit']}"
+        elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):
+            r["verdict"] = f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
+        else:
+            r["verdict"] = f"slower: {r['step_s']:.1f} s vs {vs}"
 
 
 def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
@@ -131,7 +172,9 @@ def _gib(n: float) -> str:
 def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobConfig, FitPlan]:
     """Plan the run and return the resolved job, or raise UserError naming what would fit."""
     fit = plan_job(job, hf_config, hardware)
-    log.info("plan:\n%s", format_fit(fit))
+    # one line in the run's log; the whole table with hydra.verbose=flexengine.fit, or from flexengine-plan
+    log.info("plan: %s", format_fit_summary(fit))
+    log.debug("plan:\n%s", format_fit(fit))
     if not fit.fits:
         explicit = _explicit_choices(job)
         what = _what_fits(job, hf_config, hardware) if explicit else fit.plan["suggestions"]
@@ -167,11 +210,14 @@ def format_fit(fit: FitPlan) -> str:
         )
     ]
     if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0]["fits"]):
-        lines.append(f"  {'precision':<16} {'device GiB':>10} {'host GiB':>9} {'step s':>7} {'fits':>5}  best policy")
+        lines.append(
+            f"  {'precision':<16} {'device GiB':>10} {'host GiB':>9} {'step s':>7} {'fits':>5}  {'best policy':<26}  "
+            "precision=auto"
+        )
         for r in fit.precision_table:
             lines.append(
                 f"  {r['precision']:<16} {_gib(r['total_bytes']):>10} {_gib(r['host_bytes']):>9} "
-                f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']}"
+                f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']:<26}  {r['verdict']}"
             )
     lines.append(
         f"  {'k (of ' + str(p['hf_config'].get('num_hidden_layers')) + ')':<8} {'policy':<26} "
@@ -201,6 +247,41 @@ def format_fit(fit: FitPlan) -> str:
                 f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
             )
     return "\n".join(lines)
+
+
+RUNNERS_UP = 2
+
+
+def format_fit_summary(fit: FitPlan) -> str:
+    """The plan in one line: the chosen configuration, the precision modes tried, and the cheapest runners-up of
+    other policy families (what a training run logs; flexengine-plan prints the whole table)."""
+    p = fit.plan
+    chosen = (
+        f"precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
+        f"{_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB device, host {_gib(p['host_bytes'])} of "
+        f"{_gib(p['host_budget_bytes'])} GiB, ~{p['step_s']:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
+    )
+    if len(fit.precision_table) > 1:
+        chosen += (
+            " (precision=auto weighed: "  # why each other mode lost (fit._add_verdicts)
+            + "; ".join(f"{r['precision']} {r['verdict']}" for r in fit.precision_table)
+            + ")"
+        )
+    families, runners = {_family(p["memory"], p["micro_batch"])}, []
+    for r in sorted((r for r in p["candidates"] if r["fits"]), key=lambda r: (r["cost"], r["k"], r["total_bytes"])):
+        family = _family(r["memory"], r["micro_batch"])
+        if family in families:
+            continue
+        families.add(family)
+        runners.append(f"{r['label']} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.2f} s/step)")  # labels say mb=
+        if len(runners) == RUNNERS_UP:
+            break
+    return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"
+
+
+def _family(memory: dict, micro_batch: int) -> tuple:
+    """A policy family: what differs between runners-up worth naming (not just another k of the same policy)."""
+    return memory["policy"], memory["granularity"], bool(memory["offload"]), micro_batch
 
 
 def _reduce_line(p: dict, hw: HardwareConfig) -> str:

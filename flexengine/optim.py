@@ -3,7 +3,8 @@
 `optim.name` picks the optimizer:
   adamw              torch AdamW; two states per parameter in the parameter's dtype
   adamw_8bit         torchao AdamW8bit: block-quantised 8-bit states (~2 bytes/param instead of 8)
-  adamw_bf16         torchao AdamW with bf16 states and stochastic rounding of bf16 weights (no fp32 master)
+  adamw_bf16         torchao AdamW, stochastic rounding of bf16 weights (no fp32 master), bf16 exp_avg and fp32
+                     exp_avg_sq (adamw_bf16.py: a bf16 one cannot follow a falling gradient scale)
   adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU (host_adamw.py)
 The planner asks `optimizer_state_bytes_per_param` what each choice costs on the device and on the host.
 """
@@ -42,7 +43,7 @@ def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.
         # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
         return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
     if name == "adamw_bf16":
-        return 4.0, 0.0  # two bf16 states
+        return 2.0 + 4.0, 0.0  # bf16 exp_avg + fp32 exp_avg_sq (flexengine.adamw_bf16)
     if name == "adamw_cpu_offload":
         return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
     raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
@@ -122,7 +123,9 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
                     f"optim.name=adamw_bf16 keeps bf16 weights with stochastic rounding, but the model's trainable "
                     f"weights are {sorted(map(str, dtypes))}: use precision=bf16_sr (bf16 weights with this optimizer)."
                 )
-            return cls(groups, **common, bf16_stochastic_round=True)
+            from flexengine.adamw_bf16 import AdamWBF16  # subclasses torchao's, imported just above
+
+            return AdamWBF16(groups, **common)
         opt = cls(groups, **common)
         _keep_embedding_states_fp32(opt, model)
         return opt

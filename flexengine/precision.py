@@ -29,10 +29,12 @@ from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# The order `precision=auto` tries, most exact first. On CUDA fp32 is left out: it runs the matmuls without
-# bf16 tensor cores (several times slower) for updates no more exact than bf16_mixed's.
-AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr")
-AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr")
+# The modes `precision=auto` weighs, most exact first (a tie in estimated step time goes to the earlier one). It
+# takes the fastest of those that fit and train correctly (flexengine.fit); bf16_pure never does, and is planned
+# only so the plan can show what it would have saved. On CUDA fp32 is left out: the planner's step time assumes
+# bf16 tensor cores, and fp32 matmuls run several times slower for updates no more exact than bf16_mixed's.
+AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
+AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
 PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
 
 
@@ -86,6 +88,14 @@ class PrecisionSpec:
             "host_scratch": 4.0 if host and w != 4 else 0.0,
         }
 
+    @property
+    def trains_correctly(self) -> bool:
+        """Whether this mode's optimizer steps like fp32 AdamW over a long run at any lr (0.9-1.1x its mean step
+        after 3,000 steps of a falling gradient scale, beta2 0.95 and 0.999: flexengine.optim_numerics, asserted
+        for every mode by tests/test_optim_numerics.py). Exact updates do; so does stochastic rounding, now that
+        adamw_bf16 keeps exp_avg_sq in fp32. bf16_pure rounds small updates away: never."""
+        return self.updates_exact or self.stochastic_rounding
+
     def updates_arrive(self, lr: float) -> bool:
         """Whether AdamW updates of size ~lr reach bf16-stored weights (always for exact or SR modes)."""
         return self.updates_exact or self.stochastic_rounding or lr >= PURE_BF16_MIN_LR
@@ -114,7 +124,7 @@ _COMPATIBLE_OPTIMIZERS = {
 
 
 def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
-    """The modes precision=auto tries, most exact first; an explicit optim.name narrows them."""
+    """The modes precision=auto weighs, most exact first; an explicit optim.name narrows them."""
     order = AUTO_ORDER_CUDA if on_cuda else AUTO_ORDER_CPU
     return tuple(m for m in order if optimizer == "adamw" or optimizer in _COMPATIBLE_OPTIMIZERS[m])
 

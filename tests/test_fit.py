@@ -9,7 +9,7 @@ import pytest
 
 from flexengine.doctor import compose_job
 from flexengine.errors import UserError
-from flexengine.fit import fit_job, format_fit, plan_job
+from flexengine.fit import choose_precision, fit_job, format_fit, plan_job
 from flexengine.hardware import assumed_hardware
 from flexengine.model import build_hf_config
 
@@ -73,10 +73,49 @@ def test_random_7b_on_this_cpu_stops_before_allocating(tmp_path, monkeypatch):
 def test_bf16_pure_is_only_taken_when_asked_and_warns_at_small_lr(caplog):
     _, fit = _fit(*SEVEN_B, "hardware=h200_141g")
     assert fit.precision.name != "bf16_pure"
-    assert all(r["precision"] != "bf16_pure" for r in fit.precision_table)
+    pure_row = next(r for r in fit.precision_table if r["precision"] == "bf16_pure")  # planned, to say why not
+    assert pure_row["verdict"].startswith("fails the long-horizon numerics check")
     with caplog.at_level(logging.WARNING, logger="flexengine.precision"):
         _, pure = _fit(*SEVEN_B, "precision=bf16_pure")
     assert pure.precision.name == "bf16_pure" and "round away" in caplog.text
+
+
+def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_correctly():
+    """Issue 19: on the README's deepseek7b_6k_a100 plan, precision=auto's step is within 5 % of the fastest
+    fitting mode that passes the long-horizon numerics check (it took bf16_cpu_master, planned 1.5x slower than
+    bf16_sr), and the plan says for every other mode why it lost."""
+    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
+    fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    rows = {r["precision"]: r for r in fit.precision_table}
+    eligible = [r for r in rows.values() if r["fits"] and r["trains_correctly"]]
+    assert fit.fits and fit.precision.trains_correctly and len(eligible) >= 2
+    fastest = min(r["step_s"] for r in eligible)
+    assert rows[fit.precision.name]["step_s"] <= 1.05 * fastest
+    text = format_fit(fit)
+    for name, row in rows.items():
+        assert f"{name:<16}" in text and row["verdict"] in text
+        if name != fit.precision.name:
+            assert row["verdict"].startswith(("slower: ", "does not fit: ", "fails the long-horizon", "ties with "))
+    assert rows["bf16_pure"]["verdict"].startswith("fails the long-horizon numerics check")
+
+
+def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, total: float = 1.0) -> dict:
+    return {"precision": name, "step_s": step_s, "fits": fits, "trains_correctly": correct, "total_bytes": total}
+
+
+@pytest.mark.parametrize(
+    "rows,want",
+    [
+        ([_row("exact", 10.0), _row("fast", 8.0)], "fast"),  # faster wins
+        ([_row("exact", 10.05), _row("fast", 10.0)], "exact"),  # within 1 %: the more exact
+        ([_row("exact", 10.0), _row("pure", 5.0, correct=False)], "exact"),  # bf16_pure never
+        ([_row("exact", 5.0, fits=False), _row("fast", 8.0)], "fast"),  # must fit
+        ([_row("exact", 5.0, fits=False, total=3.0), _row("lean", 8.0, fits=False, total=2.0)], "lean"),
+        ([_row("pure", 5.0, correct=False)], "pure"),  # asked for explicitly
+    ],
+)
+def test_choose_precision(rows, want):
+    assert rows[choose_precision(rows)]["precision"] == want
 
 
 def test_user_given_memory_fields_are_respected():

@@ -74,3 +74,24 @@ def test_lora_keeps_frozen_base_in_bf16_and_the_step_of_fp32_frozen_weights(tmp_
     want = [reference.train_step()["loss"] for _ in range(2)]
     assert got[1] != got[0]  # the adapters moved
     assert got == pytest.approx(want, rel=5e-3)  # bf16 rounding of the frozen weights only
+
+
+def test_bf16_sr_trains_through_the_loop_and_logs_numbers(tmp_path):
+    """precision=bf16_sr through the training loop for 2 steps (what `python -m flexengine.train debug=fast
+    precision=bf16_sr` runs). torchao keeps param_groups' lr as a tensor, which once crashed the first log line
+    (json.dumps in metrics.jsonl): the precision proof calls the optimizer directly and could not see it."""
+    import json
+    import math
+
+    import torch
+
+    from flexengine.cli import compose_job
+    from flexengine.run import run_training
+
+    job = compose_job(["debug=fast", "precision=bf16_sr", "train.max_steps=2", f"train.output_dir={tmp_path}"])
+    with torch.compiler.set_stance("force_eager"):  # torchao compiles its step per tensor shape: minutes on CPU
+        summary = run_training(job, tmp_path)
+    assert summary["steps"] == 2 and all(math.isfinite(loss) for loss in summary["losses"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["type"] == "train"]
+    assert len(lrs) == 2 and all(isinstance(lr, float) and lr > 0 for lr in lrs)
