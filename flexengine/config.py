@@ -211,9 +211,9 @@ def check_arch_sizes(arch: Any, where: str) -> None:
 class PrecisionConfig:
     """Storage and compute dtypes of weights, grads and optimizer states (see flexengine.precision)."""
 
-    # auto: the most exact mode that fits the hardware | fp32 | bf16_mixed (fp32 masters, bf16 compute) |
-    # bf16_sr (bf16 weights, stochastic-rounding AdamW) | bf16_cpu_master (fp32 masters + states in host RAM) |
-    # bf16_pure (bf16 everything: small updates round away; only when asked)
+    # auto: the fastest mode that fits and trains correctly (flexengine.fit) | fp32 | bf16_mixed (fp32 masters,
+    # bf16 compute) | bf16_sr (bf16 weights, stochastic-rounding AdamW) | bf16_cpu_master (fp32 masters + states in
+    # host RAM) | bf16_pure (bf16 everything: small updates round away; only when asked)
     mode: str = "auto"
 
     def __post_init__(self) -> None:

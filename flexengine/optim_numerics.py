@@ -15,6 +15,7 @@ at all, with the expected change equal to the update, so the mean |change| is un
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -108,7 +109,8 @@ def reference_step(beta2: float, horizon: Horizon = Horizon()) -> float:
 
 def step_ratio(spec: PrecisionSpec, beta2: float, horizon: Horizon = Horizon()) -> float:
     """The mode's mean step over the tail / fp32 AdamW's on the same gradients (1.0 = steps like fp32)."""
-    return mean(step_sizes(spec, beta2, horizon)) / reference_step(beta2, horizon)
+    reference = reference_step(beta2, dataclasses.replace(horizon, eager=True))  # torch AdamW: nothing to compile
+    return mean(step_sizes(spec, beta2, horizon)) / reference
 
 
 def within_band(ratio: float) -> bool:

@@ -9,7 +9,8 @@ to move at all. Modes, most exact first:
   bf16_mixed       fp32 master weights, grads and states; bf16 compute (autocast on one device; FSDP2's
                    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded params).
   bf16_cpu_master  bf16 weights and grads on the device; fp32 masters and AdamW states in host memory.
-  bf16_sr          bf16 weights, grads and states; torchao AdamW with stochastic rounding (unbiased updates).
+  bf16_sr          bf16 weights, grads and exp_avg, fp32 exp_avg_sq; torchao AdamW with stochastic rounding of
+                   the weights (unbiased updates; a bf16 exp_avg_sq could not fall: flexengine.adamw_bf16).
   bf16_pure        bf16 everything with torch AdamW: small updates round away. Only when asked.
 
 Under LoRA the frozen base weights are never updated, so an fp32 master of them is pure waste: every bf16 mode
