@@ -4,19 +4,12 @@ import pytest
 import torch
 
 from flexengine.attention.block_mask import build_batch_mask
+from flexengine.attention.mask_mode import mask_mode
 from flexengine.attention.spec import AttnBackend
-from flexengine.config import AttnMode
 
 
 def _mask(doc, mode, backend, window=100, block_size=128):
-    m = AttnMode(mode)
-    return build_batch_mask(
-        doc,
-        documents=m.documents,
-        window=window if m.windowed else None,
-        backend=AttnBackend(backend),
-        block_size=block_size,
-    )
+    return build_batch_mask(doc, mode=mask_mode(mode, window), backend=AttnBackend(backend), block_size=block_size)
 
 
 def _layout(seq_len, lengths):
@@ -48,8 +41,7 @@ def test_block_density_drops_with_many_short_documents():
 
 @pytest.mark.parametrize("mode", ["causal", "packed_doc", "sliding_window", "packed_sliding"])
 def test_block_level_builder_equals_torch_create_block_mask(mode):
-    from flexengine.attention.block_mask import _create_block_mask, canonical_document_ids, document_block_mask
-    from flexengine.attention.masks import get_mask_mod
+    from flexengine.attention.block_mask import _create_block_mask, build_block_mask, canonical_document_ids
 
     g = torch.Generator().manual_seed(1)
     seq_len, block = 1024, 128
@@ -62,10 +54,9 @@ def test_block_level_builder_equals_torch_create_block_mask(mode):
             total += n
         rows.append(_layout(seq_len, lengths))
     doc = canonical_document_ids(torch.stack(rows))
-    m = AttnMode(mode)
-    window = 200 if m.windowed else None
-    ours = document_block_mask(m.documents, doc, window, block)
-    torch_built = _create_block_mask(get_mask_mod(doc if m.documents else None, window), 3, seq_len, doc.device, block)
+    m = mask_mode(mode, 200)
+    ours = build_block_mask(m, doc, block)
+    torch_built = _create_block_mask(m.mask_mod(doc), 3, seq_len, doc.device, block)
     assert torch.equal(ours.to_dense(), torch_built.to_dense())
     # "full" blocks skip the mask_mod: they must be exactly torch's (a wrong full block would leak attention)
     assert torch.equal(ours.full_kv_num_blocks, torch_built.full_kv_num_blocks)

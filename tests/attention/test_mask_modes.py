@@ -173,9 +173,10 @@ def test_an_inner_mask_in_local_coordinates_runs_packed_exactly_as_each_document
     assert not torch.equal(row_positions, _dense(MaskMode(inner, True), ids))
 
 
-@pytest.mark.parametrize("name", list(MODES))
+@pytest.mark.parametrize("name", [*MODES, "prefix_lm"])
 def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
-    """Rows that are no multiple of the block also take the block-level BlockMask (torch masks the padding)."""
+    """Rows that are no multiple of the block also take the block-level BlockMask (torch masks the padding); the
+    prefix-LM runs flex's element-wise path with document-local positions."""
     from flexengine.attention.block_mask import build_batch_mask
     from flexengine.attention.patch import LayerMasks, flexengine_attention
     from flexengine.attention.spec import AttentionSpec, AttnBackend
@@ -186,8 +187,9 @@ def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
     q, k, v = (torch.randn(2, 2, 300, 8, generator=g) for _ in range(3))
     outs = []
     for backend in (AttnBackend.FLEX, AttnBackend.DENSE):
-        spec = AttentionSpec(AttnMode(name), backend, (None,), (None,), "test", compile=False)
-        mask = build_batch_mask(ids, mode=mask_mode(name, 90), backend=backend, dense_chunk=64)
+        spec = AttentionSpec(AttnMode.PACKED_DOC, backend, (None,), (None,), "test", compile=False)
+        mode = MaskMode(PrefixLM(100), True) if name == "prefix_lm" else mask_mode(name, 90)
+        mask = build_batch_mask(ids, mode=mode, backend=backend, dense_chunk=64)
         outs.append(
             flexengine_attention(None, q, k, v, None, scaling=0.3, flexengine_mask=LayerMasks(spec, {None: mask}))[0]
         )

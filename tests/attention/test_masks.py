@@ -6,10 +6,8 @@ from flexengine.attention.block_mask import dense_mask_from_mod
 from flexengine.attention.mask_mode import mask_mode
 from flexengine.attention.masks import (
     document_ids_from_position_ids,
-    get_mask_mod,
     position_ids_from_document_ids,
 )
-from flexengine.config import AttnMode
 
 
 def _brute_force(mode, doc, window):
@@ -29,8 +27,7 @@ def _brute_force(mode, doc, window):
 def test_every_mode_matches_brute_force_definition():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3]])
     for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
-        m = AttnMode(mode)
-        mod = get_mask_mod(doc if m.documents else None, window=3 if m.windowed else None)
+        mod = mask_mode(mode, 3).mask_mod(doc)
         dense = dense_mask_from_mod(mod, 1, range(doc.shape[1]), range(doc.shape[1]), doc.device)[0, 0]
         assert torch.equal(dense, _brute_force(mode, doc[0], 3)), mode
 

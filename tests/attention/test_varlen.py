@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flexengine.attention.block_mask import build_batch_mask
+from flexengine.attention.mask_mode import mask_mode
 from flexengine.attention.patch import LayerMasks, flexengine_attention
 from flexengine.attention.spec import AttentionSpec, AttnBackend
 from flexengine.attention.varlen import band_chunk, build_varlen_plan, document_runs
@@ -31,7 +32,7 @@ def layer_masks(mode: str, backend: str, doc, window=None, dense_chunk=512) -> L
     m = AttnMode(mode)
     window = window if m.windowed else None
     mask = build_batch_mask(
-        doc, documents=m.documents, window=window, backend=AttnBackend(backend), block_size=16, dense_chunk=dense_chunk
+        doc, mode=mask_mode(mode, window), backend=AttnBackend(backend), block_size=16, dense_chunk=dense_chunk
     )
     spec = AttentionSpec(m, AttnBackend(backend), (window,), (None,), "test")
     return LayerMasks(spec, {None: mask})
