@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -185,15 +187,14 @@ def run_entry_point(overrides: List[str]) -> Tuple[int, str]:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except Exception as e:  # any exception is a crash the matrix reports (with its traceback)
-        import traceback
-
         err.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
         code = 1
     finally:
         sys.argv = argv
-        import logging
-
         logging.getLogger().handlers.clear()  # Hydra's handlers hold this run's StringIO and log file
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None  # later compositions in this process must not see this run's overrides
     return code, err.getvalue()
 
 
