@@ -365,6 +365,8 @@ class DataConfig:
     # | drop | split (mid-turn, by data.long_docs: an explicit choice); truncated and dropped ones are counted
     max_docs: Optional[int] = None  # use only the first N documents (None = all)
     on_error: str = "raise"  # raise: stop at the first bad record with file:line | skip: skip and count
+    max_record_bytes: int = 64 << 20  # a JSONL line (one record) longer than this is a bad record (data.on_error),
+    # read no further than this: a runaway single-line file would otherwise be held and tokenized whole
     seq_len: int = 1024  # tokens per packed row
     packing: str = "auto"  # auto (bfd for packed attn modes, none otherwise) | bfd (best-fit decreasing) | greedy
     # (data order) | none (one document per row, padded to the batch's longest)
@@ -388,6 +390,8 @@ class DataConfig:
         _check_choice("data.packing", self.packing, PACKING_STRATEGIES)
         _check_choice("data.long_docs", self.long_docs, LONG_DOC_POLICIES)
         _check_choice("data.on_error", self.on_error, ("raise", "skip"))
+        if self.max_record_bytes <= 0:
+            raise UserError(f"data.max_record_bytes={self.max_record_bytes} must be a positive number of bytes.")
         _check_choice("data.train_on", self.train_on, ("assistant", "all"))
         _check_choice("data.assistant_mask", self.assistant_mask, ("auto", "template", "prefix"))
         _check_choice("data.long_chats", self.long_chats, ("truncate", "drop", "split"))

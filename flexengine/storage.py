@@ -115,7 +115,20 @@ def read_manifest(directory: Path) -> dict:
             raise TypeError("every file needs {bytes, sha256}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{path} is not a valid manifest ({type(e).__name__}: {e})") from None
+    outside = [name for name in files if not _inside(name)]
+    if outside:
+        raise UserError(
+            f"{path} names files outside its checkpoint ({', '.join(map(repr, outside[:3]))}): a manifest lists the "
+            "checkpoint's own files by relative path only. It was edited or forged; resume from a checkpoint you "
+            "trust."
+        )
     return manifest
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's file name stays inside its directory: relative, no `..`, no empty or `.` part."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
 def verify_manifest(directory: Path, required: Sequence[str] = ()) -> Optional[str]:
@@ -155,7 +168,8 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(steps, reverse=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has this pid (someone else's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -192,7 +206,7 @@ def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
     """
     host, removed = socket.gethostname(), []
     for p, its_host, pid, size in unfinished_saves(root):
-        if its_host == host and pid != os.getpid() and _pid_alive(pid):
+        if its_host == host and pid != os.getpid() and pid_alive(pid):
             continue  # a live process of this host is writing it
         if its_host != host and not owned:
             log.warning(

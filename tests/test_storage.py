@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from flexengine.errors import OutputDirTaken
+from flexengine.errors import OutputDirTaken, UserError
 from flexengine.storage import RUN_LOCK, hold_output_dir
 
 HOLDER = textwrap.dedent(
@@ -105,3 +105,22 @@ def test_two_training_runs_started_together_one_is_refused(tmp_path):
     assert steps == sorted(set(steps)), steps  # one run's records, not two interleaved
     assert not (tmp_path / "outputs").exists()  # F-9: Hydra's files went to train.output_dir
     assert (out / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/abs/outside.bin", "a/../../outside.bin", "./x"])
+def test_a_manifest_naming_files_outside_its_checkpoint_is_refused(tmp_path, name):
+    """Before: such names were hashed (reading any file the user can read) and the checkpoint verified."""
+    from flexengine.storage import MANIFEST, read_manifest, sha256_file, verify_manifest, write_manifest
+
+    step = tmp_path / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"weights")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    manifest = write_manifest(step, 1)
+    manifest["files"][name] = {"bytes": 6, "sha256": sha256_file(outside)}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    problem = verify_manifest(step)
+    assert problem is not None and "names files outside its checkpoint" in problem and repr(name) in problem
+    with pytest.raises(UserError, match="outside its checkpoint"):
+        read_manifest(step)

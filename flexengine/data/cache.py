@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from flexengine.config import DataConfig
+from flexengine.storage import pid_alive
 
 CACHE_VERSION = 1  # bump when the layout or the encoding rules change
 _NPY_HEADER_BYTES = 128  # numpy pads a 1-D v1.0 header to 64-byte multiples: 128 fits any length
@@ -49,7 +52,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key_inputs(data: DataConfig, files: list[Path], tokenizer) -> dict:
     """Everything the tokenized corpus depends on, as a JSON-able dict."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    keys = ["source", "format", "text_field", "messages_field", "max_docs", "on_error", "add_eos"]
+    keys = ["source", "format", "text_field", "messages_field", "max_docs", "on_error", "add_eos", "max_record_bytes"]
     if data.source == "hf":  # one saved DatasetDict holds several splits: each is its own corpus
         keys.append("hf_split")
     if data.format in ("chat", "mixed"):  # what the chat encoding depends on (text caches ignore seq_len)
@@ -116,12 +119,29 @@ class _NpyAppender:
         self.file.close()
 
 
+_TMP_ENTRY = re.compile(r"^.+\.tmp_(?P<host>.+)_(?P<pid>\d+)$")
+
+
+def clean_stale_entries(corpus_dir: Path) -> list[Path]:
+    """Remove the temporary entries of tokenizing processes of this host that are gone; returns them. A SIGTERM or
+    SIGKILL during tokenization ends the process before any cleanup runs, and its `<key>.tmp_<host>_<pid>`
+    directory (up to the corpus's size) would stay forever. Other hosts' entries (a shared cache) are left alone."""
+    host, removed = socket.gethostname(), []
+    for p in sorted(corpus_dir.iterdir()) if corpus_dir.is_dir() else []:
+        m = _TMP_ENTRY.match(p.name)
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 class CorpusWriter:
     """Streams documents into a new cache entry; `commit` makes it visible atomically, `abort` removes it."""
 
     def __init__(self, directory: Path, with_mask: bool, token_dtype: Any = np.int32):
         self.directory = directory
-        self.tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+        clean_stale_entries(directory.parent)
+        self.tmp = directory.with_name(f"{directory.name}.tmp_{socket.gethostname()}_{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.tokens = _NpyAppender(self.tmp / "tokens.npy", token_dtype)

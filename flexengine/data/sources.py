@@ -301,11 +301,26 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
     return reason, message, (record.get("input_ids"), record.get("labels"))
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, Optional[str], str]]:
-    # bytes in, decoded per line: one bad line (invalid UTF-8, binary junk) is one bad record with its file:line
+def _skip_rest_of_line(f: Any) -> None:
+    """Read past the end of the current line without holding it (chunks of 1 MiB)."""
+    while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
+        pass
+
+
+def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[tuple[str, Any, Optional[str], str]]:
+    # bytes in, decoded per line: one bad line (invalid UTF-8, binary junk) is one bad record with its file:line;
+    # a line is read to at most max_bytes (data.max_record_bytes), so a runaway one is never held or tokenized
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(max_bytes + 1), b""), 1):
             where = f"{path}:{lineno}"
+            if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                _skip_rest_of_line(f)
+                problem = (
+                    f"a record longer than data.max_record_bytes={max_bytes} bytes (one line of the file; raise "
+                    "data.max_record_bytes to read it, or split the document into several records)"
+                )
+                yield where, None, problem, "record_too_large"
+                continue
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is layout
             except UnicodeDecodeError as e:
@@ -349,7 +364,7 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
             text = path.read_text(encoding="utf-8", errors="replace")
             records = iter([(str(path), {data.text_field: text}, None, "")])
         elif data.source == "jsonl":
-            records = _iter_jsonl(path)
+            records = _iter_jsonl(path, data.max_record_bytes)
         elif data.source == "hf":
             records = _iter_hf(path, data)
         else:

@@ -101,3 +101,39 @@ def test_mask_file_only_when_something_is_masked(tmp_path):
         assert (loss_mask is not None) == expect_file
         if expect_file:
             assert loss_mask.tolist() == [True, True, True, False, True]
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from flexengine.data.cache import CorpusWriter
+CorpusWriter(Path(sys.argv[1]), with_mask=False)
+print("writing", flush=True)
+time.sleep(120)
+"""
+
+
+def _tokenizing_process(entry):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(entry)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    return proc
+
+
+def test_a_tokenizer_killed_by_sigterm_leaves_no_temp_entry_behind(tmp_path):
+    """Before: SIGTERM during tokenization left `<key>.tmp<pid>` in the cache forever."""
+    corpus = tmp_path / "corpus"
+    killed, alive = _tokenizing_process(corpus / "a"), _tokenizing_process(corpus / "b")
+    try:
+        killed.terminate()  # SIGTERM: the default action, no Python cleanup runs
+        killed.wait()
+        leftovers = [p.name for p in corpus.iterdir()]
+        assert len(leftovers) == 2 and all(".tmp" in name for name in leftovers)
+        cache.CorpusWriter(corpus / "c", with_mask=False).abort()  # the next tokenization sweeps
+        remaining = [p.name for p in corpus.iterdir()]
+        assert remaining == [n for n in leftovers if n.startswith("b.")]  # the live writer's entry is kept
+    finally:
+        alive.kill()
+        alive.wait()

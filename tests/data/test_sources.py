@@ -169,3 +169,22 @@ def test_utf8_bom_and_crlf_are_layout(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n" + GOOD.encode() + b"\r\n")
     docs, counts = _read(DataConfig(source="jsonl", path=str(path)))
     assert len(docs) == 2 and counts == {}
+
+
+def test_a_record_over_max_record_bytes_is_a_bad_record_read_no_further(tmp_path):
+    """Before: a 200 MB single-line JSONL was read and tokenized whole (4.6 GiB RSS after minutes, no bound)."""
+    huge = json.dumps({"text": "x" * 5000})
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([GOOD, huge, GOOD, huge]))  # the last line has no newline: bounded too
+    with pytest.raises(UserError) as err:
+        _read(DataConfig(source="jsonl", path=str(path), max_record_bytes=1000))
+    assert f"{path}:2: a record longer than data.max_record_bytes=1000 bytes" in str(err.value)
+    docs, counts = _read(DataConfig(source="jsonl", path=str(path), max_record_bytes=1000, on_error="skip"))
+    assert [d.where for d in docs] == [f"{path}:1", f"{path}:3"] and counts == {"record_too_large": 2}
+    docs, _ = _read(DataConfig(source="jsonl", path=str(path), max_record_bytes=len(huge)))  # a line fits exactly
+    assert len(docs) == 4
+
+
+def test_max_record_bytes_must_be_positive():
+    with pytest.raises(UserError, match="data.max_record_bytes=0 must be a positive"):
+        DataConfig(max_record_bytes=0)
