@@ -63,6 +63,15 @@ def transfer_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     return buffer, pin and nbytes > 0 and _register_pinned(buffer)
 
 
+def _without_step_hooks(step):
+    """A torch optimizer class's step without the wrapper torch adds to a class when it is first instantiated
+    (profiling + step pre/post hooks): the host step calls AdamW's once per parameter, and hooks registered on this
+    optimizer must run once per step, around the whole of it."""
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
 def _unregister(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
@@ -197,6 +206,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         # in the order the downloads started (the backward's: last block first), so the host steps the gradients
         # that landed first while the last ones are still crossing; the values do not depend on the order
         order = list(self._arrived) + [k for k in range(len(self._pairs)) if k not in self._arrived]
+        adamw_step = _without_step_hooks(torch.optim.AdamW.step)
         for k in order:
             device_p, master = self._pairs[k]
             if k not in self._arrived:
@@ -206,7 +216,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
             if self._arrived[k] is not True:
                 self._arrived[k].synchronize()  # this slot's download has landed (CUDA)
             master.grad = self._host_grad(k, coef)
-            super().step()  # only this master has a gradient: torch's AdamW steps it alone
+            adamw_step(self)  # only this master has a gradient: torch's AdamW steps it alone
             master.grad = None
             self._upload(k)
         self._arrived = {}

@@ -76,6 +76,22 @@ def test_host_step_is_fused_adamw_and_equals_foreach_adamw_on_the_masters():
     assert torch.equal(device[1], torch.ones(64, dtype=torch.bfloat16))  # ... its bf16 copy could not
 
 
+def test_step_hooks_run_once_per_step_around_the_per_parameter_updates():
+    """The host step calls torch's AdamW once per parameter; hooks registered on the optimizer (the trainer's tests,
+    profilers) must still see one step. A plain AdamW built first makes torch wrap AdamW.step with its hook runner."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(4)]
+    opt = CPUOffloadAdamW([{"params": params}], lr=1e-3)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    for p in params:
+        p.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    assert calls == ["pre", "post"]
+    assert all(float(m[0]) == pytest.approx(-1e-3, rel=1e-3) for _, m in opt._pairs)  # every parameter stepped
+
+
 @pytest.mark.parametrize("max_norm", [float("inf"), 0.05])
 def test_downloads_in_the_last_backward_equal_the_plain_step_exactly(max_norm):
     """With accumulation over 3 micro-batches (and clipping at 0.05, which clips every step here), the gradients
