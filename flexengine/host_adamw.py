@@ -10,7 +10,8 @@ Per parameter and step (optim.name=adamw_cpu_offload; precision=bf16_cpu_master)
   3. it rounds the master into the same slot (round-to-nearest, as a bf16 copy_ does) and uploads it on a side
      stream while the next parameter steps.
 Host bytes per trainable parameter: fp32 master 4 + two fp32 states 8 + the slot (the device dtype's size), plus
-one fp32 scratch of the largest parameter; PCIe: twice the device dtype's size per step (TRANSFERS_PER_STEP).
+one fp32 scratch of the largest parameter; PCIe: twice the device dtype's size per step (memory/planner.py counts
+both: host_optimizer_bytes, host_optimizer_seconds).
 
 Pinned memory: a non-blocking device -> host copy into an unpinned tensor allocates pinned memory through the
 CUDA host caching allocator, which rounds each block up to a power of two (25.7 GiB -> 34 GiB at 6.9B fp32);
@@ -42,7 +43,6 @@ from torch import nn
 
 from flexengine.memory.offload import CudaStreams
 
-TRANSFERS_PER_STEP = 2  # each parameter crosses PCIe twice a step in the device dtype: gradient down, weights up
 _ALIGN = 64  # bytes: each slot of the transfer buffer starts on a cache line
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s: coefficient max_norm / (norm + eps)
 
