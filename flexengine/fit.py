@@ -84,6 +84,17 @@ def choose_precision(rows: list[dict]) -> int:
     return next(i for i in fitting if rows[i]["step_s"] <= fastest * (1 + TIE_FRACTION))
 
 
+def precision_verdicts(fit: FitPlan) -> list[str]:
+    """precision=auto's weighing, one line per mode (none for a single given mode)."""
+    if len(fit.precision_table) < 2:
+        return []
+    return [f"precision={r['precision']:<16} {_secs(r['step_s']):>9}/step  {r['verdict']}" for r in fit.precision_table]
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s >= 1 else f"{s:.2g} s"  # a tiny CPU model's step is milliseconds
+
+
 def _why_not_fit(plan: dict) -> str:
     """Which budget a plan overruns, in GiB ("" when it fits)."""
     if plan["fits"]:
@@ -96,7 +107,7 @@ def _why_not_fit(plan: dict) -> str:
 def _add_verdicts(rows: list[dict], chosen: int) -> None:
     """Each row's `verdict`: why precision=auto took it, or why it lost to the chosen row."""
     best = rows[chosen]
-    vs = f"{best['precision']}'s {best['step_s']:.1f} s"
+    vs = f"{best['precision']}'s {_secs(best['step_s'])}"
     for i, r in enumerate(rows):
         if i == chosen:
             r["verdict"] = "chosen" if best["fits"] else f"leanest, and does not fit: {r['why_not_fit']}"
@@ -107,7 +118,7 @@ def _add_verdicts(rows: list[dict], chosen: int) -> None:
         elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):
             r["verdict"] = f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
         else:
-            r["verdict"] = f"slower: {r['step_s']:.1f} s vs {vs}"
+            r["verdict"] = f"slower: {_secs(r['step_s'])} vs {vs}"
 
 
 def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
@@ -174,6 +185,8 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
     fit = plan_job(job, hf_config, hardware)
     # one line in the run's log; the whole table with hydra.verbose=flexengine.fit, or from flexengine-plan
     log.info("plan: %s", format_fit_summary(fit))
+    for line in precision_verdicts(fit):  # precision=auto: one line per mode, why it was taken or lost
+        log.info("plan: %s", line)
     log.debug("plan:\n%s", format_fit(fit))
     if not fit.fits:
         explicit = _explicit_choices(job)
@@ -263,8 +276,8 @@ def format_fit_summary(fit: FitPlan) -> str:
     )
     if len(fit.precision_table) > 1:
         chosen += (
-            " (precision=auto weighed: "  # why each other mode lost (fit._add_verdicts)
-            + "; ".join(f"{r['precision']} {r['verdict']}" for r in fit.precision_table)
+            " (precision tried: "
+            + ", ".join(f"{r['precision']} {'fits' if r['fits'] else 'no'}" for r in fit.precision_table)
             + ")"
         )
     families, runners = {_family(p["memory"], p["micro_batch"])}, []

@@ -9,7 +9,7 @@ import pytest
 
 from flexengine.doctor import compose_job
 from flexengine.errors import UserError
-from flexengine.fit import choose_precision, fit_job, format_fit, plan_job
+from flexengine.fit import choose_precision, fit_job, format_fit, plan_job, precision_verdicts
 from flexengine.hardware import assumed_hardware
 from flexengine.model import build_hf_config
 
@@ -97,6 +97,8 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
         if name != fit.precision.name:
             assert row["verdict"].startswith(("slower: ", "does not fit: ", "fails the long-horizon", "ties with "))
     assert rows["bf16_pure"]["verdict"].startswith("fails the long-horizon numerics check")
+    logged = precision_verdicts(fit)  # what a training run logs: one line per mode
+    assert len(logged) == len(rows) and all(any(r["verdict"] in line for line in logged) for r in rows.values())
 
 
 def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, total: float = 1.0) -> dict:
