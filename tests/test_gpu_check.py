@@ -58,15 +58,18 @@ def test_the_check_list_and_the_worker_name_the_same_checks_in_order():
     assert sum(c.expected_s for c in gpu_check_list.CHECKS) <= 400  # the 7-minute call, wheels installed first
 
 
-def test_8_layers_let_the_allocator_check_see_a_halved_activation_term_and_2_did_not():
-    """At 7B width and 8K the planner's activation share decides whether +-10 % can catch a halved term."""
+def test_the_allocator_check_shape_lets_a_halved_activation_term_show_and_2_layers_did_not():
+    """At 7B width the planner's activation share decides whether +-10 % can catch a halved term: the check's
+    shape must move the total by twice the tolerance; the old 2-layer shape stayed inside it."""
     moved = {}
-    for layers in (2, 8):
-        terms = width.plan_for_gpu(width.width_overrides(layers, 8192, "precision.mode=bf16_mixed", "memory=none"))
-        planned = sum(v for k, v in terms["terms"].items() if k != "cuda_reserve_bytes")
-        moved[layers] = terms["terms"]["activation_bytes"] / 2 / planned
-    assert moved[8] > width.MEMORY_RTOL, moved
-    assert moved[2] < moved[8]
+    for layers, seq_len in ((2, 8192), (8, width.ALLOCATOR_SEQ_LEN)):
+        overrides = width.width_overrides(layers, seq_len, "precision.mode=bf16_mixed", "memory=none")
+        terms = width.plan_for_gpu(overrides)["terms"]
+        planned = sum(v for k, v in terms.items() if k != "cuda_reserve_bytes")
+        moved[layers] = terms["activation_bytes"] / 2 / planned
+    assert moved[8] > 2 * width.MEMORY_RTOL, moved
+    assert moved[2] < width.MEMORY_RTOL, moved
+    assert width.plan_for_gpu(width.job_overrides()["planner_vs_allocator/none"])["fits"]
 
 
 def test_every_precision_mode_is_planned_to_fit_one_h200_at_the_check_shape():
