@@ -302,7 +302,7 @@ def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(t
     """experiment=deepseek7b_6k_a100 on 8 GPUs: holding the window's unsharded fp32 gradients (24 GiB per GPU)
     forced activation offload; reducing per micro-batch fits without it at no slower an estimated step."""
     from flexengine.cli import compose_job
-    from flexengine.fit import plan_job
+    from flexengine.fit import plan_job, resolved_job
     from flexengine.hardware import assumed_hardware
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
@@ -316,6 +316,8 @@ def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(t
     assert after.fits and after.plan["reduce_every"] == "micro_batch"
     assert after.memory.policy != "offload" and not after.memory.offload
     assert after.plan["step_s"] <= before.plan["step_s"] + 1e-9
+    # what runs is what was planned: the resolved job tells the trainer to sync every micro-batch
+    assert resolved_job(job, after).parallel.reduce_every == "micro_batch"
 
 
 def test_sac_recompute_is_not_free():
