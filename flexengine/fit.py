@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from flexengine.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.errors import UserError
 from flexengine.memory.planner import k_table, plan_inputs, plan_memory
+from flexengine.optim import optimizer_missing
 from flexengine.precision import PrecisionSpec, auto_order, check_updates_arrive, precision_spec
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
                 "updates_exact": spec.updates_exact,
                 "stochastic_rounding": spec.stochastic_rounding,
                 "trains_correctly": spec.trains_correctly,
+                "missing": optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
                 "why_not_fit": _why_not_fit(plan),
             }
         )
@@ -74,9 +76,11 @@ def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
 
 def choose_precision(rows: list[dict]) -> int:
     """The row precision=auto takes (rows most exact first): the fastest estimated step among the modes that fit
-    and train correctly, the more exact on a tie (within TIE_FRACTION); if none fits, the leanest correct mode,
-    whose plan's suggestions say what would. A single explicit mode is taken as given."""
-    correct = [i for i, r in enumerate(rows) if r["trains_correctly"]] or list(range(len(rows)))
+    and train correctly (and whose optimizer this environment can build), the more exact on a tie (within
+    TIE_FRACTION); if none fits, the leanest correct mode, whose plan's suggestions say what would. A single
+    explicit mode is taken as given."""
+    correct = [i for i, r in enumerate(rows) if r["trains_correctly"] and not r.get("missing")]
+    correct = correct or list(range(len(rows)))
     fitting = [i for i in correct if rows[i]["fits"]]
     if not fitting:
         return min(correct, key=lambda i: rows[i]["total_bytes"])
@@ -113,6 +117,8 @@ def _add_verdicts(rows: list[dict], chosen: int) -> None:
             r["verdict"] = "chosen" if best["fits"] else f"leanest, and does not fit: {r['why_not_fit']}"
         elif not r["trains_correctly"]:
             r["verdict"] = "fails the long-horizon numerics check (small updates round away)"
+        elif r.get("missing"):
+            r["verdict"] = f"needs {r['missing']}, not installed (pip install {r['missing']})"
         elif not r["fits"]:
             r["verdict"] = f"does not fit: {r['why_not_fit']}"
         elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):

@@ -12,6 +12,7 @@ The planner asks `optimizer_state_bytes_per_param` what each choice costs on the
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Iterable, List, Tuple
 
 import torch
@@ -56,6 +57,13 @@ def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+def optimizer_missing(name: str) -> str:
+    """The package optim.name needs and this environment lacks ("" when it can be built); imports nothing."""
+    if name in _TORCHAO_OPTIMIZERS and importlib.util.find_spec("torchao") is None:
+        return "torchao"
+    return ""
 
 
 def _import_torchao(name: str):

@@ -101,6 +101,19 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
     assert len(logged) == len(rows) and all(any(r["verdict"] in line for line in logged) for r in rows.values())
 
 
+def test_auto_skips_a_mode_whose_optimizer_cannot_be_built_here(monkeypatch):
+    """Without torchao, bf16_sr (torchao's AdamW) cannot be built: auto takes the next fastest correct mode and
+    says why, instead of choosing a mode that stops at the optimizer."""
+    import flexengine.fit
+
+    monkeypatch.setattr(flexengine.fit, "optimizer_missing", lambda name: "torchao" if name == "adamw_bf16" else "")
+    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
+    fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    rows = {r["precision"]: r for r in fit.precision_table}
+    assert fit.fits and fit.precision.name == "bf16_cpu_master"
+    assert rows["bf16_sr"]["verdict"] == "needs torchao, not installed (pip install torchao)"
+
+
 def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, total: float = 1.0) -> dict:
     return {"precision": name, "step_s": step_s, "fits": fits, "trains_correctly": correct, "total_bytes": total}
 
@@ -180,3 +193,23 @@ def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, mo
     manager = applied(trainer.model).offload
     assert trainer.plan.hardware.host_memory_gb == 16.0
     assert manager.max_pinned_bytes == trainer.plan.plan["offload_pinned_bound_bytes"] == 16 * 2**30
+
+
+def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_path):
+    """Eager blocks run their pointwise ops unfused (planner.eager_pointwise_s): over the experiment's steps that
+    costs far more than compiling the blocks' one shared graph, so the shipped experiment compiles, and a run with
+    train.compile=false is told what it loses."""
+    from flexengine.cli import compose_job
+    from flexengine.fit import compile_hint, plan_job
+    from flexengine.hardware import assumed_hardware
+    from flexengine.memory.planner import COMPILE_S
+    from flexengine.model import build_hf_config
+
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    common = ["experiment=deepseek7b_6k_a100", "model.init=random", f"data.path={tmp_path / 'd.jsonl'}"]
+    shipped = compose_job(common)
+    assert shipped.train.compile
+    eager = compose_job([*common, "train.compile=false"])
+    fit = plan_job(eager, build_hf_config(eager.model), assumed_hardware(eager.hardware))
+    assert fit.plan["eager_pointwise_s"] * eager.train.max_steps > 10 * COMPILE_S
+    assert "train.compile=true would pay" in compile_hint(eager, fit) and not compile_hint(shipped, fit)
