@@ -205,6 +205,9 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
             "What would fit:\n  " + "\n  ".join(what)
         )
     check_updates_arrive(fit.precision, job.optim.lr)
+    hint = compile_hint(job, fit)
+    if hint:
+        log.info("plan: %s", hint)
     if fit.micro_batch != job.train.micro_batch:
         log.warning(
             "memory=auto: train.micro_batch %d -> %d, train.grad_accum %d -> %d (same rows per optimizer "
@@ -215,6 +218,21 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
             fit.grad_accum,
         )
     return resolved_job(job, fit), fit
+
+
+def compile_hint(job: JobConfig, fit: FitPlan) -> str:
+    """With train.compile=false on a GPU: what eager pointwise ops cost over the run against compiling once, when
+    compiling pays (planner.eager_pointwise_s, COMPILE_S); else ''."""
+    from flexengine.memory.planner import COMPILE_S
+
+    eager_s = fit.plan.get("eager_pointwise_s", 0.0)
+    if job.train.compile or fit.hardware.device == "cpu" or eager_s * job.train.max_steps <= COMPILE_S:
+        return ""
+    return (
+        f"train.compile=true would pay: eager blocks run their pointwise ops unfused, ~{eager_s:.2f} s of each "
+        f"~{fit.plan['step_s']:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
+        f"{job.train.max_steps} steps) against ~{COMPILE_S / 60:.0f} min to compile the blocks' shared graph once"
+    )
 
 
 def format_fit(fit: FitPlan) -> str:

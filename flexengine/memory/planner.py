@@ -57,6 +57,12 @@ DEFAULT_HBM_GB_S = 2039.0
 # hardware.interconnect_gb_s overrides it.
 INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
 # FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
+# Eager blocks run each pointwise op (norms, RoPE, SwiGLU, residual adds) as its own kernel: every output is
+# written and read back once (2x pointwise_bytes) in forward, and about twice that in backward (3 passes in all);
+# a compiled block fuses them into the matmuls' neighbours. What compiling costs once: one graph shared by every
+# block (compile.apply_compile), about a minute of inductor on a GPU host (assumed; CPU aot_eager: 1-3 s).
+EAGER_POINTWISE_PASSES = 3
+COMPILE_S = 60.0
 REDUCE_BYTES = 4
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
 REDUCE_CHOICES = ("window", "micro_batch")
@@ -570,6 +576,13 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     }
 
 
+def eager_pointwise_s(m: ModelShape, x: PlanInputs) -> float:
+    """Seconds per optimizer step that unfused pointwise ops add to eager (uncompiled) blocks: their bytes at the
+    device's memory bandwidth (see EAGER_POINTWISE_PASSES)."""
+    per_block = 2 * sum(pointwise_bytes(m, rank_workload(x)).values())
+    return x.grad_accum * m.layers * per_block * EAGER_POINTWISE_PASSES / (hbm_gb_s(x.hardware) * 1e9)
+
+
 def interconnect_gb_s(hardware: HardwareConfig) -> float:
     """GPU<->GPU bandwidth for collectives: hardware.interconnect_gb_s, else INTERCONNECT_GB_S by name, else PCIe."""
     if hardware.interconnect_gb_s:
@@ -675,6 +688,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         "optimizer_s": optimizer_s,
         "host_optimizer_pcie_bytes_per_step": host_pcie_bytes,
         "reduce_every": x.reduce_every,
+        "eager_pointwise_s": eager_pointwise_s(m, x),
         "reduce_scatter_bytes_per_step": reduce_bytes,
         "reduce_scatter_s": reduce_s,
         "reduce_exposed_s": reduce_exposed_s,
@@ -826,6 +840,7 @@ def plan_memory(
                 "recompute_pointwise_s",
                 "offload_bytes_per_step",
                 "reduce_scatter_bytes_per_step",
+                "eager_pointwise_s",
                 "reduce_scatter_s",
                 "reduce_exposed_s",
             )
