@@ -321,12 +321,15 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
             write_json_atomic(out_dir / "summary.json", summary)
     shutdown_distributed()
     log.info(
-        "done: %d steps, loss %s -> %s, %.0f useful tokens/s, %.1f s; summary: %s%s",
+        "done: %d steps, loss %s -> %s, %.0f useful tokens/s, %.1f s (%.1f s training, %.1f s evaluating); "
+        "summary: %s%s",
         summary["steps"],
         _fmt_loss(summary["initial_loss"]),
         _fmt_loss(summary["final_loss"]),
         summary["useful_tokens_per_s"],
         summary["wall_s"],
+        summary["train_s"],
+        summary["eval_s"],
         out_dir / "summary.json",
         f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "",
     )

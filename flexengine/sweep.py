@@ -38,7 +38,8 @@ METRICS = (
     ("eval_loss", "eval.loss", 1.0),  # the last evaluation's held-out loss
     ("best_eval_loss", "eval.best_loss", 1.0),
     ("steps", "steps", 1.0),
-    ("wall_s", "wall_s", 1.0),
+    ("wall_s", "wall_s", 1.0),  # the whole run, evaluations included
+    ("train_s", "train_s", 1.0),  # training steps only
 )
 COLUMNS = ("job", "overrides", "status", *(m[0] for m in METRICS), "error", "dir")
 

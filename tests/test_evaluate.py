@@ -24,3 +24,29 @@ def test_prompts_of_different_lengths_share_one_row_width():
     texts = greedy_continue(next_char, CharTokenizer(), prompts, new_tokens=3, device=torch.device("cpu"), pad_to=256)
     assert texts == ["bcd", "cde", "def"]
     assert widths == [512] * 9  # 300 + 3 tokens -> 2 blocks of 256 for every prompt (before: 256, 256, 512)
+
+
+def test_evaluation_progress_lines_and_the_budget_advice(caplog, monkeypatch):
+    """A long evaluation logs where it is (batches done/total, elapsed, left); one costing more than ~10 % of the
+    training between two evaluations is told which train.eval_batches would fit."""
+    import logging
+
+    import flexengine.evaluate as ev
+
+    caplog.set_level(logging.INFO, logger="flexengine")
+    ticks = iter([0.0, 10.0, 20.0, 25.0, 40.0])
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: next(ticks))
+    progress = ev.EvalProgress(step=20, total=8, every_s=15.0)  # starts at t=0
+    for done in (1, 2, 3, 4):  # at t = 10, 20, 25, 40
+        progress(done)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "eval step 20: 8 batches",
+        "eval step 20: batch 2/8, 20 s elapsed, ~60 s left",
+        "eval step 20: batch 4/8, 40 s elapsed, ~40 s left",
+    ]
+    # 60 s for 120 batches between 20 steps of 10 s (200 s): 30 %, so 40 batches (20 s, 10 %) fit
+    advice = ev.eval_budget_warning(eval_s=60.0, batches=120, eval_every=20, step_s=10.0, eval_batches=0)
+    assert "the whole held-out set, 120 batches" in advice and "30%" in advice
+    assert "train.eval_batches=40" in advice
+    assert ev.eval_budget_warning(eval_s=15.0, batches=120, eval_every=20, step_s=10.0, eval_batches=0) is None

@@ -234,3 +234,30 @@ def test_a_signal_during_sampling_stops_it_at_the_next_token_and_saves(tmp_path)
     assert len(sampled) == 2  # stopped before the third token (80 forwards before)
     assert summary["steps"] == 1 and summary["exit_code"] == 143
     assert (tmp_path / "checkpoints" / "step_1" / "manifest.json").is_file()
+
+
+def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, caplog, monkeypatch):
+    """Each evaluation says it started; wall_s is the whole run (evaluations included), train_s the training
+    alone (what tokens/s divides by); the ETA counts the evaluations still due; a dear first evaluation is
+    told what train.eval_batches to set."""
+    import time
+
+    import flexengine.evaluate as ev
+
+    monkeypatch.setattr(ev, "EVAL_BUDGET", 0.0)  # any evaluation is "too dear": the advice must appear
+    caplog.set_level(logging.INFO, logger="flexengine")
+    job = make_job(tmp_path, "train.max_steps=4", "data.eval_fraction=0.2", "train.eval_every=2")
+    summary = run_training(job, tmp_path)
+    text = caplog.text
+    assert "eval step 2: " in text and "batches" in text
+    assert "eval: one evaluation (the whole held-out set" in text and "set train.eval_batches=" in text
+    assert text.count("eval: one evaluation") == 1  # judged once, on the first in-loop evaluation
+    assert summary["eval_s"] > 0 and summary["train_s"] > 0
+    assert summary["wall_s"] >= summary["train_s"] + summary["eval_s"]
+    assert summary["useful_tokens_per_s"] == pytest.approx(summary["useful_tokens_seen"] / summary["train_s"])
+    # the ETA of a fresh 6-step run: 3 evaluations due (steps 2, 4, 6) at the measured cost of one
+    trainer = build_trainer(
+        make_job(tmp_path / "b", "train.max_steps=6", "data.eval_fraction=0.2", "train.eval_every=2"), tmp_path / "b"
+    )
+    trainer._loop_start, trainer._eval_seconds = time.perf_counter(), [50.0]
+    assert trainer._eta_s() >= 3 * 50.0

@@ -95,6 +95,12 @@ class HeldOut:
     rank: int = 0
     world_size: int = 1
 
+    @property
+    def num_batches(self) -> int:
+        """Micro-batches each rank evaluates: the held-out rows in global batches, at most max_batches of them."""
+        batches = -(-len(self.plan.rows) // (self.micro_batch * self.world_size))
+        return min(batches, self.max_batches) if self.max_batches > 0 else batches
+
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's micro-batches (built lazily: a large held-out set never sits in memory as tensors)."""
         global_batch = self.micro_batch * self.world_size
