@@ -80,8 +80,11 @@ def _check_finite(
     with everything, so without this a NaN slips through every `<` check (grad_clip=nan meant "no clipping")."""
     inside = (value >= low if low_ok else value > low) and (value <= high if high_ok else value < high)
     if not math.isfinite(value) or not inside:
-        lo, hi = ("[" if low_ok else "(") + f"{low:g}", f"{high:g}" + ("]" if high_ok else ")")
-        raise UserError(f"{key}={value} must be a finite number in {lo}, {hi}{hint}.")
+        if math.isinf(high):
+            where = f"{'>=' if low_ok else '>'} {low:g}"
+        else:
+            where = "in " + ("[" if low_ok else "(") + f"{low:g}, {high:g}" + ("]" if high_ok else ")")
+        raise UserError(f"{key}={value} must be a finite number {where}{hint}.")
 
 
 # model.arch sizes a model cannot have zero (or fewer) of: HF builds such a config and fails deep in torch
@@ -138,24 +141,16 @@ class LoraConfig:
     r: int = 0  # adapter rank; 0 = full fine-tune (no adapters)
     alpha: float = 16.0  # scaling numerator: the update is (alpha / r) * B @ A
     dropout: float = 0.0  # dropout on the adapter input
-    target_modules: List[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )  # module-name suffixes that get adapters (LLaMA/Mistral/DeepSeek names)
+    target_modules: Optional[List[str]] = None  # module-name suffixes that get adapters; null = every attention
+    # and MLP projection of the model's family (flexengine.family: the names are the model's, not ours)
 
     def __post_init__(self) -> None:
         if self.r < 0:
             raise UserError(f"model.lora.r={self.r} must be >= 0 (0 = no LoRA, full fine-tune).")
-        if self.r > 0 and not self.target_modules:
+        if self.r > 0 and self.target_modules is not None and not self.target_modules:
             raise UserError(
-                "model.lora.target_modules is empty: name the Linear layers to adapt, e.g. [q_proj,v_proj]."
+                "model.lora.target_modules is empty: name the Linear layers to adapt (suffixes of their module "
+                "names), or leave it null for every attention and MLP projection of the model's family."
             )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"model.lora.dropout={self.dropout} must be in [0, 1).")
@@ -498,7 +493,7 @@ class OptimConfig:
     def _check_values(self) -> None:
         """Each number a finite value the optimizer can use: a NaN lr or weight decay writes NaN weights, a
         negative eps or a beta >= 1 fails late inside torch, and grad_clip=nan meant no clipping."""
-        _check_finite("optim.lr", self.lr, low=0.0, low_ok=False, hint=" (the peak learning rate, e.g. 1e-4)")
+        _check_finite("optim.lr", self.lr, low=0.0, hint=" (the peak learning rate, e.g. 1e-4; 0 = frozen weights)")
         _check_finite("optim.eps", self.eps, low=0.0, low_ok=False, hint=" (e.g. 1e-8)")
         _check_finite("optim.weight_decay", self.weight_decay, low=0.0, hint=" (0 = none, e.g. 0.1)")
         _check_finite("optim.grad_clip", self.grad_clip, low=0.0, hint=" (the max global grad norm; 0 = no clipping)")

@@ -31,8 +31,8 @@ from flexengine.attention.masks import document_ids_from_position_ids
 from flexengine.attention.patch import CP_ATTENTION, MASK_KWARG, LayerMasks, _flex_fn, mask_kwargs
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.errors import UserError
+from flexengine.family import family_of
 from flexengine.loss import shift_targets
-from flexengine.memory import decoder_layers
 from flexengine.parallel import DistInfo
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,13 @@ class ContextParallel:
 
         spec = model.flexengine.attention
         style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
-        for i, layer in enumerate(decoder_layers(model)):
-            attention = getattr(layer, "self_attn", None)
+        family = family_of(model)
+        for i, layer in enumerate(family.decoder_layers(model)):
+            attention = getattr(layer, family.attention.module, None)
             if attention is None:
-                raise UserError(f"parallel.cp: decoder block {i} of {type(model).__name__} has no self_attn module")
+                raise UserError(
+                    f"parallel.cp: decoder block {i} of {type(model).__name__} has no {family.attention.module} module"
+                )
             call = parallelize_module(FlexAttentionCall(_flex_fn(spec.compile)), self.mesh["cp"], style)
             setattr(attention, CP_ATTENTION, call)
         log.info(

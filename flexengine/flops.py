@@ -25,10 +25,8 @@ from torch import nn
 
 from flexengine.applied import applied
 from flexengine.attention.mask_mode import band_mode
-from flexengine.memory.layers import decoder_layers
+from flexengine.family import family_of
 
-_INPUT_PROJ = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-_OUTPUT_PROJ = {"attention": "o_proj", "mlp": "down_proj"}
 ATTN_MODEL_FLOPS = 4 + 8  # per (query, key) pair, head and head dim: QK^T and PV forward, twice that backward
 ATTN_FWD_FLOPS = 4
 ATTN_BWD_HW_FLOPS = 10  # flash/flex backward: recompute QK^T, then dV, dP, dQ, dK (FlopCounterMode's count)
@@ -128,20 +126,21 @@ class TrainFlops:
         self.chunk_size = chunk_size
         grad = model.get_input_embeddings().weight.requires_grad  # does the residual stream carry a grad?
         self.blocks: list[_Block] = []
-        for layer in decoder_layers(model):
-            regions = {}
-            for name, norm in (("attention", "input_layernorm"), ("mlp", "post_attention_layernorm")):
-                parent = getattr(layer, "self_attn" if name == "attention" else "mlp")
-                inputs = [_projection(getattr(parent, p)) for p in _INPUT_PROJ[name]]
-                output = _projection(getattr(parent, _OUTPUT_PROJ[name]))
-                input_grad = grad or _trains(getattr(layer, norm, None))
+        family = family_of(model)
+        for layer in family.decoder_layers(model):
+            regions = []
+            for sub in (family.attention, family.mlp):
+                parent = getattr(layer, sub.module)
+                inputs = [_projection(getattr(parent, p)) for p in sub.inputs]
+                output = _projection(getattr(parent, sub.output))
+                input_grad = grad or _trains(getattr(layer, sub.norm, None))
                 inner_grad = input_grad or any(p.trains for p in inputs)
-                regions[name] = _Region(inputs, output, input_grad, inner_grad)
+                regions.append(_Region(inputs, output, input_grad, inner_grad))
                 grad = grad or inner_grad or output.trains  # the residual after this region
-            self.blocks.append(_Block(regions["attention"], regions["mlp"], regions["attention"].inner_grad))
+            self.blocks.append(_Block(regions[0], regions[1], regions[0].inner_grad))
         head = model.get_output_embeddings()
         self.head = _Proj(_linear_macs(head), head.weight.requires_grad)
-        self.head_input_grad = grad or _trains(getattr(model.get_decoder(), "norm", None))
+        self.head_input_grad = grad or _trains(family.final_norm_of(model))
         self.recompute_per_token = 0.0
         self.recompute_attention_layers: list[int] = []  # blocks whose attention core backward re-runs
         for i, spec in enumerate(applied(model).memory):

@@ -16,6 +16,7 @@ from torch import nn
 
 from flexengine.config import LoraConfig
 from flexengine.errors import UserError
+from flexengine.family import family_of
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +26,12 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\." + ADAPTER + r"\.w
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
-    """The peft model with LoRA adapters on lora.target_modules (base weights frozen); model itself if r=0."""
+    """The peft model with LoRA adapters on lora.target_modules (null: the family's projections; base weights
+    frozen); model itself if r=0."""
     if lora.r == 0:
         return model
+    family = family_of(model)
+    targets = family.lora_targets_of(lora.target_modules)
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -36,7 +40,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
         task_type="CAUSAL_LM",
         use_rslora=False,
         use_dora=False,
@@ -44,7 +48,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft names the missing modules
-        raise UserError(f"model.lora.target_modules={list(lora.target_modules)}: {e}") from None
+        raise UserError(f"model.lora.target_modules={targets}: {e}") from None
     not_linear = sorted(
         {
             name.split(".lora_")[0].removeprefix(_PEFT_PREFIX)
@@ -54,9 +58,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     )
     if not_linear:
         raise UserError(
-            f"model.lora.target_modules={list(lora.target_modules)} puts adapters on {not_linear[:3]}, which are not "
-            "Linear layers (e.g. the embedding); flexengine trains and merges Linear adapters only: target "
-            "projections such as q_proj, v_proj, gate_proj."
+            f"model.lora.target_modules={targets} puts adapters on {not_linear[:3]}, which are not Linear layers "
+            "(e.g. the embedding); flexengine trains and merges Linear adapters only: target projections (null = "
+            f"every projection of a {family.name} block: {', '.join(family.lora_targets)})."
         )
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
@@ -64,7 +68,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         "lora: r=%d alpha=%g on %s: %.2fM trainable of %.1fM parameters",
         lora.r,
         lora.alpha,
-        list(lora.target_modules),
+        targets,
         trainable / 1e6,
         total / 1e6,
     )

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from flexengine.config import ModelConfig
 from flexengine.data.demo import load_demo_tokenizer
 from flexengine.errors import UserError
+from flexengine.family import resolve_family
 from flexengine.rope import apply_rope_scaling
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     # A KV cache is useless in training, and with it on HF skips packed-sequence handling
     # (docs/architecture.md, "Facts").
     config.use_cache = False
+    resolve_family(config)  # a family flexengine does not know fails here, before any tokenizing or allocating
     apply_rope_scaling(config, model.rope_scaling.as_hf())
     return config
 

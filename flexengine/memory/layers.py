@@ -5,14 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from flexengine.errors import UserError
+from flexengine.family import family_of
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder blocks (HF causal LMs keep it at get_decoder().layers)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UserError(f"{type(model).__name__}: cannot find its decoder blocks (expected get_decoder().layers)")
-    return layers
+    """The model's list of decoder blocks (where its family keeps them: flexengine.family)."""
+    return family_of(model).decoder_layers(model)
 
 
 def select_layers(spec: str, n_layers: int) -> list[int]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from flexengine.config import HardwareConfig, MemoryConfig
+from flexengine.family import Family, resolve_family
 from flexengine.memory.layers import select_layers
 from flexengine.memory.tiled_mlp import auto_tile_tokens
 
@@ -56,13 +57,13 @@ DEFAULT_HBM_GB_S = 2039.0
 # (nccl-tests bus bandwidth on DGX A100 ~230 GB/s, DGX H100 ~360 GB/s). PCIe cards without NVLink: pcie_gb_s.
 # hardware.interconnect_gb_s overrides it.
 INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
-# FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
 # Eager blocks run each pointwise op (norms, RoPE, SwiGLU, residual adds) as its own kernel: every output is
 # written and read back once (2x pointwise_bytes) in forward, and about twice that in backward (3 passes in all);
 # a compiled block fuses them into the matmuls' neighbours. What compiling costs once: one graph shared by every
 # block (compile.apply_compile), about a minute of inductor on a GPU host (assumed; CPU aot_eager: 1-3 s).
 EAGER_POINTWISE_PASSES = 3
 COMPILE_S = 60.0
+# FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
 REDUCE_BYTES = 4
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
 REDUCE_CHOICES = ("window", "micro_batch")
@@ -116,17 +117,16 @@ class ModelShape:
         embeddings = V * h * (1 if tied else 2)
         return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied)
 
-    def lora_params(self, r: int, target_modules: list[str]) -> int:
+    def lora_params(self, r: int, target_modules: list[str], family: Family) -> int:
         """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
+        h, f = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention, mlp = family.attention, family.mlp  # projection names in role order: q, k, v / gate, up
         shapes = {
-            "q_proj": (self.hidden, q),
-            "k_proj": (self.hidden, kv),
-            "v_proj": (self.hidden, kv),
-            "o_proj": (q, self.hidden),
-            "gate_proj": (self.hidden, self.intermediate),
-            "up_proj": (self.hidden, self.intermediate),
-            "down_proj": (self.intermediate, self.hidden),
+            **dict(zip(attention.inputs, ((h, q), (h, kv), (h, kv)))),
+            attention.output: (q, h),
+            **dict.fromkeys(mlp.inputs, (h, f)),
+            mlp.output: (f, h),
         }
         return self.layers * sum(r * sum(shapes[t]) for t in target_modules if t in shapes)
 
@@ -206,15 +206,15 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     return {
         "block_input": p * T * h,
-        "q_proj": p * T * ad,
-        "k_proj": p * T * kd,
-        "v_proj": p * T * kd,
+        "q": p * T * ad,
+        "k": p * T * kd,
+        "v": p * T * kd,
         "attn_out": p * T * ad,
         "logsumexp": 4 * T * m.heads,
-        "o_proj": p * T * h,
-        "gate_proj": p * T * m.intermediate,
-        "up_proj": p * T * m.intermediate,
-        "down_proj": p * T * h,
+        "attn_proj_out": p * T * h,
+        "gate": p * T * m.intermediate,
+        "up": p * T * m.intermediate,
+        "mlp_out": p * T * h,
     }
 
 
@@ -252,10 +252,10 @@ def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     return {
         "qkv_proj": 2 * T * h * (ad + 2 * kd),
-        "o_proj": 2 * T * ad * h,
+        "attn_out_proj": 2 * T * ad * h,
         "attention_core": 4 * w.micro_batch * m.heads * w.seq_len**2 * m.head_dim * attended_fraction,
         "gate_up_proj": 4 * T * h * m.intermediate,
-        "down_proj": 2 * T * h * m.intermediate,
+        "mlp_out_proj": 2 * T * h * m.intermediate,
     }
 
 
@@ -307,7 +307,7 @@ def recompute_flops_per_block(
     f = block_forward_flops(m, w, attended_fraction)
     core = f["attention_core"] if count_attention_core else 0.0
     return {
-        "block": f["qkv_proj"] + core + f["o_proj"] + f["gate_up_proj"],
+        "block": f["qkv_proj"] + core + f["attn_out_proj"] + f["gate_up_proj"],
         "attention": f["qkv_proj"] + core,
         "mlp": f["gate_up_proj"],
         "ops": 0.0,
@@ -946,8 +946,10 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
     if job.model.lora.r > 0:  # only adapters have grads and optimizer states
         from flexengine.model import build_hf_config
 
-        shape = ModelShape.from_hf_config(build_hf_config(job.model))
-        trainable = shape.lora_params(job.model.lora.r, list(job.model.lora.target_modules)) / shape.params
+        hf_config = build_hf_config(job.model)
+        shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
+        targets = family.lora_targets_of(job.model.lora.target_modules)
+        trainable = shape.lora_params(job.model.lora.r, targets, family) / shape.params
     from flexengine.optim import EMBEDDING_STATE_BYTES
 
     per_param = spec.bytes_per_param()

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from flexengine.applied import applied
 from flexengine.config import MemoryConfig
 from flexengine.errors import UserError
+from flexengine.family import Family, family_of
 from flexengine.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.memory.offload import DEFAULT_MAX_PINNED_BYTES, GiB, OffloadManager
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
@@ -118,19 +119,21 @@ def _submodule(layer: nn.Module, name: str, recompute: Recompute) -> nn.Module:
     return sub
 
 
-def apply_block_spec(layer: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager]) -> None:
+def apply_block_spec(
+    layer: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager], family: Family
+) -> None:
     """Apply one block's MemorySpec in place (a block whose spec changes nothing is left as it is)."""
     if not spec.changes_block and not isinstance(layer, MemoryBlock):
         return
-    sub_name = {Recompute.ATTENTION: "self_attn", Recompute.MLP: "mlp"}.get(spec.recompute)
-    if sub_name is not None:
-        wrap_module(_submodule(layer, sub_name, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
+    sub = {Recompute.ATTENTION: family.attention, Recompute.MLP: family.mlp}.get(spec.recompute)
+    if sub is not None:
+        wrap_module(_submodule(layer, sub.module, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
     if spec.mlp_tile:
-        mlp = getattr(layer, "mlp", None)
+        mlp = getattr(layer, family.mlp.module, None)
         if not isinstance(mlp, nn.Module):
             raise UserError(
-                f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `mlp` sub-module to "
-                "tile; use memory.tiled_mlp=0"
+                f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `{family.mlp.module}` sub-module "
+                "to tile; use memory.tiled_mlp=0"
             )
         wrap_module(mlp, MemorySpec(mlp_tile=spec.mlp_tile), index, None)
     own = dataclasses.replace(spec, mlp_tile=0)  # the tiles belong to the mlp's forward, not the block's
@@ -144,7 +147,8 @@ def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes
 
     max_pinned_bytes: offload's bound on pinned host memory (the plan's `offload_pinned_bound_bytes`, from the
     rank's host budget); None = offload.DEFAULT_MAX_PINNED_BYTES (library use without a plan)."""
-    layers = decoder_layers(model)
+    family = family_of(model)
+    layers = family.decoder_layers(model)
     specs = block_memory_specs(memory, len(layers))
     record = applied(model)
     if any(s.offload for s in specs) and record.offload is None:
@@ -158,7 +162,7 @@ def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes
             else "default bound: no host budget given",
         )
     for i, (layer, spec) in enumerate(zip(layers, specs)):
-        apply_block_spec(layer, spec, i, record.offload)
+        apply_block_spec(layer, spec, i, record.offload, family)
     record.memory = specs
     chosen = [i for i, s in enumerate(specs) if s.changes_block]
     if memory.policy != "none" or memory.tiled_mlp:
