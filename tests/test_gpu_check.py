@@ -52,6 +52,10 @@ def test_the_worker_imports_everything_the_checks_need():
     assert record["env"]["versions"]["torchao"] and record["env"]["versions"]["hydra"]
 
 
+def test_bench_readme_shows_the_check_list_as_it_is():
+    assert gpu_check_list.markdown_table() in (REPO / "bench" / "README.md").read_text()
+
+
 def test_the_check_list_and_the_worker_name_the_same_checks_in_order():
     names = [c.name for c in gpu_check_list.CHECKS]
     assert names[0] == "env" and list(scripts.checks()) == names
