@@ -5,9 +5,11 @@ tests/test_optim_numerics.py).
     .venv/bin/python bench/optim_numerics.py
 
 Rows: every concrete precision mode with the optimizer it builds, fp32 + adamw_8bit (torchao's compiled 8-bit step),
-and "bf16_sr, bf16 exp_avg_sq": torchao's own state storage, which adamw_bf16 used before it kept exp_avg_sq in
-fp32. Ratio = the mode's mean |step| over the last 500 steps / fp32 AdamW's on the same gradients; the band is
-0.9-1.1. Writes bench/results/optim_numerics.{json,md,png} (the png: the ratio over the run, 100-step means).
+"bf16_sr, bf16 exp_avg_sq": torchao's own state storage, which adamw_bf16 used before it kept exp_avg_sq in fp32,
+and "both states bf16 + SR": the measured alternative (stochastic rounding of the states too; 4 B/param, but its
+own step function). Ratio = the mode's mean |step| over the last 500 steps / fp32 AdamW's on the same gradients;
+the band is 0.9-1.1. Writes bench/results/optim_numerics.{json,md,png} (the png: the ratio over the run, 100-step
+means).
 """
 
 from __future__ import annotations
@@ -41,10 +43,34 @@ def bf16_second_moment():
         yield
 
 
+def _sr_states_adam(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, weight_decay, eps, *flags):
+    """torchao's single_param_adam (AdamW, no amsgrad) with both bf16 states stochastically rounded too."""
+    from torchao.optim.quant_utils import _fp32_to_bf16_sr
+
+    p_f32 = p.float()
+    p_f32 = p_f32 - lr * weight_decay * p_f32
+    m = exp_avg.float().lerp(grad.float(), 1 - beta1)
+    v = exp_avg_sq.float().lerp(grad.float().square(), 1 - beta2)
+    exp_avg.copy_(_fp32_to_bf16_sr(m))
+    exp_avg_sq.copy_(_fp32_to_bf16_sr(v))
+    p_f32 = p_f32 - lr * (m / (1 - beta1**step)) / (v.sqrt() / (1 - beta2**step).sqrt() + eps)
+    p.copy_(_fp32_to_bf16_sr(p_f32))
+
+
+@contextlib.contextmanager
+def sr_states():
+    """The alternative to an fp32 exp_avg_sq: both states bf16, stochastically rounded (4 B/param, not 6)."""
+    import torchao.optim.adam as ao_adam
+
+    with bf16_second_moment(), mock.patch.object(ao_adam, "single_param_adam", _sr_states_adam):
+        yield
+
+
 # (label, precision mode, optim.name, context, eager)
 ROWS = [(mode, mode, "adamw", contextlib.nullcontext, True) for mode in SPECS] + [
     ("fp32 + adamw_8bit", "fp32", "adamw_8bit", contextlib.nullcontext, False),  # eager 8-bit: ~0.1 s a step
     ("bf16_sr, bf16 exp_avg_sq (before)", "bf16_sr", "adamw", bf16_second_moment, True),
+    ("bf16_sr, both states bf16 + SR (not chosen)", "bf16_sr", "adamw", sr_states, True),
 ]
 
 
