@@ -139,18 +139,22 @@ def run_checks(names: list[str], args, jsonl: Path, log_path: Path, deadline: fl
                 {"check": name, "ok": False, "status": "fail", "seconds": seconds, "error": f"killed at {reason}"},
             )
             print(f"{name}: killed after {seconds:.0f} s ({reason})", flush=True)
-        elif worker.current and worker.current not in done:  # died inside a check: a crash, not a timeout
+        elif rc != 0 and (worker.current or pending[0]) not in done:
+            # died inside a check (a crash, not a timeout), or before starting one (an import error): the check
+            # it was on fails, so the next worker always makes progress
+            name = worker.current or pending[0]
+            when = "during this check" if worker.current else "before starting this check"
             append_record(
                 jsonl,
                 {
-                    "check": worker.current,
+                    "check": name,
                     "ok": False,
                     "status": "fail",
-                    "error": f"worker exited with status {rc} during this check",
+                    "error": f"worker exited with status {rc} {when}",
                     "tail": worker.tail[-25:],
                 },
             )
-            print(f"{worker.current}: worker died (exit {rc})", flush=True)
+            print(f"{name}: worker died (exit {rc})", flush=True)
         done = {r.get("check") for r in read_records(jsonl)}
         pending = [n for n in pending if n not in done]
         if pending and rc == 0 and not timed_out:

@@ -32,17 +32,9 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 
-TINY = dict(  # tests.helpers.GPU_TINY_LLAMA (imported lazily there: tests/ need not travel to be importable)
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=65536,
-    use_cache=False,
-    tie_word_embeddings=False,
-)
+from tests.helpers import GPU_TINY_LLAMA  # noqa: E402
+
+TINY = GPU_TINY_LLAMA
 WIDTH_7B = dict(  # llama2_7b's blocks (conf/model/llama2_7b.yaml), 4 of them: the flex kernels of train_<mode>
     vocab_size=32000,
     hidden_size=4096,

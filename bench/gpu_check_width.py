@@ -67,6 +67,13 @@ def tiny_overrides(layers: int, seq_len: int, *extra: str) -> list[str]:
     ]
 
 
+def hidden_1024_offload_overrides() -> list[str]:
+    """The old overlap shape (hidden 1024, 4K rows, memory=offload), where copies outweigh compute ~5x."""
+    narrow = ["++model.arch.hidden_size=1024", "++model.arch.intermediate_size=2816"]
+    heads = ["++model.arch.num_attention_heads=8", "++model.arch.num_key_value_heads=8"]
+    return width_overrides(4, 4096, "precision.mode=bf16_mixed", "memory=offload", *narrow, *heads)
+
+
 def job_overrides() -> dict[str, list[str]]:
     """Every GPU job these checks compose, by a descriptive key (tests/test_gpu_check.py composes them all)."""
     jobs = {f"train_modes/{m}": width_overrides(4, 8192, f"precision.mode={m}") for m in MODES}
@@ -267,18 +274,7 @@ def check_offload_overlap(dry: bool) -> dict:
     if dry:
         shapes = {
             "hidden4096_8k": plan_for_gpu(width_overrides(4, 8192, "precision.mode=bf16_mixed", "memory=offload")),
-            "hidden1024_4k": plan_for_gpu(
-                width_overrides(
-                    4,
-                    4096,
-                    "precision.mode=bf16_mixed",
-                    "memory=offload",
-                    "++model.arch.hidden_size=1024",
-                    "++model.arch.intermediate_size=2816",
-                    "++model.arch.num_attention_heads=8",
-                    "++model.arch.num_key_value_heads=8",
-                )
-            ),
+            "hidden1024_4k": plan_for_gpu(hidden_1024_offload_overrides()),
         }
         demo = synthetic_demo()
         return {

@@ -128,6 +128,9 @@ def test_compile_watch_counts_a_record_that_reuses_a_dropped_records_id(monkeypa
 FAKE_WORKER = """
 import json, os, sys, time
 args = sys.argv[1:]
+if args[2] == "recompiles" and not os.path.exists(args[1] + ".restarted"):
+    open(args[1] + ".restarted", "w").close()
+    sys.exit(3)  # dies before its first check (an import error): that check fails, the next worker goes on
 jsonl = args[args.index("--jsonl") + 1]
 names = [a for a in args[args.index("--jsonl") + 2 :] if a != "--dry-run"]
 for name in names:
@@ -164,6 +167,7 @@ def test_the_driver_records_a_hang_and_a_crash_and_resumes_at_the_next_check(tmp
     assert list(records) == names  # streamed in order, one line each
     assert "killed" in records["train_bf16_mixed"]["error"]
     assert "status 7" in records["flex_vs_dense"]["error"]
-    assert all(records[n]["status"] == "pass" for n in ("env", "recompiles", "doctor"))
+    assert "status 3 before starting" in records["recompiles"]["error"]
+    assert all(records[n]["status"] == "pass" for n in ("env", "doctor"))
     result = gpu_check.summarise(list(records.values()), names, 1.0, False)
-    assert result["failed"] == ["train_bf16_mixed", "flex_vs_dense"] and not result["all_ok"]
+    assert result["failed"] == ["train_bf16_mixed", "flex_vs_dense", "recompiles"] and not result["all_ok"]

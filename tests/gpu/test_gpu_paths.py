@@ -46,22 +46,13 @@ def test_compiled_training_step_does_not_recompile_over_5_layouts():
 def test_offload_copies_overlap_compute():
     """memory=offload at hidden 1024: copies on a side stream overlap compute kernels (bench/gpu_overlap.py's
     verdict: overlapped time against min(copy, compute), pinned copies only)."""
-    from gpu_check_width import width_overrides
+    from gpu_check_width import hidden_1024_offload_overrides
     from gpu_overlap import overlap_verdict, profile_step
 
     from flexengine.cli import compose_job
     from flexengine.run import build_trainer
 
-    overrides = width_overrides(
-        4,
-        4096,
-        "precision.mode=bf16_mixed",
-        "memory=offload",
-        "++model.arch.hidden_size=1024",
-        "++model.arch.intermediate_size=2816",
-        "++model.arch.num_attention_heads=8",
-        "++model.arch.num_key_value_heads=8",
-    )
+    overrides = hidden_1024_offload_overrides()
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(compose_job(overrides), Path(out))
         trainer.train_step()  # warm-up: compile, pinned pools
