@@ -32,6 +32,7 @@ from flexengine.hooks import StepHooks
 from flexengine.memory.planner import ModelShape, evaluate, plan_inputs, plan_memory
 from flexengine.metrics import utilization
 from flexengine.storage import write_json_atomic
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -316,16 +317,15 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
 
 def memory_checks(job: JobConfig, mem: dict) -> list[dict]:
     """The planner's verdict on the applied policy: does it fit, and does it recompute more than needed?"""
-    gib = 2**30
     choice = mem["planner_choice"]
     value = (
-        f"{mem['planned_total_bytes'] / gib:.3g} of {mem['budget_bytes'] / gib:.3g} GiB planned "
+        f"{mem['planned_total_bytes'] / GiB:.3g} of {mem['budget_bytes'] / GiB:.3g} GiB planned "
         f"({mem['policy']['policy']}, {len(mem['blocks_changed'])} of {mem['n_layers']} blocks changed, "
         f"recompute {mem['recompute_flops_fraction']:.0%} of step FLOPs)"
     )
-    detail = f"planner's choice: {choice['policy']} ({choice['total_bytes'] / gib:.3g} GiB)"
+    detail = f"planner's choice: {choice['policy']} ({choice['total_bytes'] / GiB:.3g} GiB)"
     if mem["measured_peak_bytes"] is not None:
-        detail += f"; allocator peak {mem['measured_peak_bytes'] / gib:.3g} GiB"
+        detail += f"; allocator peak {mem['measured_peak_bytes'] / GiB:.3g} GiB"
     if not mem["fits"]:
         fix = (
             f"the planner's choice fits: memory=auto (it picks {choice['policy']!r})"

@@ -18,10 +18,10 @@ from flexengine.errors import UserError
 from flexengine.memory.planner import k_table, plan_inputs, plan_memory
 from flexengine.optim import optimizer_missing
 from flexengine.precision import PrecisionSpec, auto_order, check_updates_arrive, precision_spec
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
 
-GiB = 2**30
 TIE_FRACTION = 0.01  # step estimates this close are a tie, which the more exact mode wins (the estimate is no finer)
 
 

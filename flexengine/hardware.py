@@ -15,10 +15,9 @@ import torch
 
 from flexengine.config import HardwareConfig
 from flexengine.errors import UserError
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
-
-GiB = 2**30
 
 # (substring of torch.cuda.get_device_properties(i).name, dense bf16 TFLOP/s). First match wins, so the
 # more specific names come first ("H100 PCIe" before "H100", "L40S" before "L40").

@@ -23,8 +23,7 @@ from omegaconf import DictConfig
 from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
 from flexengine.config import JobConfig, check_context_parallel
 from flexengine.errors import UserError
-
-GiB = 2**30
+from flexengine.units import GiB
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from flexengine.errors import OutputDirTaken, UserError, os_error_message
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,6 @@ CHECKPOINTS = "checkpoints"  # under the run's output directory
 MANIFEST = "manifest.json"
 RUN_LOCK = ".lock"  # in the output directory: held (flock) by the live run's rank 0
 MANIFEST_FORMAT = 1
-GIB = 2**30
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(?P<host>.+)_(?P<pid>\d+)$")
 _HASH_CHUNK = 16 << 20
@@ -213,12 +213,12 @@ def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
                 "checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it "
                 "(train.resume=auto removes it)",
                 p,
-                size / GIB,
+                size / GiB,
                 its_host,
             )
             continue
         shutil.rmtree(p, ignore_errors=True)
-        log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a process that is gone", p, size / GIB)
+        log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a process that is gone", p, size / GiB)
         removed.append(p)
     return removed
 
@@ -230,12 +230,12 @@ def disk_full_message(path: Path, needed: int, free: int) -> str:
     held_note = ""
     if held:
         held_note = (
-            f"; {sum(s for _, s in held) / GIB:.2f} GiB of it is held by unfinished saves ("
+            f"; {sum(s for _, s in held) / GiB:.2f} GiB of it is held by unfinished saves ("
             + ", ".join(p.name for p, _ in held[:3])
             + "): remove them if no job writes there"
         )
     return (
-        f"disk full at {path} (needs {needed / GIB:.2f} GiB, {free / GIB:.2f} free{held_note}). Free some "
+        f"disk full at {path} (needs {needed / GiB:.2f} GiB, {free / GiB:.2f} free{held_note}). Free some "
         "space or set train.output_dir to a larger disk; the previous checkpoint (if any) is intact."
     )
 

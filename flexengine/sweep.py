@@ -23,6 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flexengine.cli import ERROR_FILE, write_job_error  # noqa: F401  (write_job_error: part of this module's API)
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ METRICS = (
     ("tokens_per_s", "tokens_per_s", 1.0),
     ("useful_tokens_per_s", "useful_tokens_per_s", 1.0),
     ("mfu", "mfu", 1.0),
-    ("peak_memory_gib", "peak_memory_bytes", 1 / 2**30),
+    ("peak_memory_gib", "peak_memory_bytes", 1 / GiB),
     ("final_loss", "final_loss", 1.0),
     ("eval_loss", "eval.loss", 1.0),  # the last evaluation's held-out loss
     ("best_eval_loss", "eval.best_loss", 1.0),

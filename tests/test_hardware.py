@@ -9,7 +9,8 @@ import torch
 
 from flexengine.config import HardwareConfig
 from flexengine.errors import UserError
-from flexengine.hardware import GiB, available_host_memory_gb, lookup_peak_tflops, resolve_hardware
+from flexengine.hardware import available_host_memory_gb, lookup_peak_tflops, resolve_hardware
+from flexengine.units import GiB
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from flexengine.config import CP_BLOCK_SIZE
-from flexengine.memory.planner import GiB, ModelShape, PlanInputs, candidates_for, evaluate
+from flexengine.memory.planner import ModelShape, PlanInputs, candidates_for, evaluate
+from flexengine.units import GiB
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
 

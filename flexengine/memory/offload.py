@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from flexengine.units import GiB
+
 _HOST_COPY_DEPTH = [0]  # >0 while this module copies saved tensors to host (the meter reports those bytes apart)
 
 
@@ -45,7 +47,6 @@ def making_host_copies() -> bool:
 
 
 log = logging.getLogger(__name__)
-GiB = 2**30
 DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # library use without a plan; a run takes the plan's per-rank host budget
 # (planner.pinned_bound_bytes): a 7B at 8K offloads ~51 GB per row, times the ranks of a node (issue #16)
 

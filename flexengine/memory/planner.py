@@ -35,8 +35,8 @@ from flexengine.config import HardwareConfig, MemoryConfig
 from flexengine.family import Family, resolve_family
 from flexengine.memory.layers import select_layers
 from flexengine.memory.tiled_mlp import auto_tile_tokens
+from flexengine.units import GiB
 
-GiB = 2**30
 # The constants below are not derived from our code path; each names its source and is printed with every plan
 # (`assumptions` in the JSON, the last lines of the table).
 # Turns FLOPs into seconds when weighing recompute against offload traffic. torchtitan (docs/performance.md)

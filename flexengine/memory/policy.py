@@ -31,9 +31,10 @@ from flexengine.config import MemoryConfig
 from flexengine.errors import UserError
 from flexengine.family import Family, family_of
 from flexengine.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
-from flexengine.memory.offload import DEFAULT_MAX_PINNED_BYTES, GiB, OffloadManager
+from flexengine.memory.offload import DEFAULT_MAX_PINNED_BYTES, OffloadManager
 from flexengine.memory.spec import MemorySpec, Recompute, block_memory_specs
 from flexengine.memory.tiled_mlp import tiled_mlp_forward
+from flexengine.units import GiB
 
 log = logging.getLogger(__name__)
 
