@@ -104,7 +104,8 @@ def test_two_training_runs_started_together_one_is_refused(tmp_path):
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert steps == sorted(set(steps)), steps  # one run's records, not two interleaved
     assert not (tmp_path / "outputs").exists()  # F-9: Hydra's files went to train.output_dir
-    assert (out / ".hydra" / "config.yaml").is_file()
+    launches = sorted(out.glob("*/*/.hydra/config.yaml"))  # <date>/<time>/ per launch: neither overwrote the other
+    assert 1 <= len(launches) <= 2 and all((p.parent.parent / "train.log").is_file() for p in launches)
 
 
 @pytest.mark.parametrize("name", ["../outside.bin", "/abs/outside.bin", "a/../../outside.bin", "./x"])
