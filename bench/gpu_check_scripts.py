@@ -678,7 +678,7 @@ def main() -> None:
     # materialised). The recompiles check counts its own compiles with CompileWatch, which this does not change.
     for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, 256)
+            setattr(torch._dynamo.config, key, max(256, getattr(torch._dynamo.config, key)))
     table = checks()
     for name in args.names:
         print(f"@@start {name}", flush=True)

@@ -60,7 +60,8 @@ def overlap_verdict(events: list[dict]) -> dict:
     for k in kernels:
         by_stream[k["args"].get("stream")] = by_stream.get(k["args"].get("stream"), 0.0) + k["dur"]
     compute = max(by_stream, key=by_stream.get) if by_stream else None
-    side = [c for c in copies if c["args"].get("stream") != compute]
+    # host<->device copies off the compute stream (a device-to-device copy is not offload traffic)
+    side = [c for c in copies if c["args"].get("stream") != compute and ("DtoH" in c["name"] or "HtoD" in c["name"])]
     span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
     compute_spans = [span(k) for k in kernels if k["args"].get("stream") == compute]
     copy_us = _union_us([span(c) for c in side])

@@ -97,6 +97,12 @@ def test_overlap_verdict_passes_only_copies_that_run_beside_compute():
     assert demo["cases"]["serialised"]["verdict"]["overlap_of_possible"] == 0.0
 
 
+def test_overlap_verdict_does_not_count_device_to_device_copies_as_offload():
+    events = gpu_overlap.synthetic_timeline("same_stream")
+    events.append(gpu_overlap._event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 20, 10, 50))
+    assert not gpu_overlap.overlap_verdict(events)["ok"]  # still no offload copy on a side stream
+
+
 def test_overlap_verdict_fails_a_pageable_batch_copy():
     events = gpu_overlap.synthetic_timeline("overlapped")
     events[0]["name"] = "Memcpy HtoD (Pageable -> Device)"
