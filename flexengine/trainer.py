@@ -462,7 +462,8 @@ class Trainer:
         if self.eval_data is None:
             return eta
         every = cfg.eval_every
-        in_loop = cfg.max_steps // every - self.state.step // every if every else 0
+        # the step line is logged before its step's evaluation, so an evaluation at this very step is still due
+        in_loop = cfg.max_steps // every - (max(self.state.step, 1) - 1) // every if every else 0
         final = not every or cfg.max_steps % every > 0  # the end of the run is always evaluated
         due = in_loop + final
         if self._eval_seconds:
