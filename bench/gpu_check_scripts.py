@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import importlib
 import io
 import json
@@ -272,7 +271,7 @@ def check_flex_vs_sdpa(dry: bool) -> dict:
                 "token_slots": sum(b["input_ids"].numel() for b in batches),
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             }
-            del model, batches
+            del model, batches, step  # step's defaults hold the model too
             _free_device()
         row["speedup_flex_vs_sdpa_padded"] = row["sdpa_padded"]["step_s"] / row["flex_packed"]["step_s"]
         out[f"S={S}"] = row
@@ -618,19 +617,10 @@ def check_precision_proof(dry: bool) -> dict:
 
 # -- the worker -----------------------------------------------------------------------------------------------
 def _free_device() -> float:
-    """Collect garbage and empty the CUDA cache; GiB still allocated afterwards. Over 1 GiB (something, e.g. a
-    compiled graph's closure, keeps a finished check's model alive) dynamo's caches are dropped too, so the next
-    check does not run short of memory (it pays for its compiles again, from inductor's on-disk cache)."""
-    gc.collect()
-    if not torch.cuda.is_available():
-        return 0.0
-    torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated() / 2**30
-    if left > 1.0:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-    return left
+    """GiB left allocated once a check's objects are gone (gpu_check_width.release_device_memory)."""
+    from gpu_check_width import release_device_memory
+
+    return release_device_memory()
 
 
 def checks() -> dict[str, Callable[[bool], dict]]:
@@ -693,7 +683,7 @@ def main() -> None:
             }
         record.setdefault("status", "pass" if record.get("ok") else "fail")
         seconds = time.perf_counter() - t0
-        record["left_allocated_gib"] = _free_device()  # > 0: this check leaked device memory (reset below)
+        record["left_allocated_gib"] = _free_device()  # > 1: this check leaked device memory (dynamo was reset)
         append_line(args.jsonl, {"check": name, "seconds": round(seconds, 2), "dry_run": args.dry_run, **record})
         print(f"@@done {name}: {record['status']} ({seconds:.0f} s) {_headline(record)}", flush=True)
         if record["status"] == "fail" and record.get("error"):
