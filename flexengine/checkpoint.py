@@ -55,7 +55,7 @@ from torch import nn
 from flexengine.errors import UserError, os_error_message
 from flexengine.lora import adapter_to_model_keys, hf_key, is_lora, merge_lora_state_dict
 from flexengine.nonfinite import nonfinite_names
-from flexengine.parallel import cpu_group, global_rank, global_world_size
+from flexengine.parallel import cpu_group, global_rank, global_world_size, is_dtensor
 from flexengine.storage import (
     check_free_space,
     disk_full_message,
@@ -98,7 +98,7 @@ def verify_checkpoint(directory: Path) -> Optional[str]:
 def stored_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes on disk: a DTensor's global size (every rank's shard), a tensor subclass's inner
     tensors (torchao's 8-bit state reports fp32 numel but stores int8 codes + scales: 4x less)."""
-    if hasattr(t, "to_local"):  # DTensor: numel() is global; its local shard says how many bytes per element
+    if is_dtensor(t):  # numel() is global; its local shard says how many bytes per element
         local = t.to_local()
         if local.numel() == 0:
             return t.numel() * local.element_size()
@@ -133,7 +133,7 @@ def estimate_checkpoint_bytes(
     weights = _tensor_bytes(p for p in params if p.requires_grad) if is_lora(model) else _tensor_bytes(params)
     states = list(_state_tensors(optimizer_state))
     opt = _tensor_bytes(states)
-    if not any(hasattr(t, "to_local") for t in states):
+    if not any(is_dtensor(t) for t in states):
         opt *= world_size
     # the merged export is written in the adapters' dtype (lora.merge_lora_state_dict), whatever the frozen base's
     master_size = next((p.element_size() for p in params if p.requires_grad), 4)
@@ -202,7 +202,7 @@ def _on_every_rank(group: Any, fn: Callable[[], Any], doing: str, share: bool = 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 holds the model's parameters as DTensor shards."""
-    return any(hasattr(p, "to_local") for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def gather_full_state_dict(model: nn.Module) -> dict:

@@ -42,14 +42,10 @@ import torch
 from torch import nn
 
 from flexengine.memory.offload import CudaStreams
+from flexengine.parallel import is_dtensor, local_shard
 
 _ALIGN = 64  # bytes: each slot of the transfer buffer starts on a cache line
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s: coefficient max_norm / (norm + eps)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 DTensor, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _register_pinned(buffer: torch.Tensor) -> bool:
@@ -88,12 +84,14 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         adamw_kwargs.pop("foreach", None)  # the host step is always the fused kernel
         adamw_kwargs.pop("fused", None)
         device_params = [p for group in groups for p in group["params"]]
-        on_cuda = any(local(p).is_cuda for p in device_params)
-        self._streams = streams if streams is not None or not on_cuda else CudaStreams(local(device_params[0]).device)
+        on_cuda = any(local_shard(p).is_cuda for p in device_params)
+        self._streams = (
+            streams if streams is not None or not on_cuda else CudaStreams(local_shard(device_params[0]).device)
+        )
         offsets, total = [], 0
         for p in device_params:
             offsets.append(total)
-            total += -(-local(p).numel() * local(p).element_size() // _ALIGN) * _ALIGN
+            total += -(-local_shard(p).numel() * local_shard(p).element_size() // _ALIGN) * _ALIGN
         self._buffer, self.pinned = transfer_buffer(total, pin=on_cuda)
         if self.pinned:  # unregistered before the memory goes back to the C allocator (the finalizer holds it)
             weakref.finalize(self, _unregister, self._buffer)
@@ -103,7 +101,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         for group in groups:
             masters = []
             for p in group["params"]:
-                shard = local(p)
+                shard = local_shard(p)
                 master = nn.Parameter(shard.detach().to("cpu", torch.float32, copy=True))
                 nbytes = shard.numel() * shard.element_size()
                 slot = self._buffer[offsets[i] : offsets[i] + nbytes].view(shard.dtype).view(shard.shape)
@@ -159,7 +157,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
 
     def _download(self, k: int) -> None:
         """Start the device -> host copy of parameter k's gradient into its slot (a later call overwrites it)."""
-        grad = local(self._pairs[k][0].grad)
+        grad = local_shard(self._pairs[k][0].grad)
         streams = self._streams
         if streams is None:
             self._slots[k].copy_(grad)
@@ -239,10 +237,10 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         slot = self._slots[k]
         slot.copy_(master)
         if self._streams is None:
-            local(device_p).copy_(slot)
+            local_shard(device_p).copy_(slot)
             return
         with self._streams.on_side():
-            local(device_p).copy_(slot, non_blocking=True)
+            local_shard(device_p).copy_(slot, non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the device grads and forget downloads of a step that was skipped."""
@@ -263,13 +261,13 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         masters = state_dict.pop("fp32_masters", None)
         with torch.no_grad():
             for i, (device_p, master) in enumerate(self._pairs):
-                master.copy_(masters[i] if masters is not None else local(device_p).float())
+                master.copy_(masters[i] if masters is not None else local_shard(device_p).float())
         super().load_state_dict(state_dict)
 
     def master_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """{state-dict name: fp32 master} for the model's trainable parameters, for the HF export; empty when the
         masters are shards (FSDP2: the export gathers the device copies)."""
-        if any(hasattr(p, "to_local") for p, _ in self._pairs):
+        if any(is_dtensor(p) for p, _ in self._pairs):
             return {}
         masters = {id(p): m.detach() for p, m in self._pairs}
         return {name: masters[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in masters}

@@ -14,13 +14,9 @@ from typing import Iterable
 import torch
 
 from flexengine.config import OptimConfig
+from flexengine.parallel import local_shard
 
 NAMES_SHOWN = 3
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (each rank checks its own); other tensors as they are."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def nonfinite_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -28,7 +24,7 @@ def nonfinite_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[s
     subclasses carry their own scales and are skipped)."""
     by_device: dict = defaultdict(list)
     for name, t in named_tensors:
-        t = _plain(t)
+        t = local_shard(t)  # each rank checks its own shard
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_floating_point() or t.numel() == 0:
             continue
         by_device[t.device].append((name, t.detach()))

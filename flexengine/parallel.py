@@ -28,6 +28,17 @@ from flexengine.memory import decoder_layers
 log = logging.getLogger(__name__)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2 shard): numel() is then global, its data the local shard. Duck-typed, so
+    callers need no torch.distributed.tensor import and a plain-process run never loads it."""
+    return hasattr(t, "to_local")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (each rank's own); other tensors as they are."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """This process's place in the job."""
