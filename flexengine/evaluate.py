@@ -30,6 +30,7 @@ def evaluate_loss(
     device: torch.device,
     prepare: Callable[[dict], tuple[dict, dict]],
     autocast: Callable,
+    *,
     stop: Optional[Callable[[], bool]] = None,
     on_batch: Optional[Callable[[int], None]] = None,
 ) -> Optional[dict]:
@@ -113,6 +114,7 @@ def greedy_continue(
     prompts: Sequence[str],
     new_tokens: int,
     device: torch.device,
+    *,
     pad_to: int = 128,
     stop: Optional[Callable[[], bool]] = None,
 ) -> Optional[list[str]]:
