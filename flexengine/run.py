@@ -21,7 +21,7 @@ from flexengine.data.corpus import Corpus, build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import has_targets, plan_packing
-from flexengine.data.sources import resolve_eval_split
+from flexengine.data.sources import resolve_eval_split, unused_eval_split
 from flexengine.data.split import shared_documents, split_documents
 from flexengine.errors import UserError, os_error_message
 from flexengine.fit import fit_job
@@ -156,6 +156,15 @@ def build_data(
     if job.data.formats & {"chat", "mixed"}:
         report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": job.data.long_chats}
     if not len(eval_docs):
+        unused = unused_eval_split(job.data)
+        if unused:
+            log.info(
+                "data: %s has a %r split, not evaluated on: add data.eval_path=%s (its %s split is taken)",
+                job.data.path,
+                unused,
+                job.data.path,
+                unused,
+            )
         return loader, None, report
     # packed and masked exactly like the training rows
     eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)

@@ -125,6 +125,12 @@ def resolve_eval_split(data: DataConfig) -> Optional[str]:
     )
 
 
+def unused_eval_split(data: DataConfig) -> Optional[str]:
+    """The held-out split (validation, else test) of a DatasetDict data.path when no held-out set is configured."""
+    splits = saved_splits(Path(data.path or "")) if data.source == "hf" and not data.has_eval else None
+    return next((name for name in EVAL_SPLITS if name in (splits or [])), None)
+
+
 def source_files(data: DataConfig) -> list[Path]:
     """The files the configured source reads, in reading order (also what the tokenized cache is keyed on)."""
     if data.source == "demo":

@@ -118,3 +118,10 @@ def test_a_text_file_and_a_chat_file_mix(tmp_path, chat_tokenizer):
     assert text_part.all() and 0 < chat_part.sum() < len(chat_part)
     with pytest.raises(UserError, match="it has 'messages': a chat record.*format: chat on that source"):
         _build(tmp_path, *common, f"data.mix=[{{path: {text}}}, {{path: {chats}}}]")
+
+
+def test_an_unused_validation_split_is_pointed_out(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="flexengine")
+    dd = _dataset_dict(tmp_path / "dd", train=DOCS[:40], validation=DOCS[40:48])
+    _, held_out, _ = _build(tmp_path, "data=hf", f"data.path={dd}")
+    assert held_out is None and f"has a 'validation' split, not evaluated on: add data.eval_path={dd}" in caplog.text
