@@ -11,6 +11,22 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from flexengine.cli import compose_job
+from flexengine.config import JobConfig
+
+# A run of seconds (24 demo documents, 256-token rows, no progress bar, a 2-step warmup) that keeps the default
+# loop shape: grad_accum 2, which the loss-normalisation and resume tests need. The test sets its step count.
+FAST = ("data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "optim.warmup_steps=2")
+# debug=fast's loop on top: 4 steps of micro_batch 2, grad_accum 1, and its own 1-step warmup (restated: a value
+# override beats the group's, and FAST's comes first)
+DEBUG_FAST = ("debug=fast", "optim.warmup_steps=1")
+
+
+def make_job(out_dir: Path, *overrides: str) -> JobConfig:
+    """conf/ composed exactly like the entry point does: FAST, train.output_dir=out_dir, then the overrides."""
+    return compose_job([*FAST, f"train.output_dir={out_dir}", *overrides])
+
+
 # the GPU checks' small LLaMA (wide enough for flex's 128-token blocks and bf16 tolerances)
 GPU_TINY_LLAMA = dict(
     vocab_size=512,

@@ -13,8 +13,8 @@ from flexengine.doctor import compose_job, diagnose, exit_status, format_report,
 from flexengine.errors import UserError
 from flexengine.hooks import StepHooks
 from flexengine.run import build_trainer
+from tests.helpers import DEBUG_FAST
 
-FAST = ["debug=fast", "train.grad_accum=1"]
 STEPS = 1
 
 
@@ -25,7 +25,7 @@ def check(report: dict, name: str) -> dict:
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     out = tmp_path_factory.mktemp("healthy")
-    return diagnose(compose_job([*FAST, "attn=packed_doc", "memory=none"]), out, steps=STEPS), out
+    return diagnose(compose_job([*DEBUG_FAST, "attn=packed_doc", "memory=none"]), out, steps=STEPS), out
 
 
 def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
@@ -46,7 +46,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
 
 
 def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
-    report = run_doctor([*FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
+    report = run_doctor([*DEBUG_FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
     n = report["numbers"]
     assert n["attn_backend"] == "sdpa" and n["block_density"] is None
     assert n["useful_token_fraction"] < 0.9
@@ -57,7 +57,7 @@ def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
 
 
 def test_checkpointing_everything_when_nothing_is_needed(tmp_path):
-    report = diagnose(compose_job([*FAST, "attn=packed_doc", "memory=full"]), tmp_path, steps=STEPS)
+    report = diagnose(compose_job([*DEBUG_FAST, "attn=packed_doc", "memory=full"]), tmp_path, steps=STEPS)
     mem = report["numbers"]["memory"]
     assert mem["blocks_changed"] == [0, 1, 2, 3] and mem["block_specs"] == ["block"] * 4
     assert mem["planner_choice"]["policy"] == "none" and mem["recompute_flops_fraction"] > 0
@@ -69,7 +69,9 @@ def test_too_small_a_card_asks_for_checkpointing(tmp_path):
     # weights + grads + AdamW moments of the 4M-parameter model take ~60 MiB: 0.07 GB leaves no room. The run is
     # planned before anything is allocated (flexengine.fit), so it stops there, naming what would fit.
     with pytest.raises(UserError, match=r"precision=fp32 memory=none does not fit[\s\S]*What would fit"):
-        diagnose(compose_job([*FAST, "memory=none", "precision=fp32", "hardware.memory_gb=0.07"]), tmp_path, steps=1)
+        diagnose(
+            compose_job([*DEBUG_FAST, "memory=none", "precision=fp32", "hardware.memory_gb=0.07"]), tmp_path, steps=1
+        )
 
 
 class _SmallerBatchAtStep(StepHooks):
@@ -87,7 +89,7 @@ class _SmallerBatchAtStep(StepHooks):
 def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
     """No dispatch mode around compiled code, and fullgraph recompiles are counted (they were always 0)."""
     torch._dynamo.reset()
-    job = compose_job([*FAST, "attn=packed_doc", "train.compile=true", "train.compile_backend=aot_eager"])
+    job = compose_job([*DEBUG_FAST, "attn=packed_doc", "train.compile=true", "train.compile_backend=aot_eager"])
     trainer = build_trainer(job, tmp_path)
     healthy = diagnose(job, tmp_path, steps=1, trainer=trainer)["numbers"]
     assert healthy["graphs_compiled_warmup"] >= 1 and healthy["graphs_compiled_after_warmup"] == 0
@@ -111,7 +113,7 @@ def test_console_script_exits_0_on_a_healthy_run_and_prints_no_dict(tmp_path):
 
     # what the installed `flexengine-doctor` script runs: sys.exit(main())
     script = "import sys; from flexengine.doctor import main; sys.argv[0] = 'flexengine-doctor'; sys.exit(main())"
-    args = [*FAST, "attn=packed_doc", "memory=none", "--steps", "1", "--out", str(tmp_path)]
+    args = [*DEBUG_FAST, "attn=packed_doc", "memory=none", "--steps", "1", "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flexengine doctor" in proc.stdout and "{'checks'" not in proc.stdout + proc.stderr

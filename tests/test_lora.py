@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from flexengine.cli import compose_job
 from flexengine.config import LoraConfig
 from flexengine.errors import UserError
 from flexengine.lora import adapter_to_model_keys, apply_lora, merge_lora_state_dict
 from flexengine.run import build_trainer
+from tests.helpers import DEBUG_FAST, make_job
 
-FAST = ["debug=fast", "optim.warmup_steps=1", "optim.lr=1e-2", "model.lora.r=4", "model.lora.alpha=8"]
-
-
-def make_job(tmp_path: Path, *overrides: str):
-    return compose_job([*FAST, f"train.output_dir={tmp_path}", *overrides])
+LORA = (*DEBUG_FAST, "optim.lr=1e-2", "model.lora.r=4", "model.lora.alpha=8")
 
 
 def _base_state(peft_model) -> dict:
@@ -32,7 +26,7 @@ def test_merged_directory_equals_base_plus_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    trainer = build_trainer(make_job(tmp_path, "train.max_steps=2", "train.merge_lora_on_save=true"), tmp_path)
+    trainer = build_trainer(make_job(tmp_path, *LORA, "train.max_steps=2", "train.merge_lora_on_save=true"), tmp_path)
     base_before = _base_state(trainer.model)
     trainer.train()
     step = tmp_path / "checkpoints" / "step_2"
@@ -58,10 +52,13 @@ def test_merged_directory_equals_base_plus_adapter(tmp_path):
 
 def test_lora_resume_continues_the_same_trajectory(tmp_path):
     full = build_trainer(
-        make_job(tmp_path / "a", "train.max_steps=4", "train.save_every=2", "model.lora.dropout=0.1"), tmp_path / "a"
+        make_job(tmp_path / "a", *LORA, "train.max_steps=4", "train.save_every=2", "model.lora.dropout=0.1"),
+        tmp_path / "a",
     )
     losses = full.train()["losses"]
-    resumed = build_trainer(make_job(tmp_path / "b", "train.max_steps=4", "model.lora.dropout=0.1"), tmp_path / "b")
+    resumed = build_trainer(
+        make_job(tmp_path / "b", *LORA, "train.max_steps=4", "model.lora.dropout=0.1"), tmp_path / "b"
+    )
     resumed.resume(str(tmp_path / "a" / "checkpoints" / "step_2"))
     assert resumed.train()["losses"] == pytest.approx(losses, rel=1e-6)
 
@@ -150,6 +147,7 @@ def test_merged_export_from_an_fp32_checkpoint_in_a_bf16_mode_keeps_the_base_exa
     out = tmp_path / "run"
     job = make_job(
         out,
+        *LORA,
         f"model.path={model_dir}",
         "model.init=pretrained",
         "precision=bf16_mixed",

@@ -87,7 +87,7 @@ def test_training_config_with_model_path_trains_those_weights(tmp_path):
     """Defect 1: `model.path=DIR` on the default config (model=tiny) used to build tiny at random."""
     from flexengine.data.demo import load_demo_tokenizer
     from flexengine.run import build_trainer
-    from tests.test_train import make_job
+    from tests.helpers import make_job
 
     model = make_llama(num_hidden_layers=3, vocab_size=2048)
     model.save_pretrained(tmp_path / "ckpt")

@@ -58,7 +58,7 @@ def test_plan_reports_documents_against_the_trained_context(tmp_path):
     from flexengine.data.demo import load_demo_tokenizer
     from flexengine.model import build_hf_config
     from flexengine.plan import context_report
-    from tests.test_train import make_job
+    from tests.helpers import make_job
 
     tokenizer_dir = tmp_path / "tok"
     load_demo_tokenizer().save_pretrained(str(tokenizer_dir))

@@ -17,7 +17,7 @@ from flexengine.model import build_hf_config
 from flexengine.rope import ContextLimits, apply_rope_scaling, check_context, context_limits
 from flexengine.run import build_trainer
 from flexengine.train import to_job_config
-from tests.test_train import make_job
+from tests.helpers import make_job
 
 SMALL = ["model.arch.max_position_embeddings=128", "data.seq_len=256"]  # demo documents run past 128 tokens
 

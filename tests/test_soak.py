@@ -10,8 +10,7 @@ import pytest
 
 from flexengine import trainer as trainer_module
 from flexengine.run import run_training
-from tests.helpers import flip_one_byte
-from tests.test_train import make_job
+from tests.helpers import flip_one_byte, make_job
 
 STEPS, SAVE_EVERY, STOP_AT = 200, 40, 120
 # A model small enough for hundreds of steps in seconds on 2 cores (the point is the loop, not the math).

@@ -11,17 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexengine.cli import compose_job
-from flexengine.config import JobConfig
 from flexengine.run import build_trainer, run_training
+from tests.helpers import make_job
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "optim.warmup_steps=2"]
-
-
-def make_job(tmp_path: Path, *overrides: str) -> JobConfig:
-    """Compose conf/ exactly like the entry point does, with overrides, into a JobConfig."""
-    return compose_job([*FAST, f"train.output_dir={tmp_path}", *overrides])
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

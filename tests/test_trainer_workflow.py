@@ -13,14 +13,10 @@ import pytest
 import torch
 
 from flexengine.checkpoint import prune_checkpoints
-from flexengine.cli import compose_job
 from flexengine.run import build_trainer, run_training
+from tests.helpers import DEBUG_FAST, make_job
 
-FAST = ["debug=fast", "train.progress=false", "data.num_workers=0"]
-
-
-def make_job(tmp_path: Path, *overrides: str):
-    return compose_job([*FAST, f"train.output_dir={tmp_path}", *overrides])
+WORKFLOW = (*DEBUG_FAST, "data.num_workers=0")
 
 
 def _events(run_dir: Path) -> dict:
@@ -36,6 +32,7 @@ def test_eval_best_retention_samples_and_logs(tmp_path, caplog):
     summary = run_training(
         make_job(
             tmp_path,
+            *WORKFLOW,
             "train.max_steps=6",
             "data.eval_fraction=0.1",
             "train.eval_every=2",
@@ -79,7 +76,7 @@ def test_eval_best_retention_samples_and_logs(tmp_path, caplog):
 def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
     """Packed, masked eval == the token-weighted mean of HF's own loss on each held-out document alone."""
     trainer = build_trainer(
-        make_job(tmp_path, "data.eval_fraction=0.1", "data.seq_len=256", "data.long_docs=truncate"), tmp_path
+        make_job(tmp_path, *WORKFLOW, "data.eval_fraction=0.1", "data.seq_len=256", "data.long_docs=truncate"), tmp_path
     )
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +104,7 @@ def test_early_stop_keeps_best_and_resumed_from(tmp_path):
     summary = run_training(
         make_job(
             tmp_path,
+            *WORKFLOW,
             "train.max_steps=8",
             "data.eval_fraction=0.1",
             "train.eval_every=2",
@@ -138,15 +136,15 @@ def test_keep_last_never_deletes_best_or_resumed_from(tmp_path):
 
 
 def test_epochs_set_max_steps_from_the_packed_plan(tmp_path):
-    trainer = build_trainer(make_job(tmp_path, "train.epochs=0.5", "train.grad_accum=2"), tmp_path)
+    trainer = build_trainer(make_job(tmp_path, *WORKFLOW, "train.epochs=0.5", "train.grad_accum=2"), tmp_path)
     per_epoch = trainer.loader.batches_per_epoch
     assert trainer.job.train.max_steps == math.ceil(0.5 * per_epoch / 2)
 
 
 def test_resume_truncates_metrics_of_the_lost_steps(tmp_path):
-    run_training(make_job(tmp_path, "train.max_steps=3", "train.save_every=2"), tmp_path)
+    run_training(make_job(tmp_path, *WORKFLOW, "train.max_steps=3", "train.save_every=2"), tmp_path)
     (tmp_path / "checkpoints" / "step_3").rename(tmp_path / "gone")  # as if killed after step 3's log line
-    run_training(make_job(tmp_path, "train.max_steps=3", "train.resume=auto"), tmp_path)
+    run_training(make_job(tmp_path, *WORKFLOW, "train.max_steps=3", "train.resume=auto"), tmp_path)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
 
@@ -155,21 +153,21 @@ def test_early_stop_needs_a_held_out_set(tmp_path):
     from flexengine.errors import UserError
 
     with pytest.raises(UserError, match="data.eval_fraction"):
-        make_job(tmp_path, "train.early_stop_patience=2")
+        make_job(tmp_path, *WORKFLOW, "train.early_stop_patience=2")
 
 
 def test_schedule_that_cannot_decay_or_changes_on_resume_is_reported(tmp_path, caplog):
     """A run no longer than its warmup ends at the peak lr, and a resume with another train.max_steps re-derives
     the schedule (the lr jumps): both say so in the log."""
     caplog.set_level(logging.WARNING, logger="flexengine")
-    build_trainer(make_job(tmp_path / "a", "train.max_steps=4", "optim.warmup_steps=10"), tmp_path / "a")
+    build_trainer(make_job(tmp_path / "a", *WORKFLOW, "train.max_steps=4", "optim.warmup_steps=10"), tmp_path / "a")
     assert "optim.warmup_steps=10 >= train.max_steps=4" in caplog.text and "peak lr" in caplog.text
     caplog.clear()
-    run_training(make_job(tmp_path, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
-    same = build_trainer(make_job(tmp_path, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
+    run_training(make_job(tmp_path, *WORKFLOW, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
+    same = build_trainer(make_job(tmp_path, *WORKFLOW, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
     same.resume("auto")
     assert "re-derived" not in caplog.text
-    longer = build_trainer(make_job(tmp_path, "train.max_steps=30", "optim.warmup_steps=1"), tmp_path)
+    longer = build_trainer(make_job(tmp_path, *WORKFLOW, "train.max_steps=30", "optim.warmup_steps=1"), tmp_path)
     longer.resume("auto")
     assert "resume: train.max_steps 3 -> 30 changed" in caplog.text and "the lr of step 4" in caplog.text
 
@@ -190,7 +188,8 @@ def _signal_on(counter: list, at: int) -> None:
 def test_a_signal_during_evaluation_stops_it_at_the_next_batch_and_saves(tmp_path, eval_every):
     """Before: the whole held-out set was evaluated first (452 s unanswered in the review)."""
     trainer = build_trainer(
-        make_job(tmp_path, "train.max_steps=2", "data.eval_fraction=0.5", f"train.eval_every={eval_every}"), tmp_path
+        make_job(tmp_path, *WORKFLOW, "train.max_steps=2", "data.eval_fraction=0.5", f"train.eval_every={eval_every}"),
+        tmp_path,
     )
     total = sum(1 for _ in trainer.eval_data.batches())
     assert total >= 4, total
@@ -214,6 +213,7 @@ def test_a_signal_during_sampling_stops_it_at_the_next_token_and_saves(tmp_path)
     trainer = build_trainer(
         make_job(
             tmp_path,
+            *WORKFLOW,
             "train.max_steps=3",
             "train.sample_every=1",
             "train.sample_tokens=40",
@@ -246,7 +246,7 @@ def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, c
 
     monkeypatch.setattr(ev, "EVAL_BUDGET", 0.0)  # any evaluation is "too dear": the advice must appear
     caplog.set_level(logging.INFO, logger="flexengine")
-    job = make_job(tmp_path, "train.max_steps=4", "data.eval_fraction=0.2", "train.eval_every=2")
+    job = make_job(tmp_path, *WORKFLOW, "train.max_steps=4", "data.eval_fraction=0.2", "train.eval_every=2")
     summary = run_training(job, tmp_path)
     text = caplog.text
     assert "eval step 2: " in text and "batches" in text
@@ -257,7 +257,8 @@ def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, c
     assert summary["useful_tokens_per_s"] == pytest.approx(summary["useful_tokens_seen"] / summary["train_s"])
     # the ETA of a fresh 6-step run: 3 evaluations due (steps 2, 4, 6) at the measured cost of one
     trainer = build_trainer(
-        make_job(tmp_path / "b", "train.max_steps=6", "data.eval_fraction=0.2", "train.eval_every=2"), tmp_path / "b"
+        make_job(tmp_path / "b", *WORKFLOW, "train.max_steps=6", "data.eval_fraction=0.2", "train.eval_every=2"),
+        tmp_path / "b",
     )
     trainer._loop_start, trainer._eval_seconds = time.perf_counter(), [50.0]
     assert trainer._eta_s() >= 3 * 50.0
