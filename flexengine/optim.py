@@ -6,14 +6,14 @@
   adamw_bf16         torchao AdamW, stochastic rounding of bf16 weights (no fp32 master), bf16 exp_avg and fp32
                      exp_avg_sq (adamw_bf16.py: a bf16 one cannot follow a falling gradient scale)
   adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU (host_adamw.py)
-The planner asks `optimizer_state_bytes_per_param` what each choice costs on the device and on the host.
+What each choice stores (device and host bytes per parameter) is precision.optimizer_state_bytes_per_param.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterable, List, Tuple
+from typing import Iterable, List
 
 import torch
 from torch import nn
@@ -24,30 +24,6 @@ from flexengine.host_adamw import CPUOffloadAdamW
 
 OPTIMIZERS = OPTIM_NAMES  # one list: the schema checks optim.name against it
 _TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
-# torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
-_AO_8BIT_BLOCK = 256
-
-
-EMBEDDING_STATE_BYTES = 8.0  # adamw_8bit: fp32 exp_avg + exp_avg_sq per input-embedding element
-
-
-def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> Tuple[float, float]:
-    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
-
-    Weights and gradients themselves are not included, except the fp32 master copy that adamw_cpu_offload
-    keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
-    """
-    elt = torch.empty((), dtype=param_dtype).element_size()
-    if name == "adamw":
-        return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
-    if name == "adamw_8bit":
-        # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
-        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
-    if name == "adamw_bf16":
-        return 2.0 + 4.0, 0.0  # bf16 exp_avg + fp32 exp_avg_sq (flexengine.adamw_bf16)
-    if name == "adamw_cpu_offload":
-        return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
-    raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexengine.config import OPTIM_NAMES
 from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,33 @@ log = logging.getLogger(__name__)
 AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
 AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
 PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
+
+
+# What each optim.name stores: the planner's optimizer bytes (the optimizers themselves are loop/optim.py)
+# torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
+_AO_8BIT_BLOCK = 256
+
+
+EMBEDDING_STATE_BYTES = 8.0  # adamw_8bit: fp32 exp_avg + exp_avg_sq per input-embedding element
+
+
+def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
+
+    Weights and gradients themselves are not included, except the fp32 master copy that adamw_cpu_offload
+    keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
+    """
+    elt = torch.empty((), dtype=param_dtype).element_size()
+    if name == "adamw":
+        return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
+    if name == "adamw_8bit":
+        # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
+        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
+    if name == "adamw_bf16":
+        return 2.0 + 4.0, 0.0  # bf16 exp_avg + fp32 exp_avg_sq (flexengine.adamw_bf16)
+    if name == "adamw_cpu_offload":
+        return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
+    raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIM_NAMES)}.")
 
 
 @dataclass(frozen=True)
@@ -74,8 +102,6 @@ class PrecisionSpec:
         states and its slot of the transfer buffer (the device dtype: gradients come down and weights go up in it),
         plus one fp32 scratch of the largest parameter when that dtype is not fp32 ("host_scratch" bytes per
         element of the largest trainable tensor; flexengine.host_adamw)."""
-        from flexengine.optim import optimizer_state_bytes_per_param
-
         w = torch.empty((), dtype=self.param_dtype).element_size()
         device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
         transfer = w if host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in

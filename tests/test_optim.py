@@ -10,7 +10,8 @@ import torch
 
 from flexengine.config import OptimConfig
 from flexengine.errors import UserError
-from flexengine.optim import CPUOffloadAdamW, build_optimizer, build_scheduler, optimizer_state_bytes_per_param
+from flexengine.optim import CPUOffloadAdamW, build_optimizer, build_scheduler
+from flexengine.precision import optimizer_state_bytes_per_param
 from tests.helpers import clone_model
 
 CPU = torch.device("cpu")

@@ -480,7 +480,7 @@ class PlanInputs:
     optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
     trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
     embedding_state_bytes: Optional[float] = None  # per input-embedding element when its optimizer states differ
-    # from the rest (adamw_8bit keeps them in fp32: optim.EMBEDDING_STATE_BYTES); None = like every parameter
+    # from the rest (adamw_8bit keeps them in fp32: precision.EMBEDDING_STATE_BYTES); None = like every parameter
     fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
     # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
     weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
@@ -950,7 +950,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
         targets = family.lora_targets_of(job.model.lora.target_modules)
         trainable = shape.lora_params(job.model.lora.r, targets, family) / shape.params
-    from flexengine.optim import EMBEDDING_STATE_BYTES
+    from flexengine.precision import EMBEDDING_STATE_BYTES
 
     per_param = spec.bytes_per_param()
     return PlanInputs(

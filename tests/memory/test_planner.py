@@ -243,7 +243,7 @@ def test_every_term_is_named_and_adds_up_to_the_total():
 
 def test_adamw_8bit_counts_fp32_embedding_states():
     """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding (issue #16)."""
-    from flexengine.optim import EMBEDDING_STATE_BYTES
+    from flexengine.precision import EMBEDDING_STATE_BYTES
 
     cfg, x = _deepseek_inputs(optimizer_state_bytes=1.0)
     plain = plan_memory(cfg, x)["terms"]
