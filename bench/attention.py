@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from flexengine.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
-from flexengine.attention.masks import get_mask_mod
+from flexengine.attention.mask_mode import get_mask_mod
 from flexengine.attention.spec import AttnBackend
 from flexengine.config import AttnMode
 

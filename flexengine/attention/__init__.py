@@ -1,13 +1,12 @@
 """Attention rewrite: the resolved spec, mask functions, per-batch masks, and the patch that routes HF attention."""
 
 from flexengine.attention.block_mask import BatchMask, build_batch_mask
-from flexengine.attention.mask_mode import MaskMode, mask_mode
+from flexengine.attention.mask_mode import MaskMode, get_mask_mod, mask_mode
 from flexengine.attention.masks import (
     Causal,
     InnerMask,
     SlidingWindow,
     document_ids_from_position_ids,
-    get_mask_mod,
     position_ids_from_document_ids,
 )
 from flexengine.attention.patch import MASK_KWARG, LayerMasks, apply_attention, mask_kwargs, patch_attention

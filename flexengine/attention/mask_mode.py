@@ -175,3 +175,8 @@ def band_mode(documents: bool, window: Optional[int]) -> MaskMode:
 
 
 __all__ = ["Causal", "MaskMode", "band_mode", "canonical_document_ids", "document_extents", "mask_mode"]
+
+
+def get_mask_mod(document_ids_BS: Optional[Tensor] = None, window: Optional[int] = None) -> MaskMod:
+    """Causal mask_mod, per document when ids are given, within `window` if set (`MaskMode.mask_mod` of it)."""
+    return band_mode(document_ids_BS is not None, window).mask_mod(document_ids_BS)

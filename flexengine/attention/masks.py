@@ -154,13 +154,6 @@ MODES: dict[str, ModeEntry] = {
 }
 
 
-def get_mask_mod(document_ids_BS: Optional[Tensor] = None, window: Optional[int] = None) -> MaskMod:
-    """Causal mask_mod, per document when ids are given, within `window` if set (`MaskMode.mask_mod` of it)."""
-    from flexengine.attention.mask_mode import band_mode  # the document wrapper imports this module
-
-    return band_mode(document_ids_BS is not None, window).mask_mod(document_ids_BS)
-
-
 def document_ids_from_position_ids(position_ids_BS: Tensor) -> Tensor:
     """Document index of every token: a new document starts wherever the position id restarts at 0."""
     return torch.cumsum((position_ids_BS == 0).to(torch.int32), dim=-1)
