@@ -191,8 +191,8 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
     fit = plan_job(job, hf_config, hardware)
     # one line in the run's log; the whole table with hydra.verbose=flexengine.fit, or from flexengine-plan
     log.info("plan: %s", format_fit_summary(fit))
-    for line in precision_verdicts(fit):  # precision=auto: one line per mode, why it was taken or lost
-        log.info("plan: %s", line)
+    for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
+        log.debug("plan: %s", line)
     log.debug("plan:\n%s", format_fit(fit))
     if not fit.fits:
         explicit = _explicit_choices(job)
@@ -300,8 +300,8 @@ def format_fit_summary(fit: FitPlan) -> str:
     )
     if len(fit.precision_table) > 1:
         chosen += (
-            " (precision tried: "
-            + ", ".join(f"{r['precision']} {'fits' if r['fits'] else 'no'}" for r in fit.precision_table)
+            " (precision=auto weighed: "
+            + ", ".join(f"{r['precision']} {_short_verdict(r['verdict'])}" for r in fit.precision_table)
             + ")"
         )
     families, runners = {_family(p["memory"], p["micro_batch"])}, []
@@ -314,6 +314,11 @@ def format_fit_summary(fit: FitPlan) -> str:
         if len(runners) == RUNNERS_UP:
             break
     return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"
+
+
+def _short_verdict(verdict: str) -> str:
+    """A precision verdict's head ("ties with fp32's 0.3 s", "slower", "does not fit"), for the one-line summary."""
+    return verdict.split(":")[0].split(" (")[0]
 
 
 def _family(memory: dict, micro_batch: int) -> tuple:
