@@ -39,7 +39,7 @@ from flexengine.flops import TrainFlops, attended_pairs
 from flexengine.hooks import StepHooks
 from flexengine.loss import count_valid_targets
 from flexengine.metrics import MetricsWriter, peak_memory_bytes, utilization
-from flexengine.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
+from flexengine.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors, suspect_settings
 from flexengine.optim import (
     build_optimizer,
     build_scheduler,
@@ -301,8 +301,8 @@ class Trainer:
         else:
             raise UserError(
                 f"step {self.state.step + 1}: loss is {loss_value} (grad norm {norm_value}); training stopped "
-                "before the update. Lower optim.lr, check the data, or set train.skip_nonfinite=true to skip "
-                "(and count) such steps."
+                f"before the update. Likely cause: {suspect_settings(self.job.optim)}. Or set "
+                "train.skip_nonfinite=true to skip (and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {  # tokens: the whole job's rows, each once (tokens/s is the job's throughput, MFU per device)
