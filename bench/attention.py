@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flexengine.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
-from flexengine.attention.mask_mode import get_mask_mod
-from flexengine.attention.spec import AttnBackend
-from flexengine.config import AttnMode
+from flexengine.core.config import AttnMode
+from flexengine.surgery.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
+from flexengine.surgery.attention.mask_mode import get_mask_mod
+from flexengine.surgery.attention.spec import AttnBackend
 
 RESULTS = Path(__file__).parent / "results"
 TORCH_BUILDER_MAX_S = 32768  # eager create_block_mask on CPU: ~1 s at 8K, ~40 s at 32K, minutes beyond
@@ -105,7 +105,7 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
 
 
 def _compose(overrides: list[str]):
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
 
     return compose_job(overrides)
 
@@ -116,7 +116,7 @@ def demo_batches(seq_len: int, micro_batch: int, packed: bool, n: int) -> list[t
     from flexengine.data.corpus import build_corpus
     from flexengine.data.loader import RowLoader
     from flexengine.data.packing import plan_packing
-    from flexengine.model import load_tokenizer
+    from flexengine.surgery.model import load_tokenizer
 
     job = _compose([f"attn={'packed_doc' if packed else 'causal'}", f"data.seq_len={seq_len}"])
     corpus = build_corpus(job.data, load_tokenizer(job.model))
@@ -143,9 +143,9 @@ HEADS = 8, 4, 32  # conf/model/tiny.yaml: 8 query heads, 4 key/value heads, head
 
 def _masks(mode: str, backend: str, doc: torch.Tensor, window: int | None = None):
     """One batch's LayerMasks for a single-layer model (what the attention function receives)."""
-    from flexengine.attention.patch import LayerMasks
-    from flexengine.attention.spec import AttentionSpec, AttnBackend
-    from flexengine.config import AttnMode
+    from flexengine.core.config import AttnMode
+    from flexengine.surgery.attention.patch import LayerMasks
+    from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
 
     m = AttnMode(mode)
     window = window if m.windowed else None
@@ -167,8 +167,8 @@ def _packed_breakdown(doc: torch.Tensor) -> dict:
     """One packed batch: mask/plan build, the dense reference's parts, varlen, and one row bool vs is_causal."""
     import torch.nn.functional as F
 
-    from flexengine.attention.patch import flexengine_attention
-    from flexengine.attention.varlen import document_runs
+    from flexengine.surgery.attention.patch import flexengine_attention
+    from flexengine.surgery.attention.varlen import document_runs
 
     B, S = doc.shape
     q, k, v = _qkv(B, S)
@@ -258,7 +258,7 @@ def bench_other_options(seq_len: int, micro_batch: int) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexengine.attention.patch import flexengine_attention
+    from flexengine.surgery.attention.patch import flexengine_attention
 
     result: dict = {"seq_len": seq_len}
     docs = [torch.randn(n, 8, 32) for n in (600, 424, 1024)]

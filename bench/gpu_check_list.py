@@ -153,7 +153,7 @@ CHECKS: tuple[Check, ...] = (
         "tests/gpu/test_gpu_precision.py's tolerances (loss 1 %, update slope and norm ratio in (0.9, 1.1))",
         15,
         "bf16_pure (updates round away against bf16 weights) must fail it",
-        "none here (tests/test_precision.py is its CPU twin in CI)",
+        "none here (tests/surgery/test_precision.py is its CPU twin in CI)",
     ),
 )
 BY_NAME = {c.name: c for c in CHECKS}

@@ -74,8 +74,8 @@ def doc_lengths(total: int, mean: int, cap: int, seed: int) -> list[int]:
 
 def packed_batch(lengths: list[int], vocab: int, seed: int = 0) -> dict:
     """One packed row [1, S]: ids, positions restarting per document, labels with document starts ignored."""
-    from flexengine.attention import position_ids_from_document_ids
     from flexengine.data.packing import IGNORE_INDEX
+    from flexengine.surgery.attention import position_ids_from_document_ids
 
     dev = device()
     doc = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(dev)
@@ -132,15 +132,15 @@ ENV_MODULES = (  # everything the checks import: a missing carried wheel fails h
     "tensorboard",
     "peft",
     "pyarrow",
-    "flexengine.cli",
+    "flexengine.cli.common",
     "flexengine.run",
     "flexengine.doctor",
-    "flexengine.fit",
-    "flexengine.memory.meter",
-    "flexengine.memory.planner",
-    "flexengine.compile",
-    "flexengine.optim",
-    "flexengine.loss",
+    "flexengine.planning.fit",
+    "flexengine.surgery.memory.meter",
+    "flexengine.planning.planner",
+    "flexengine.surgery.compile",
+    "flexengine.loop.optim",
+    "flexengine.surgery.loss",
     "flexengine.train",
     "torch.nn.attention.flex_attention",
     "torch.distributed.fsdp",
@@ -180,8 +180,8 @@ def check_env(dry: bool) -> dict:
 def flex_dense_agreement(mode: str, dtype: torch.dtype, flex_mode: str | None = None, backward: bool = True) -> dict:
     """Loss (and gradients) of flex vs the dense-mask reference on one packed row; `flex_mode` gives flex another
     mask (the broken variant). Without `backward` (CPU: flex has no backward there) flex runs eager."""
-    from flexengine.attention import patch_attention
-    from flexengine.loss import forward_loss_sum
+    from flexengine.surgery.attention import patch_attention
+    from flexengine.surgery.loss import forward_loss_sum
 
     window = 64 if mode == "packed_sliding" else None
     flex_window = 64 if (flex_mode or mode) == "packed_sliding" else None
@@ -233,10 +233,10 @@ def check_flex_vs_dense(dry: bool) -> dict:
 def check_flex_vs_sdpa(dry: bool) -> dict:
     """Useful tokens/s of one fwd+bwd: flex on a packed row vs HF SDPA on the same documents padded 4 per batch,
     every block recomputed on both sides (dry: S=512 on a tiny model, varlen standing in for flex)."""
-    from flexengine.attention import patch_attention
-    from flexengine.config import MemoryConfig
-    from flexengine.loss import forward_loss_sum
-    from flexengine.memory import apply_memory_policy
+    from flexengine.core.config import MemoryConfig
+    from flexengine.surgery.attention import patch_attention
+    from flexengine.surgery.loss import forward_loss_sum
+    from flexengine.surgery.memory import apply_memory_policy
 
     arch, dtype = (TINY, torch.float32) if dry else (WIDTH_7B, torch.bfloat16)
     out = {}
@@ -304,9 +304,9 @@ def recompile_overrides(dry: bool, seq_len: int) -> list[str]:
 
 def _compiles_over_steps(overrides: list[str], warmup: int, steps: int) -> dict:
     """CompileWatch over `steps` train steps after `warmup` ones; the block densities show the layouts differ."""
-    from flexengine.cli import compose_job
-    from flexengine.compile import CompileWatch
+    from flexengine.cli.common import compose_job
     from flexengine.run import build_trainer
+    from flexengine.surgery.compile import CompileWatch
 
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(compose_job(overrides), Path(out))
@@ -351,7 +351,7 @@ CP_API = {
 
 
 def cp_api_missing() -> list[str]:
-    """The private torch names flexengine.context_parallel and this check use that this torch lacks."""
+    """The private torch names flexengine.surgery.context_parallel and this check use that this torch lacks."""
     missing = []
     for module, names in CP_API.items():
         try:
@@ -386,7 +386,7 @@ def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192, backward: bool = True, re
     from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexengine.attention.block_mask import canonical_document_ids, document_block_mask
+    from flexengine.surgery.attention.block_mask import canonical_document_ids, document_block_mask
 
     dev = device()
     flex = torch.compile(flex_attention, dynamic=False) if dev.type == "cuda" else flex_attention
@@ -480,7 +480,7 @@ def check_cp_grads(dry: bool) -> dict:
             "status": "skipped",
             "skipped": f"skipped: torch {torch.__version__} lacks {', '.join(missing)}",
         }
-    importlib.import_module("flexengine.context_parallel")
+    importlib.import_module("flexengine.surgery.context_parallel")
     seq = 1024 if dry else 8192
     virtual = cp_virtual_ranks(seq_len=seq, backward=not dry)
     broken = cp_virtual_ranks(seq_len=seq, backward=not dry, restore=False)
@@ -516,8 +516,8 @@ def doctor_overrides(dry: bool) -> list[str]:
 
 def check_doctor(dry: bool) -> dict:
     """The doctor on this device with the tiny model: what it says about a healthy packed run."""
-    from flexengine.cli import compose_job
-    from flexengine.doctor import diagnose
+    from flexengine.cli.common import compose_job
+    from flexengine.cli.doctor import diagnose
 
     with tempfile.TemporaryDirectory() as d:
         report = diagnose(compose_job(doctor_overrides(dry)), Path(d), steps=1 if dry else 3)
@@ -595,7 +595,11 @@ def check_fsdp_smoke(dry: bool) -> dict:
 def check_precision_proof(dry: bool) -> dict:
     """tests/gpu/test_gpu_precision.py's proof, in this process (its JSON line becomes the record)."""
     if dry:
-        return {"ok": None, "status": "skipped", "skipped": "CUDA only (tests/test_precision.py is its CPU twin in CI)"}
+        return {
+            "ok": None,
+            "status": "skipped",
+            "skipped": "CUDA only (tests/surgery/test_precision.py is its CPU twin in CI)",
+        }
     from tests.gpu.test_gpu_precision import test_bf16_mixed_follows_fp32_and_bf16_pure_does_not as proof
 
     printed = io.StringIO()

@@ -87,9 +87,9 @@ def job_overrides() -> dict[str, list[str]]:
 
 def plan_for_gpu(overrides: list[str]) -> dict:
     """The planner's verdict for a GPU job, computed here (no device needed): what the GPU numbers face."""
-    from flexengine.cli import compose_job
-    from flexengine.fit import plan_job
-    from flexengine.model import build_hf_config
+    from flexengine.cli.common import compose_job
+    from flexengine.planning.fit import plan_job
+    from flexengine.surgery.model import build_hf_config
 
     job = compose_job(overrides)
     fit = plan_job(job, build_hf_config(job.model), job.hardware)
@@ -132,7 +132,7 @@ def _sync() -> None:
 def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
     """Build the trainer (the real path: plan, data, surgery) and run 1 warm-up + `steps` optimizer steps; the
     measured numbers next to the plan's. Device memory is counted from this trainer's baseline."""
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
     from flexengine.run import build_trainer
 
     with tempfile.TemporaryDirectory() as out:
@@ -179,8 +179,8 @@ def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
 
 def cpu_step_bytes(trainer) -> int:
     """The CPU analogue of max_memory_allocated over a step: parameters + optimizer states (real tensors) + the
-    peak of tensors alive at once during one more optimizer step (flexengine.memory.meter.measure_peak_bytes)."""
-    from flexengine.memory.meter import measure_peak_bytes
+    peak of tensors alive at once during one more optimizer step (surgery/memory/meter.py: measure_peak_bytes)."""
+    from flexengine.surgery.memory.meter import measure_peak_bytes
 
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     states = sum(
@@ -293,7 +293,7 @@ def check_offload_overlap(dry: bool) -> dict:
             },
             "headline": {k: v["verdict"]["ok"] for k, v in demo["cases"].items()},
         }
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
     from flexengine.run import build_trainer
 
     with tempfile.TemporaryDirectory() as out:

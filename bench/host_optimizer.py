@@ -1,4 +1,4 @@
-"""The bf16_cpu_master host optimizer (flexengine.host_adamw) against the planner's host terms, and against the
+"""The bf16_cpu_master host optimizer (flexengine.loop.host_adamw) against the planner's host terms, and against the
 foreach step it replaced: peak RSS of a real training step, host bytes held, time per parameter, PCIe bytes.
 
 CPU only (the "device" is the CPU: the same code path, plain buffers instead of pinned ones). A scaled LLaMA
@@ -28,20 +28,20 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flexengine.attention import patch_attention
-from flexengine.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
+from flexengine.core.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
-from flexengine.memory.planner import (
+from flexengine.loop.trainer import Trainer
+from flexengine.planning.planner import (
     HOST_STEP_NS_PER_PARAM,
     ModelShape,
     host_optimizer_bytes,
     host_optimizer_seconds,
     plan_inputs,
 )
-from flexengine.precision import SPECS
-from flexengine.trainer import Trainer
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.precision import SPECS
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = dict(

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flexengine.attention import patch_attention
-from flexengine.config import MemoryConfig
-from flexengine.loss import forward_loss_sum
-from flexengine.memory import apply_memory_policy, measure_activations
-from flexengine.memory.planner import ModelShape, Workload, estimate_activations
+from flexengine.core.config import MemoryConfig
+from flexengine.planning.planner import ModelShape, Workload, estimate_activations
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.loss import forward_loss_sum
+from flexengine.surgery.memory import apply_memory_policy, measure_activations
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
@@ -213,7 +213,7 @@ def main() -> None:
         f"# Activation bytes at long rows (CPU, torch {torch.__version__})\n\n"
         "deepseek-llm-7b's 30 blocks at 1/64 width (hidden 64, 32 heads x 2, intermediate 172), fp32, 128-token "
         "documents back to back, dense attention in 128-query chunks, chunked loss (1024). Measured = bytes alive "
-        "for backward after one forward (flexengine.memory.meter; offloaded host copies apart). 7B columns: bf16, "
+        "for backward after one forward (surgery/memory/meter.py; offloaded host copies apart). 7B columns: bf16, "
         f"flex attention. Not run: rows over {args.measure_up_to:,} tokens or over {args.max_gib:g} GiB on the host. "
         "The machine was shared with other jobs: forward times are not comparable.\n\n" + text + "\n\n" + summary + "\n"
     )

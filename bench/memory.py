@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flexengine.attention import patch_attention
-from flexengine.config import MemoryConfig
-from flexengine.loss import forward_loss_sum
-from flexengine.memory import apply_memory_policy, measure_activations
-from flexengine.memory.planner import ModelShape, Workload, estimate_activations
+from flexengine.core.config import MemoryConfig
+from flexengine.planning.planner import ModelShape, Workload, estimate_activations
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.loss import forward_loss_sum
+from flexengine.surgery.memory import apply_memory_policy, measure_activations
 
 RESULTS = Path(__file__).parent / "results"
 

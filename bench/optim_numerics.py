@@ -1,6 +1,6 @@
 """Long-horizon optimizer numerics: each precision mode's optimizer against fp32 AdamW over 3,000 steps of a
-halving gradient scale, at beta2 0.95 and 0.999 (flexengine.optim_numerics; the CI test is
-tests/test_optim_numerics.py).
+halving gradient scale, at beta2 0.95 and 0.999 (flexengine.loop.optim_numerics; the CI test is
+tests/loop/test_optim_numerics.py).
 
     .venv/bin/python bench/optim_numerics.py
 
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from flexengine.optim_numerics import BETA2S, GRAD_SCALE, LR, RATIO_BAND, Horizon, mean, step_sizes, within_band
-from flexengine.precision import SPECS, precision_spec
+from flexengine.loop.optim_numerics import BETA2S, GRAD_SCALE, LR, RATIO_BAND, Horizon, mean, step_sizes, within_band
+from flexengine.surgery.precision import SPECS, precision_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW = 100  # steps per point of the plotted curve
@@ -37,7 +37,7 @@ def bf16_second_moment():
     """adamw_bf16 as it was: torchao's own buffers (exp_avg_sq in bf16, round-to-nearest)."""
     from torchao.optim import _AdamW
 
-    from flexengine.adamw_bf16 import AdamWBF16
+    from flexengine.loop.adamw_bf16 import AdamWBF16
 
     with mock.patch.object(AdamWBF16, "_new_buffer", _AdamW._new_buffer):
         yield
@@ -115,7 +115,7 @@ def table(results: dict) -> str:
         "# Long-horizon optimizer numerics (CPU, torch " + results["torch"] + ")",
         "",
         (
-            f"Each mode's optimizer (built by flexengine.optim) for {results['steps']:,} steps at lr "
+            f"Each mode's optimizer (built by flexengine.loop.optim) for {results['steps']:,} steps at lr "
             f"{results['lr']:g} on a 96x64 N(0, 0.02) matrix and a norm weight at 1.0; gradients = scale x (fixed "
             f"direction + noise), the scale halving over the run from {results['grad_scale']:g}. Ratio = mean |step| "
             f"over the last {results['tail']} steps / fp32 AdamW's; passes within {results['band'][0]}-"

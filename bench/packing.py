@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
 from flexengine.data.corpus import build_corpus
 from flexengine.data.demo import load_demo_tokenizer
 from flexengine.data.stats import STRATEGIES, compare_strategies, length_summary

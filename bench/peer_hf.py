@@ -4,7 +4,7 @@ The HF recipe: one document per row (truncated to seq_len), batches padded to th
 SDPA attention, `gradient_checkpointing_enable()`, AdamW, a minimal loop. flexengine: packed rows with
 per-document masks (attn=packed_doc) and memory=full (the same recompute as the recipe), or memory=none.
 Each trains from the same random init until it has seen the same number of useful (document) tokens; then all
-are scored on the same held-out documents. MFU counts model FLOPs (flexengine.flops: useful tokens, attended
+are scored on the same held-out documents. MFU counts model FLOPs (flexengine.loop.flops: useful tokens, attended
 pairs, LoRA-aware) against hardware.peak_tflops of conf/hardware/cpu.yaml; `mfu_old_formula` is what the
 formula before issue #16 (6 x non-embedding params + a full causal square of attention per useful token) gives
 for the same run. Writes bench/results/peer_hf.{json,md}.
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
+from flexengine.cli.doctor import compose_job
 from flexengine.data.corpus import build_corpus
 from flexengine.data.demo import iter_demo_documents
 from flexengine.data.packing import IGNORE_INDEX
-from flexengine.doctor import compose_job
-from flexengine.flops import TrainFlops, attended_pairs
-from flexengine.loss import forward_loss_sum
-from flexengine.model import build_hf_config, load_tokenizer, pad_token_id
+from flexengine.loop.flops import TrainFlops, attended_pairs
 from flexengine.run import build_trainer
+from flexengine.surgery.loss import forward_loss_sum
+from flexengine.surgery.model import build_hf_config, load_tokenizer, pad_token_id
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 SEQ_LEN, FILES, TRAIN_DOCS, EVAL_DOCS = 512, 160, 120, 16

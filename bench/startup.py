@@ -30,7 +30,7 @@ COMMANDS = [
         ("step 1 ", "done:"),
     ),
     ("plan 7B", ["-m", "flexengine.plan", "model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g"], ("chosen",)),
-    ("data.stats", ["-m", "flexengine.data.stats", *FAST], ("wrote",)),
+    ("data.stats", ["-m", "flexengine.stats", *FAST], ("wrote",)),
     ("doctor (1 step)", ["-m", "flexengine.doctor", *FAST, "--steps", "1"], ("flexengine doctor",)),
 ]
 

@@ -5,7 +5,7 @@ Public API:
     model = flexengine.patch_attention(model, mode="packed_doc", backend="auto")   # or, from configs:
     flexengine.apply_attention(model, flexengine.resolve_attention_spec(AttnConfig(...), model.config))
 
-All are imported on first use: `import flexengine.cli` (every command's start) must not pay for torch and
+All are imported on first use: `import flexengine.cli.common` (every command's start) must not pay for torch and
 transformers (measured: most of a command's start-up, see bench/results/startup.md).
 """
 
@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "pack_documents": "flexengine.data.packing",
-    "patch_attention": "flexengine.attention.patch",
-    "apply_attention": "flexengine.attention.patch",
-    "resolve_attention_spec": "flexengine.attention.spec",
+    "patch_attention": "flexengine.surgery.attention.patch",
+    "apply_attention": "flexengine.surgery.attention.patch",
+    "resolve_attention_spec": "flexengine.surgery.attention.spec",
 }
 
 

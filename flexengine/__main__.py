@@ -3,7 +3,7 @@
 flexengine train [overrides]            python -m flexengine.train
 flexengine plan [overrides]             python -m flexengine.plan
 flexengine doctor [--steps N] [overrides]
-flexengine stats [overrides]            python -m flexengine.data.stats
+flexengine stats [overrides]            python -m flexengine.stats
 flexengine sweep <sweep_dir>            python -m flexengine.sweep
 flexengine copy <group>/<name> <dir>    copy a shipped config to edit, then run it with --config-dir <dir>
 """
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from flexengine.cli import copy_config, fail
-from flexengine.errors import UserError
+from flexengine.cli.common import copy_config, fail
+from flexengine.core.errors import UserError
 
 
 def _copy_command(argv: list[str]) -> None:
@@ -42,15 +42,15 @@ def _copy_command(argv: list[str]) -> None:
 def _command(name: str) -> Callable[[], Any]:
     # imported only when chosen: `flexengine plan` must not pay for the trainer's imports
     if name == "train":
-        from flexengine.train import main as run
+        from flexengine.cli.train import main as run
     elif name == "plan":
-        from flexengine.plan import cli as run
+        from flexengine.cli.plan import cli as run
     elif name == "doctor":
-        from flexengine.doctor import main as run
+        from flexengine.cli.doctor import main as run
     elif name == "stats":
-        from flexengine.data.stats import main as run
+        from flexengine.cli.stats import main as run
     else:
-        from flexengine.sweep import main as run
+        from flexengine.cli.sweep import main as run
     return run
 
 

@@ -13,24 +13,32 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flexengine.attention import AttnBackend, apply_attention, resolve_attention_spec
-from flexengine.compile import apply_compile, needs_compiled_blocks
-from flexengine.config import DataConfig, JobConfig, check_fixed_rope
-from flexengine.context_parallel import build_context_parallel
+from flexengine.core.config import DataConfig, JobConfig, check_fixed_rope
+from flexengine.core.errors import UserError, os_error_message
+from flexengine.core.hardware import resolve_device, resolve_hardware
+from flexengine.core.storage import (
+    CHECKPOINTS,
+    check_output_dir,
+    clean_stale_temp_dirs,
+    hold_output_dir,
+    write_json_atomic,
+)
 from flexengine.data.corpus import Corpus, build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import has_targets, plan_packing
 from flexengine.data.sources import resolve_eval_split, unused_eval_split
 from flexengine.data.split import shared_documents, split_documents
-from flexengine.errors import UserError, os_error_message
-from flexengine.fit import fit_job
-from flexengine.hardware import resolve_device, resolve_hardware
-from flexengine.lora import apply_lora
-from flexengine.memory import apply_memory_policy
-from flexengine.memory.report import activation_summary
-from flexengine.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
-from flexengine.parallel import (
+from flexengine.loop.trainer import Trainer
+from flexengine.planning.fit import fit_job
+from flexengine.planning.report import activation_summary
+from flexengine.surgery.attention import AttnBackend, apply_attention, resolve_attention_spec
+from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
+from flexengine.surgery.context_parallel import build_context_parallel
+from flexengine.surgery.lora import apply_lora
+from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
+from flexengine.surgery.parallel import (
     DistInfo,
     apply_parallel,
     init_distributed,
@@ -39,16 +47,8 @@ from flexengine.parallel import (
     rank_device,
     shutdown_distributed,
 )
-from flexengine.precision import cast_frozen
-from flexengine.rope import check_context, context_limits
-from flexengine.storage import (
-    CHECKPOINTS,
-    check_output_dir,
-    clean_stale_temp_dirs,
-    hold_output_dir,
-    write_json_atomic,
-)
-from flexengine.trainer import Trainer
+from flexengine.surgery.precision import cast_frozen
+from flexengine.surgery.rope import check_context, context_limits
 
 log = logging.getLogger(__name__)
 

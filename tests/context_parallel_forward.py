@@ -3,7 +3,7 @@ batch through torch's context parallel + FSDP2 on the (dp, cp) mesh, for a model
 sliding-window layers (two masks per batch, the window not a multiple of 128); rank 0 saves the whole-row logits
 (ContextParallel.logits), the loss sum and the eval loss next to a single-process reference on the same weights
 (flex without CP, and the dense reference backend). Forward only (gradients: tests/context_parallel_trainer.py;
-flex's own backward: bench/gpu_check.py cp_grads). Driven by tests/test_context_parallel.py.
+flex's own backward: bench/gpu_check.py cp_grads). Driven by tests/surgery/test_context_parallel.py.
 
 2 ranks (dp 1 x cp 2): blocks compiled (aot_eager, fullgraph), no recompile for a new layout, greedy samples of
 prompts of different lengths. 4 ranks (dp 2 x cp 2): each data-parallel group takes its own row (rows by
@@ -24,14 +24,14 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
-from flexengine.attention import patch_attention
-from flexengine.compile import apply_compile
-from flexengine.config import ParallelConfig
-from flexengine.context_parallel import build_context_parallel
+from flexengine.core.config import ParallelConfig
 from flexengine.data.packing import pack_documents
-from flexengine.evaluate import evaluate_loss, greedy_continue
-from flexengine.loss import forward_loss_sum
-from flexengine.parallel import apply_parallel, init_distributed
+from flexengine.loop.evaluate import evaluate_loss, greedy_continue
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.compile import apply_compile
+from flexengine.surgery.context_parallel import build_context_parallel
+from flexengine.surgery.loss import forward_loss_sum
+from flexengine.surgery.parallel import apply_parallel, init_distributed
 from tests.helpers import CharTokenizer, clone_model, make_qwen_mixed
 
 SEQ_LEN = 1024  # 8 blocks of 128: PTRR balances whole blocks, 4 per rank

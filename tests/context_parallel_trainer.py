@@ -22,15 +22,15 @@ def main(out: Path, overrides: list[str]) -> None:
     import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from flexengine.attention import apply_attention, resolve_attention_spec
-    from flexengine.attention.patch import CP_ATTENTION
-    from flexengine.context_parallel import build_context_parallel
-    from flexengine.doctor import compose_job
-    from flexengine.memory import decoder_layers
-    from flexengine.model import load_model, load_tokenizer
-    from flexengine.parallel import apply_parallel, init_distributed
+    from flexengine.cli.doctor import compose_job
+    from flexengine.loop.trainer import Trainer
     from flexengine.run import build_data
-    from flexengine.trainer import Trainer
+    from flexengine.surgery.attention import apply_attention, resolve_attention_spec
+    from flexengine.surgery.attention.patch import CP_ATTENTION
+    from flexengine.surgery.context_parallel import build_context_parallel
+    from flexengine.surgery.memory import decoder_layers
+    from flexengine.surgery.model import load_model, load_tokenizer
+    from flexengine.surgery.parallel import apply_parallel, init_distributed
     from tests.helpers import sdpa_on_block_mask
     from tests.parallel_grads import record_steps
 

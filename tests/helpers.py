@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from flexengine.cli import compose_job
-from flexengine.config import JobConfig
+from flexengine.cli.common import compose_job
+from flexengine.core.config import JobConfig
 
 # A run of seconds (24 demo documents, 256-token rows, no progress bar, a 2-step warmup) that keeps the default
 # loop shape: grad_accum 2, which the loss-normalisation and resume tests need. The test sets its step count.
@@ -108,7 +108,7 @@ def clone_model(model: torch.nn.Module, attn_implementation: str = "eager") -> t
 
 def assert_same_loss_gradients(model, reference, batch) -> None:
     """Run both patched models' decoder + summed LM loss on batch; outputs and every parameter gradient must match."""
-    from flexengine.loss import causal_lm_loss_sum
+    from flexengine.surgery.loss import causal_lm_loss_sum
 
     outs = []
     for m in (model, reference):

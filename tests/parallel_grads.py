@@ -1,6 +1,6 @@
 """One real training step, under torchrun or alone: rank 0 saves the gradients the optimizer is about to apply
 (full tensors) of a first grad_accum=2 step, and the collectives of a later grad_accum=2 and grad_accum=1 step.
-Driven by tests/test_parallel.py.
+Driven by tests/surgery/test_parallel.py.
 
 usage: python tests/parallel_grads.py OUT_DIR [train overrides...]
 """
@@ -16,7 +16,7 @@ import torch
 
 def main(out: Path, overrides: list[str]) -> None:
     """Build the run like training does, take three steps, save {"grads", "collectives"} to OUT/grads.pt."""
-    from flexengine.doctor import compose_job
+    from flexengine.cli.doctor import compose_job
     from flexengine.run import build_trainer
 
     out.mkdir(parents=True, exist_ok=True)

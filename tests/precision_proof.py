@@ -1,4 +1,4 @@
-"""The precision proof's fine-tune, shared by the CPU test (tests/test_precision.py) and its CUDA twin
+"""The precision proof's fine-tune, shared by the CPU test (tests/surgery/test_precision.py) and its CUDA twin
 (tests/gpu/test_gpu_precision.py): a full-depth narrow LLaMA fine-tuned at lr 2e-5 from the same start on the
 same batches under a precision mode, through flexengine's spec, optimizer and autocast.
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexengine.config import OptimConfig
-from flexengine.optim import build_optimizer
-from flexengine.precision import autocast_context, precision_spec
+from flexengine.core.config import OptimConfig
+from flexengine.loop.optim import build_optimizer
+from flexengine.surgery.precision import autocast_context, precision_spec
 from tests.helpers import make_llama
 
 CPU = torch.device("cpu")

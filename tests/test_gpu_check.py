@@ -40,7 +40,7 @@ def all_job_overrides() -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("key", sorted(all_job_overrides()))
 def test_every_gpu_check_job_composes(key):
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
 
     job = compose_job(all_job_overrides()[key])
     assert job.model.arch or job.model.path  # composed and validated into a JobConfig
@@ -115,7 +115,7 @@ def test_compile_watch_counts_a_record_that_reuses_a_dropped_records_id(monkeypa
     id() took it for already seen (the recompile was missed)."""
     import torch._dynamo.utils as dynamo_utils
 
-    from flexengine.compile import CompileWatch
+    from flexengine.surgery.compile import CompileWatch
 
     class Record:
         __slots__ = ("recompile_reason",)  # no __dict__: same-size objects reuse freed slots

@@ -1,13 +1,13 @@
 """Every option through the real loop: an all-pairs covering design over the config options that change what the
 loop does, each run through the train entry point for 2 steps on CPU.
 
-The options are read from conf/ (every yaml of a group) and from the schema's choice lists (flexengine.config), so
+The options are read from conf/ (every yaml of a group) and from the schema's choice lists (flexengine.core.config), so
 a new precision mode, optimizer, memory policy, attention backend or data format is covered without editing this
 file. Crossing everything would be thousands of runs; an all-pairs design (every value of every dimension meets
 every value of every other dimension in at least one run) finds the faults of one option or of two options
 together, which is where the faults of modes "tested in isolation" live, in a few dozen runs.
 
-Each run calls `flexengine.train.main()` the way `python -m flexengine.train` does (in this process, to keep the
+Each run calls `flexengine.cli.train.main()` the way `python -m flexengine.train` does (in this process, to keep the
 start-up cost to one import) and must either work (finite losses, summary, metrics and a checkpoint written) or
 refuse with a UserError (exit 2, one paragraph, no traceback). A run that refuses covers its pairs only as a
 refusal, so a second round re-covers, in runs that can work, the pairs whose only runs refused (except with the
@@ -33,7 +33,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import pytest
 import yaml
 
-from flexengine.config import ATTN_BACKENDS, DATA_FORMATS, OPTIM_NAMES, conf_dir
+from flexengine.core.config import ATTN_BACKENDS, DATA_FORMATS, OPTIM_NAMES, conf_dir
 from flexengine.data.demo import DEMO_VOCAB_SIZE
 
 CONF = conf_dir()
@@ -175,7 +175,7 @@ def _overrides(row: Dict[str, str], data: Path, tokenizer: Path, run_dir: Path) 
 
 def run_entry_point(overrides: List[str]) -> Tuple[int, str]:
     """`python -m flexengine.train <overrides>` in this process: (exit status, stderr)."""
-    from flexengine import train
+    from flexengine.cli.common import train
 
     err = io.StringIO()
     argv = sys.argv

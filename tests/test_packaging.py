@@ -24,13 +24,13 @@ CHECK = """
 import dataclasses, importlib.resources, json, sys
 from pathlib import Path
 import flexengine
-from flexengine.config import conf_dir
+from flexengine.core.config import conf_dir
 site = Path(sys.argv[1]).resolve()
 assert Path(flexengine.__file__).resolve().is_relative_to(site), flexengine.__file__
 assert conf_dir() == site / "flexengine" / "conf", conf_dir()
 assert importlib.resources.files("flexengine.conf").joinpath("config.yaml").is_file()
 from hydra import compose, initialize_config_dir, initialize_config_module
-from flexengine.cli import register_schema, to_job_config
+from flexengine.cli.common import register_schema, to_job_config
 register_schema()
 jobs = {}
 with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
@@ -47,8 +47,8 @@ def _compose_here(cases: dict[str, list[str]]) -> dict[str, dict]:
     """The same configs composed from this checkout's conf/, in this process: what the wheel must reproduce."""
     from hydra import compose, initialize_config_dir
 
-    from flexengine.cli import register_schema, to_job_config
-    from flexengine.config import conf_dir
+    from flexengine.cli.common import register_schema, to_job_config
+    from flexengine.core.config import conf_dir
 
     register_schema()
     assert conf_dir() == REPO / "conf"
@@ -68,7 +68,7 @@ def test_checkout_conf_is_the_package_flexengine_conf():
     import importlib.resources
 
     import flexengine.conf
-    from flexengine.config import conf_dir
+    from flexengine.core.config import conf_dir
 
     assert Path(flexengine.conf.__file__).resolve() == REPO / "conf" / "__init__.py"
     assert conf_dir() == REPO / "conf" and not (REPO / "flexengine" / "conf" / "config.yaml").exists()

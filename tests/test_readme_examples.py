@@ -6,7 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
-from flexengine.cli import compose_job
+from flexengine.cli.common import compose_job
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 import yaml
 
-from flexengine.cli import compose_job
-from flexengine.config import conf_dir
-from flexengine.fit import plan_job
-from flexengine.hardware import assumed_hardware
-from flexengine.memory import decoder_layers
-from flexengine.memory.planner import ModelShape
-from flexengine.model import build_hf_config, build_meta_model
+from flexengine.cli.common import compose_job
+from flexengine.core.config import conf_dir
+from flexengine.core.hardware import assumed_hardware
+from flexengine.planning.fit import plan_job
+from flexengine.planning.planner import ModelShape
+from flexengine.surgery.memory import decoder_layers
+from flexengine.surgery.model import build_hf_config, build_meta_model
 
 CONF = conf_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -186,3 +186,78 @@ def test_tests_import_helpers_not_conftest():
             if any(n.split(".")[-1] == "conftest" for n in names):
                 offenders.append(f"{path.relative_to(tests.parent)}:{node.lineno}")
     assert not offenders, "import shared helpers from tests.helpers (conftest is for fixtures): " + ", ".join(offenders)
+
+
+# The folders are the layers (docs/architecture.md draws this picture). A module's layer is its first folder under
+# flexengine/; the few top-level modules are named here. Imports run downward only: an arrow not listed is forbidden.
+LAYER_OF_TOP_LEVEL = {
+    "flexengine": "core",  # the package's lazy public API: imports nothing of ours at module level
+    "flexengine.conf": "core",
+    "flexengine.__main__": "cli",
+    "flexengine.train": "cli",  # `python -m flexengine.<command>` shims, kept for users
+    "flexengine.plan": "cli",
+    "flexengine.doctor": "cli",
+    "flexengine.sweep": "cli",
+    "flexengine.stats": "cli",
+    "flexengine.run": "run",
+}
+ALLOWED = {
+    "cli": {"cli", "run", "loop", "surgery", "planning", "data", "core"},
+    "run": {"run", "loop", "surgery", "planning", "data", "core"},
+    "loop": {"loop", "surgery", "data", "core"},  # the loop reads surgery's and data's public specs
+    "planning": {"planning", "surgery", "core"},  # costs are read from surgery's resolved specs
+    "surgery": {"surgery", "data", "core"},  # surgery reads the batch contract data defines (IGNORE_INDEX, targets)
+    "data": {"data", "core"},
+    "core": {"core"},
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: its folder under flexengine/, or the table above for top-level modules."""
+    if module in LAYER_OF_TOP_LEVEL:
+        return LAYER_OF_TOP_LEVEL[module]
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in ALLOWED:
+        raise AssertionError(f"{module} sits in no layer: put it in one of {sorted(ALLOWED)}/ (or name it above)")
+    return parts[1]
+
+
+def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up or sideways in the layer picture, as 'a (layer) -> b (layer)'."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps - {"flexengine"}):  # the root package is loaded on the way to any submodule
+            src, dst = layer_of(module), layer_of(dep)
+            if dst not in ALLOWED[src]:
+                out.append(f"{module} ({src}) -> {dep} ({dst})")
+    return out
+
+
+def test_imports_run_down_the_layers():
+    arrows = forbidden_arrows(import_graph(PACKAGE))
+    assert not arrows, (
+        "imports that break the layer picture (docs/architecture.md): move the shared piece down into the lower "
+        "layer, or have run.py pass it in:\n" + "\n".join(arrows)
+    )
+
+
+def test_layer_check_catches_an_upward_import(tmp_path):
+    pkg = _write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "",
+            "core/config.py": "",
+            "data/__init__.py": "",
+            "data/loader.py": "def f():\n    from pkg.loop.loss import g\n",  # data -> loop, lazily: forbidden
+            "loop/__init__.py": "",
+            "loop/loss.py": "from pkg.core.config import X\n",  # loop -> core: allowed
+        },
+    )
+    renamed = {
+        m.replace("pkg", "flexengine", 1): {d.replace("pkg", "flexengine", 1) for d in deps}
+        for m, deps in import_graph(pkg).items()
+    }
+    assert forbidden_arrows(renamed) == ["flexengine.data.loader (data) -> flexengine.loop.loss (loop)"]
+    with pytest.raises(AssertionError, match="sits in no layer"):
+        layer_of("flexengine.misc.helper")

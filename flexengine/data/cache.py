@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexengine.config import DataConfig
-from flexengine.storage import pid_alive
+from flexengine.core.config import DataConfig
+from flexengine.core.storage import pid_alive
 
 CACHE_VERSION = 1  # bump when the layout or the encoding rules change
 _NPY_HEADER_BYTES = 128  # numpy pads a 1-D v1.0 header to 64-byte multiples: 128 fits any length

@@ -18,7 +18,8 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data.cache import (
     CorpusWriter,
     array_sha256,
@@ -30,7 +31,6 @@ from flexengine.data.cache import (
 )
 from flexengine.data.encode import Dropped, Encoder, Rejected, encode_in_worker, init_worker
 from flexengine.data.sources import BadRecords, RawDoc, iter_raw_docs, source_files
-from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data.sources import RawDoc
-from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
 from flexengine.data.corpus import Corpus
 from flexengine.data.packing import PackPlan, materialise_rows
-from flexengine.loss import predicting_positions
+from flexengine.data.targets import predicting_positions
 
 
 def row_token_counts(plan: PackPlan) -> np.ndarray:

@@ -15,10 +15,10 @@ from typing import Optional
 
 import numpy as np
 
-from flexengine.config import DataConfig, MixSource
+from flexengine.core.config import DataConfig, MixSource
+from flexengine.core.errors import UserError
 from flexengine.data.cache import CorpusWriter, corpus_cache_dir, load_entry
 from flexengine.data.corpus import Corpus, build_corpus
-from flexengine.errors import UserError
 
 log = logging.getLogger(__name__)
 

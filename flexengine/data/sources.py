@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data.demo import demo_source_files
-from flexengine.errors import UserError
 
 # Directory entries read for each source (explicit files and globs are read whatever their suffix).
 SUFFIXES = {

@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from flexengine.errors import UserError
+from flexengine.core.errors import UserError
 
 _SALT = b"flexengine-heldout-v1"
 

@@ -1,6 +1,6 @@
 """What a seq_len and packing strategy cost, before any GPU hour is spent.
 
-    python -m flexengine.data.stats data=jsonl data.path=/data/train.jsonl data.seq_len=8192
+    python -m flexengine.stats data=jsonl data.path=/data/train.jsonl data.seq_len=8192
 
 Tokenizes (or loads the cached corpus exactly as training would), prints the document-length percentiles and,
 for bfd / greedy / none, rows, useful-token fraction and long-document counts; writes data_stats.json and a
@@ -9,7 +9,6 @@ length histogram data_stats.png into the Hydra run directory.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -127,63 +126,3 @@ def plot_length_histogram(lengths: np.ndarray, seq_len: int, path: Path) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def main() -> None:
-    """Hydra entry point (same conf/ and overrides as flexengine.train)."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig
-
-    from flexengine.cli import CONFIG_PATH, fail, register_schema, to_job_config
-    from flexengine.errors import UserError
-    from flexengine.storage import write_json_atomic
-
-    @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
-    def _stats(cfg: DictConfig) -> None:
-        from flexengine.data.mix import build_sources, mix_documents
-        from flexengine.model import build_hf_config, load_tokenizer
-        from flexengine.rope import context_limits
-
-        try:
-            job = to_job_config(cfg)
-            limits = context_limits(build_hf_config(job.model))
-            corpus, source_of = build_sources(job.data, load_tokenizer(job.model))
-            lengths, mix_report = corpus.lengths, None
-            if source_of is not None:  # the documents the mixture trains on, repeats included
-                docs, mix_report = mix_documents(
-                    lengths, source_of, np.arange(len(corpus)), job.data.mix, job.train.seed
-                )
-                lengths = lengths[docs]
-        except UserError as e:
-            fail(e)
-        d = job.data
-        summary = length_summary(lengths)
-        strategies = compare_strategies(lengths, d.seq_len, d.long_docs, job.train.micro_batch, job.train.seed)
-        context = context_summary(lengths, limits.trained, limits.supported)
-        print(format_report(summary, strategies, d.seq_len, job.train.micro_batch))
-        print(format_context(summary, context, limits.describe()))
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
-        report = {
-            "seq_len": d.seq_len,
-            "long_docs": d.long_docs,
-            "micro_batch": job.train.micro_batch,
-            "skipped": corpus.skipped,
-            "lengths": summary,
-            "strategies": strategies,
-            "context": context,
-            "mix": mix_report,
-        }
-        write_json_atomic(out_dir / "data_stats.json", report)
-        plot_length_histogram(lengths, d.seq_len, out_dir / "data_stats.png")
-        print(f"\nwrote {out_dir / 'data_stats.json'} and {out_dir / 'data_stats.png'}")
-
-    register_schema()
-    # a multirun of stats jobs is not a training sweep: no training summary (flexengine.sweep) for it
-    if not any(a.startswith(("~hydra.callbacks", "hydra.callbacks")) for a in sys.argv[1:]):
-        sys.argv.append("~hydra.callbacks.sweep_summary")
-    _stats()
-
-
-if __name__ == "__main__":
-    main()

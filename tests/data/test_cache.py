@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data import cache
 from flexengine.data.corpus import build_corpus
 from flexengine.data.encode import Encoder
-from flexengine.errors import UserError
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flexengine.config import AttnConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
+from flexengine.core.config import AttnConfig, DataConfig, JobConfig, ModelConfig, TrainConfig
 from flexengine.data.corpus import build_corpus
 from flexengine.data.packing import IGNORE_INDEX, materialise_rows, plan_packing
 

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from flexengine.core.errors import UserError
 from flexengine.data.encode import Dropped, Encoded, Encoder, Rejected
 from flexengine.data.sources import RawDoc
-from flexengine.errors import UserError
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, iter_raw_docs
-from flexengine.errors import UserError
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)]
 
@@ -66,7 +66,7 @@ def test_bad_hf_record_names_file_and_row(tmp_path):
 def test_hf_source_trains_end_to_end_from_a_saved_dataset(tmp_path):
     import datasets
 
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
     from flexengine.run import run_training
 
     rows = {"text": [t * 20 for t in TEXTS * 4]}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import (
     RowLoader,
@@ -16,7 +16,7 @@ from flexengine.data.loader import (
     row_token_counts,
 )
 from flexengine.data.packing import flatten_documents, plan_packing
-from flexengine.parallel import DistInfo
+from flexengine.surgery.parallel import DistInfo
 
 SEQ_LEN = 32
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flexengine.data.packing import IGNORE_INDEX, flatten_documents, has_targets, materialise_rows, plan_packing
-from flexengine.loss import count_valid_targets
+from flexengine.data.targets import count_valid_targets
 
 SEQ_LEN = 64
 

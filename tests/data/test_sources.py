@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flexengine.config import DataConfig
+from flexengine.core.config import DataConfig
+from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, check_chat_messages, iter_raw_docs, resolve_paths
-from flexengine.errors import UserError
 
 GOOD = json.dumps({"text": "print('hello')"})
 

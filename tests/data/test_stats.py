@@ -1,4 +1,4 @@
-"""`python -m flexengine.data.stats`: percentiles, per-strategy costs, and the CLI's JSON + PNG."""
+"""`python -m flexengine.stats`: percentiles, per-strategy costs, and the CLI's JSON + PNG."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_cli_prints_and_writes_json_and_png(tmp_path, write_jsonl, demo_tokenize
         [
             sys.executable,
             "-m",
-            "flexengine.data.stats",
+            "flexengine.stats",
             "data=jsonl",
             f"data.path={path}",
             "data.seq_len=256",
@@ -86,7 +86,7 @@ def test_cli_bad_record_is_a_clean_error(tmp_path, write_lines, demo_tokenizer, 
         [
             sys.executable,
             "-m",
-            "flexengine.data.stats",
+            "flexengine.stats",
             "data=jsonl",
             f"data.path={path}",
             f"hydra.run.dir={tmp_path / 'run'}",

@@ -49,7 +49,7 @@ def test_offload_copies_overlap_compute():
     from gpu_check_width import hidden_1024_offload_overrides
     from gpu_overlap import overlap_verdict, profile_step
 
-    from flexengine.cli import compose_job
+    from flexengine.cli.common import compose_job
     from flexengine.run import build_trainer
 
     overrides = hidden_1024_offload_overrides()

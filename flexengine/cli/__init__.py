@@ -1,0 +1,1 @@
+"""Entry points: Hydra in, typed JobConfig out (train, plan, doctor, stats, sweep, copy)."""

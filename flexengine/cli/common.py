@@ -1,0 +1,209 @@
+"""What every command-line entry point shares: the config schema, DictConfig -> JobConfig, one error printer,
+the short config line, copying a shipped config. The `flexengine` command that dispatches to the tools is
+flexengine/__main__.py (the tools import this module, so the dispatcher lives apart: imports point one way).
+
+Importing this module registers nothing and imports neither Hydra nor torch: each entry point calls
+`register_schema()` itself, and the heavy imports happen inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
+
+from flexengine.core.config import JobConfig
+from flexengine.core.errors import UserError
+
+CONFIG_PATH = "pkg://flexengine.conf"  # Hydra finds the shipped configs through the package, wherever it lives
+CONFIG_MODULE = "flexengine.conf"
+SCHEMA_NAME = "job_schema"  # conf/config.yaml's first default
+ERROR_FILE = "error.json"
+
+
+def register_schema(node: type = JobConfig) -> None:
+    """Make `node` (JobConfig or a subclass with a tool's own options) the schema conf/config.yaml composes on."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=node)
+
+
+def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:
+    """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError), with fine-tuning
+    defaults when model.path holds pretrained weights and no model group is named (flexengine.cli.first_contact;
+    overrides: the command line's, kept as given; None = Hydra's record of them inside a Hydra app)."""
+    from omegaconf import OmegaConf
+
+    try:
+        job = OmegaConf.to_object(cfg)
+    except UserError:
+        raise
+    except Exception as e:  # OmegaConf wraps errors raised inside __post_init__
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise UserError(f"invalid configuration: {e}") from None
+    assert isinstance(job, JobConfig)
+    from flexengine.cli.first_contact import maybe_pretrained_defaults
+
+    return maybe_pretrained_defaults(job, overrides)
+
+
+def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
+    """Compose the shipped conf/ with the same overrides as `flexengine train`: the DictConfig an entry point gets."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    register_schema(schema)
+    try:
+        with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+            return compose("config", overrides=list(overrides))
+    except HydraException as e:  # a misspelled key or group option
+        raise UserError(str(e)) from None
+
+
+def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
+    """Compose the shipped conf/ with the same overrides as `flexengine train`, into a validated JobConfig."""
+    return to_job_config(compose_config(overrides, schema), overrides)
+
+
+# Third-party lines that bury a run's first useful ones (issue 22 F-10): torchao's optional CUDA kernels its wheel
+# cannot load, torch's _pytree deprecation notes about torchao's enums, and HF's progress bars in job logs.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+QUIET_ENV = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+VERBOSE_ENV = "FLEXENGINE_VERBOSE"  # =1 keeps every library's own output
+
+
+def quiet_third_party() -> None:
+    """Only flexengine's lines (and the libraries' errors) unless FLEXENGINE_VERBOSE=1: call it first in an entry
+    point, before transformers or torchao are imported (HF reads its progress-bar switch at import)."""
+    import logging
+    import os
+
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
+    for name in QUIET_ENV:
+        os.environ.setdefault(name, "1")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if "transformers" in sys.modules:  # imported already: its switch was read; turn the bars off directly
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+def fail(error: UserError) -> NoReturn:
+    """The one way a command reports a user mistake: the message on stderr, exit status 2."""
+    print(f"\nflexengine: error: {error}\n", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def write_job_error(job_dir: Path, exc: BaseException) -> Path:
+    """Record a failed run as job_dir/error.json (type, message, traceback): the sweep summary's row for it."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path = job_dir / ERROR_FILE
+    record = {
+        "type": type(exc).__name__,
+        "message": str(exc).strip(),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+    path.write_text(json.dumps(record, indent=2))
+    return path
+
+
+def free_memory() -> None:
+    """Release a failed run's memory before the next job of a sweep (its CUDA cache above all)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")  # never import torch just for this
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# The fields shown for each group in the start-up line, besides every field that differs from its default.
+_SHORT_KEYS = {
+    "model": ("name", "path", "init", "dtype"),
+    "attn": ("mode", "backend"),
+    "memory": ("policy",),
+    "data": ("source", "path", "format", "seq_len", "packing"),
+    "optim": ("name", "lr", "schedule", "warmup_steps"),
+    "train": ("max_steps", "micro_batch", "grad_accum"),
+    "hardware": ("name", "memory_gb"),
+}
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(
+            value,
+            separators=(",", ":"),
+            default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o),
+        )
+        return text if len(text) <= 40 else text[:37] + "..."
+    return str(value)
+
+
+def format_job_short(job: JobConfig) -> str:
+    """The resolved config in a few lines: each group's main fields and whatever differs from the defaults."""
+    lines = []
+    for group in dataclasses.fields(job):
+        shown = []
+        for key, value, default in _flat_fields(getattr(job, group.name)):
+            if key in _SHORT_KEYS.get(group.name, ()) or (value != default and value is not None):
+                shown.append(f"{key}={_short(value)}")
+        if shown:
+            lines.append(f"  {group.name}: " + " ".join(shown))
+    return "\n".join(lines)
+
+
+def _flat_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value, schema default) of a config dataclass, nested dataclasses flattened."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _flat_fields(value, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, value, _field_default(f)))
+    return out
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def copy_config(name: str, dest: Path) -> Path:
+    """Copy a shipped config (`experiment/deepseek7b_6k_a100`, `model/llama2_7b`, ...) to dest/<group>/<name>.yaml."""
+    from importlib.resources import files
+
+    group, _, option = name.removesuffix(".yaml").partition("/")
+    source = files(CONFIG_MODULE) / group / f"{option}.yaml"
+    if not option or not source.is_file():
+        groups = sorted(p.name for p in files(CONFIG_MODULE).iterdir() if p.is_dir() and not p.name.startswith("_"))
+        options = (
+            sorted(
+                p.name.removesuffix(".yaml")
+                for p in (files(CONFIG_MODULE) / group).iterdir()
+                if p.name.endswith(".yaml")
+            )
+            if group in groups
+            else []
+        )
+        hint = f"options of {group}: {', '.join(options)}" if options else f"groups: {', '.join(groups)}"
+        raise UserError(f"no shipped config {name!r}; give <group>/<option> ({hint}).")
+    target = Path(dest) / group / f"{option}.yaml"
+    if target.exists():
+        raise UserError(f"{target} exists; remove it or copy to another directory.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as src, open(target, "wb") as out:
+        shutil.copyfileobj(src, out)
+    return target

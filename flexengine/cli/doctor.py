@@ -1,0 +1,409 @@
+"""`python -m flexengine.doctor <train overrides>`: run a few real training steps and explain a slow run.
+
+The doctor is a client of the trainer: it builds the run exactly like training (`build_trainer`), registers
+`StepHooks` (the trainer's own callbacks: step start/end and the time of each phase), counts what dynamo
+compiled (`flexengine.surgery.compile.CompileWatch`), and takes memory from the planner -- the same bytes model that
+chose the run's policy -- checked against the allocator's peak on CUDA. It patches nothing and runs no
+dispatch mode around compiled code, so it works with flex and compiled blocks. It turns the numbers into
+verdicts and concrete suggestions, prints a report and writes doctor.json. Nothing here changes how training runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from flexengine.cli.common import compose_job, fail, quiet_third_party
+from flexengine.core.config import JobConfig, MemoryConfig
+from flexengine.core.errors import UserError
+from flexengine.core.storage import write_json_atomic
+from flexengine.core.units import GiB
+from flexengine.loop.hooks import PHASES as STEP_PHASES
+from flexengine.loop.hooks import StepHooks
+from flexengine.loop.metrics import utilization
+from flexengine.planning.planner import ModelShape, evaluate, plan_inputs, plan_memory
+from flexengine.surgery.applied import applied
+from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.compile import CompileWatch
+
+log = logging.getLogger(__name__)
+
+PHASES = (*STEP_PHASES, "other")
+
+
+class DoctorHooks(StepHooks):
+    """Collects each step's phase times and metrics through the trainer's callbacks."""
+
+    timed = True
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self._phases: dict = defaultdict(float)
+        self._t0 = 0.0
+
+    def on_step_start(self, trainer, step: int) -> None:
+        trainer.sync_device()
+        self._phases.clear()
+        self._t0 = time.perf_counter()
+
+    def on_phase(self, trainer, name: str, seconds: float) -> None:
+        self._phases[name] += seconds
+
+    def on_step_end(self, trainer, step: int, metrics: dict) -> None:
+        trainer.sync_device()
+        total = time.perf_counter() - self._t0
+        phases = {p: self._phases.get(p, 0.0) for p in STEP_PHASES}
+        phases["other"] = max(0.0, total - sum(phases.values()))
+        self.steps.append({**metrics, "time_s": total, "phases": phases})
+
+
+# -- memory -----------------------------------------------------------------------------------------------
+def memory_report(trainer, peak_bytes: Optional[int]) -> dict:
+    """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also the
+    allocator's measured peak over the diagnosed steps."""
+    job, model = trainer.job, trainer.model
+    x = plan_inputs(job, job.hardware, trainer.precision, on_cuda=trainer.device.type == "cuda")
+    current = MemoryConfig(**trainer.memory_report["memory_policy"])
+    now = evaluate(ModelShape.from_hf_config(model.config), x, current)
+    plan = plan_memory(model.config, x)
+    specs = applied(model).memory
+    return {
+        "policy": asdict(current),
+        "blocks_changed": [i for i, s in enumerate(specs) if s.changes_block],
+        "block_specs": [s.describe() for s in specs],
+        "n_layers": len(specs),
+        "planned_total_bytes": now["total_bytes"],
+        "budget_bytes": now["budget_bytes"],
+        "fits": now["fits"],
+        "recompute_flops_fraction": now["recompute_flops_fraction"],
+        "cost": now["cost"],
+        "activation_bytes_per_block": now["activation_bytes_per_block"],
+        "planner_choice": {
+            "policy": plan["policy"],
+            "memory": plan["memory"],
+            "fits": plan["fits"],
+            "total_bytes": plan["total_bytes"],
+            "recompute_flops_fraction": plan["recompute_flops_fraction"],
+            "cost": next(r["cost"] for r in plan["candidates"] if r["label"] == plan["policy"]),
+            "suggestions": plan["suggestions"],
+        },
+        "measured_peak_bytes": peak_bytes,  # torch.cuda.max_memory_allocated over the steps (None on CPU)
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, trainer=None) -> dict:
+    """Run warmup + steps optimizer steps with the doctor's hooks; returns the report (also doctor.json)."""
+    from flexengine.run import build_trainer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job.train.progress = False
+    trainer = trainer if trainer is not None else build_trainer(job, out_dir)
+    hooks = DoctorHooks()
+    trainer.add_hooks(hooks)
+    trainer.model.train()
+    compiles = {}
+    watch = CompileWatch()
+    try:
+        for i in range(warmup + steps):
+            if i == warmup:
+                compiles["warmup"] = watch.stats()
+                watch.start()
+                if trainer.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(trainer.device)
+            trainer.train_step()
+        compiles["measured"] = watch.stats()
+    finally:
+        trainer.hooks.remove(hooks)
+    compiles.setdefault("warmup", compiles["measured"])
+    peak = torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda" else None
+    for i, step in enumerate(hooks.steps):
+        step["warmup"] = i < warmup
+    report = build_report(trainer, hooks.steps, compiles, memory_report(trainer, peak))
+    write_json_atomic(out_dir / "doctor.json", report)
+    trainer.metrics.close()
+    return report
+
+
+def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
+    """Numbers -> checks (verdict ok / info / warn / bad, with details) -> suggestions."""
+    job, device, spec = trainer.job, trainer.device, trainer.attn
+    measured = [s for s in per_step if not s["warmup"]] or per_step
+    wall = sum(s["time_s"] for s in measured)
+    tokens, useful = sum(s["tokens"] for s in measured), sum(s["useful_tokens"] for s in measured)
+    phase_s = {p: sum(s["phases"][p] for s in measured) for p in PHASES}
+    sparsity = [s["block_density"] for s in measured if s["block_density"] is not None]
+    warm, steady = compiles["warmup"], compiles["measured"]
+    numbers = {
+        "device": str(device),
+        "attention": spec.as_dict(),
+        "attn_mode": job.attn.mode,
+        "attn_backend": spec.backend.value,
+        "attn_backend_requested": job.attn.backend,
+        "attn_compile": job.attn.compile,
+        "compile_backend": applied(trainer.model).compile_backend,
+        "steps_measured": len(measured),
+        "graphs_compiled_warmup": warm.graphs,
+        "recompiles_warmup": warm.recompiles,
+        "graphs_compiled_after_warmup": steady.graphs,
+        "recompiles_after_warmup": steady.recompiles,
+        "recompile_reasons": warm.reasons + steady.reasons,
+        "graph_breaks": warm.graph_breaks + steady.graph_breaks,
+        "useful_token_fraction": useful / max(1, tokens),
+        "padding_waste": 1 - useful / max(1, tokens),
+        "block_density": sum(sparsity) / len(sparsity) if sparsity else None,
+        "step_s": wall / len(measured),
+        "tokens_per_s": tokens / wall,
+        "useful_tokens_per_s": useful / wall,
+        "mfu": utilization(sum(s["model_flops"] for s in measured), wall, job.hardware.peak_tflops),
+        "hfu": utilization(sum(s["hardware_flops"] for s in measured), wall, job.hardware.peak_tflops),
+        "peak_tflops": job.hardware.peak_tflops,
+        "time_split": {p: phase_s[p] / wall for p in PHASES},
+        "memory": memory,
+        "losses": [s["loss"] for s in per_step],
+    }
+    checks = run_checks(job, numbers)
+    return {
+        "numbers": numbers,
+        "checks": checks,
+        "suggestions": [c["suggestion"] for c in checks if c.get("suggestion")],
+        "config": asdict(job),
+    }
+
+
+def _check(name: str, verdict: str, value: str, detail: str = "", suggestion: str = "") -> dict:
+    return {"name": name, "verdict": verdict, "value": value, "detail": detail, "suggestion": suggestion}
+
+
+def run_checks(job: JobConfig, n: dict) -> list[dict]:
+    """The verdicts, one per question a slow run raises; each warn/bad carries a concrete suggestion."""
+    on_cuda = n["device"].startswith("cuda")
+    backend, mode = n["attn_backend"], n["attn_mode"]
+    checks = []
+    # attention backend: what ran, and why
+    backend = AttnBackend(backend)
+    if backend is AttnBackend.HF_SDPA:
+        # the padding it costs is judged (and the fix suggested) by the useful-tokens check below
+        checks.append(
+            _check(
+                "attention",
+                "info",
+                f"HF sdpa ({mode}), one document per row",
+                "the padded baseline: every row is padded to the batch's longest document",
+            )
+        )
+    elif backend is AttnBackend.DENSE and on_cuda:
+        checks.append(
+            _check(
+                "attention",
+                "warn",
+                f"dense ({mode})",
+                "materialises a [B, 1, S, S] mask per batch",
+                "dense attention masks on GPU: use attn.backend=flex (or auto)",
+            )
+        )
+    elif backend is AttnBackend.FLEX and not job.attn.compile:
+        checks.append(
+            _check(
+                "attention",
+                "warn",
+                f"flex ({mode}), not compiled",
+                "uncompiled flex materialises scores",
+                "FlexAttention runs uncompiled: set attn.compile=true",
+            )
+        )
+    else:
+        why = {
+            AttnBackend.VARLEN: "auto picks per-document SDPA on CPU (FlexAttention has no CPU backward)",
+            AttnBackend.DENSE: "the boolean-mask reference (attn.backend=auto runs varlen: same result, SDPA's "
+            "causal cost)",
+        }.get(backend, "")
+        checks.append(_check("attention", "ok", f"{backend.value} ({mode})", why))
+    # compilation
+    new_graphs, recompiles, breaks = n["graphs_compiled_after_warmup"], n["recompiles_after_warmup"], n["graph_breaks"]
+    if new_graphs or breaks:
+        reasons = "; ".join(n["recompile_reasons"][:3])
+        checks.append(
+            _check(
+                "compile",
+                "warn",
+                f"{new_graphs} graphs compiled after warm-up ({recompiles} recompiles), {breaks} graph breaks",
+                "each recompile stalls a step; each graph break splits a block's graph"
+                + (f"; guards that failed: {reasons}" if reasons else ""),
+                "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks",
+            )
+        )
+    elif on_cuda and not job.train.compile:
+        checks.append(
+            _check(
+                "compile", "warn", "decoder blocks run eagerly", "", "compile the decoder blocks: train.compile=true"
+            )
+        )
+    else:
+        checks.append(
+            _check("compile", "ok", f"{n['graphs_compiled_warmup']} graphs compiled in warm-up, none after it")
+        )
+    # data: padding waste and tokenisation in the loop
+    frac = n["useful_token_fraction"]
+    verdict = "ok" if frac >= 0.9 else ("warn" if frac >= 0.6 else "bad")
+    suggestion = (
+        ""
+        if verdict == "ok"
+        else (
+            f"{n['padding_waste']:.0%} of the tokens computed are padding: "
+            + (
+                "enable attn=packed_doc (packs documents with per-document masks)"
+                if not job.attn.packs_documents
+                else "use data.packing=bfd, or a data.seq_len closer to your document lengths"
+            )
+        )
+    )
+    checks.append(
+        _check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion)
+    )
+    sp = n["block_density"]
+    checks.append(
+        _check(
+            "block density",
+            "info",
+            "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
+            "share of a causal mask's attention blocks actually computed (lower = more skipped)",
+        )
+    )
+    # time split and throughput
+    split = n["time_split"]
+    verdict = "warn" if split["data"] + split["mask"] > 0.2 else "ok"
+    checks.append(
+        _check(
+            "time split",
+            verdict,
+            ", ".join(f"{p} {split[p]:.0%}" for p in PHASES),
+            "",
+            ""
+            if verdict == "ok"
+            else "data loading / mask building takes over 20% of the step: "
+            "raise train.micro_batch or check data.num_workers and the mask backend",
+        )
+    )
+    mfu, hfu = n["mfu"], n["hfu"]
+    verdict = "warn" if on_cuda and mfu is not None and mfu < 0.2 else "info"
+    util = (
+        "MFU n/a (unknown peak)"
+        if mfu is None
+        else f"MFU {mfu:.1%} (hardware FLOPs {hfu:.1%}) of {n['peak_tflops']} TFLOP/s"
+    )
+    checks.append(
+        _check(
+            "throughput",
+            verdict,
+            f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, " + util,
+            "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
+            "padding, recompute and attention as the backend runs it (flexengine.loop.flops)",
+            "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above",
+        )
+    )
+    checks.extend(memory_checks(job, n["memory"]))
+    return checks
+
+
+def memory_checks(job: JobConfig, mem: dict) -> list[dict]:
+    """The planner's verdict on the applied policy: does it fit, and does it recompute more than needed?"""
+    choice = mem["planner_choice"]
+    value = (
+        f"{mem['planned_total_bytes'] / GiB:.3g} of {mem['budget_bytes'] / GiB:.3g} GiB planned "
+        f"({mem['policy']['policy']}, {len(mem['blocks_changed'])} of {mem['n_layers']} blocks changed, "
+        f"recompute {mem['recompute_flops_fraction']:.0%} of step FLOPs)"
+    )
+    detail = f"planner's choice: {choice['policy']} ({choice['total_bytes'] / GiB:.3g} GiB)"
+    if mem["measured_peak_bytes"] is not None:
+        detail += f"; allocator peak {mem['measured_peak_bytes'] / GiB:.3g} GiB"
+    if not mem["fits"]:
+        fix = (
+            f"the planner's choice fits: memory=auto (it picks {choice['policy']!r})"
+            if choice["fits"]
+            else "nothing fits as configured: " + "; ".join(choice["suggestions"])
+        )
+        return [
+            _check(
+                "memory",
+                "bad",
+                value,
+                detail,
+                f"this policy needs more than hardware.memory_gb={job.hardware.memory_gb}: {fix}",
+            )
+        ]
+    if choice["fits"] and mem["cost"] > choice["cost"] + 1e-6:
+        return [
+            _check(
+                "memory",
+                "warn",
+                value,
+                detail,
+                f"memory=auto fits with less recompute (it picks {choice['policy']!r}: recompute "
+                f"{choice['recompute_flops_fraction']:.0%} instead of {mem['recompute_flops_fraction']:.0%})",
+            )
+        ]
+    return [_check("memory", "ok", value, detail)]
+
+
+# -- output -------------------------------------------------------------------------------------------------
+MARKS = {"ok": "OK  ", "info": "INFO", "warn": "WARN", "bad": "BAD "}
+
+
+def format_report(report: dict) -> str:
+    """The report as plain text: one line per check, then the suggestions."""
+    lines = ["flexengine doctor", "=" * 17]
+    for c in report["checks"]:
+        lines.append(f"[{MARKS[c['verdict']]}] {c['name']:<22} {c['value']}")
+        if c["detail"]:
+            lines.append(f"{'':29}{c['detail']}")
+    lines.append("")
+    lines.append("suggestions:" if report["suggestions"] else "suggestions: none, this run looks healthy")
+    lines.extend(f"  - {s}" for s in report["suggestions"])
+    return "\n".join(lines)
+
+
+def run_doctor(argv: Optional[list[str]] = None) -> dict:
+    """Parse --steps/--out, compose the overrides, diagnose, print, write doctor.json; returns the report."""
+    parser = argparse.ArgumentParser(prog="python -m flexengine.doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="the same overrides as python -m flexengine.train")
+    parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after 1 warm-up step)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output dir (default train.output_dir or outputs/doctor/<time>)"
+    )
+    args = parser.parse_args(argv)
+    quiet_third_party()
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    try:
+        job = compose_job(args.overrides)
+        out = args.out or Path(job.train.output_dir or Path("outputs/doctor") / time.strftime("%Y-%m-%d/%H-%M-%S"))
+        report = diagnose(job, out, steps=args.steps)
+    except UserError as e:
+        fail(e)
+    print(format_report(report))
+    print(f"\nwritten: {out / 'doctor.json'}")
+    return report
+
+
+def exit_status(report: dict) -> int:
+    """0 when no check failed; 1 when one did (verdict bad: the run does not fit, or wastes most of its tokens)."""
+    return int(any(c["verdict"] == "bad" for c in report["checks"]))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point (`flexengine-doctor`): the report on stdout, exit status 0, or 1 on a failed check.
+    (Returning the report would hand it to sys.exit, which prints the dict and exits 1.)"""
+    sys.exit(exit_status(run_doctor(argv)))
+
+
+if __name__ == "__main__":
+    main()

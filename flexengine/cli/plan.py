@@ -1,0 +1,297 @@
+"""`python -m flexengine.plan model=deepseek7b data.seq_len=6144 hardware=a100_80g [plan.format=json]`
+`python -m flexengine.plan model=deepseek7b hardware=a100_80g plan.max_seq_len=true [plan.png=maxlen.png]`
+
+Composes the same conf/ as training (plus a `plan` node: format=table|json) and prints the memory plan of one
+step: weights, grads, optimizer states, activations per block for every policy, logits, workspace, total vs the
+card's budget, and the policy `memory=auto` would choose; and the model's trained context against data.seq_len
+(with data.path and the model's tokenizer, against the documents' length percentiles). Reads only the model's HF
+config: no weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from omegaconf import DictConfig
+
+from flexengine.cli.common import CONFIG_PATH, fail, register_schema, to_job_config
+from flexengine.core.config import JobConfig, check_context_parallel
+from flexengine.core.errors import UserError
+from flexengine.core.units import GiB
+
+
+@dataclass
+class PlanOptions:
+    """Options of the planner CLI."""
+
+    format: str = "table"  # table | json
+    max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
+    png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
+    cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
+    # each row); None = the job's parallel.cp
+
+
+@dataclass
+class PlanJobConfig(JobConfig):
+    """JobConfig plus the planner's own options (registered only when this CLI runs)."""
+
+    plan: PlanOptions = field(default_factory=PlanOptions)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def format_table(plan: dict) -> str:
+    """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
+    the chosen step, the assumptions, the context, and what a node of 8 changes."""
+    from flexengine.planning.fit import format_fit
+
+    lines = [
+        (
+            f"model: {plan['hf_config'].get('model_type')} ({plan['params'] / 1e9:.2f}B parameters)  "
+            f"seq_len={plan['seq_len']}"
+        ),
+        format_fit(plan["fit"]),
+        "",
+        "  every term of the chosen policy's step:",
+    ]
+    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
+    lines.append(
+        "  assumed (sources in flexengine/planning/planner.py): "
+        + ", ".join(
+            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
+            for k, v in plan["assumptions"].items()
+            if v is not None
+        )
+    )
+    if not plan["fits"]:
+        lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
+    ctx = plan["context"]
+    lines.append(
+        f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
+        + (
+            "fit it"
+            if ctx["rows_within_supported"]
+            else f"can hold documents past it (training stops unless every document is <= {ctx['supported_context']}"
+            " tokens; see model.rope_scaling)"
+        )
+    )
+    if "documents" in ctx:
+        d = ctx["documents"]
+        lines.append(
+            f"  documents: p50={d['p50']} p90={d['p90']} p99={d['p99']} max={d['p100']}; "
+            f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
+            f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
+        )
+    node = plan.get("node_of_8")
+    if node:
+        lines.append(
+            "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
+            f"total {_gib(node['total_bytes'])} per GPU, precision {node['precision']}, "
+            f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
+            + ("" if node["fits"] else " (still does not fit)")
+        )
+    return "\n".join(lines)
+
+
+def context_report(job: JobConfig, hf_config) -> dict:
+    """Trained and supported context vs data.seq_len; with data.path and the model's own tokenizer, also where
+    the documents' lengths fall (tokenized through the same cache as training)."""
+    from flexengine.surgery.rope import context_limits
+
+    limits = context_limits(hf_config)
+    report = {
+        "trained_context": limits.trained,
+        "supported_context": limits.supported,
+        "describe": limits.describe(),
+        "rows_within_supported": job.data.seq_len <= limits.supported,
+    }
+    if job.data.source != "demo" and (job.model.path or job.model.tokenizer):
+        from flexengine.data.corpus import build_corpus
+        from flexengine.data.stats import context_summary, length_summary
+        from flexengine.surgery.model import load_tokenizer
+
+        lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
+        report["documents"] = {**length_summary(lengths), **context_summary(lengths, limits.trained, limits.supported)}
+    return report
+
+
+def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
+    """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_job
+    from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
+    from flexengine.planning.planner import plan_inputs
+    from flexengine.surgery.model import build_hf_config
+    from flexengine.surgery.rope import context_limits
+
+    hf_config = build_hf_config(job.model)
+    hardware = assumed_hardware(job.hardware)
+    x = plan_inputs(job, hardware, plan_job(job, hf_config, hardware).precision)  # x.cp: parallel.cp
+    cp = x.cp
+    tiled = job.memory.tiled_mlp or "auto"
+    rows = max_seq_len_table(hf_config, x, tiled)
+    longest = max((r["max_seq_len"] for r in rows), default=0)
+    lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
+    curves = memory_curves(hf_config, x, lengths, tiled)
+    report = {
+        "model": job.model.name,
+        "hardware": job.hardware.name,
+        "world_size": x.hardware.world_size,
+        "cp": cp,
+        "micro_batch": x.micro_batch,
+        "dtype_bytes": x.dtype_bytes,
+        "trainable_fraction": x.trainable_fraction,
+        "budget_bytes": int(x.hardware.memory_gb * GiB),
+        "policies": rows,
+        "lengths": lengths,
+        "curves_gib": curves,
+        "context": context_limits(hf_config).describe(),
+    }
+    if png is not None:
+        lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
+        cp_label = f", context parallel x{cp}" if cp > 1 else ""
+        plot_memory_vs_seq_len(
+            curves,
+            lengths,
+            x.hardware.memory_gb,
+            png,
+            f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}",
+        )
+        report["png"] = str(png)
+    return report
+
+
+def format_max_seq_len(report: dict) -> str:
+    """The max_seq_len report as a table."""
+    head = f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"
+    lines = [
+        (
+            f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
+            f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
+            f"budget {_gib(report['budget_bytes'])}"
+        ),
+        "",
+        head,
+    ]
+    for r in report["policies"]:
+        if not r["max_seq_len"]:
+            lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
+            continue
+        lines.append(
+            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
+            f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%"
+        )
+    best = max(report["policies"], key=lambda r: r["max_seq_len"])
+    lines += [
+        "",
+        (
+            f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
+            "(rows past it need model.rope_scaling, or documents within it)"
+        ),
+        "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
+    ]
+    if "png" in report:
+        lines.append(f"memory vs seq_len: {report['png']}")
+    return "\n".join(lines)
+
+
+def build_plan(job: JobConfig) -> dict:
+    """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed)."""
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_job
+    from flexengine.planning.planner import ModelShape
+    from flexengine.surgery.model import build_hf_config
+
+    hf_config = build_hf_config(job.model)
+    hardware = assumed_hardware(job.hardware)
+    fit = plan_job(job, hf_config, hardware)
+    plan = {
+        **fit.plan,
+        "fit": fit,
+        "params": ModelShape.from_hf_config(hf_config).params,
+        "hardware": dataclasses.asdict(hardware),
+        "precision_table": fit.precision_table,
+        "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
+        "context": context_report(job, hf_config),
+    }
+    if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
+        node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
+        plan["node_of_8"] = {
+            "precision": node.precision.name,
+            **{k: node.plan[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")},
+        }
+    return plan
+
+
+def plan_job_config(cfg: DictConfig) -> JobConfig:
+    """The job to plan, at plan.cp (default parallel.cp). plan.max_seq_len searches row lengths of its own
+    (multiples of cp x 128), so there data.seq_len, which it never uses, need not split into cp x 128 blocks."""
+    cp = cfg.plan.cp if cfg.plan.cp is not None else cfg.parallel.cp
+    if cfg.plan.max_seq_len:
+        cfg.parallel.cp = 1  # composed without context parallelism's row-length rule; its other rules: below
+    job = to_job_config(cfg)
+    if cp < 1 or job.hardware.world_size % cp:
+        raise UserError(
+            f"plan.cp / parallel.cp={cp} must divide hardware.world_size={job.hardware.world_size} "
+            "(each row is shared by cp ranks), e.g. hardware.world_size=8 parallel.cp=8"
+        )
+    parallel = dataclasses.replace(job.parallel, cp=cp)
+    if not cfg.plan.max_seq_len:
+        return dataclasses.replace(job, parallel=parallel)  # JobConfig checks data.seq_len against cp again
+    if cp > 1:
+        check_context_parallel(cp, job.attn, None, job.model.rope_scaling.rope_type)
+    job.parallel = parallel
+    return job
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Hydra task: compose -> JobConfig -> plan -> print."""
+    if cfg.model.path is None:
+        cfg.model.init = "random"  # the planner reads only the architecture
+    if cfg.data.source != "demo" and not cfg.data.path:
+        cfg.data.source = "demo"  # no documents to compare with the context: only data.seq_len matters
+    fmt = cfg.plan.format
+    try:
+        if fmt not in ("table", "json"):
+            raise UserError(f"plan.format={fmt!r}: choose table or json")
+        job = plan_job_config(cfg)
+        if cfg.plan.max_seq_len:
+            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
+            print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
+            return
+        plan = build_plan(job)
+    except UserError as e:
+        fail(e)
+    if fmt == "json":
+        plan.pop("fit")
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_table(plan))
+
+
+def cli() -> None:
+    """Register the planner schema (only here, so training never sees a `plan` key) and run."""
+    register_schema(PlanJobConfig)
+    # No run directory or log files for a read-only report; stdout stays pure JSON with plan.format=json.
+    defaults = [
+        "hydra.output_subdir=null",
+        "hydra.run.dir=.",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+    given = {a.split("=")[0] for a in sys.argv[1:]}
+    sys.argv += [d for d in defaults if d.split("=")[0] not in given]
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,110 @@
+"""Entry point: `flexengine-train [overrides]` (= `python -m flexengine.train`). Hydra stops here.
+
+Composes conf/ against the dataclass schemas of flexengine.core.config (a misspelled key or a wrong type fails at
+composition), converts the DictConfig once into a typed JobConfig, prints it in short form, and hands it to
+`run_training`. Hydra's own flags work as usual: `--cfg job` prints the composed config, `--config-dir DIR`
+adds a directory of the user's own configs (see `flexengine copy`), `-m` runs a sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from flexengine.cli.common import (
+    CONFIG_PATH,
+    fail,
+    format_job_short,
+    free_memory,
+    quiet_third_party,
+    register_schema,
+    to_job_config,
+    write_job_error,
+)
+from flexengine.core.config import JobConfig
+from flexengine.core.errors import OutputDirTaken, UserError
+
+__all__ = ["main", "run_dir", "to_job_config"]
+
+log = logging.getLogger("flexengine")
+
+
+def run_dir(job: JobConfig) -> Path:
+    """train.output_dir, or Hydra's run/sweep directory for this job."""
+    if job.train.output_dir:
+        return Path(job.train.output_dir)
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
+def _main(cfg: DictConfig) -> dict:
+    """Hydra task: compose -> JobConfig -> train -> summary.json."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        job = to_job_config(cfg)  # config mistakes fail here, before the heavy imports below
+        if job.train.resume == "auto" and not job.train.output_dir and _pinned_run_dir(hydra_cfg):
+            # the user's hydra.run.dir is the same directory at every launch: resume=auto has a run to look for
+            job = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(job_dir)))
+        log.info("config (full: %s/.hydra/config.yaml):\n%s", job_dir, format_job_short(job))
+        from flexengine.run import run_training
+
+        summary = run_training(job, run_dir(job), OmegaConf.to_container(cfg, resolve=True))
+    except KeyboardInterrupt as e:  # Ctrl-C outside the training loop (which stops cleanly by itself)
+        write_job_error(job_dir, e)
+        if multirun:
+            _stop_sweep(Path(hydra_cfg.sweep.dir))
+        log.error(
+            "interrupted by SIGINT outside the training loop (while preparing the run, or a third signal "
+            "during the final save): no new checkpoint was written; the previous ones are intact"
+        )
+        sys.exit(130)  # 128 + SIGINT, like a shell, without a traceback
+    except Exception as e:  # UserError, OOM, ...: error.json makes a failed run a row of the sweep summary
+        if not isinstance(e, OutputDirTaken):  # job_dir may be that other run's directory: leave it as it is
+            write_job_error(job_dir, e)
+        if not multirun:
+            if isinstance(e, UserError):
+                fail(e)
+            raise
+        # Hydra's basic launcher would abort the whole sweep on a raised exception: log it and go on.
+        log.error("run failed, the sweep goes on (%s: %s)", type(e).__name__, e)
+    else:
+        if multirun and summary.get("status") == "interrupted":
+            _stop_sweep(Path(hydra_cfg.sweep.dir))  # Ctrl-C stops the whole sweep, not just this job
+        if summary["exit_code"]:  # stopped by SIGTERM/SIGINT after a clean save: 128 + signal, like a shell
+            sys.exit(summary["exit_code"])  # (a scheduler tells preemption from completion)
+        return summary
+    free_memory()  # outside `except`: the traceback no longer holds the failed run's tensors
+    return {"status": "failed"}
+
+
+def _pinned_run_dir(hydra_cfg: DictConfig) -> bool:
+    """Whether hydra.run.dir was given on the command line (not Hydra's fresh timestamped default)."""
+    return hydra_cfg.mode == RunMode.RUN and any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
+
+
+def _stop_sweep(sweep_dir: Path) -> None:
+    """An interrupted sweep ends here (Hydra's end-of-sweep callback will not run): summarise what ran."""
+    from flexengine.cli.sweep import summarize_sweep
+
+    log.warning("interrupted: the sweep stops after this job; summary of the jobs that ran:")
+    summarize_sweep(sweep_dir)
+
+
+def main() -> None:
+    """Console entry point: register the schema, then let Hydra parse sys.argv."""
+    quiet_third_party()
+    register_schema(JobConfig)
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The ground: config schemas, errors, storage, hardware. Imports nothing of ours."""

@@ -1,0 +1,1 @@
+"""The trainer (step + loop) and the components it calls: checkpointer, evaluator, loss, optim, metrics."""

@@ -1,0 +1,686 @@
+"""Checkpoints, single- and multi-rank: a standard HF directory plus the trainer state for an exact resume.
+
+Layout of `<output_dir>/checkpoints/step_<N>/`:
+  config.json, *.safetensors (or adapter_*), tokenizer files   the HF directory (`from_pretrained` loads it)
+  trainer_state.pt                optimizer, scheduler, data position + data plan, RNG, counters (rank 0)
+  trainer_state.rank<r>.pt        the same for rank r > 0 (its optimizer shard and RNG)
+  merged/                         LoRA with train.merge_lora_on_save: base + adapters as a plain HF model
+  manifest.json                   size and sha256 of every other file, the world size; written last
+
+What makes it trustworthy:
+- Every file is written into `.tmp_step_<N>_<host>_<pid>`, fsynced, and the directory is renamed into place
+  only when all ranks have written their part, so a kill (or a power cut) at any moment leaves the previous
+  checkpoint as it was. Temp directories of processes that are gone are removed at the next start.
+- Free space is checked before writing (estimated from the bytes the tensors really store); a disk that fills
+  during the write is a one-line error too, and the partial save is removed.
+- Resume verifies the manifest (sizes, checksums, and no file it does not list) and falls back to the newest
+  step that verifies, moving the damaged one aside (`step_<N>.corrupt`), never deleting it.
+- Trainer state is read with `torch.load(weights_only=True)`: a planted pickle payload cannot run code. The
+  state holds only tensors and Python primitives (the numpy RNG state is stored as a tensor), so the allow-list
+  is empty for torch's own optimizers; only torchao's optimizer-state tensor subclasses are added.
+- Nothing here deletes another run's files: an existing step directory is never overwritten.
+
+The file-level safety (manifests, temp dirs, free space, the output directory) lives in storage.py.
+All ranks call `save_checkpoint`, `resolve_resume` and `load_checkpoint`; rank 0 writes the weights and decides,
+the other ranks follow through collectives on a CPU group with its own long timeout (writing and hashing tens
+of GB can outlast NCCL's 10 minutes). A failure on any rank fails the call on every rank, never a hang.
+
+Why not torch.distributed.checkpoint (DCP) for the sharded optimizer state: it would add resharding (resume at
+another world size), but in torch 2.13 its loader unpickles untrusted bytes: `FileSystemReader.read_metadata`
+reads `.metadata` with plain `pickle.load`, and `DefaultLoadPlanner.load_bytes` reads every non-tensor entry
+(optimizer param groups, steps) with `torch.load(weights_only=False)`. Adopting it would reopen issue 11's
+code-execution hole; each rank here already writes its own shard in parallel, and the HF export needs the
+gathered weights anyway. Resume therefore needs the same world size, and says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import logging
+import os
+import pickle
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from flexengine.core.errors import UserError, os_error_message
+from flexengine.core.storage import (
+    check_free_space,
+    disk_full_message,
+    fsync_dir,
+    has_manifest,
+    list_checkpoints,
+    move_aside,
+    older_format_message,
+    read_manifest,
+    seal_files,
+    temp_dir_name,
+    tree_bytes,
+    verify_manifest,
+    write_manifest,
+)
+from flexengine.loop.nonfinite import nonfinite_names
+from flexengine.surgery.lora import adapter_to_model_keys, hf_key, is_lora, merge_lora_state_dict
+from flexengine.surgery.parallel import cpu_group, global_rank, global_world_size, is_dtensor
+
+log = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.pt"
+RANK_STATE = "trainer_state.rank{rank}.pt"  # ranks > 0: their optimizer shard and RNG, next to rank 0's state
+_RANK_FILE = re.compile(r"^trainer_state\.rank\d+\.pt$")
+SPACE_MARGIN = 1.05  # safetensors headers, tokenizer files, JSON: a few % on top of the tensor bytes
+COLLECTIVE_TIMEOUT_S = 3 * 3600.0  # ranks wait for rank 0 to write and hash a 7B checkpoint on a slow disk
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Where step <step> of a run lives: root/step_<step>."""
+    return root / f"step_{step}"
+
+
+def verify_checkpoint(directory: Path) -> Optional[str]:
+    """None if the step's manifest verifies (every file, its size and sha256) and lists the trainer state."""
+    return verify_manifest(directory, required=(TRAINER_STATE,))
+
+
+# -- sizes ---------------------------------------------------------------------------------------------------------
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor takes on disk: a DTensor's global size (every rank's shard), a tensor subclass's inner
+    tensors (torchao's 8-bit state reports fp32 numel but stores int8 codes + scales: 4x less)."""
+    if is_dtensor(t):  # numel() is global; its local shard says how many bytes per element
+        local = t.to_local()
+        if local.numel() == 0:
+            return t.numel() * local.element_size()
+        return stored_bytes(local) * t.numel() // local.numel()
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _tensor_bytes(tensors: Iterable[Any]) -> int:
+    return sum(stored_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _state_tensors(obj: Any) -> Iterable[Any]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _state_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _state_tensors(v)
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+
+
+def estimate_checkpoint_bytes(
+    model: nn.Module, optimizer_state: dict, world_size: int = 1, merged: bool = False
+) -> int:
+    """Bytes one checkpoint takes: weights (trainable only for LoRA adapters) + optimizer states of all ranks
+    (+ the merged model). Replicated (non-sharded) optimizer states are written once per rank."""
+    params = list(model.parameters())
+    weights = _tensor_bytes(p for p in params if p.requires_grad) if is_lora(model) else _tensor_bytes(params)
+    states = list(_state_tensors(optimizer_state))
+    opt = _tensor_bytes(states)
+    if not any(is_dtensor(t) for t in states):
+        opt *= world_size
+    # the merged export is written in the adapters' dtype (lora.merge_lora_state_dict), whatever the frozen base's
+    master_size = next((p.element_size() for p in params if p.requires_grad), 4)
+    base = sum(p.numel() for p in params if not p.requires_grad) * master_size if merged else 0
+    return int((weights + opt + base) * SPACE_MARGIN)
+
+
+# -- collectives (all no-ops in a single process) ----------------------------------------------------------------
+
+
+def _failure_text(e: BaseException, doing: str) -> str:
+    """What another rank prints when this rank's part failed."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError):
+        return os_error_message(e, doing)
+    return f"{doing} failed: {type(e).__name__}: {e}"
+
+
+def _run_on_rank0(group: Any, fn: Callable[[], Any], doing: str) -> Any:
+    """fn() on rank 0, its result on every rank. Any exception on rank 0 is re-raised there and reaches the other
+    ranks as a UserError (they never wait for a broadcast that does not come)."""
+    result: Any = None
+    error: Optional[BaseException] = None
+    if global_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    if group is not None:
+        box = [(result, None if error is None else _failure_text(error, doing))]
+        dist.broadcast_object_list(box, src=0, group=group)
+        result, text = box[0]
+        if error is None and text is not None:
+            raise UserError(f"rank 0: {text}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _on_every_rank(group: Any, fn: Callable[[], Any], doing: str, share: bool = False) -> Any:
+    """fn() on every rank; returns this rank's result, or with `share` every rank's (a list in rank order, for
+    small results). If fn raises on any rank, it raises on every rank: its own exception where it failed, a
+    UserError naming the failed rank and its message elsewhere."""
+    result: Any = None
+    error: Optional[BaseException] = None
+    try:
+        result = fn()
+    except Exception as e:
+        error = e
+    mine = (result if share else None, None if error is None else _failure_text(error, doing))
+    outcomes = [mine]
+    if group is not None:
+        outcomes = [None] * global_world_size()
+        dist.all_gather_object(outcomes, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, (_, text) in enumerate(outcomes) if text is not None]
+    if failed:
+        raise UserError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return [res for res, _ in outcomes] if share else result
+
+
+# -- state dicts -------------------------------------------------------------------------------------------------
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 holds the model's parameters as DTensor shards."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def gather_full_state_dict(model: nn.Module) -> dict:
+    """The full (unsharded) state dict on CPU at rank 0 ({} elsewhere); every rank must call it."""
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if global_rank() == 0 else {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_full_state_dict(model: nn.Module, state: dict) -> None:
+    """Load full tensors (the same on every rank) into a plain or FSDP2-sharded model; only keys given."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise UserError(f"the checkpoint has weights the model does not: {result.unexpected_keys[:5]}.")
+
+
+def _read_safetensors(path: Path) -> dict:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path} as safetensors ({e}); the file is damaged or not a checkpoint.") from None
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The top-level *.safetensors of a checkpoint: only those its manifest lists (a file dropped in later is
+    never read), or all of them in a plain HF directory without a manifest."""
+    if has_manifest(directory):
+        listed = read_manifest(directory)["files"]
+        return [directory / name for name in sorted(listed) if "/" not in name and name.endswith(".safetensors")]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _read_weights(directory: Path) -> dict:
+    files = _weight_files(directory)
+    if not files:
+        raise UserError(f"no *.safetensors in {directory}: not a model checkpoint.")
+    state: dict = {}
+    for f in files:
+        state.update(_read_safetensors(f))
+    return state
+
+
+def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
+    """load_state_dict's (missing, unexpected) keys as a UserError; tied weights are not missing."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [
+        k for k in result.missing_keys if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)
+    ]
+    if missing or result.unexpected_keys:
+        raise UserError(
+            f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; resume with the same model (and model.lora) "
+            "settings."
+        )
+
+
+def load_model_weights(model: nn.Module, directory: Path) -> None:
+    """Load the safetensors weights of an HF directory (single file or shards) into a plain model in place."""
+    _check_loaded(model, directory, model.load_state_dict(_read_weights(directory), strict=False))
+
+
+def _trusted_globals() -> list:
+    """Types the trainer state may hold beyond tensors and Python primitives: torchao's optimizer-state tensor
+    subclasses, when a torchao optimizer is in use (it imported torchao.optim; never imported just for this)."""
+    if "torchao.optim" not in sys.modules:
+        return []
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+    from torchao.optim.subclass_fp8 import OptimStateFp8
+
+    return [OptimState4bit, OptimState8bit, OptimStateFp8]
+
+
+def _first_line(e: BaseException) -> str:
+    text = _ANSI.sub("", str(e)).strip()  # torch colours parts of its weights_only message
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_trainer_state(path: Path) -> dict:
+    """A trainer_state*.pt file, loaded with weights_only=True (no code runs); a foreign file is refused."""
+    if dist.is_initialized():
+        importlib.import_module("torch.distributed.tensor")  # registers DTensor with the weights-only unpickler
+    with torch.serialization.safe_globals(_trusted_globals()):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing: the checkpoint is incomplete.") from None
+        except pickle.UnpicklingError as e:  # a global outside the allow-list, or not a torch.save file at all
+            try:
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:  # not even a readable archive: the plain message below says so
+                unsafe = []
+            if unsafe:
+                raise UserError(
+                    f"refusing to load {path}: it holds {', '.join(sorted(unsafe)[:5])}, which no trainer state of "
+                    "this flexengine holds. It may have been tampered with; loading it could run code. Resume from a "
+                    "checkpoint you trust."
+                ) from None
+            raise UserError(
+                f"cannot read {path} as a trainer state ({_first_line(e)}); it is damaged or not a "
+                "checkpoint of this flexengine. Resume from another checkpoint."
+            ) from None
+        except RuntimeError as e:  # a damaged zip archive (PytorchStreamReader failed ...)
+            raise UserError(f"{path} is damaged ({_first_line(e)}); resume from another checkpoint.") from None
+    if not isinstance(state, dict) or "train" not in state:
+        raise UserError(f"{path} does not hold a flexengine trainer state.")
+    return state
+
+
+# -- save ----------------------------------------------------------------------------------------------------------
+
+
+def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Optional[dict]) -> None:
+    model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def exact_base(directory: Optional[Path], state: dict) -> Optional[Callable[[str], Optional[torch.Tensor]]]:
+    """For the LoRA merge: hf key -> the frozen tensor as `directory` (model.path) stores it, where it stores it
+    wider than `state` holds it (an fp32 checkpoint whose base a bf16 mode keeps in bf16), else None. Tensors are
+    read one at a time, when the merge asks."""
+    if directory is None:
+        return None
+    from safetensors import safe_open
+
+    held = {hf_key(k): v.element_size() for k, v in state.items() if ".lora_" not in k and v.is_floating_point()}
+    where = {}
+    for f in _weight_files(directory):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                if key in held and _SAFETENSORS_BYTES.get(handle.get_slice(key).get_dtype(), 0) > held[key]:
+                    where[key] = f
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        if key not in where:
+            return None
+        with safe_open(str(where[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    return read
+
+
+def _write_rank0_part(
+    tmp: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    trainer_state: dict,
+    full: Optional[dict],
+    merge_lora: Optional[Any],
+    *,
+    base_dir: Optional[Path] = None,
+) -> list[str]:
+    """The HF directory, rank 0's trainer state (and merged/); returns the files written, relative to tmp."""
+    _write_hf_dir(tmp, model, tokenizer, full)
+    torch.save(trainer_state, tmp / TRAINER_STATE)
+    if merge_lora is not None:
+        merged = merge_lora_state_dict(full, merge_lora, exact_base(base_dir, full))
+        _write_hf_dir(tmp / "merged", model.get_base_model(), tokenizer, merged)
+    # the other ranks write their trainer_state.rank<r>.pt into the same directory meanwhile: theirs to seal
+    return [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file() and not _RANK_FILE.match(p.name)]
+
+
+_DISK_FULL_TEXT = ("os error 28", "No space left on device", "os error 122", "Disk quota exceeded")
+_NEARLY_FULL = 64 << 20  # bytes: after a failed write, less than this free is a full disk whatever was estimated
+
+
+def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserError:
+    """A failed write as one paragraph. A full disk says `disk full at ...` even when the writer reports it
+    without an errno: torch.save's zip writer raises RuntimeError('[enforce fail at inline_container.cc:...]
+    unexpected pos ...'), safetensors SafetensorError('... I/O error: No space left on device (os error 28)').
+    Measured before the partial save is removed, so the space it took still counts as used."""
+    if isinstance(e, UserError):
+        return e
+    written = tree_bytes(tmp) if tmp.is_dir() else 0
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    full = (
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        or any(text in str(e) for text in _DISK_FULL_TEXT)
+        or (free is not None and free < max(needed - written, _NEARLY_FULL))
+    )
+    if full and free is not None:  # the free space once the partial save is gone: what the user will see
+        return UserError(disk_full_message(root, needed, free + written))
+    if isinstance(e, OSError):
+        return UserError(os_error_message(e, "saving a checkpoint"))
+    return UserError(f"saving the checkpoint into {root} failed: {type(e).__name__}: {_first_line(e)}")
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    tokenizer: Any,
+    trainer_state: dict,
+    *,
+    optimizer_state: Optional[dict] = None,
+    merge_lora: Optional[Any] = None,
+    weights: Optional[dict] = None,
+    finite_checked: bool = False,
+    base_dir: Optional[Path] = None,
+) -> Path:
+    """Write root/step_<step>/ atomically on every rank's behalf; returns its path. Every rank calls this.
+
+    Weights are gathered to rank 0 (FSDP), which writes the HF (or adapter) directory; ranks > 0 add their
+    trainer state (optimizer shard, RNG) into the same temp dir. Each rank fsyncs and hashes what it wrote;
+    rank 0 writes the manifest and renames the directory into place. Refuses to overwrite an existing step.
+    optimizer_state: the optimizer part of trainer_state (for the size estimate; defaults to trainer_state's).
+    merge_lora: the LoraConfig, to also write merged/ (base + adapters as a plain HF model).
+    weights: {state-dict name: tensor} written in place of the model's own (a host optimizer's fp32 masters: the
+    bf16 device copy has rounded their small updates away). Resume loads them back into the device dtype (the
+    same rounding the optimizer's upload makes) and the masters from the optimizer state: still exact.
+    finite_checked: the caller found no NaN/Inf in what is saved (Trainer.save): the manifest says so, and
+    train.resume=auto need not scan the weights again.
+    base_dir: with merge_lora, the directory the frozen base was loaded from (model.path): merged/ takes the base
+    as stored there, not the copy a bf16 mode rounded (lora.merge_lora_state_dict).
+    """
+    rank, world_size = global_rank(), global_world_size()
+    final = step_dir(root, step)
+    merged = merge_lora is not None
+    full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
+    replaced = 0  # bytes of the model's own tensors that `weights` stand in for
+    if weights and rank == 0:
+        own = full if full is not None else model.state_dict()
+        replaced = _tensor_bytes(own[name] for name in weights)
+        full = {**own, **weights}
+    trainer_state = {**trainer_state, "world_size": world_size}
+    needed = estimate_checkpoint_bytes(
+        model,
+        optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {}),
+        world_size,
+        merged,
+    ) + int((_tensor_bytes((weights or {}).values()) - replaced) * SPACE_MARGIN)
+
+    def prepare() -> str:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(os_error_message(e, "creating the checkpoint directory")) from None
+        if final.exists():
+            raise UserError(
+                f"{final} already exists; flexengine never overwrites a checkpoint. Move it away, or "
+                "resume this run with train.resume=auto."
+            )
+        check_free_space(root, needed)
+        tmp = root / temp_dir_name(step)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise UserError(os_error_message(e, "creating the checkpoint's temporary directory")) from None
+        return str(tmp)
+
+    def write() -> dict:
+        try:
+            if rank == 0:
+                names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora, base_dir=base_dir)
+            else:
+                names = [RANK_STATE.format(rank=rank)]
+                torch.save(trainer_state, tmp / names[0])
+            return seal_files(tmp, names)
+        except Exception as e:  # disk full, permissions, ...: every rank hears of it (_on_every_rank)
+            raise _save_failure(root, tmp, e, needed) from e
+
+    def publish() -> str:
+        try:
+            write_manifest(tmp, step, sealed, world_size=world_size, **({"finite": True} if finite_checked else {}))
+            os.replace(tmp, final)
+            fsync_dir(root)  # the rename itself survives a power cut
+        except Exception as e:
+            failure = _save_failure(root, tmp, e, needed)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise failure from e
+        return str(final)
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        tmp = Path(_run_on_rank0(group, prepare, f"preparing {final}"))
+        try:
+            parts = _on_every_rank(group, write, f"writing {final}", share=True)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took (every rank is done)
+            raise
+        sealed = {name: entry for part in parts for name, entry in part.items()}
+        final = Path(_run_on_rank0(group, publish, f"publishing {final}"))
+    log.info("checkpoint saved: %s", final)
+    return final
+
+
+# -- resume ----------------------------------------------------------------------------------------------------
+
+
+def _newest_verifying(root: Path) -> Optional[Path]:
+    """The newest step that verifies; damaged newer ones are moved aside with a warning. Raises if all fail, or
+    on a step an older flexengine wrote (no manifest: not damaged, so not moved; but not resumable exactly)."""
+    problems = []
+    for _, path in list_checkpoints(root):
+        if not has_manifest(path):
+            raise UserError(
+                f"train.resume=auto: {older_format_message(path)}"
+                + (f" (newer steps failed verification: {'; '.join(problems)})" if problems else "")
+                + "."
+            )
+        problem = verify_checkpoint(path)
+        if problem is None and (bad := nonfinite_weights(path)):
+            moved = move_aside(path, ".nonfinite")  # never reloaded, and out of the way of the resumed run's saves
+            problems.append(f"{path.name}: NaN/Inf in {', '.join(bad[:3])}")
+            log.warning("resume: %s holds NaN/Inf weights (%s); moved aside to %s", path, bad[0], moved.name)
+            continue
+        if problem is None:
+            if problems:
+                log.warning("resume: falling back to %s, the newest checkpoint that verifies", path)
+            return path
+        moved = move_aside(path)
+        problems.append(f"{path.name}: {problem}")
+        log.warning("resume: %s fails verification (%s); moved aside to %s", path, problem, moved.name)
+    if problems:
+        raise UserError(
+            f"train.resume=auto: no checkpoint under {root} verifies ("
+            + "; ".join(problems)
+            + "). They were moved aside (step_<N>.corrupt, or .nonfinite); resume from a copy you trust, or start "
+            "a new run in a new train.output_dir."
+        )
+    return None
+
+
+def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> Optional[Path]:
+    """train.resume -> the checkpoint to load (verified on rank 0, the same path on every rank), or None.
+
+    auto: the newest step under root that verifies (damaged newer ones are moved aside); None if there is no
+    checkpoint. A path: that step_<N> directory, which must verify (no silent fallback for an explicit choice).
+    """
+
+    def pick() -> Optional[str]:
+        if spec == "auto":
+            path = _newest_verifying(root)
+            if path is None and not explicit_output_dir:
+                raise UserError(
+                    "train.resume=auto without train.output_dir: each run gets a new Hydra directory, so there is "
+                    f"never a checkpoint to resume ({root.parent} is new). Set train.output_dir=DIR for the first "
+                    "run and every resume (or resume a step directly: train.resume=.../checkpoints/step_<N>)."
+                )
+            if path is None:
+                log.info("train.resume=auto: no checkpoint under %s, starting fresh", root)
+            return None if path is None else str(path)
+        path = Path(spec)
+        if not (path / TRAINER_STATE).is_file():
+            raise UserError(f"train.resume={spec!r} is not a checkpoint directory (no {TRAINER_STATE} in it).")
+        if not has_manifest(path):
+            raise UserError(f"train.resume={spec}: {older_format_message(path)}.")
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise UserError(
+                f"train.resume={spec}: the checkpoint fails verification: {problem}. Resume from "
+                "another step (train.resume=auto picks the newest one that verifies)."
+            )
+        bad = nonfinite_weights(path)
+        if bad:
+            raise UserError(
+                f"train.resume={spec}: its weights hold NaN/Inf ({', '.join(bad[:3])}); training on would only "
+                "produce NaN. Resume from an earlier step (train.resume=auto skips non-finite ones)."
+            )
+        return str(path)
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:  # rank 0 hashes the whole checkpoint meanwhile
+        chosen = _run_on_rank0(group, pick, f"train.resume={spec}")
+    return None if chosen is None else Path(chosen)
+
+
+def nonfinite_weights(path: Path) -> list[str]:
+    """Names of the NaN/Inf tensors in a verified checkpoint's weight files; [] at once when the manifest records
+    the save-time check (a checkpoint written before that check is scanned, one file at a time)."""
+    if read_manifest(path).get("finite") is True:
+        return []
+    files = [path / "adapter_model.safetensors"] if (path / "adapter_model.safetensors").is_file() else []
+    bad = []
+    for f in files or _weight_files(path):
+        bad += nonfinite_names(_read_safetensors(f).items())
+    return bad
+
+
+def _saved_world_size(path: Path) -> int:
+    manifest = read_manifest(path)
+    if "world_size" in manifest:
+        return int(manifest["world_size"])
+    return 1 + sum(1 for name in manifest["files"] if _RANK_FILE.match(name))  # one state file per rank > 0
+
+
+def load_checkpoint_state(path: Path) -> dict:
+    """This rank's trainer state of a verified checkpoint (rank 0: trainer_state.pt, rank r: its own file), after
+    checking the world size. Every rank calls it; a failure on one rank raises on all."""
+    rank, world_size = global_rank(), global_world_size()
+
+    def read() -> dict:
+        saved_world = _saved_world_size(path)
+        if saved_world != world_size:
+            raise UserError(
+                f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "
+                f"{world_size}; resume with torchrun --nproc_per_node {saved_world} (optimizer states are sharded)."
+            )
+        return load_trainer_state(path / (TRAINER_STATE if rank == 0 else RANK_STATE.format(rank=rank)))
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        return _on_every_rank(group, read, f"loading the trainer state of {path}")
+
+
+def load_checkpoint_weights(path: Path, model: nn.Module) -> None:
+    """Load a verified checkpoint's weights (full, or LoRA adapters) on every rank; only the files its manifest
+    lists. Every rank calls it; the files are read before any collective, so a failure on one rank raises on all."""
+
+    def read() -> dict:
+        if is_lora(model):
+            return adapter_to_model_keys(_read_safetensors(path / "adapter_model.safetensors"))
+        return _read_weights(path)
+
+    with cpu_group(COLLECTIVE_TIMEOUT_S) as group:
+        weights = _on_every_rank(group, read, f"reading the weights of {path}")
+    if is_lora(model) or is_sharded(model):
+        _load_full_state_dict(model, weights)
+    else:
+        _check_loaded(model, path, model.load_state_dict(weights, strict=False))
+
+
+def load_checkpoint(path: Path, model: nn.Module) -> dict:
+    """Load a verified checkpoint on every rank: its weights into model; returns this rank's trainer state."""
+    state = load_checkpoint_state(path)
+    load_checkpoint_weights(path, model)
+    return state
+
+
+BEST_LINK = "best"  # checkpoints/best -> step_<N> of the lowest eval loss
+
+
+def mark_best(root: Path, step_dir: Path) -> Path:
+    """Point root/best at step_dir (a relative symlink, swapped atomically); returns the link."""
+    link = root / BEST_LINK
+    tmp = root / f".tmp_{BEST_LINK}_{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(step_dir.name, tmp, target_is_directory=True)
+    os.replace(tmp, link)
+    return link
+
+
+def best_checkpoint(root: Path) -> Optional[Path]:
+    """The checkpoint root/best points at, if it exists."""
+    link = root / BEST_LINK
+    return (root / os.readlink(link)) if link.is_symlink() and link.exists() else None
+
+
+def prune_checkpoints(root: Path, keep_last: int, protect: tuple = ()) -> list[Path]:
+    """Delete all but the newest keep_last step_<N> directories, never one in `protect` or the best; returns
+    the deleted directories. keep_last <= 0 keeps everything."""
+    if keep_last <= 0 or not root.is_dir():
+        return []
+    steps = sorted(list_checkpoints(root))  # oldest first
+    keep = {p.resolve() for _, p in steps[-keep_last:]}
+    keep |= {Path(p).resolve() for p in protect if p is not None}
+    best = best_checkpoint(root)
+    if best is not None:
+        keep.add(best.resolve())
+    deleted = []
+    for _, path in steps:
+        if path.resolve() not in keep:
+            shutil.rmtree(path)
+            deleted.append(path)
+    if deleted:
+        log.info("train.keep_last=%d: deleted %s", keep_last, ", ".join(p.name for p in deleted))
+    return deleted

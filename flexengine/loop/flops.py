@@ -1,0 +1,208 @@
+"""FLOPs of a training step, counted the two ways the PaLM paper (appendix B) and torchtitan distinguish.
+
+- **Model FLOPs** (for MFU): what the maths of one forward and backward needs, whatever the implementation:
+  every matmul's forward, its input gradient where an input needs one, its weight gradient where the weight
+  trains (LoRA: frozen weights get none, ~4N instead of 6N), over useful (non-padding) tokens; lm_head only at
+  positions that predict a target; attention over the (query, key) pairs the mask allows (4 + 8 FLOPs per
+  pair, head and dim).
+- **Hardware FLOPs** (for HFU): what the device executes: padding too, the forwards that checkpointing re-runs
+  (and the chunked loss's lm_head), attention as the backend runs it (flex: the BlockMask's computed blocks
+  times block_size^2, i.e. the measured block density; dense: each chunk's query x key rectangle), and the
+  flash-style backward that recomputes the scores (4 + 10 FLOPs per pair, head and dim).
+
+The counts come from the model's own Linear modules (peft's adapters included), so LoRA, GQA and biases need no
+special case. Which inputs need a gradient follows the data flow of a pre-norm decoder block; which recompute
+re-runs what follows non-reentrant checkpointing, which stops once the last tensor backward needs exists.
+tests/loop/test_flops.py checks both counts against torch's FlopCounterMode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from flexengine.surgery.applied import applied
+from flexengine.surgery.attention.mask_mode import band_mode
+from flexengine.surgery.family import family_of
+
+ATTN_MODEL_FLOPS = 4 + 8  # per (query, key) pair, head and head dim: QK^T and PV forward, twice that backward
+ATTN_FWD_FLOPS = 4
+ATTN_BWD_HW_FLOPS = 10  # flash/flex backward: recompute QK^T, then dV, dP, dQ, dK (FlopCounterMode's count)
+
+
+@dataclass
+class _Proj:
+    """One projection (q_proj, down_proj, ...): its base Linear and LoRA factors, as (in x out) MACs/token."""
+
+    base: int
+    base_trains: bool
+    lora_a: int = 0
+    lora_b: int = 0
+    lora_trains: bool = False
+
+    @property
+    def trains(self) -> bool:
+        """Whether any of its weights has a gradient."""
+        return self.base_trains or self.lora_trains
+
+    def flops(self, input_grad: bool, forward_only: bool = False) -> float:
+        """FLOPs per token: forward, plus (unless forward_only) input and weight gradients where needed."""
+        fwd = 2 * (self.base + self.lora_a + self.lora_b)
+        if forward_only:
+            return fwd
+        bwd = 2 * self.base * (input_grad + self.base_trains)
+        # lora_B's input (lora_A's output) needs a grad when A trains or the projection's input needs one
+        bwd += 2 * self.lora_a * (input_grad + self.lora_trains)
+        bwd += 2 * self.lora_b * ((self.lora_trains or input_grad) + self.lora_trains)
+        return fwd + bwd
+
+
+def _linear_macs(linear: nn.Linear) -> int:
+    return linear.in_features * linear.out_features
+
+
+def _projection(module: nn.Module) -> _Proj:
+    """A plain nn.Linear or a peft LoRA layer (base_layer + lora_A/lora_B dicts)."""
+    base = getattr(module, "base_layer", module)
+    proj = _Proj(_linear_macs(base), base.weight.requires_grad)
+    for name in getattr(module, "lora_A", {}) or {}:
+        a, b = module.lora_A[name], module.lora_B[name]
+        proj.lora_a += _linear_macs(a)
+        proj.lora_b += _linear_macs(b)
+        proj.lora_trains |= a.weight.requires_grad or b.weight.requires_grad
+    return proj
+
+
+def _trains(module: Optional[nn.Module]) -> bool:
+    return module is not None and any(p.requires_grad for p in module.parameters())
+
+
+@dataclass
+class _Region:
+    """The attention or MLP half of one block: projections in, projection out, and gradient flags."""
+
+    inputs: list[_Proj]
+    output: _Proj
+    input_grad: bool  # the region's (normalised) input needs a gradient
+    inner_grad: bool  # the output projection's input needs a gradient
+
+    def flops(self) -> float:
+        """Forward + backward matmul FLOPs per token."""
+        return sum(p.flops(self.input_grad) for p in self.inputs) + self.output.flops(self.inner_grad)
+
+    def recompute_flops(self, is_last_region: bool) -> float:
+        """Forward FLOPs per token a checkpoint ending with this region re-runs: everything up to the last saved
+        tensor. The output projection's result is saved by nothing (a residual add follows), so it re-runs only
+        when a trainable LoRA factor after it saves lora_A's output (base, then lora_A). Inside a whole-block
+        checkpoint the attention output projection is followed by the MLP, so it re-runs."""
+        total = sum(p.flops(False, forward_only=True) for p in self.inputs)
+        if not is_last_region:
+            return total + self.output.flops(False, forward_only=True)
+        if self.output.lora_trains:
+            total += 2 * (self.output.base + self.output.lora_a)
+        return total
+
+
+@dataclass
+class _Block:
+    attention: _Region
+    mlp: _Region
+    attention_backward: bool  # q/k/v need gradients, so the attention core runs backward
+
+
+class TrainFlops:
+    """Model and hardware FLOPs of micro-batches for one patched (possibly LoRA, checkpointed) model.
+
+    What each block recomputes comes from the model's surgery record (`model.flexengine.memory`);
+    chunk_size: loss.chunk_size (its checkpointed chunks re-run lm_head)."""
+
+    def __init__(self, model: nn.Module, chunk_size: int = 0):
+        cfg = model.config
+        self.heads_dim = cfg.num_attention_heads * (
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
+        self.chunk_size = chunk_size
+        grad = model.get_input_embeddings().weight.requires_grad  # does the residual stream carry a grad?
+        self.blocks: list[_Block] = []
+        family = family_of(model)
+        for layer in family.decoder_layers(model):
+            regions = []
+            for sub in (family.attention, family.mlp):
+                parent = getattr(layer, sub.module)
+                inputs = [_projection(getattr(parent, p)) for p in sub.inputs]
+                output = _projection(getattr(parent, sub.output))
+                input_grad = grad or _trains(getattr(layer, sub.norm, None))
+                inner_grad = input_grad or any(p.trains for p in inputs)
+                regions.append(_Region(inputs, output, input_grad, inner_grad))
+                grad = grad or inner_grad or output.trains  # the residual after this region
+            self.blocks.append(_Block(regions[0], regions[1], regions[0].inner_grad))
+        head = model.get_output_embeddings()
+        self.head = _Proj(_linear_macs(head), head.weight.requires_grad)
+        self.head_input_grad = grad or _trains(family.final_norm_of(model))
+        self.recompute_per_token = 0.0
+        self.recompute_attention_layers: list[int] = []  # blocks whose attention core backward re-runs
+        for i, spec in enumerate(applied(model).memory):
+            self._add_recompute(i, spec.recompute.value, getattr(spec, "mlp_tile", 0) > 0)
+
+    def _add_recompute(self, i: int, granularity: str, tiled_mlp: bool) -> None:
+        """A tiled MLP checkpoints each tile, which re-runs gate/up in backward whatever else is recomputed (a
+        block checkpoint then stops at the tiles' saved inputs, so its MLP is not re-run twice)."""
+        block = self.blocks[i]
+        mlp = block.mlp.recompute_flops(True)
+        if granularity == "block":
+            self.recompute_per_token += block.attention.recompute_flops(False) + mlp
+            self.recompute_attention_layers.append(i)
+        elif granularity == "attention":
+            self.recompute_per_token += block.attention.recompute_flops(True) + (mlp if tiled_mlp else 0.0)
+            self.recompute_attention_layers.append(i)
+        elif granularity == "mlp" or tiled_mlp:
+            self.recompute_per_token += mlp
+        # otherwise none, or ops (SAC), which saves every matmul and the attention output: no FLOPs re-run
+        # (its cost is memory traffic, which the planner counts)
+
+    @property
+    def block_flops_per_token(self) -> float:
+        """Forward + backward matmul FLOPs of all blocks for one token."""
+        return sum(b.attention.flops() + b.mlp.flops() for b in self.blocks)
+
+    @property
+    def head_flops_per_token(self) -> float:
+        """Forward + backward FLOPs of lm_head for one predicting position."""
+        return self.head.flops(self.head_input_grad)
+
+    def _per_layer(self, pairs) -> list:
+        return list(pairs) if isinstance(pairs, (list, tuple)) else [pairs] * len(self.blocks)
+
+    def _attention(self, pairs, backward_flops: int):
+        """Attention core FLOPs; pairs: one count for every layer or a list per layer (a device tensor under
+        flex: no host sync)."""
+        total = 0.0
+        for b, n in zip(self.blocks, self._per_layer(pairs)):
+            total = total + n * self.heads_dim * (ATTN_FWD_FLOPS + (backward_flops if b.attention_backward else 0))
+        return total
+
+    def model_flops(self, useful_tokens: int, predicting: int, attended_pairs) -> float:
+        """Model FLOPs of one micro-batch: useful tokens, predicting positions, attended (q, k) pairs summed over
+        rows (per head; one count for every layer, or a list per layer when windows differ)."""
+        attention = self._attention(attended_pairs, ATTN_MODEL_FLOPS - ATTN_FWD_FLOPS)
+        return useful_tokens * self.block_flops_per_token + predicting * self.head_flops_per_token + attention
+
+    def hardware_flops(self, token_slots: int, predicting: int, executed_pairs):
+        """Hardware FLOPs of one micro-batch: every token slot (padding too), re-run forwards, and the (q, k)
+        pairs the attention backend computes (per head, summed over rows; one count or a list per layer)."""
+        flops = token_slots * (self.block_flops_per_token + self.recompute_per_token)
+        flops += self._attention(executed_pairs, ATTN_BWD_HW_FLOPS)
+        recomputed = self._per_layer(executed_pairs)
+        flops += sum(recomputed[i] for i in self.recompute_attention_layers) * self.heads_dim * ATTN_FWD_FLOPS
+        flops += predicting * self.head_flops_per_token
+        if 0 < self.chunk_size < predicting:  # each chunk's lm_head runs again in backward
+            flops += predicting * self.head.flops(False, forward_only=True)
+        return flops
+
+
+def attended_pairs(lengths: list[int], window: Optional[int] = None) -> int:
+    """(query, key) pairs a causal mask allows within documents of these lengths (window: keys per query at
+    most, HF sliding_window semantics): the mask mode's own count (per layer: `AttentionSpec.attended_pairs`)."""
+    return band_mode(True, window).attended_pairs(lengths)

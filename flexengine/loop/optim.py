@@ -1,0 +1,177 @@
+"""Optimizers and the learning-rate schedule: plain AdamW, memory-lean AdamW variants, CPU-offloaded states.
+
+`optim.name` picks the optimizer:
+  adamw              torch AdamW; two states per parameter in the parameter's dtype
+  adamw_8bit         torchao AdamW8bit: block-quantised 8-bit states (~2 bytes/param instead of 8)
+  adamw_bf16         torchao AdamW, stochastic rounding of bf16 weights (no fp32 master), bf16 exp_avg and fp32
+                     exp_avg_sq (adamw_bf16.py: a bf16 one cannot follow a falling gradient scale)
+  adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU (host_adamw.py)
+What each choice stores (device and host bytes per parameter) is precision.optimizer_state_bytes_per_param.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, List
+
+import torch
+from torch import nn
+
+from flexengine.core.config import OPTIM_NAMES, OptimConfig
+from flexengine.core.errors import UserError
+from flexengine.loop.host_adamw import CPUOffloadAdamW
+from flexengine.surgery.precision import TORCHAO_OPTIMIZERS
+
+OPTIMIZERS = OPTIM_NAMES  # one list: the schema checks optim.name against it
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    # decay matrices only: norms and biases (ndim < 2) are not regularised
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _import_torchao(name: str):
+    try:
+        import torchao.optim as ao_optim
+    except ImportError:
+        raise UserError(
+            f"optim.name={name} needs torchao, which is not installed. Install it with `pip install torchao` "
+            "(a build matching your torch), or use optim.name=adamw / adamw_cpu_offload."
+        ) from None
+    return getattr(ao_optim, TORCHAO_OPTIMIZERS[name])
+
+
+def last_backward(opt: torch.optim.Optimizer, enabled: bool):
+    """Context for the accumulation window's last backward: an optimizer that moves gradients off the device
+    (CPUOffloadAdamW) starts each download as soon as the gradient is final; others need nothing."""
+    return opt.collecting_grads() if enabled and isinstance(opt, CPUOffloadAdamW) else contextlib.nullcontext()
+
+
+def clip_gradients(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The gradients' total norm, clipped to max_norm (inf: none). CPUOffloadAdamW applies the clip on the host in
+    fp32 inside its step (its downloads may have left before the norm was known); others scale the device grads."""
+    if isinstance(opt, CPUOffloadAdamW):
+        return opt.clip_grad_norm(list(params), max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def exported_weights(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """Tensors the HF export writes in place of the model's own: CPUOffloadAdamW's fp32 masters (the bf16 device
+    copy rounds away the small updates the masters keep); empty for the other optimizers."""
+    return opt.master_weights(model) if isinstance(opt, CPUOffloadAdamW) else {}
+
+
+def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Give the input embedding full-precision AdamW states (bitsandbytes' StableEmbedding advice).
+
+    Rows of tokens absent from a batch have zero gradients; block-quantised states turn those zeros into
+    noise that AdamW normalises into full-size updates (measured on the tiny LLaMA: the embedding moved 33x
+    further than under fp32 AdamW in 5 steps). torchao keeps states it finds already initialised.
+    """
+    embedding = model.get_input_embeddings().weight
+    if embedding.requires_grad:  # fp32 whatever the weights' dtype (torchao updates in fp32, then copies in)
+        opt.state[embedding] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(embedding, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros_like(embedding, dtype=torch.float32),
+        }
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer named by optim.name over the trainable parameters (decay on matrices only)."""
+    groups = _param_groups(model, optim.weight_decay)
+    common = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
+    if optim.name == "adamw":
+        impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
+        return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
+    if optim.name == "adamw_cpu_offload":
+        return CPUOffloadAdamW(groups, **common)
+    if optim.name in TORCHAO_OPTIMIZERS:
+        cls = _import_torchao(optim.name)
+        if optim.name == "adamw_bf16":
+            dtypes = {p.dtype for g in groups for p in g["params"]}
+            if dtypes != {torch.bfloat16}:
+                raise UserError(
+                    f"optim.name=adamw_bf16 keeps bf16 weights with stochastic rounding, but the model's trainable "
+                    f"weights are {sorted(map(str, dtypes))}: use precision=bf16_sr (bf16 weights with this optimizer)."
+                )
+            from flexengine.loop.adamw_bf16 import AdamWBF16  # subclasses torchao's, imported just above
+
+            return AdamWBF16(groups, **common)
+        opt = cls(groups, **common)
+        _keep_embedding_states_fp32(opt, model)
+        return opt
+    raise UserError(f"optim.name={optim.name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
+    """The learning-rate schedule optim.schedule names, from transformers.get_scheduler (a LambdaLR).
+
+    transformers' schedules give factor 0 at their step 0, so a run's first update would be wasted: update k
+    (0-based) here uses the factor of step k + 1 over a horizon of max_steps + 1 steps, so the first update
+    warms up at lr / warmup_steps and the last one still moves (linear and decay-to-zero end there).
+    """
+    from transformers import get_scheduler
+
+    warmup = min(optim.warmup_for(max_steps), max_steps)
+    horizon = max_steps + 1
+    kwargs: dict = {}
+    name = optim.schedule
+    if name == "cosine":  # to lr * min_lr_ratio, not to 0
+        name, kwargs = "cosine_with_min_lr", {"min_lr_rate": optim.min_lr_ratio}
+    elif name == "warmup_stable_decay":
+        decay = max(1, round(optim.decay_fraction * max_steps))
+        kwargs = {
+            "num_decay_steps": min(decay, horizon - warmup),
+            "min_lr_ratio": optim.min_lr_ratio,
+            "decay_type": "cosine",
+        }
+    elif name not in ("linear", "constant", "constant_with_warmup"):
+        raise UserError(
+            f"optim.schedule={name!r} is not valid; choose one of cosine, linear, constant, "
+            "constant_with_warmup, warmup_stable_decay."
+        )
+    scheduler = get_scheduler(
+        name, opt, num_warmup_steps=warmup, num_training_steps=horizon, scheduler_specific_kwargs=kwargs or None
+    )
+    scheduler.lr_lambdas = [_shifted(f, horizon) for f in scheduler.lr_lambdas]
+    for group, base_lr, factor in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the first update, with the shift
+    scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+    return scheduler
+
+
+# schedules that decay after warmup (constant and constant_with_warmup stay at the peak)
+_DECAYING = ("cosine", "linear", "warmup_stable_decay")
+
+
+def schedule_problem(optim: OptimConfig, max_steps: int) -> str:
+    """Why this schedule cannot do what its name says over max_steps updates ("" if it can): a warmup as long as
+    the run never decays (the last update is at the peak lr) or never reaches the peak."""
+    warmup = optim.warmup_for(max_steps)
+    if optim.schedule == "constant" or warmup < max_steps:
+        return ""
+    if optim.schedule in _DECAYING:
+        what = f"never leaves warmup: its last update is at the peak lr {optim.lr:g}, with no {optim.schedule} decay"
+    elif warmup == max_steps:
+        return ""  # constant_with_warmup reaching the peak at the last update is what it says
+    else:
+        what = f"never reaches the peak lr {optim.lr:g} (the last update is at {max_steps / warmup:.0%} of it)"
+    source = (
+        f"optim.warmup_ratio={optim.warmup_ratio}" if optim.warmup_ratio is not None else f"optim.warmup_steps={warmup}"
+    )
+    return (
+        f"{source} >= train.max_steps={max_steps}: the optim.schedule={optim.schedule} run {what}. Lower "
+        "optim.warmup_steps, or set optim.warmup_ratio=0.05 (with optim.warmup_steps=null) to scale it with the run."
+    )
+
+
+def _shifted(factor, horizon: int):
+    def next_step_factor(step: int) -> float:
+        return factor(min(step + 1, horizon))  # past the end: the final value (a cosine would rise again)
+
+    return next_step_factor

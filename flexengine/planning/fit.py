@@ -1,0 +1,361 @@
+"""Fit before allocating: resolve hardware, precision, memory policy and micro-batch from the planner, for every
+training run, from the HF config alone (no weight exists yet), or stop with an error that says what would fit.
+
+`precision=auto` takes the fastest estimated step among the modes that fit and train correctly
+(PrecisionSpec.trains_correctly: the long-horizon numerics check), the more exact one on a tie; `memory=auto` the
+policy with the cheapest estimated step (recompute FLOPs plus exposed PCIe time) over k = 0..L checkpointed blocks,
+granularity, offload and micro-batch (flexengine.planning.planner). Explicit choices are kept, and checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
+from flexengine.core.errors import UserError
+from flexengine.core.units import GiB
+from flexengine.planning.planner import k_table, plan_inputs, plan_memory
+from flexengine.surgery.precision import (
+    PrecisionSpec,
+    auto_order,
+    check_updates_arrive,
+    optimizer_missing,
+    precision_spec,
+)
+
+log = logging.getLogger(__name__)
+
+TIE_FRACTION = 0.01  # step estimates this close are a tie, which the more exact mode wins (the estimate is no finer)
+
+
+@dataclass
+class FitPlan:
+    """The resolved choices of one run and the plan behind them."""
+
+    hardware: HardwareConfig  # concrete: device, memory_gb, host_memory_gb filled in
+    precision: PrecisionSpec
+    memory: MemoryConfig  # concrete policy
+    micro_batch: int
+    grad_accum: int
+    plan: dict  # planner output under the chosen precision
+    precision_table: list[dict] = field(default_factory=list)  # every mode tried: fits, device and host bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen configuration fits device and host memory."""
+        return bool(self.plan["fits"])
+
+
+def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
+    """Plan `job` on concrete `hardware` (see flexengine.core.hardware): precision, memory policy and micro-batch."""
+    on_cuda = hardware.device == "cuda"
+    modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
+    search_mb = job.memory.policy == "auto"
+    table, plans = [], []
+    for mode in modes:
+        spec = precision_spec(mode, job.optim.name)
+        plan = plan_memory(hf_config, plan_inputs(job, hardware, spec), given=job.memory, search_micro_batch=search_mb)
+        table.append(
+            {
+                "precision": mode,
+                "fits": plan["fits"],
+                "total_bytes": plan["total_bytes"],
+                "host_bytes": plan["host_bytes"],
+                "policy": plan["policy"],
+                "step_s": plan["step_s"],
+                "updates_exact": spec.updates_exact,
+                "stochastic_rounding": spec.stochastic_rounding,
+                "trains_correctly": spec.trains_correctly,
+                "missing": optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
+                "why_not_fit": _why_not_fit(plan),
+            }
+        )
+        plans.append((spec, plan))
+    chosen = choose_precision(table)
+    _add_verdicts(table, chosen)
+    spec, plan = plans[chosen]
+    return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan, table)
+
+
+def choose_precision(rows: list[dict]) -> int:
+    """The row precision=auto takes (rows most exact first): the fastest estimated step among the modes that fit
+    and train correctly (and whose optimizer this environment can build), the more exact on a tie (within
+    TIE_FRACTION); if none fits, the leanest correct mode, whose plan's suggestions say what would. A single
+    explicit mode is taken as given."""
+    correct = [i for i, r in enumerate(rows) if r["trains_correctly"] and not r.get("missing")]
+    correct = correct or list(range(len(rows)))
+    fitting = [i for i in correct if rows[i]["fits"]]
+    if not fitting:
+        return min(correct, key=lambda i: rows[i]["total_bytes"])
+    fastest = min(rows[i]["step_s"] for i in fitting)
+    return next(i for i in fitting if rows[i]["step_s"] <= fastest * (1 + TIE_FRACTION))
+
+
+def precision_verdicts(fit: FitPlan) -> list[str]:
+    """precision=auto's weighing, one line per mode (none for a single given mode)."""
+    if len(fit.precision_table) < 2:
+        return []
+    return [f"precision={r['precision']:<16} {_secs(r['step_s']):>9}/step  {r['verdict']}" for r in fit.precision_table]
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s >= 1 else f"{s:.2g} s"  # a tiny CPU model's step is milliseconds
+
+
+def _why_not_fit(plan: dict) -> str:
+    """Which budget a plan overruns, in GiB ("" when it fits)."""
+    if plan["fits"]:
+        return ""
+    if plan["total_bytes"] > plan["budget_bytes"] or not plan["host_budget_bytes"]:
+        return f"{_gib(plan['total_bytes'])} GiB > {_gib(plan['budget_bytes'])} GiB"
+    return f"host {_gib(plan['host_bytes'])} GiB > {_gib(plan['host_budget_bytes'])} GiB"
+
+
+def _add_verdicts(rows: list[dict], chosen: int) -> None:
+    """Each row's `verdict`: why precision=auto took it, or why it lost to the chosen row."""
+    best = rows[chosen]
+    vs = f"{best['precision']}'s {_secs(best['step_s'])}"
+    for i, r in enumerate(rows):
+        if i == chosen:
+            r["verdict"] = "chosen" if best["fits"] else f"leanest, and does not fit: {r['why_not_fit']}"
+        elif not r["trains_correctly"]:
+            r["verdict"] = "fails the long-horizon numerics check (small updates round away)"
+        elif r.get("missing"):
+            r["verdict"] = f"needs {r['missing']}, not installed (pip install {r['missing']})"
+        elif not r["fits"]:
+            r["verdict"] = f"does not fit: {r['why_not_fit']}"
+        elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):
+            r["verdict"] = f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
+        else:
+            r["verdict"] = f"slower: {_secs(r['step_s'])} vs {vs}"
+
+
+def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
+    """The JobConfig with every auto resolved: what the rest of the run reads."""
+    return dataclasses.replace(
+        job,
+        hardware=fit.hardware,
+        memory=fit.memory,
+        precision=PrecisionConfig(mode=fit.precision.name),
+        optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
+        train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
+        # FSDP2 casts fp32 sharded params to bf16 for compute only when the mode computes in bf16
+        parallel=dataclasses.replace(
+            job.parallel,
+            mixed_precision=job.parallel.mixed_precision and fit.precision.autocast,
+            reduce_every=fit.plan.get("reduce_every", "window"),  # the gradient reduction the plan counted
+        ),
+    )
+
+
+def _explicit_choices(job: JobConfig) -> list[str]:
+    """The precision/memory settings the user fixed (the planner did not choose them)."""
+    out = [f"precision={job.precision.mode}"] if job.precision.mode != "auto" else []
+    if job.memory.policy != "auto":
+        return out + [f"memory={job.memory.policy}"]
+    return out + [
+        f"memory.{key}={getattr(job.memory, key)}"
+        for key in ("layers", "granularity", "offload")
+        if getattr(job.memory, key) is not None
+    ]
+
+
+def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig) -> list[str]:
+    """For an explicit choice that does not fit: the choices that would (memory=auto's search)."""
+    auto = dataclasses.replace(job, memory=MemoryConfig(policy="auto"), precision=PrecisionConfig("auto"))
+    fit = plan_job(auto, hf_config, hardware)
+    if not fit.fits:
+        return fit.plan["suggestions"]
+    ranked = sorted((r for r in fit.plan["candidates"] if r["fits"]), key=lambda r: r["step_s"])[:4]
+    return [
+        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.1f} s/step)"
+        for r in ranked
+    ]
+
+
+def _overrides(row: dict) -> str:
+    mem = row["memory"]
+    parts = [f"memory={mem['policy']}"]
+    if mem["policy"] != "none":
+        parts.append(f"memory.layers={mem['layers']}")
+    if mem["policy"] in ("full", "selective"):
+        parts.append(f"memory.granularity={mem['granularity']}" if mem["policy"] == "selective" else "")
+        parts.append("memory.offload=true" if mem["offload"] else "")
+    parts.append(f"train.micro_batch={row['micro_batch']} train.grad_accum={row['grad_accum']}")
+    return " ".join(p for p in parts if p)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobConfig, FitPlan]:
+    """Plan the run and return the resolved job, or raise UserError naming what would fit."""
+    fit = plan_job(job, hf_config, hardware)
+    # one line in the run's log; the whole table with hydra.verbose=flexengine.planning.fit, or from flexengine-plan
+    log.info("plan: %s", format_fit_summary(fit))
+    for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
+        log.debug("plan: %s", line)
+    log.debug("plan:\n%s", format_fit(fit))
+    if not fit.fits:
+        explicit = _explicit_choices(job)
+        what = _what_fits(job, hf_config, hardware) if explicit else fit.plan["suggestions"]
+        p = fit.plan
+        raise UserError(
+            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: {_gib(p['total_bytes'])} GiB of "
+            f"{_gib(p['budget_bytes'])} GiB device memory, {_gib(p['host_bytes'])} GiB of "
+            f"{_gib(p['host_budget_bytes'])} GiB host memory (precision={fit.precision.name}, {p['policy']}). "
+            "What would fit:\n  " + "\n  ".join(what)
+        )
+    check_updates_arrive(fit.precision, job.optim.lr)
+    hint = compile_hint(job, fit)
+    if hint:
+        log.info("plan: %s", hint)
+    if fit.micro_batch != job.train.micro_batch:
+        log.warning(
+            "memory=auto: train.micro_batch %d -> %d, train.grad_accum %d -> %d (same rows per optimizer "
+            "step; the cheaper plan). Set memory=<policy> to keep train.micro_batch as given.",
+            job.train.micro_batch,
+            fit.micro_batch,
+            job.train.grad_accum,
+            fit.grad_accum,
+        )
+    return resolved_job(job, fit), fit
+
+
+def compile_hint(job: JobConfig, fit: FitPlan) -> str:
+    """With train.compile=false on a GPU: what eager pointwise ops cost over the run against compiling once, when
+    compiling pays (planner.eager_pointwise_s, COMPILE_S); else ''."""
+    from flexengine.planning.planner import COMPILE_S
+
+    eager_s = fit.plan.get("eager_pointwise_s", 0.0)
+    if job.train.compile or fit.hardware.device == "cpu" or eager_s * job.train.max_steps <= COMPILE_S:
+        return ""
+    return (
+        f"train.compile=true would pay: eager blocks run their pointwise ops unfused, ~{eager_s:.2f} s of each "
+        f"~{fit.plan['step_s']:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
+        f"{job.train.max_steps} steps) against ~{COMPILE_S / 60:.0f} min to compile the blocks' shared graph once"
+    )
+
+
+def format_fit(fit: FitPlan) -> str:
+    """The plan as text: budgets, the precision modes tried, and the k -> memory / recompute table."""
+    p = fit.plan
+    hw = fit.hardware
+    lines = [
+        (
+            f"hardware {hw.name} ({hw.device}): {_gib(p['budget_bytes'])} GiB device, "
+            f"{_gib(p['host_budget_bytes'])} GiB host; seq_len={p['seq_len']} micro_batch={fit.micro_batch} "
+            f"grad_accum={fit.grad_accum}"
+        )
+    ]
+    if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0]["fits"]):
+        lines.append(
+            f"  {'precision':<16} {'device GiB':>10} {'host GiB':>9} {'step s':>7} {'fits':>5}  {'best policy':<26}  "
+            "precision=auto"
+        )
+        for r in fit.precision_table:
+            lines.append(
+                f"  {r['precision']:<16} {_gib(r['total_bytes']):>10} {_gib(r['host_bytes']):>9} "
+                f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']:<26}  {r['verdict']}"
+            )
+    lines.append(
+        f"  {'k (of ' + str(p['hf_config'].get('num_hidden_layers')) + ')':<8} {'policy':<26} "
+        f"{'device GiB':>10} {'recompute':>9} {'PCIe s':>7} {'step s':>7} {'fits':>5}"
+    )
+    for r in k_table(p):
+        mark = "  <- chosen" if r["label"] == p["policy"] else ""
+        lines.append(
+            f"  {r['k']:<8} {r['label']:<26} {_gib(r['total_bytes']):>10} "
+            f"{100 * r['recompute_flops_fraction']:>8.1f}% {r['offload_exposed_s']:>7.2f} "
+            f"{r['step_s']:>7.2f} {'yes' if r['fits'] else 'no':>5}{mark}"
+        )
+    terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p["terms"].items() if v)
+    lines.append(
+        f"chosen: precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x "
+        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB; "
+        f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
+        + ("" if fit.fits else "  -- DOES NOT FIT")
+    )
+    if hw.world_size > 1 and fit.grad_accum > 1:
+        lines.append(_reduce_line(p, hw))
+    if fit.memory.offload or fit.memory.policy == "offload":
+        bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
+        if bound is not None:
+            lines.append(
+                f"offload: at most {_gib(bound)} GiB of pinned host memory per rank (host budget "
+                f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
+            )
+    return "\n".join(lines)
+
+
+RUNNERS_UP = 2
+
+
+def format_fit_summary(fit: FitPlan) -> str:
+    """The plan in one line: the chosen configuration, the precision modes tried, and the cheapest runners-up of
+    other policy families (what a training run logs; flexengine-plan prints the whole table)."""
+    p = fit.plan
+    chosen = (
+        f"precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
+        f"{_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB device, host {_gib(p['host_bytes'])} of "
+        f"{_gib(p['host_budget_bytes'])} GiB, ~{p['step_s']:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
+    )
+    if len(fit.precision_table) > 1:
+        chosen += (
+            " (precision=auto weighed: "
+            + ", ".join(f"{r['precision']} {_short_verdict(r['verdict'])}" for r in fit.precision_table)
+            + ")"
+        )
+    families, runners = {_family(p["memory"], p["micro_batch"])}, []
+    for r in sorted((r for r in p["candidates"] if r["fits"]), key=lambda r: (r["cost"], r["k"], r["total_bytes"])):
+        family = _family(r["memory"], r["micro_batch"])
+        if family in families:
+            continue
+        families.add(family)
+        runners.append(f"{r['label']} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.2f} s/step)")  # labels say mb=
+        if len(runners) == RUNNERS_UP:
+            break
+    return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"
+
+
+def _short_verdict(verdict: str) -> str:
+    """A precision verdict's head ("ties with fp32's 0.3 s", "slower", "does not fit"), for the one-line summary."""
+    return verdict.split(":")[0].split(" (")[0]
+
+
+def _family(memory: dict, micro_batch: int) -> tuple:
+    """A policy family: what differs between runners-up worth naming (not just another k of the same policy)."""
+    return memory["policy"], memory["granularity"], bool(memory["offload"]), micro_batch
+
+
+def _reduce_line(p: dict, hw: HardwareConfig) -> str:
+    """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
+    from flexengine.planning.planner import interconnect_gb_s
+
+    other = next(
+        (
+            r
+            for r in p["candidates"]
+            if r["reduce_every"] != p["reduce_every"]
+            and r["memory"] == p["memory"]
+            and r["micro_batch"] == p["micro_batch"]
+        ),
+        None,
+    )
+    every = "every micro-batch" if p["reduce_every"] == "micro_batch" else "once per accumulation window"
+    line = (
+        f"gradients: reduce-scatter {every} (parallel.reduce_every={p['reduce_every']}): "
+        f"{p['reduce_scatter_bytes_per_step'] / 1e9:.1f} GB sent per rank per step, "
+        f"{p['reduce_scatter_s']:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
+        f"unless set), {p['reduce_exposed_s']:.2f} s not hidden by backward"
+    )
+    if other is not None:
+        unsharded = other["terms"].get("fsdp_unsharded_grads_bytes", 0)
+        line += (
+            f"; the other ({other['reduce_every']}): {_gib(other['total_bytes'])} GiB with unsharded grads "
+            f"{_gib(unsharded)} GiB, {other['step_s']:.2f} s/step{'' if other['fits'] else ', does not fit'}"
+        )
+    return line

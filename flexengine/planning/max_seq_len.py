@@ -1,0 +1,99 @@
+"""How long can a row be? The longest data.seq_len that fits the card under each memory policy (the planner's
+bytes model, searched), with the estimated step time there, and memory-vs-length curves for a plot.
+
+Every term of the bytes model grows with the row length, so "fits" is monotone in it and a bisection over
+multiples of `step` tokens (the FlexAttention block, 128; x cp under context parallelism, whose rows must split
+into whole blocks per rank) finds the boundary exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+from flexengine.core.config import CP_BLOCK_SIZE
+from flexengine.core.units import GiB
+from flexengine.planning.planner import ModelShape, PlanInputs, candidates_for, evaluate
+
+MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
+
+
+def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None) -> int:
+    """The longest seq_len (a multiple of `step`, default 128 x cp) whose step fits under `memory`; 0 if not even
+    `step` does."""
+    step = step or CP_BLOCK_SIZE * x.cp
+
+    def fits(n: int) -> bool:
+        return evaluate(m, dataclasses.replace(x, seq_len=n * step), memory)["fits"]
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= MAX_SEARCH_TOKENS and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi * step > MAX_SEARCH_TOKENS:
+        return lo * step
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None) -> list[dict]:
+    """Per candidate policy: the longest fitting seq_len, and the step time, tokens/s, recompute share and
+    host traffic at that length (x.micro_batch rows per micro-batch)."""
+    m = ModelShape.from_hf_config(hf_config)
+    rows = []
+    for label, memory in candidates_for(tiled_mlp):
+        if x.hardware.device == "cpu" and (memory.policy == "offload" or memory.offload):
+            continue  # on a CPU "device" offloading saves nothing
+        n = longest_fitting(m, x, memory, step)
+        row = {"label": label, "max_seq_len": n}
+        if n:
+            at = evaluate(m, dataclasses.replace(x, seq_len=n), memory)
+            row.update(
+                memory=at["memory"],
+                total_bytes=at["total_bytes"],
+                step_s=at["step_s"],
+                tokens_per_s=x.micro_batch * n / at["step_s"],
+                offloaded_bytes=at["offloaded_bytes"],
+                recompute_flops_fraction=at["recompute_flops_fraction"],
+            )
+        rows.append(row)
+    return rows
+
+
+def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any = "auto") -> dict[str, list[float]]:
+    """Total bytes (GiB) per candidate policy at each seq_len in `lengths`."""
+    m = ModelShape.from_hf_config(hf_config)
+    return {
+        label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
+        for label, memory in candidates_for(tiled_mlp)
+        if x.hardware.device != "cpu" or not (memory.policy == "offload" or memory.offload)
+    }
+
+
+def plot_memory_vs_seq_len(
+    curves: dict[str, list[float]], lengths: list[int], budget_gib: float, path: Path, title: str
+) -> None:
+    """Log-log plot of total memory per policy against seq_len, with the card's budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (label, gib) in enumerate(curves.items()):  # 10 colours, then dashed: 11+ policies stay distinct
+        ax.plot(lengths, gib, marker=".", label=label, color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
+    ax.axhline(budget_gib, color="black", linestyle="--", label=f"budget {budget_gib:g} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("data.seq_len (tokens)")
+    ax.set_ylabel("planned memory per device (GiB)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""Cross-entropy summed over valid tokens, optionally in chunks so [tokens, vocab] logits never exist at once.
+
+The trainer divides the sum by the number of valid tokens of the whole accumulation window (and across ranks),
+so packing, padding and micro-batching do not change the loss (axolotl #3301, TRL #3910).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from flexengine.data.targets import IGNORE_INDEX, predicting_positions
+
+
+def _chunk_loss_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Module) -> Tensor:
+    logits = lm_head(hidden_NH).float()  # CE in fp32 even under bf16
+    return F.cross_entropy(logits, targets_N, reduction="sum")
+
+
+def causal_lm_loss_sum(
+    hidden_BSH: Tensor,
+    labels_BS: Tensor,
+    lm_head: nn.Module,
+    chunk_size: int = 0,
+    predicting_index: Optional[Tensor] = None,
+) -> Tensor:
+    """Sum of next-token CE over valid targets. chunk_size > 0: lm_head + CE per chunk of tokens, each chunk
+    recomputed in backward, so peak memory holds one chunk's logits instead of all of them.
+    predicting_index: `predicting_positions(labels_BS)` if already known (else computed here: a host sync)."""
+    if predicting_index is None:
+        predicting_index = predicting_positions(labels_BS)
+    targets_N = labels_BS.reshape(-1).index_select(0, predicting_index + 1)
+    return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
+
+
+def shifted_loss_sum(
+    hidden_BSH: Tensor,
+    targets_BS: Tensor,
+    lm_head: nn.Module,
+    chunk_size: int = 0,
+    predicting_index: Optional[Tensor] = None,
+) -> Tensor:
+    """causal_lm_loss_sum with the targets already shifted (`shift_targets`): position t predicts targets[t]."""
+    if predicting_index is None:
+        predicting_index = torch.nonzero(targets_BS.reshape(-1) != IGNORE_INDEX).squeeze(1)
+    targets_N = targets_BS.reshape(-1).index_select(0, predicting_index)
+    return _selected_loss_sum(hidden_BSH, predicting_index, targets_N, lm_head, chunk_size)
+
+
+def _selected_loss_sum(
+    hidden_BSH: Tensor, predicting_index: Tensor, targets_N: Tensor, lm_head: nn.Module, chunk_size: int
+) -> Tensor:
+    # only tokens with a valid next target: padding and document ends cost no lm_head or CE at all
+    hidden_NH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1]).index_select(0, predicting_index)
+    if chunk_size <= 0 or hidden_NH.shape[0] <= chunk_size:
+        return _chunk_loss_sum(hidden_NH, targets_N, lm_head)
+    total = hidden_NH.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden_NH.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            _chunk_loss_sum, hidden_NH[start:end], targets_N[start:end], lm_head, use_reentrant=False
+        )
+    return total
+
+
+def forward_loss_sum(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = 0, **mask_kwargs) -> Tensor:
+    """Run the decoder on a batch and return the summed token loss (no logits tensor for the whole batch)."""
+    decoder = model.get_decoder()
+    out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
+    if "targets" in batch:  # a context-parallel shard: this rank's tokens, each with its own target
+        return shifted_loss_sum(
+            out.last_hidden_state,
+            batch["targets"],
+            model.get_output_embeddings(),
+            chunk_size,
+            batch.get("predicting_index"),
+        )
+    return causal_lm_loss_sum(
+        out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size, batch.get("predicting_index")
+    )

@@ -1,0 +1,178 @@
+"""Which decoder blocks recompute or offload their activations in backward, applied in place to an HF model.
+
+Every block that a policy changes gets the same wrapper class, `MemoryBlock` mixed into its own class once per
+HF class (the way FSDP2 does it), and its policy as data (`memory_spec`). So all blocks share one compiled
+graph whatever the policy -- a per-block class would make each block its own graph and hit the recompile limit
+(`FailOnRecompileLimitHit` at 9+ layers under fullgraph). Every policy is non-reentrant, so it composes with
+keyword arguments (rotary embeddings, masks), with `torch.compile(fullgraph=True)` on the block, and with
+activation offload:
+- Recompute.BLOCK: the whole block is recomputed (saves only its input hidden state);
+- Recompute.ATTENTION / MLP: only that sub-module is recomputed (saves its normalised input);
+- Recompute.OPS: op-level SAC -- matmul and attention outputs are kept, pointwise ops are recomputed; with
+  flex the block must be compiled, so that SAC sees flex inside the block's graph (`compile.needs_compiled_blocks`);
+- offload: the block's saved tensors (or, under checkpointing, its saved inputs) live in CPU memory. The hooks
+  run in `MemoryBlock.__call__`, outside the compiled forward and outside the checkpoint;
+- mlp_tile: the block's `mlp` runs over token tiles, each its own checkpoint (memory/tiled_mlp.py), inside
+  whatever the block itself does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from flexengine.core.config import MemoryConfig
+from flexengine.core.errors import UserError
+from flexengine.core.units import GiB
+from flexengine.surgery.applied import applied
+from flexengine.surgery.family import Family, family_of
+from flexengine.surgery.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
+from flexengine.surgery.memory.offload import DEFAULT_MAX_PINNED_BYTES, OffloadManager
+from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
+from flexengine.surgery.memory.tiled_mlp import tiled_mlp_forward
+
+log = logging.getLogger(__name__)
+
+
+def _saved_ops() -> set:
+    """Ops whose outputs op-level SAC keeps: matmuls and fused attention (expensive to recompute, cheap to hold
+    relative to the pointwise ops around them)."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    ops.add(torch.ops.higher_order.flex_attention)  # torchtitan #1631: flex must be saved, not recomputed
+    return ops
+
+
+def save_matmuls_and_attention(ctx: Any, func: Any, *args, **kwargs) -> CheckpointPolicy:
+    """SAC policy: keep matmul/attention outputs, recompute everything else (norms, RoPE, SiLU, adds)."""
+    return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_OPS = _saved_ops()
+
+
+def _sac_context():
+    return create_selective_checkpoint_contexts(save_matmuls_and_attention)
+
+
+class MemoryBlock(nn.Module):
+    """Mixed into a block's (or sub-module's) class: checkpoint / SAC in `forward`, offload in `__call__`.
+
+    Never instantiated: `wrap_module` swaps an existing module's class and sets the three attributes below.
+    """
+
+    memory_spec: MemorySpec  # what this module's own forward does (Recompute.BLOCK on a wrapped sub-module)
+    memory_index: int  # decoder block index (offload groups prefetch one block ahead)
+    memory_offload: Optional[OffloadManager]  # the model's offload manager, when this module offloads
+
+    def forward(self, *args, **kwargs):
+        if self.memory_spec.mlp_tile:  # on the block's `mlp` (apply_block_spec): hidden states in, per token
+            return tiled_mlp_forward(super().forward, *args, tile_tokens=self.memory_spec.mlp_tile, **kwargs)
+        recompute = self.memory_spec.recompute
+        if recompute is Recompute.BLOCK:  # non-reentrant: works with kwargs, compile and offload hooks
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+        if recompute is Recompute.OPS:
+            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_sac_context, **kwargs)
+        return super().forward(*args, **kwargs)  # ATTENTION / MLP: the sub-module recomputes itself
+
+    def __call__(self, *args, **kwargs):
+        # Outside the compiled region (nn.Module.compile compiles _call_impl, which __call__ calls) and outside
+        # the checkpoint (hooks inside one would disable it; here they see only its positional inputs).
+        if self.memory_offload is None:
+            return super().__call__(*args, **kwargs)
+        with self.memory_offload.block(self.memory_index, kwargs):
+            return super().__call__(*args, **kwargs)
+
+
+_MEMORY_CLASSES: dict[type, type] = {}
+
+
+def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager]) -> None:
+    """Give `module` the shared MemoryBlock class of its HF class and this policy (idempotent)."""
+    cls = type(module)
+    if not isinstance(module, MemoryBlock):
+        if cls not in _MEMORY_CLASSES:
+            _MEMORY_CLASSES[cls] = type(f"Memory{cls.__name__}", (MemoryBlock, cls), {})
+        module.__class__ = _MEMORY_CLASSES[cls]  # parameter names and state_dict keys stay HF's
+    module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
+
+
+def _submodule(layer: nn.Module, name: str, recompute: Recompute) -> nn.Module:
+    sub = getattr(layer, name, None)
+    if not isinstance(sub, nn.Module):
+        raise UserError(
+            f"memory.granularity={recompute.value}: {type(layer).__name__} has no `{name}` sub-module; "
+            "use memory.granularity=block"
+        )
+    return sub
+
+
+def apply_block_spec(
+    layer: nn.Module, spec: MemorySpec, index: int, offload: Optional[OffloadManager], family: Family
+) -> None:
+    """Apply one block's MemorySpec in place (a block whose spec changes nothing is left as it is)."""
+    if not spec.changes_block and not isinstance(layer, MemoryBlock):
+        return
+    sub = {Recompute.ATTENTION: family.attention, Recompute.MLP: family.mlp}.get(spec.recompute)
+    if sub is not None:
+        wrap_module(_submodule(layer, sub.module, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
+    if spec.mlp_tile:
+        mlp = getattr(layer, family.mlp.module, None)
+        if not isinstance(mlp, nn.Module):
+            raise UserError(
+                f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `{family.mlp.module}` sub-module "
+                "to tile; use memory.tiled_mlp=0"
+            )
+        wrap_module(mlp, MemorySpec(mlp_tile=spec.mlp_tile), index, None)
+    own = dataclasses.replace(spec, mlp_tile=0)  # the tiles belong to the mlp's forward, not the block's
+    if own.changes_block or isinstance(layer, MemoryBlock):
+        wrap_module(layer, own, index, offload if spec.offload else None)
+
+
+def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes: Optional[int] = None) -> list[int]:
+    """Apply memory.* to the selected blocks in place (recorded in `model.flexengine.memory`); returns the
+    indices of the blocks it changed.
+
+    max_pinned_bytes: offload's bound on pinned host memory (the plan's `offload_pinned_bound_bytes`, from the
+    rank's host budget); None = offload.DEFAULT_MAX_PINNED_BYTES (library use without a plan)."""
+    family = family_of(model)
+    layers = family.decoder_layers(model)
+    specs = block_memory_specs(memory, len(layers))
+    record = applied(model)
+    if any(s.offload for s in specs) and record.offload is None:
+        bound = DEFAULT_MAX_PINNED_BYTES if max_pinned_bytes is None else max_pinned_bytes
+        record.offload = OffloadManager(max_pinned_bytes=bound)  # one manager (one side stream) per model
+        log.info(
+            "memory: activation offload pins at most %.1f GiB of host memory on this rank (%s)",
+            bound / GiB,
+            "the plan's host budget less host optimizer state"
+            if max_pinned_bytes is not None
+            else "default bound: no host budget given",
+        )
+    for i, (layer, spec) in enumerate(zip(layers, specs)):
+        apply_block_spec(layer, spec, i, record.offload, family)
+    record.memory = specs
+    chosen = [i for i, s in enumerate(specs) if s.changes_block]
+    if memory.policy != "none" or memory.tiled_mlp:
+        log.info(
+            "memory: policy=%s (%s) on %d of %d blocks %s",
+            memory.policy,
+            specs[chosen[0]].describe() if chosen else "-",
+            len(chosen),
+            len(layers),
+            chosen,
+        )
+    return chosen

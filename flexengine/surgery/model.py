@@ -1,0 +1,165 @@
+"""Load an HF causal LM (local directory or random init from a config) and its tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from flexengine.core.config import ModelConfig
+from flexengine.core.errors import UserError
+from flexengine.data.demo import load_demo_tokenizer
+from flexengine.surgery.family import resolve_family
+from flexengine.surgery.rope import apply_rope_scaling
+
+log = logging.getLogger(__name__)
+
+
+def build_hf_config(model: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
+    use_cache off for training."""
+    if model.trust_remote_code:
+        log.warning(
+            "model.trust_remote_code=true: Python code shipped in %s will run in this process; use it "
+            "only for model directories you trust",
+            model.path or model.tokenizer or "the model directory",
+        )
+    if model.path is not None:
+        path = Path(model.path)
+        if not path.is_dir():
+            raise UserError(f"model.path={model.path!r} is not a directory. Point it at a local HF model directory.")
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
+                "(expected config.json, tokenizer files and *.safetensors)."
+            )
+        try:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+        except (ValueError, OSError) as e:  # OSError: not valid JSON (transformers' wording names the file)
+            raise UserError(
+                f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
+                "replace the file (it must be the model's Hugging Face config)."
+            ) from None
+    else:
+        arch = dict(model.arch)
+        model_type = arch.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **arch)
+        except ValueError:
+            raise UserError(
+                f"model.arch.model_type={model_type!r} is not a model family transformers knows "
+                "(e.g. llama, mistral, qwen2)."
+            ) from None
+    # A KV cache is useless in training, and with it on HF skips packed-sequence handling
+    # (docs/architecture.md, "Facts").
+    config.use_cache = False
+    resolve_family(config)  # a family flexengine does not know fails here, before any tokenizing or allocating
+    apply_rope_scaling(config, model.rope_scaling.as_hf())
+    return config
+
+
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The full-size model on the meta device: shapes and dtypes without allocating a byte (plans, rehearsals)."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _n_params(lm: torch.nn.Module) -> int:
+    return sum(p.numel() for p in lm.parameters())
+
+
+def _checkpoint_tensor_count(path: Path) -> int:
+    """Tensors stored in a directory's *.safetensors files (read from their headers only)."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            count += len(list(f.keys()))
+    return count
+
+
+def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`."""
+    config = build_hf_config(model)
+    if not model.loads_weights:
+        with device:
+            lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
+        source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
+        log.warning(
+            "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
+            "%s. Nothing pretrained is loaded%s.",
+            model.name,
+            model.init,
+            source,
+            config.model_type,
+            _n_params(lm) / 1e6,
+            dtype,
+            device,
+            "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
+        )
+        return lm
+    path = Path(model.path)
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
+    lm, info = AutoModelForCausalLM.from_pretrained(
+        model.path,
+        config=config,
+        dtype=dtype,
+        trust_remote_code=model.trust_remote_code,
+        use_safetensors=None,
+        output_loading_info=True,
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # HF would initialise them at random and only warn
+        raise UserError(
+            f"model.path={model.path!r}: {len(missing)} weights of {type(lm).__name__} are not in the "
+            f"checkpoint (e.g. {missing[:3]}); it is not a complete {config.model_type} checkpoint."
+        )
+    unexpected = len(info.get("unexpected_keys") or [])
+    stored = _checkpoint_tensor_count(path) or len(lm.state_dict())  # *.bin only: no header to count from
+    lm = lm.to(device)
+    log.info(
+        "model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s",
+        model.name,
+        stored - unexpected,
+        path,
+        config.model_type,
+        _n_params(lm) / 1e6,
+        dtype,
+        device,
+        f"; {unexpected} tensors in the checkpoint were not used" if unexpected else "",
+    )
+    return lm
+
+
+def load_tokenizer(model: ModelConfig, cache_dir: Optional[Path] = None):
+    """The tokenizer of model.tokenizer / model.path, or the offline demo tokenizer when neither is given."""
+    source = model.tokenizer or model.path
+    if source is None:
+        return load_demo_tokenizer(cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {source!r} (model.tokenizer / model.path): {e}") from None
+
+
+def check_vocab(lm: torch.nn.Module, tokenizer) -> None:
+    """Fail early if the tokenizer can emit ids the embedding does not have."""
+    vocab = lm.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {vocab}; "
+            "use the model's own tokenizer (model.tokenizer) or a larger vocab_size."
+        )
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used for padding slots (their labels are -100, so any valid id works)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0

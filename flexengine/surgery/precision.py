@@ -1,0 +1,240 @@
+"""Precision policy: which dtype the weights, gradients and optimizer states are stored in, what the matmuls
+compute in, and which optimizer keeps small updates from rounding away. Resolved once into a PrecisionSpec.
+
+bf16 keeps 8 mantissa bits: an AdamW step of lr 2e-5 on a weight of 0.02 is 1e-3 of its value, below half the
+bf16 spacing (2^-9 relative), so it rounds back to the old weight; a norm weight of 1.0 needs an update of ~2e-3
+to move at all. Modes, most exact first:
+
+  fp32             fp32 weights, grads, states and compute.
+  bf16_mixed       fp32 master weights, grads and states; bf16 compute (autocast on one device; FSDP2's
+                   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded params).
+  bf16_cpu_master  bf16 weights and grads on the device; fp32 masters and AdamW states in host memory.
+  bf16_sr          bf16 weights, grads and exp_avg, fp32 exp_avg_sq; torchao AdamW with stochastic rounding of
+                   the weights (unbiased updates; a bf16 exp_avg_sq could not fall: flexengine.loop.adamw_bf16).
+  bf16_pure        bf16 everything with torch AdamW: small updates round away. Only when asked.
+
+Under LoRA the frozen base weights are never updated, so an fp32 master of them is pure waste: every bf16 mode
+stores frozen matrices (Linear weights, embeddings) in bf16 (`cast_frozen`), as PEFT/QLoRA do; the adapters keep
+the mode's master dtype. Autocast casts every matmul weight to bf16 anyway, so the matmuls see the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from flexengine.core.config import OPTIM_NAMES
+from flexengine.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# The modes `precision=auto` weighs, most exact first (a tie in estimated step time goes to the earlier one). It
+# takes the fastest of those that fit and train correctly (planning/fit.py); bf16_pure never does, and is planned
+# only so the plan can show what it would have saved. On CUDA fp32 is left out: the planner's step time assumes
+# bf16 tensor cores, and fp32 matmuls run several times slower for updates no more exact than bf16_mixed's.
+AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
+AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
+PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
+
+
+# What each optim.name stores: the planner's optimizer bytes (the optimizers themselves are loop/optim.py)
+# torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
+_AO_8BIT_BLOCK = 256
+# optim.name -> the torchao class that implements it (loop/optim.py builds them)
+TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
+
+
+EMBEDDING_STATE_BYTES = 8.0  # adamw_8bit: fp32 exp_avg + exp_avg_sq per input-embedding element
+
+
+def optimizer_missing(name: str) -> str:
+    """The package optim.name needs and this environment lacks ("" when it can be built); imports nothing."""
+    if name in TORCHAO_OPTIMIZERS and importlib.util.find_spec("torchao") is None:
+        return "torchao"
+    return ""
+
+
+def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
+
+    Weights and gradients themselves are not included, except the fp32 master copy that adamw_cpu_offload
+    keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
+    """
+    elt = torch.empty((), dtype=param_dtype).element_size()
+    if name == "adamw":
+        return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
+    if name == "adamw_8bit":
+        # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
+        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
+    if name == "adamw_bf16":
+        return 2.0 + 4.0, 0.0  # bf16 exp_avg + fp32 exp_avg_sq (flexengine.loop.adamw_bf16)
+    if name == "adamw_cpu_offload":
+        return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
+    raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIM_NAMES)}.")
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """A resolved precision mode: what each piece is stored in and what the optimizer must be."""
+
+    name: str
+    param_dtype: torch.dtype  # the model's parameters on the device (fp32 = they are the masters)
+    compute_dtype: torch.dtype  # matmul dtype: autocast (one device) / FSDP2 param_dtype (sharded)
+    optimizer: str  # optim.name this mode needs: adamw | adamw_bf16 (torchao SR) | adamw_cpu_offload
+    updates_exact: bool  # updates are applied to fp32 values (never rounded away)
+    stochastic_rounding: bool = False  # updates rounded to bf16 without bias (exact in expectation)
+
+    @property
+    def autocast(self) -> bool:
+        """Whether compute runs in a lower dtype than the stored weights (autocast on a single device)."""
+        return self.compute_dtype != self.param_dtype
+
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """Dtype of frozen matrices (LoRA's base weights): the bf16 compute dtype when there is one."""
+        return torch.bfloat16 if self.compute_dtype == torch.bfloat16 else self.param_dtype
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return torch.empty((), dtype=self.compute_dtype).element_size()
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes per trainable parameter: weights, grads, states on the device, and host bytes.
+
+        bf16_mixed on one device also holds autocast's bf16 copy of every weight (cached for the forward and
+        saved for backward by the matmuls that use it); frozen matrices (LoRA) are stored in frozen_dtype with no
+        copy ("frozen_weights" bytes each). adamw_cpu_offload's host side holds the fp32 master, two fp32
+        states and its slot of the transfer buffer (the device dtype: gradients come down and weights go up in it),
+        plus one fp32 scratch of the largest parameter when that dtype is not fp32 ("host_scratch" bytes per
+        element of the largest trainable tensor; flexengine.loop.host_adamw)."""
+        w = torch.empty((), dtype=self.param_dtype).element_size()
+        device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
+        transfer = w if host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in
+        return {
+            "weights": w,
+            "grads": w,
+            "optimizer": device,
+            "compute_copy": 2.0 if self.autocast else 0.0,
+            "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
+            "host": host + transfer,
+            "host_scratch": 4.0 if host and w != 4 else 0.0,
+        }
+
+    @property
+    def trains_correctly(self) -> bool:
+        """Whether this mode's optimizer steps like fp32 AdamW over a long run at any lr (0.9-1.1x its mean step
+        after 3,000 steps of a falling gradient scale, beta2 0.95 and 0.999: flexengine.loop.optim_numerics, asserted
+        for every mode by tests/loop/test_optim_numerics.py). Exact updates do; so does stochastic rounding, now that
+        adamw_bf16 keeps exp_avg_sq in fp32. bf16_pure rounds small updates away: never."""
+        return self.updates_exact or self.stochastic_rounding
+
+    def updates_arrive(self, lr: float) -> bool:
+        """Whether AdamW updates of size ~lr reach bf16-stored weights (always for exact or SR modes)."""
+        return self.updates_exact or self.stochastic_rounding or lr >= PURE_BF16_MIN_LR
+
+
+SPECS = {
+    "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", updates_exact=True),
+    "bf16_mixed": PrecisionSpec("bf16_mixed", torch.float32, torch.bfloat16, "adamw", updates_exact=True),
+    "bf16_cpu_master": PrecisionSpec(
+        "bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload", updates_exact=True
+    ),
+    "bf16_sr": PrecisionSpec(
+        "bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False, stochastic_rounding=True
+    ),
+    "bf16_pure": PrecisionSpec("bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", updates_exact=False),
+}
+
+# optim.name choices each mode accepts (the first is what optim.name=adamw turns into)
+_COMPATIBLE_OPTIMIZERS = {
+    "fp32": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
+    "bf16_mixed": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
+    "bf16_cpu_master": ("adamw_cpu_offload",),
+    "bf16_sr": ("adamw_bf16",),
+    "bf16_pure": ("adamw", "adamw_8bit"),
+}
+
+
+def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
+    """The modes precision=auto weighs, most exact first; an explicit optim.name narrows them."""
+    order = AUTO_ORDER_CUDA if on_cuda else AUTO_ORDER_CPU
+    return tuple(m for m in order if optimizer == "adamw" or optimizer in _COMPATIBLE_OPTIMIZERS[m])
+
+
+def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
+    """The spec of a concrete mode, with optim.name checked against it (adamw_8bit keeps its 8-bit states)."""
+    if mode not in SPECS:
+        raise UserError(f"precision={mode!r} is not a concrete mode; choose one of {', '.join(SPECS)}.")
+    spec = SPECS[mode]
+    allowed = _COMPATIBLE_OPTIMIZERS[mode]
+    if optimizer != "adamw" and optimizer not in allowed:
+        raise UserError(
+            f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
+            "drop the optim.name override (the precision mode picks the optimizer)."
+        )
+    if optimizer == "adamw_8bit":
+        return PrecisionSpec(
+            spec.name, spec.param_dtype, spec.compute_dtype, "adamw_8bit", spec.updates_exact, spec.stochastic_rounding
+        )
+    return spec
+
+
+def spec_for_params(mode: str, optimizer: str, param_dtype: torch.dtype) -> PrecisionSpec:
+    """A concrete mode's spec; `auto` unresolved by flexengine.planning.fit (a hand-built Trainer) reads fp32 weights as
+    fp32 and refuses to guess for others."""
+    if mode == "auto":
+        if param_dtype != torch.float32:
+            raise UserError(
+                f"precision=auto with {param_dtype} weights: resolve it with flexengine.planning.fit.fit_job "
+                "(run.py does) or give precision=<mode>."
+            )
+        mode = "fp32"
+    return precision_spec(mode, optimizer)
+
+
+def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
+    """Warn loudly when pure bf16 would round most updates away at this learning rate."""
+    if not spec.updates_arrive(lr):
+        log.warning(
+            "precision=bf16_pure at optim.lr=%g: AdamW updates of ~lr round away in bf16 storage (most weights "
+            "of ~0.02 and every norm weight of 1.0 never move). Use precision=bf16_mixed, bf16_cpu_master or "
+            "bf16_sr (stochastic rounding), or precision=auto.",
+            lr,
+        )
+
+
+def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
+    """Store frozen matrices in spec.frozen_dtype (LoRA); returns how many elements were cast.
+
+    Only matrices: frozen 1-D parameters (norm weights, biases) stay in the master dtype, since HF's RMSNorm
+    returns `weight * x` and an fp32 weight keeps that output, and so the residual stream, in fp32 as before. The
+    input embedding's output is cast back to the master dtype for the same reason (a bf16 lookup would make the
+    whole residual stream bf16); its values differ from before only by the bf16 rounding autocast gives every
+    Linear weight."""
+    cast = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.ndim >= 2 and p.is_floating_point() and p.dtype != spec.frozen_dtype:
+            p.data = p.data.to(spec.frozen_dtype)
+            cast += p.numel()
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if cast and embedding is not None and embedding.weight.dtype != spec.param_dtype:
+        # only under autocast: with FSDP2's MixedPrecisionPolicy (no autocast) everything runs in bf16 anyway, and an
+        # fp32 copy of the embeddings would be held through the whole forward
+        embedding.register_forward_hook(
+            lambda module, args, out: out.to(spec.param_dtype) if torch.is_autocast_enabled(out.device.type) else out
+        )
+    if cast:
+        log.info("precision: %.1fM frozen weights stored in %s (no master copy)", cast / 1e6, spec.frozen_dtype)
+    return cast
+
+
+def autocast_context(spec: PrecisionSpec, device: torch.device, sharded: bool = False):
+    """bf16 compute over fp32 weights on one device; FSDP2's MixedPrecisionPolicy does the cast when sharded."""
+    if spec.autocast and not sharded:
+        return torch.autocast(device.type, dtype=spec.compute_dtype)
+    return contextlib.nullcontext()

@@ -1,0 +1,127 @@
+"""The doctor on CPU with planted problems: a padded baseline, checkpoint-all where nothing is needed, a card
+too small for no checkpointing, and a recompile after warm-up; a healthy run gets no suggestions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flexengine.cli.doctor import compose_job, diagnose, exit_status, format_report, run_doctor
+from flexengine.core.config import conf_dir
+from flexengine.core.errors import UserError
+from flexengine.loop.hooks import StepHooks
+from flexengine.run import build_trainer
+from tests.helpers import DEBUG_FAST
+
+STEPS = 1
+
+
+def check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("healthy")
+    return diagnose(compose_job([*DEBUG_FAST, "attn=packed_doc", "memory=none"]), out, steps=STEPS), out
+
+
+def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
+    report, out = healthy
+    assert report["suggestions"] == [], format_report(report)
+    assert json.loads((out / "doctor.json").read_text())["checks"] == report["checks"]
+    n = report["numbers"]
+    assert n["attn_backend"] == "varlen" and n["attention"]["documents"] is True
+    assert n["useful_token_fraction"] > 0.9
+    assert n["recompiles_after_warmup"] == 0 and n["graphs_compiled_after_warmup"] == 0 and n["graph_breaks"] == 0
+    assert 0 < n["block_density"] <= 1
+    split = n["time_split"]
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer"] > 0 and split["data"] > 0
+    assert sum(split.values()) == pytest.approx(1.0, abs=1e-6)
+    mem = n["memory"]
+    assert mem["blocks_changed"] == [] and mem["fits"] and mem["planner_choice"]["policy"] == "none"
+    assert mem["measured_peak_bytes"] is None  # CPU: the planner's figures only
+
+
+def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
+    report = run_doctor([*DEBUG_FAST, "attn=causal", "--steps", str(STEPS), "--out", str(tmp_path)])
+    n = report["numbers"]
+    assert n["attn_backend"] == "sdpa" and n["block_density"] is None
+    assert n["useful_token_fraction"] < 0.9
+    assert check(report, "useful tokens")["verdict"] in ("warn", "bad")
+    assert any("attn=packed_doc" in s for s in report["suggestions"])
+    printed = capsys.readouterr().out
+    assert "attn=packed_doc" in printed and "doctor.json" in printed
+
+
+def test_checkpointing_everything_when_nothing_is_needed(tmp_path):
+    report = diagnose(compose_job([*DEBUG_FAST, "attn=packed_doc", "memory=full"]), tmp_path, steps=STEPS)
+    mem = report["numbers"]["memory"]
+    assert mem["blocks_changed"] == [0, 1, 2, 3] and mem["block_specs"] == ["block"] * 4
+    assert mem["planner_choice"]["policy"] == "none" and mem["recompute_flops_fraction"] > 0
+    assert check(report, "memory")["verdict"] == "warn"
+    assert any("memory=auto" in s and "'none'" in s for s in report["suggestions"])
+
+
+def test_too_small_a_card_asks_for_checkpointing(tmp_path):
+    # weights + grads + AdamW moments of the 4M-parameter model take ~60 MiB: 0.07 GB leaves no room. The run is
+    # planned before anything is allocated (flexengine.planning.fit), so it stops there, naming what would fit.
+    with pytest.raises(UserError, match=r"precision=fp32 memory=none does not fit[\s\S]*What would fit"):
+        diagnose(
+            compose_job([*DEBUG_FAST, "memory=none", "precision=fp32", "hardware.memory_gb=0.07"]), tmp_path, steps=1
+        )
+
+
+class _SmallerBatchAtStep(StepHooks):
+    """A planted recompile: from its 2nd step on, batches have one row instead of two (a new input shape)."""
+
+    calls = 0
+
+    def on_step_start(self, trainer, step: int) -> None:
+        self.calls += 1  # the doctor drives train_step itself, so the trainer's step counter stays put
+        if self.calls == 2:
+            trainer.loader.micro_batch = 1
+
+
+@pytest.mark.slow
+def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
+    """No dispatch mode around compiled code, and fullgraph recompiles are counted (they were always 0)."""
+    torch._dynamo.reset()
+    job = compose_job([*DEBUG_FAST, "attn=packed_doc", "train.compile=true", "train.compile_backend=aot_eager"])
+    trainer = build_trainer(job, tmp_path)
+    healthy = diagnose(job, tmp_path, steps=1, trainer=trainer)["numbers"]
+    assert healthy["graphs_compiled_warmup"] >= 1 and healthy["graphs_compiled_after_warmup"] == 0
+    assert healthy["compile_backend"] == "aot_eager"
+    trainer.add_hooks(_SmallerBatchAtStep())
+    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # one warm-up step, then the planted one
+    n = report["numbers"]
+    assert n["recompiles_after_warmup"] >= 1 and "size mismatch" in " ".join(n["recompile_reasons"])
+    assert check(report, "compile")["verdict"] == "warn"
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")))
+def test_every_experiment_composes(experiment):
+    job = compose_job([f"experiment={experiment}", "model.path=/models/any", "data.path=/data/any.jsonl"])
+    assert job.data.seq_len > 0 and job.train.max_steps > 0
+
+
+def test_console_script_exits_0_on_a_healthy_run_and_prints_no_dict(tmp_path):
+    import subprocess
+    import sys
+
+    # what the installed `flexengine-doctor` script runs: sys.exit(main())
+    script = "import sys; from flexengine.cli.doctor import main; sys.argv[0] = 'flexengine-doctor'; sys.exit(main())"
+    args = [*DEBUG_FAST, "attn=packed_doc", "memory=none", "--steps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flexengine doctor" in proc.stdout and "{'checks'" not in proc.stdout + proc.stderr
+
+
+def test_exit_status_is_1_only_for_a_failed_check():
+    def report(*verdicts):
+        return {"checks": [{"verdict": v} for v in verdicts]}
+
+    assert exit_status(report("ok", "info", "warn")) == 0
+    assert exit_status(report("ok", "bad")) == 1

@@ -1,0 +1,71 @@
+"""model.path=<pretrained checkpoint> without a model group: fine-tuning defaults, each logged with its source."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flexengine.cli.common import compose_job
+from flexengine.core.config import conf_dir
+from flexengine.data.demo import load_demo_tokenizer
+from tests.helpers import TINY_LLAMA
+
+# the 7B fine-tuning defaults every shipped 7B model config carries (read, not restated)
+SHIPPED = yaml.safe_load((conf_dir() / "model" / "llama2_7b.yaml").read_text())
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A small pretrained-looking HF directory: save_pretrained weights, config and tokenizer."""
+    path = tmp_path / "my-small-llama"
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 2048})).save_pretrained(path)
+    load_demo_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_pretrained_path_alone_gets_fine_tuning_defaults_with_their_source(checkpoint, caplog):
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={checkpoint}"])
+    assert job.optim.lr == SHIPPED["optim"]["lr"] == 2e-5  # was the demo's 1e-3
+    assert job.optim.weight_decay == SHIPPED["optim"]["weight_decay"] == 0.0  # was 0.1
+    assert job.optim.warmup_steps == SHIPPED["optim"]["warmup_steps"]
+    assert job.model.name == "my-small-llama"  # never "tiny"
+    # a few-hundred-thousand-parameter model is not 7B: the demo's batch shape stays, and the log says why
+    assert (job.train.micro_batch, job.train.grad_accum) == (2, 2)
+    log = caplog.text
+    assert "holds pretrained weights" in log and "optim.lr=2e-05 (from conf/model/" in log
+    assert "train.micro_batch=2 (kept: " in log and "model.name=my-small-llama (the directory name" in log
+
+
+def test_the_users_own_settings_are_kept(checkpoint, caplog):
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={checkpoint}", "optim.lr=1e-3", "debug=fast"])
+    assert job.optim.lr == 1e-3  # given on the command line, even though it is the demo's value
+    assert job.optim.warmup_steps == 1  # debug=fast's, not the fine-tuning default
+    assert job.optim.weight_decay == 0.0
+    assert "optim.lr=0.001 (yours)" in caplog.text
+
+
+def test_a_named_model_group_random_init_or_weightless_dir_changes_nothing(checkpoint, tmp_path):
+    assert compose_job([f"model.path={checkpoint}", "model.init=random"]).optim.lr == 1e-3
+    assert compose_job([]).optim.lr == 1e-3  # the demo itself
+    bare = tmp_path / "config-only"
+    LlamaConfig(**TINY_LLAMA).save_pretrained(bare)  # no weights: nothing pretrained to protect
+    assert compose_job([f"model.path={bare}", "model.init=random"]).model.name == "tiny"
+
+
+def test_a_7b_checkpoint_gets_the_7b_batch_shape(tmp_path):
+    """The parameter count (from config.json) picks the shipped config of that size: its micro-batch,
+    accumulation come too. (The weight file only has to exist: nothing is loaded here.)"""
+    arch = {k: v for k, v in SHIPPED["model"]["arch"].items() if k != "model_type"}
+    path = tmp_path / "Llama-2-7b-hf"
+    LlamaConfig(**arch).save_pretrained(path)
+    (path / "model.safetensors").touch()
+    job = compose_job([f"model.path={path}"])
+    assert (job.train.micro_batch, job.train.grad_accum) == (SHIPPED["train"]["micro_batch"], 8)
+    assert job.optim.lr == 2e-5
+    assert job.model.name == "Llama-2-7b-hf"

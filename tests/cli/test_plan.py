@@ -1,0 +1,153 @@
+"""`python -m flexengine.plan`: JSON fields, the chosen policy, and what to do when nothing fits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexengine.core.errors import UserError
+
+ROOT = Path(__file__).parents[2]
+
+
+def _plan(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flexengine.plan", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_plan_json_for_deepseek7b_on_a100():
+    proc = _plan("model=deepseek7b", "data.seq_len=6144", "hardware=a100_80g", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    for key in (
+        "hf_config",
+        "seq_len",
+        "micro_batch",
+        "dtype",
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activation_bytes",
+        "activation_bytes_per_block",
+        "logits_bytes",
+        "total_bytes",
+        "budget_bytes",
+        "fits",
+        "policy",
+        "recompute_flops_fraction",
+    ):
+        assert key in plan, key
+    assert plan["hf_config"]["hidden_size"] == 4096 and plan["hf_config"]["vocab_size"] == 102400
+    assert plan["seq_len"] == 6144 and plan["dtype"] == "bfloat16"
+    assert plan["budget_bytes"] == int(79.3 * 2**30)
+    assert plan["fits"] and plan["total_bytes"] <= plan["budget_bytes"]
+    parts = plan["weights_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"] + plan["activation_bytes"]
+    assert parts < plan["total_bytes"]
+    assert len(plan["activation_bytes_per_block"]["none"]) == 30
+    assert plan["weights_bytes"] == pytest.approx(6.91e9 * 2, rel=0.01)
+    assert plan["context"]["trained_context"] == 4096 and not plan["context"]["rows_within_supported"]
+
+
+def test_plan_reports_documents_against_the_trained_context(tmp_path):
+    """With data.path and a tokenizer, the planner tokenizes (cached) and places the lengths against the context."""
+    from flexengine.cli.plan import context_report
+    from flexengine.data.demo import load_demo_tokenizer
+    from flexengine.surgery.model import build_hf_config
+    from tests.helpers import make_job
+
+    tokenizer_dir = tmp_path / "tok"
+    load_demo_tokenizer().save_pretrained(str(tokenizer_dir))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": "x = 1\n" * n}) + "\n" for n in (5, 20, 80, 200)))
+    job = make_job(
+        tmp_path,
+        "data=jsonl",
+        f"data.path={path}",
+        "data.num_workers=0",
+        f"model.tokenizer={tokenizer_dir}",
+        "model.arch.max_position_embeddings=256",
+        "model.rope_scaling={rope_type:linear,factor:4.0}",
+    )
+    report = context_report(job, build_hf_config(job.model))
+    assert (report["trained_context"], report["supported_context"]) == (256, 1024)
+    docs = report["documents"]
+    assert docs["documents"] == 4 and docs["documents_over_trained"] == 2 and docs["documents_over_supported"] == 0
+
+
+def test_plan_table_and_nothing_fits():
+    proc = _plan("model=llama2_7b", "data.seq_len=8192", "hardware=a100_80g", "hardware.memory_gb=24")
+    assert proc.returncode == 0, proc.stderr
+    assert "NOTHING FITS" in proc.stdout and "LoRA" in proc.stdout
+    assert "k (of 32)" in proc.stdout and "block k=32/32" in proc.stdout
+
+
+def test_plan_rejects_bad_format():
+    proc = _plan("plan.format=yaml")
+    assert proc.returncode == 2 and "plan.format" in proc.stderr
+
+
+def test_training_still_composes_without_plan_key():
+    """The planner's schema is registered only by its CLI: training configs never gain a `plan` key."""
+    from hydra import compose, initialize_config_module
+
+    import flexengine.cli.plan  # noqa: F401  (importing must not register anything)
+    from flexengine.cli.common import register_schema
+
+    register_schema()  # what training's entry point registers
+    with initialize_config_module("flexengine.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["memory=auto"])
+    assert "plan" not in cfg and cfg.memory.policy == "auto"
+
+
+@pytest.mark.slow
+def test_train_with_memory_auto_reports_activation_bytes(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.train",
+            "debug=fast",
+            "memory=auto",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["activation_bytes"] > 0 and len(summary["activation_bytes_per_block"]) == 4
+    assert summary["memory_policy"]["policy"] != "auto"
+    assert "chosen: precision=fp32" in proc.stderr + proc.stdout
+
+
+def test_max_seq_len_search_takes_any_data_seq_len_under_context_parallelism():
+    """plan.max_seq_len=true tries multiples of cp x 128 itself: a data.seq_len it never uses (6000, not a
+    multiple of 8 x 128) is not refused; the plain plan of that seq_len still is, and the search keeps the other
+    context-parallel rules."""
+    from flexengine.cli.common import compose_config
+    from flexengine.cli.plan import PlanJobConfig, plan_job_config
+
+    common = [
+        "model=deepseek7b",
+        "model.init=random",
+        "hardware=a100_80g",
+        "hardware.world_size=8",
+        "data.seq_len=6000",
+    ]
+    for cp in (["parallel.cp=8"], ["plan.cp=8"]):
+        job = plan_job_config(compose_config([*common, *cp, "plan.max_seq_len=true"], PlanJobConfig))
+        assert job.parallel.cp == 8 and job.data.seq_len == 6000
+        with pytest.raises(UserError, match="data.seq_len=6000 must be a multiple of parallel.cp x 128 = 1024"):
+            plan_job_config(compose_config([*common, *cp], PlanJobConfig))
+    with pytest.raises(UserError, match="parallel.cp=8 needs attn.block_size=128"):
+        plan_job_config(
+            compose_config([*common, "plan.cp=8", "attn.block_size=64", "plan.max_seq_len=true"], PlanJobConfig)
+        )

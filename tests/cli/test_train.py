@@ -1,0 +1,530 @@
+"""End-to-end: the entry point, HF round trip of checkpoints, exact resume, loss normalisation, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexengine.run import build_trainer, run_training
+from tests.helpers import make_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flexengine.train", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_default_entry_point_runs_and_writes_everything(tmp_path):
+    proc = run_cli("debug=fast", "train.max_steps=6", "train.save_every=3", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in (
+        "steps",
+        "tokens_seen",
+        "useful_tokens_seen",
+        "tokens_per_s",
+        "useful_tokens_per_s",
+        "initial_loss",
+        "final_loss",
+        "losses",
+        "peak_memory_bytes",
+        "wall_s",
+        "config",
+        "block_density",
+    ):
+        assert key in summary, key
+    assert summary["steps"] == 6 and len(summary["losses"]) == 6
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["attention"]["backend"] == "varlen" and summary["attention"]["mode"] == "packed_doc"
+    assert summary["config"]["attn"]["mode"] == "packed_doc"
+    assert 0 < summary["useful_tokens_seen"] <= summary["tokens_seen"]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+
+def test_checkpoint_is_a_standard_hf_directory_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    trainer.train()
+    path = tmp_path / "checkpoints" / "step_2"
+    assert (path / "config.json").is_file() and list(path.glob("*.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tokenizer("def f(x):\n    return x + 1\n")["input_ids"]])
+    ours = trainer.model.eval()
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
+        want = hf(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_continues_with_identical_losses(tmp_path):
+    straight = run_training(make_job(tmp_path / "a", "train.max_steps=6"), tmp_path / "a")
+    # a run killed after step 3: only its step_3 checkpoint survives; resume it in place
+    first_half = make_job(tmp_path / "b", "train.max_steps=6", "train.save_every=3")
+    trainer = build_trainer(first_half, tmp_path / "b")
+    while trainer.state.step < 3:
+        trainer.state.step += 1
+        trainer.state.losses.append(trainer.train_step()["loss"])
+    trainer.save()
+    resumed = run_training(make_job(tmp_path / "b", "train.max_steps=6", "train.resume=auto"), tmp_path / "b")
+    assert resumed["steps"] == 6
+    assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-6)
+
+
+@pytest.mark.parametrize("packing", ["bfd", "none"])
+def test_accumulation_equals_one_big_batch(tmp_path, packing):
+    attn = "attn=packed_doc" if packing == "bfd" else "attn=causal"
+    grads, losses = [], []
+    for micro, accum in ((1, 4), (4, 1)):
+        trainer = build_trainer(
+            make_job(
+                tmp_path,
+                attn,
+                f"train.micro_batch={micro}",
+                f"train.grad_accum={accum}",
+                "optim.grad_clip=0",
+                "data.shuffle=false",
+            ),
+            tmp_path,
+        )
+        trainer.optimizer.step = lambda *a, **k: None  # keep the grads to compare them
+        trainer.optimizer.zero_grad = lambda *a, **k: None
+        losses.append(trainer.train_step()["loss"])
+        grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+# --- bad input: one paragraph, no traceback, non-zero exit, before heavy work -----------------------------
+
+
+def _bad_jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a fine document"}\n{"text": "another"}\n{"text": broken\n')
+    return path
+
+
+BAD_INPUTS = {
+    "missing_model_path": (["model=deepseek7b"], "model.path"),
+    "model_path_not_a_dir": (["model=deepseek7b", "model.path=/nonexistent/model"], "is not a directory"),
+    "dir_without_config": (["model=deepseek7b", "model.path={tmp}"], "no config.json"),
+    "unknown_model_family": (["model.arch.model_type=notamodel"], "model_type='notamodel'"),
+    "malformed_jsonl": (["data=jsonl", "data.path={jsonl}"], "train.jsonl:3"),
+    "empty_dataset": (["data=jsonl", "data.path={empty}"], "no usable documents"),
+    "seq_len_not_positive": (["data.seq_len=0"], "data.seq_len=0"),
+    "unknown_override_key": (["train.max_stpes=3"], "max_stpes"),
+    "wrong_type": (["train.max_steps=many"], "max_steps"),
+    "micro_batch_larger_than_data": (["debug=fast", "train.micro_batch=400", "memory=none"], "micro_batch=400"),
+    "flex_cannot_train_on_cpu": (["debug=fast", "attn.backend=flex"], "attn.backend=flex"),
+    "sliding_window_without_window": (["debug=fast", "attn=sliding_window", "attn.window=null"], "needs a window"),
+    "output_dir_is_a_file": (["debug=fast", "train.output_dir={empty}"], "is a file, not a directory"),
+    "malformed_model_config_json": (["model=deepseek7b", "model.path={badmodel}"], "not a valid JSON file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_with_a_clear_message(tmp_path, case):
+    args, expected = BAD_INPUTS[case]
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "badmodel").mkdir()
+    (tmp_path / "badmodel" / "config.json").write_text('{"model_type": "llama", ')
+    subs = {
+        "tmp": str(tmp_path),
+        "jsonl": str(_bad_jsonl(tmp_path)),
+        "empty": str(tmp_path / "empty.jsonl"),
+        "badmodel": str(tmp_path / "badmodel"),
+    }
+    proc = run_cli(*[a.format(**subs) for a in args], f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def _nan_on_second_step(trainer):
+    real = trainer.train_module
+    calls = {"n": 0}
+
+    def forward(batch, **kwargs):
+        calls["n"] += 1
+        loss = real(batch, **kwargs)
+        return loss * float("nan") if calls["n"] == 2 else loss
+
+    trainer.train_module = forward
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+    from flexengine.core.errors import UserError
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1"), tmp_path)
+    _nan_on_second_step(trainer)
+    # names the optim.* values it looked at (before: always "Lower optim.lr", whatever the cause)
+    with pytest.raises(UserError, match=r"step 2: loss is nan.*Likely cause: no optim.\* value looks out of range"):
+        trainer.train()
+    assert trainer.state.step == 1
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path):
+    trainer = build_trainer(
+        make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1", "train.skip_nonfinite=true"), tmp_path
+    )
+    _nan_on_second_step(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    summary = trainer.train()
+    assert summary["skipped_nonfinite_steps"] == 1 and summary["steps"] == 3
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # other steps updated
+    assert trainer.scheduler.last_epoch == 2  # the skipped step did not advance the schedule
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[1] == lrs[2]  # step 3 used the lr step 2 would have used
+
+
+def test_a_run_prints_flexengine_lines_and_one_plan_line(tmp_path):
+    """Before: torch _pytree warnings, HF's 'Writing model shards' bars and a 31-row plan table at every run."""
+    out = tmp_path / "run"
+    proc = run_cli("debug=fast", "train.max_steps=1", "train.progress=false", f"train.output_dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr
+    for noise in ("_pytree", "Writing model shards", "Failed to load", "it/s]"):
+        assert noise not in printed, noise
+    plan_lines = [line for line in printed.splitlines() if "plan" in line.lower()]
+    assert len(plan_lines) == 1 and "<- chosen" not in printed, plan_lines
+    assert "runners-up:" in plan_lines[0] and "full table: flexengine-plan" in plan_lines[0]
+    assert next(line for line in printed.splitlines() if line.strip()).startswith("[")  # a flexengine line first
+
+
+def test_quiet_third_party_leaves_everything_on_when_asked(monkeypatch):
+    import logging
+    import os
+
+    from flexengine.cli.common import QUIET_ENV, quiet_third_party
+
+    for name in QUIET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLEXENGINE_VERBOSE", "1")
+    level = logging.getLogger("torch.utils._pytree").level
+    quiet_third_party()
+    assert not any(name in os.environ for name in QUIET_ENV)
+    assert logging.getLogger("torch.utils._pytree").level == level
+
+
+def _nan_update(trainer, on_step: int, what: str) -> None:
+    """Make the optimizer update of step `on_step` write NaN into one weight (or one optimizer state), the way
+    optim.weight_decay=nan did before it was refused at composition."""
+    step = trainer.optimizer.step
+
+    def nan_step(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.state.step + 1 == on_step:
+            param = next(p for p in trainer.model.parameters() if p.requires_grad)
+            target = param if what == "weight" else trainer.optimizer.state[param]["exp_avg_sq"]
+            with torch.no_grad():
+                target.view(-1)[0] = float("nan")
+
+    trainer.optimizer.step = nan_step
+
+
+@pytest.mark.parametrize("what", ["weight", "optimizer state"])
+def test_nonfinite_weights_are_never_saved(tmp_path, what):
+    """Before: step_1 was written with NaN weights (99.9 % NaN after optim.weight_decay=nan), and the error at the
+    next step blamed the lr."""
+    from flexengine.core.errors import UserError
+
+    trainer = build_trainer(
+        make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1", "train.save_every=1", "optim.grad_clip=0"),
+        tmp_path,
+    )
+    _nan_update(trainer, 2, what)
+    name = next(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    shown = name if what == "weight" else f"optimizer exp_avg_sq of {name}"
+    with pytest.raises(UserError, match=rf"step 2: 1 tensor\(s\) hold NaN/Inf \({shown}\).*optim.grad_clip=0"):
+        trainer.train()
+    assert (tmp_path / "checkpoints" / "step_1").is_dir() and not (tmp_path / "checkpoints" / "step_2").exists()
+    assert json.loads((tmp_path / "checkpoints" / "step_1" / "manifest.json").read_text())["finite"] is True
+
+
+def test_resume_auto_never_reloads_a_nonfinite_step(tmp_path):
+    """A NaN checkpoint written before the save-time check (no `finite` in its manifest) is moved aside and the
+    newest finite step resumes; an explicit train.resume of it is refused."""
+    from flexengine.core.errors import UserError
+    from flexengine.loop.checkpoint import save_checkpoint
+
+    run_training(make_job(tmp_path, "train.max_steps=2", "train.save_every=1"), tmp_path)
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=3"), tmp_path)
+    trainer.resume("auto")
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    trainer.state.step = 3
+    save_checkpoint(tmp_path / "checkpoints", 3, trainer.model, trainer.tokenizer, trainer.trainer_state())
+    with pytest.raises(UserError, match="its weights hold NaN/Inf"):
+        build_trainer(make_job(tmp_path, "train.max_steps=3"), tmp_path).resume(
+            str(tmp_path / "checkpoints" / "step_3")
+        )
+    summary = run_training(make_job(tmp_path, "train.max_steps=3", "train.resume=auto"), tmp_path)
+    assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+    assert (tmp_path / "checkpoints" / "step_3.nonfinite").is_dir()
+    assert json.loads((tmp_path / "checkpoints" / "step_3" / "manifest.json").read_text())["finite"] is True
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
+    import os
+    import signal
+
+    trainer = build_trainer(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    real_step = trainer.train_step
+
+    def step_then_signal():
+        out = real_step()
+        if trainer.state.step == 1:  # during the second step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.train_step = step_then_signal
+    summary = trainer.train()
+    assert summary["steps"] == 2 and summary["stopped_by_signal"] == signal.SIGTERM
+    assert (tmp_path / "checkpoints" / "step_2" / "trainer_state.pt").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after training
+
+
+# --- trust: runs never mixed, signals end in a save + summary + 128+signal, data faults refused -----------------
+
+
+def _files(root: Path) -> dict:
+    """Every run file with its mtime; `.lock` is left out: a refused run takes the lock (and writes its pid there)
+    before it can look at the directory, which is what makes the check race-free."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in files}
+
+
+def test_a_new_run_never_touches_an_existing_run(tmp_path):
+    from flexengine.core.errors import UserError
+
+    run_training(make_job(tmp_path, "train.max_steps=1"), tmp_path)
+    before = _files(tmp_path)
+    with pytest.raises(UserError, match="already holds a run .*train.resume=auto"):
+        run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    assert _files(tmp_path) == before  # no checkpoint, summary or TensorBoard file rewritten or added
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, sig):
+    import os
+    import signal
+
+    from flexengine.loop import trainer as trainer_module
+    from flexengine.loop.checkpoint import verify_checkpoint
+
+    signum = getattr(signal, sig)
+    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+
+    def step_then_signal(self):
+        out = real_step(self)
+        if self.state.step == 1:  # during the second step
+            os.kill(os.getpid(), signum)
+        return out
+
+    def signal_again_while_saving(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_again_while_saving)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    summary = run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    assert summary["steps"] == 2 and summary["exit_code"] == 128 + signum
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_2") is None
+    assert json.loads((tmp_path / "summary.json").read_text())["exit_code"] == 128 + signum
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # restored at the end
+
+
+def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
+    """Before: after the first signal every later Ctrl-C was swallowed until the end of the run."""
+    import os
+    import signal
+
+    from flexengine.loop import trainer as trainer_module
+
+    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+
+    def step_then_signal(self):
+        out = real_step(self)
+        if self.state.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    def two_more_while_saving(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # "still saving"
+        os.kill(os.getpid(), signal.SIGINT)  # gives up: Python's own SIGINT handler raises KeyboardInterrupt
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", two_more_while_saving)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
+    assert not (tmp_path / "checkpoints" / "step_2").exists() and signal.getsignal(signal.SIGINT) == handler
+
+
+def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch):
+    """Before: a SIGTERM during the final save of a run that had done all its steps reported status
+    "interrupted" and exit 143, so a scheduler would requeue a finished job."""
+    import os
+    import signal
+
+    from flexengine.loop import trainer as trainer_module
+
+    real_save = trainer_module.save_checkpoint
+
+    def signal_during_the_final_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_during_the_final_save)
+    summary = run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
+    assert summary["steps"] == 2 and summary["status"] == "ok" and summary["exit_code"] == 0
+    assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "error, raised",
+    [
+        (TimeoutError("timed out"), TimeoutError),
+        (FileNotFoundError(2, "No such file or directory", "/x/y"), "UserError"),
+    ],
+)
+def test_only_os_errors_with_a_path_become_a_path_message(tmp_path, monkeypatch, error, raised):
+    """Before: every OSError, a timeout or a lost connection too, became "check the path and the disk"."""
+    from flexengine import run as run_module
+    from flexengine.core.errors import UserError
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(run_module, "build_trainer", fail)
+    with pytest.raises(UserError if raised == "UserError" else raised) as err:
+        run_training(make_job(tmp_path, "train.max_steps=1"), tmp_path)
+    if raised == "UserError":
+        assert "the run failed at /x/y: No such file or directory" in str(err.value)
+
+
+_SIGNAL_RUN = """
+import os, signal, sys
+from flexengine.loop import trainer
+real = trainer.Trainer.train_step
+def step(self):
+    out = real(self)
+    if self.state.step == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return out
+trainer.Trainer.train_step = step
+from flexengine.cli.train import main
+sys.argv = ["train", *sys.argv[1:]]
+main()
+"""
+
+
+def test_signal_stopped_run_exits_128_plus_signal_without_traceback(tmp_path):
+    # a preemptible job sets resume=auto from its first launch; hydra.run.dir pins its directory (before: refused,
+    # "resume=auto without train.output_dir")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SIGNAL_RUN,
+            "debug=fast",
+            "train.max_steps=5",
+            "train.resume=auto",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+_CTRL_C_WHILE_PREPARING = """
+import sys
+from flexengine import run
+def tokenizing(*args, **kwargs):
+    raise KeyboardInterrupt
+run.build_trainer = tokenizing
+from flexengine.cli.train import main
+sys.argv = ["train", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_while_preparing_the_run_exits_130_without_traceback(tmp_path):
+    """Before: Ctrl-C during tokenization or the model build (before the trainer's handlers exist) printed a
+    KeyboardInterrupt traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_PREPARING, "debug=fast", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr  # Hydra's job log goes to stdout
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "interrupted by SIGINT outside the training loop" in out
+
+
+def test_zero_target_tokens_are_refused_before_training(tmp_path):
+    from flexengine.core.errors import UserError
+
+    with pytest.raises(UserError, match="no packed row has a token to predict"):
+        build_trainer(make_job(tmp_path, "data.seq_len=1"), tmp_path)
+
+
+def test_a_real_zero_loss_is_reported_as_zero():
+    from flexengine.run import _fmt_loss
+
+    assert _fmt_loss(0.0) == "0.0000" and _fmt_loss(None) == "n/a"
+
+
+def _same_shape_corpora(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(40)))
+    b.write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y + {i}\n"}) + "\n" for i in range(40)))
+    return a, b
+
+
+def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path):
+    from flexengine.core.errors import UserError
+
+    a, b = _same_shape_corpora(tmp_path)
+    data = ["data=jsonl", "data.seq_len=64", "train.max_steps=4"]
+    first = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "train.max_steps=2"), tmp_path)
+    first.train()
+    other = build_trainer(make_job(tmp_path, *data, f"data.path={b}"), tmp_path)
+    assert len(other.loader.plan.rows) == len(first.loader.plan.rows)  # the old check (row count) saw no change
+    with pytest.raises(UserError, match="changed: corpus_sha256: '[0-9a-f]+' -> '[0-9a-f]+'.*resume_new_data"):
+        other.resume("auto")
+    longer = build_trainer(
+        make_job(tmp_path, *data, f"data.path={a}", "data.seq_len=128", "train.micro_batch=1"), tmp_path
+    )
+    with pytest.raises(UserError, match="data.seq_len: 64 -> 128; train.micro_batch: 2 -> 1"):
+        longer.resume("auto")
+    # the same corpus, other training rows: before, only the corpus and config keys were compared
+    held_out = build_trainer(make_job(tmp_path, *data, f"data.path={a}", "data.eval_fraction=0.25"), tmp_path)
+    with pytest.raises(UserError, match="data.eval_fraction: 0.0 -> 0.25; rows_sha256: '[0-9a-f]+' -> '[0-9a-f]+'"):
+        held_out.resume("auto")
+    allowed = build_trainer(make_job(tmp_path, *data, f"data.path={b}", "train.resume_new_data=true"), tmp_path)
+    allowed.resume("auto")
+    assert allowed.state.step == 2 and allowed.loader.cursor == 0  # weights and step kept, new data from row 0

@@ -1,0 +1,59 @@
+"""Composition-time validation of config values (flexengine/core/config.py): a bad number fails before any work, with
+one paragraph naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexengine.cli.common import compose_job
+from flexengine.core.config import MAX_SAMPLE_TOKENS
+from flexengine.core.errors import UserError
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.lr=-1e-3", "optim.lr"),
+        ("optim.eps=-1e-8", "optim.eps"),
+        ("optim.eps=nan", "optim.eps"),
+        ("optim.weight_decay=nan", "optim.weight_decay"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("optim.grad_clip=nan", "optim.grad_clip"),  # used to mean "no clipping", silently
+        ("optim.grad_clip=-1", "optim.grad_clip"),
+        ("optim.betas=[1.0,0.95]", r"optim.betas\[0\]"),
+        ("optim.betas=[0.9,1.5]", r"optim.betas\[1\]"),
+        ("optim.betas=[0.9,nan]", r"optim.betas\[1\]"),
+        ("optim.betas=[-0.1,0.95]", r"optim.betas\[0\]"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("optim.min_lr_ratio=nan", "optim.min_lr_ratio"),
+    ],
+)
+def test_bad_optim_values_fail_at_composition_naming_the_key(override, key):
+    with pytest.raises(UserError, match=key):
+        compose_job([override])
+
+
+def test_sane_optim_values_compose():
+    job = compose_job(["optim.grad_clip=0", "optim.weight_decay=0", "optim.betas=[0,0.999]", "optim.lr=3e-4"])
+    assert job.optim.grad_clip == 0 and job.optim.betas == [0, 0.999]
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_non_positive_model_sizes_fail_at_composition_naming_the_key(key, value):
+    with pytest.raises(UserError, match=rf"model\.arch\.{key}={value} must be a positive integer"):
+        compose_job([f"model.arch.{key}={value}"])
+
+
+def test_sample_tokens_is_bounded():
+    with pytest.raises(UserError, match=rf"train.sample_tokens=100000 must be in 1..{MAX_SAMPLE_TOKENS}"):
+        compose_job(["train.sample_tokens=100000"])
+    # the tiny model has 8192 positions: within the bound composes
+    assert compose_job(["train.sample_tokens=64"]).train.sample_tokens == 64
+
+
+def test_sample_tokens_past_the_models_positions_is_refused():
+    with pytest.raises(UserError, match="max_position_embeddings=512"):
+        compose_job(["model.arch.max_position_embeddings=512", "train.sample_tokens=1024", "train.sample_prompts=[hi]"])

@@ -1,0 +1,127 @@
+"""The run directory's advisory lock (flexengine/core/storage.py hold_output_dir), across real processes: a second run
+on a directory a live run holds is refused before it writes, checks or truncates anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flexengine.core.errors import OutputDirTaken, UserError
+from flexengine.core.storage import RUN_LOCK, hold_output_dir
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from flexengine.core.storage import hold_output_dir
+    with hold_output_dir(Path(sys.argv[1]), None):
+        print("held", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+@pytest.fixture
+def live_run(tmp_path):
+    """Another process holding tmp_path/out as a live run would: (its directory, its pid)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield out, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_process_is_refused_naming_the_dir_and_the_holders_pid(live_run):
+    out, proc = live_run
+    taken = rf"train.output_dir={out} is in use by a live run \(pid {proc.pid} "
+    with pytest.raises(OutputDirTaken, match=taken), hold_output_dir(out, None):
+        pass
+    running = rf"train.resume=auto: the run in {out} is still running \(pid {proc.pid}"
+    with pytest.raises(OutputDirTaken, match=running), hold_output_dir(out, "auto"):
+        pass
+
+
+def test_the_lock_goes_with_its_process_however_it_ends(live_run):
+    out, proc = live_run
+    proc.kill()  # SIGKILL: no cleanup ran; the kernel released the lock
+    proc.wait()
+    with hold_output_dir(out, "auto"):
+        assert (out / RUN_LOCK).read_text().startswith("pid ")
+
+
+def test_the_lock_is_released_at_the_end_of_a_run_in_this_process(tmp_path):
+    out = tmp_path / "out"
+    # a second open file description conflicts, even in one process
+    with hold_output_dir(out, None), pytest.raises(OutputDirTaken), hold_output_dir(out, None):
+        pass
+    with hold_output_dir(out, "auto"):  # the next run (a resume) gets it
+        pass
+    with hold_output_dir(out, None, enabled=False):  # ranks > 0 take nothing
+        pass
+
+
+def test_resume_auto_beside_a_live_run_is_refused_and_leaves_its_records(live_run):
+    from flexengine.cli.common import compose_job
+    from flexengine.run import run_training
+
+    out, proc = live_run
+    records = '{"step": 1, "loss": 7.0}\n{"step": 2, "loss": 6.9}\n'
+    (out / "metrics.jsonl").write_text(records)
+    job = compose_job(["debug=fast", f"train.output_dir={out}", "train.resume=auto"])
+    with pytest.raises(OutputDirTaken, match=rf"pid {proc.pid}"):
+        run_training(job, out)
+    assert (out / "metrics.jsonl").read_text() == records  # a resume used to truncate the live run's records
+    assert [json.loads(line)["step"] for line in records.splitlines()] == [1, 2]
+
+
+def test_two_training_runs_started_together_one_is_refused(tmp_path):
+    """Two real `flexengine.train` processes on one train.output_dir: exactly one trains, the other exits 2
+    with the lock's message and writes nothing there."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "flexengine.train",
+        "debug=fast",
+        "train.max_steps=3",
+        "train.progress=false",
+        f"train.output_dir={out}",
+    ]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], [err[-2000:] for _, err in results]
+    refused = next(err for code, err in results if code == 2)
+    assert "in use by a live run" in refused or "already holds a run" in refused, refused[-2000:]
+    assert not (out / "error.json").exists()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert steps == sorted(set(steps)), steps  # one run's records, not two interleaved
+    assert not (tmp_path / "outputs").exists()  # F-9: Hydra's files went to train.output_dir
+    launches = sorted(out.glob("*/*/.hydra/config.yaml"))  # <date>/<time>/ per launch: neither overwrote the other
+    assert 1 <= len(launches) <= 2 and all((p.parent.parent / "train.log").is_file() for p in launches)
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/abs/outside.bin", "a/../../outside.bin", "./x"])
+def test_a_manifest_naming_files_outside_its_checkpoint_is_refused(tmp_path, name):
+    """Before: such names were hashed (reading any file the user can read) and the checkpoint verified."""
+    from flexengine.core.storage import MANIFEST, read_manifest, sha256_file, verify_manifest, write_manifest
+
+    step = tmp_path / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"weights")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    manifest = write_manifest(step, 1)
+    manifest["files"][name] = {"bytes": 6, "sha256": sha256_file(outside)}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    problem = verify_manifest(step)
+    assert problem is not None and "names files outside its checkpoint" in problem and repr(name) in problem
+    with pytest.raises(UserError, match="outside its checkpoint"):
+        read_manifest(step)

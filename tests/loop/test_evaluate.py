@@ -1,0 +1,52 @@
+"""Greedy samples (flexengine/loop/evaluate.py greedy_continue): one padded row width per call."""
+
+from __future__ import annotations
+
+import torch
+
+from flexengine.loop.evaluate import greedy_continue
+from tests.helpers import CharTokenizer
+
+
+def test_prompts_of_different_lengths_share_one_row_width():
+    """Every forward of one call has the same width: the longest prompt plus the new tokens, in whole pad_to
+    blocks (under CP each new width is a new variant of torch's compiled mask builder, and dynamo stops the run
+    after 8). Greedy tokens are read at each prompt's own last position, not at the padding."""
+    widths = []
+
+    def next_char(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # a causal "model": the logits at position t favour the character after input_ids[t]
+        widths.append(input_ids.shape[1])
+        assert torch.equal(position_ids[0], torch.arange(input_ids.shape[1]))
+        return torch.nn.functional.one_hot((input_ids + 1) % 256, 256).float()
+
+    prompts = ["a", "b" * 130, "c" * 300]
+    texts = greedy_continue(next_char, CharTokenizer(), prompts, new_tokens=3, device=torch.device("cpu"), pad_to=256)
+    assert texts == ["bcd", "cde", "def"]
+    assert widths == [512] * 9  # 300 + 3 tokens -> 2 blocks of 256 for every prompt (before: 256, 256, 512)
+
+
+def test_evaluation_progress_lines_and_the_budget_advice(caplog, monkeypatch):
+    """A long evaluation logs where it is (batches done/total, elapsed, left); one costing more than ~10 % of the
+    training between two evaluations is told which train.eval_batches would fit."""
+    import logging
+
+    import flexengine.loop.evaluate as ev
+
+    caplog.set_level(logging.INFO, logger="flexengine")
+    ticks = iter([0.0, 10.0, 20.0, 25.0, 40.0])
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: next(ticks))
+    progress = ev.EvalProgress(step=20, total=8, every_s=15.0)  # starts at t=0
+    for done in (1, 2, 3, 4):  # at t = 10, 20, 25, 40
+        progress(done)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "eval step 20: 8 batches",
+        "eval step 20: batch 2/8, 20 s elapsed, ~60 s left",
+        "eval step 20: batch 4/8, 40 s elapsed, ~40 s left",
+    ]
+    # 60 s for 120 batches between 20 steps of 10 s (200 s): 30 %, so 40 batches (20 s, 10 %) fit
+    advice = ev.eval_budget_warning(eval_s=60.0, batches=120, eval_every=20, step_s=10.0, eval_batches=0)
+    assert "the whole held-out set, 120 batches" in advice and "30%" in advice
+    assert "train.eval_batches=40" in advice
+    assert ev.eval_budget_warning(eval_s=15.0, batches=120, eval_every=20, step_s=10.0, eval_batches=0) is None

@@ -1,0 +1,414 @@
+"""The planner's activation bytes against the meter (CPU, dense backend), and against the closed-form formula."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flexengine.core.config import HardwareConfig, MemoryConfig, ModelConfig
+from flexengine.planning.planner import (
+    ModelShape,
+    PlanInputs,
+    Workload,
+    block_bytes,
+    estimate_activations,
+    k_table,
+    plan_memory,
+    search_space,
+    spread_layers,
+)
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.loss import forward_loss_sum
+from flexengine.surgery.memory import apply_memory_policy, measure_activations, select_layers
+from flexengine.surgery.model import build_hf_config
+from tests.helpers import clone_model, make_llama
+
+MEASURED_POLICIES = [
+    MemoryConfig(),
+    MemoryConfig(policy="full"),
+    MemoryConfig(policy="full", layers="every_2"),
+    MemoryConfig(policy="selective", granularity="attention"),
+    MemoryConfig(policy="selective", granularity="mlp"),
+    MemoryConfig(policy="selective", granularity="ops"),
+    MemoryConfig(policy="offload"),
+    MemoryConfig(policy="full", offload=True),
+]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+
+
+@pytest.mark.parametrize("B,S,chunk", [(1, 256, 0), (2, 384, 128), (1, 768, 0)])
+def test_estimate_within_5_percent_of_meter(small, B, S, chunk):
+    shape = ModelShape.from_hf_config(small.config)
+    ids = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
+    for memory in MEASURED_POLICIES:
+        model = clone_model(small)
+        patch_attention(model, mode="packed_doc", backend="dense")
+        apply_memory_policy(model, memory)
+        model.train()
+        report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, chunk))
+        est = estimate_activations(shape, Workload(B, S, 4, "dense", chunk), memory)
+        assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), memory
+        assert est.offloaded_bytes == pytest.approx(report.offloaded_bytes, rel=0.05), memory
+        # The meter attributes a storage to the block that created it (each block makes the next one's input),
+        # the planner to the block that keeps it: equal for a uniform policy's inner blocks.
+        if memory.layers == "all" and memory.policy != "offload" and not memory.offload:
+            assert est.per_block[1] == pytest.approx(report.per_block[1], rel=0.05), memory
+
+
+def test_meter_sees_sac_cache_and_checkpoint_closures(small):
+    """A saved-tensor-hooks count would report ~0 for SAC (its cache is not autograd-saved)."""
+    B, S = 1, 256
+    ids = torch.randint(0, 512, (B, S))
+    batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
+    per_block = {}
+    for label, memory in [
+        ("none", MemoryConfig()),
+        ("ops", MemoryConfig(policy="selective", granularity="ops")),
+        ("full", MemoryConfig(policy="full")),
+    ]:
+        model = clone_model(small)
+        patch_attention(model, mode="packed_doc", backend="dense")
+        apply_memory_policy(model, memory)
+        report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch))
+        per_block[label] = report.per_block[1]
+    assert per_block["full"] < per_block["ops"] < per_block["none"]
+    assert per_block["full"] == B * S * 128 * 4  # the block's input, fp32
+
+
+@pytest.mark.parametrize("name", ["llama2_7b", "deepseek7b"])
+def test_7b_none_matches_published_formula_adapted(name):
+    """Korthikanti et al. per-layer bytes adapted to RMSNorm/SwiGLU/RoPE/GQA with flex attention (bf16)."""
+    import yaml
+
+    from flexengine.core.config import conf_dir
+
+    arch = yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text())["model"]["arch"]
+    cfg = build_hf_config(ModelConfig(name=name, init="random", arch=arch))
+    m = ModelShape.from_hf_config(cfg)
+    s, b, h, a, k, f, p = 6144, 1, 4096, 32, 32, 11008, 2
+    d = h // a
+    formula = s * b * (2 * ((4 + 2 * p) * h + 4) + p * (3 * a * d + 2 * k * d) + 4 * a + 4 * p * f)
+    assert block_bytes(m, Workload(b, s, p, "flex"), None, False)[0] == formula
+    assert formula == pytest.approx(s * b * h * 47.5, rel=0.01)  # ~47.5 sbh vs 34 sbh for a GELU GPT block
+    # no S^2 term: doubling the sequence exactly doubles the block's bytes
+    assert block_bytes(m, Workload(b, 2 * s, p, "flex"), None, False)[0] == 2 * formula
+    assert m.params == pytest.approx({"llama2_7b": 6.74e9, "deepseek7b": 6.91e9}[name], rel=0.01)
+
+
+DEEPSEEK = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=30,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=102400,
+)
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
+
+
+def test_plan_picks_cheapest_fitting_policy():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    plan = plan_memory(cfg, PlanInputs(seq_len=6144, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))
+    rows = {r["label"]: r for r in plan["candidates"]}
+    assert plan["fits"] and rows[plan["policy"]]["fits"]
+    assert not rows["none"]["fits"]
+    faster = [r for r in plan["candidates"] if r["step_s"] < rows[plan["policy"]]["step_s"] - 1e-6]
+    assert all(not r["fits"] for r in faster)
+    assert (
+        rows["block k=30/30"]["activation_bytes"]
+        < rows["ops k=30/30"]["activation_bytes"]
+        < rows["none"]["activation_bytes"]
+    )
+    assert 0.25 < rows["block k=30/30"]["recompute_flops_fraction"] < 0.34  # ~one extra forward of three
+    # "how many layers?": the answer is a k strictly between 0 and L here, the fewest blocks of its family that fit
+    family = k_table(plan)
+    chosen = next(r for r in family if r["label"] == plan["policy"])
+    assert [r["k"] for r in family] == list(range(31))
+    assert all(not r["fits"] for r in family if r["k"] < chosen["k"])
+    short = plan_memory(cfg, PlanInputs(seq_len=512, micro_batch=1, dtype_bytes=2, hardware=A100, chunk_size=1024))
+    assert short["policy"] == "none"  # nothing to save when everything fits
+
+
+def test_spread_layers_and_search_space_respect_given_fields():
+    assert spread_layers(4, 32) == "spread_4" and spread_layers(3, 3) == "all"
+    assert select_layers("spread_4", 32) == [4, 12, 20, 28] and select_layers("spread_1", 3) == [1]
+    assert all(len(set(select_layers(f"spread_{k}", 30))) == k for k in range(31))
+    space = search_space(8)
+    # none + k x (granularity x offload + plain offload) + whole-block checkpointing (+ offload) with a tiled MLP
+    assert len(space) == 1 + 8 * (4 * 2 + 1) + 2
+    fixed = search_space(8, MemoryConfig(policy="auto", granularity="ops", offload=False))
+    assert {m.granularity for m in fixed} == {"ops", "block"} and not any(m.offload for m in fixed)
+    assert {m.policy for m in fixed} == {"none", "selective"}  # "block" only on the none row's defaults
+    layers = search_space(8, MemoryConfig(policy="auto", layers="every_2"))
+    assert {m.layers for m in layers} == {"every_2"}
+    explicit = MemoryConfig(policy="full", layers="first_3")
+    assert search_space(8, explicit) == [explicit]
+
+
+def test_micro_batch_search_keeps_rows_per_step():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    x = PlanInputs(
+        seq_len=8192,
+        micro_batch=4,
+        grad_accum=2,
+        dtype_bytes=2,
+        hardware=A100,
+        chunk_size=1024,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_state_bytes=0,
+        host_bytes_per_param=16,
+    )
+    plan = plan_memory(cfg, x, search_micro_batch=True)
+    assert plan["fits"] and plan["micro_batch"] * plan["grad_accum"] == 8
+    assert {(r["micro_batch"], r["grad_accum"]) for r in plan["candidates"]} == {(4, 2), (2, 4), (1, 8)}
+    fixed = plan_memory(cfg, x)
+    assert fixed["micro_batch"] == 4
+
+
+def test_host_memory_is_a_budget_too():
+    cfg = build_hf_config(ModelConfig(init="random", arch=DEEPSEEK))
+    x = PlanInputs(
+        seq_len=4096,
+        micro_batch=1,
+        dtype_bytes=2,
+        hardware=A100,
+        chunk_size=1024,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_state_bytes=0,
+        host_bytes_per_param=16,
+    )
+    assert plan_memory(cfg, x)["fits"]
+    small_host = dataclasses.replace(A100, host_memory_gb=64)  # 6.9e9 x 16 bytes = 103 GiB of masters + states
+    plan = plan_memory(cfg, dataclasses.replace(x, hardware=small_host))
+    assert not plan["fits"] and plan["host_bytes"] > plan["host_budget_bytes"]
+
+
+def test_plan_says_what_would_fit():
+    arch = dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    )
+    cfg = build_hf_config(ModelConfig(init="random", arch=arch))
+    small_card = HardwareConfig(
+        name="24g", device="cuda", memory_gb=24, peak_tflops=100, pcie_gb_s=25, host_memory_gb=64
+    )
+    plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=small_card))
+    assert not plan["fits"]
+    text = " ".join(plan["suggestions"])
+    assert "LoRA" in text and "GPUs" in text
+
+
+def _deepseek_inputs(**overrides) -> tuple:
+    import yaml
+
+    from flexengine.core.config import conf_dir
+
+    arch = yaml.safe_load((conf_dir() / "model" / "deepseek7b.yaml").read_text())["model"]["arch"]
+    cfg = build_hf_config(ModelConfig(name="deepseek7b", init="random", arch=arch))
+    a100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25)
+    return cfg, PlanInputs(
+        **{"seq_len": 6144, "micro_batch": 1, "dtype_bytes": 2, "hardware": a100, "chunk_size": 1024, **overrides}
+    )
+
+
+def test_every_term_is_named_and_adds_up_to_the_total():
+    cfg, x = _deepseek_inputs()
+    plan = plan_memory(cfg, x)
+    assert sum(plan["terms"].values()) == plan["total_bytes"]
+    assert plan["terms"]["cuda_reserve_bytes"] == plan["assumptions"]["cuda_reserve_bytes"] == 2**30
+    assert plan["assumptions"]["assumed_mfu"] == 0.4 and plan["assumptions"]["memory_gb_s"] == 2039
+
+
+def test_adamw_8bit_counts_fp32_embedding_states():
+    """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding (issue #16)."""
+    from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
+
+    cfg, x = _deepseek_inputs(optimizer_state_bytes=1.0)
+    plain = plan_memory(cfg, x)["terms"]
+    with_fp32 = plan_memory(cfg, dataclasses.replace(x, embedding_state_bytes=EMBEDDING_STATE_BYTES))["terms"]
+    assert with_fp32["embedding_optimizer_bytes"] == 102400 * 4096 * 8 == pytest.approx(3.36e9, rel=0.01)
+    # the embedding's 8-bit states are replaced, not added to
+    assert plain["optimizer_bytes"] - with_fp32["optimizer_bytes"] == 2 * 102400 * 4096
+
+
+def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
+    cfg, x = _deepseek_inputs()
+    m = ModelShape.from_hf_config(cfg)
+    one = plan_memory(cfg, x)["terms"]
+    assert "fsdp_gathered_weights_bytes" not in one  # one process: nothing is gathered
+    node = dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=8), fsdp_param_bytes=2)
+    terms = plan_memory(cfg, node)["terms"]
+    root = 2 * 102400 * 4096 + 4096
+    assert m.block_params == 4096 * 4096 * 4 + 3 * 4096 * 11008 + 2 * 4096
+    assert terms["fsdp_gathered_weights_bytes"] == (2 * m.block_params + root) * 2
+    assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * 4 + root * 2
+    # accumulating over micro-batches, gradients are reduced once per window: every block's stays unsharded
+    window = plan_memory(cfg, dataclasses.replace(node, grad_accum=8))["terms"]
+    assert window["fsdp_unsharded_grads_bytes"] == m.layers * m.block_params * 4 + root * 2
+
+
+def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
+    """Per micro-batch: one block's unsharded gradient instead of every block's, for grad_accum x the ring
+    reduce-scatter's (world - 1) / world of the fp32 gradients per rank, timed at the interconnect bandwidth."""
+    from flexengine.planning.planner import INTERCONNECT_GB_S
+
+    cfg, x = _deepseek_inputs(grad_accum=8)
+    m = ModelShape.from_hf_config(cfg)
+    node = dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=8), fsdp_param_bytes=2)
+    window = plan_memory(cfg, dataclasses.replace(node, reduce_every="window"))
+    per_mb = plan_memory(cfg, dataclasses.replace(node, reduce_every="micro_batch"))
+    held = window["terms"]["fsdp_unsharded_grads_bytes"] - per_mb["terms"]["fsdp_unsharded_grads_bytes"]
+    assert held == (m.layers - 1) * m.block_params * 4  # 24 GiB at 7B, freed
+    sent = m.params * 4 * 7 / 8
+    assert window["reduce_scatter_bytes_per_step"] == pytest.approx(sent, rel=1e-6)
+    assert per_mb["reduce_scatter_bytes_per_step"] == pytest.approx(8 * sent, rel=1e-6)
+    assert per_mb["reduce_scatter_s"] == pytest.approx(8 * sent / (INTERCONNECT_GB_S["a100"] * 1e9))
+    assert per_mb["assumptions"]["interconnect_gb_s"] == INTERCONNECT_GB_S["a100"]
+    # auto weighs both and takes the faster step; one process or one micro-batch has nothing to choose
+    auto = plan_memory(cfg, dataclasses.replace(node, reduce_every="auto"))
+    assert {r["reduce_every"] for r in auto["candidates"]} == {"window", "micro_batch"}
+    assert auto["step_s"] == min(window["step_s"], per_mb["step_s"])
+    single = plan_memory(cfg, dataclasses.replace(x, reduce_every="auto"))
+    assert {r["reduce_every"] for r in single["candidates"]} == {"window"} and single["reduce_scatter_s"] == 0
+    # a slow interconnect makes per-micro-batch traffic visible in the step time
+    slow = dataclasses.replace(node.hardware, interconnect_gb_s=1.0)
+    slow_mb = plan_memory(cfg, dataclasses.replace(node, hardware=slow, reduce_every="micro_batch"))
+    assert slow_mb["reduce_exposed_s"] > 0 and slow_mb["step_s"] > per_mb["step_s"]
+
+
+def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(tmp_path):
+    """experiment=deepseek7b_6k_a100 on 8 GPUs: holding the window's unsharded fp32 gradients (24 GiB per GPU)
+    forced activation offload; reducing per micro-batch fits without it at no slower an estimated step."""
+    from flexengine.cli.common import compose_job
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_job, resolved_job
+
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    common = ["experiment=deepseek7b_6k_a100", "hardware.world_size=8", "model.init=random", "precision=bf16_mixed"]
+    plans = {}
+    for reduce_every in ("window", "auto"):
+        job = compose_job([*common, f"data.path={tmp_path / 'd.jsonl'}", f"parallel.reduce_every={reduce_every}"])
+        plans[reduce_every] = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    before, after = plans["window"], plans["auto"]
+    assert before.fits and (before.memory.policy == "offload" or before.memory.offload)  # the old plan
+    assert after.fits and after.plan["reduce_every"] == "micro_batch"
+    assert after.memory.policy != "offload" and not after.memory.offload
+    assert after.plan["step_s"] <= before.plan["step_s"] + 1e-9
+    # what runs is what was planned: the resolved job tells the trainer to sync every micro-batch
+    assert resolved_job(job, after).parallel.reduce_every == "micro_batch"
+
+
+def test_sac_recompute_is_not_free():
+    """Pointwise recompute is memory-bound: SAC costs time although it re-runs no matmul."""
+    cfg, x = _deepseek_inputs()
+    rows = {r["label"]: r for r in plan_memory(cfg, x)["candidates"]}
+    sac = rows["ops k=30/30"]
+    assert sac["recompute_flops_fraction"] == 0.0
+    assert 0.005 < sac["cost"] < rows["block k=30/30"]["cost"]
+    assert rows["none"]["cost"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
+    """Bytes written by every non-matmul op of one decoder block's forward (a dispatch mode counts fresh output
+    storages) against the planner's per-op derivation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flexengine.planning.planner import pointwise_bytes
+
+    skip = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+
+    class Written(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if func not in skip and func.overloadpacket is not torch.ops.aten.copy_:
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                        Written.total += t.numel() * t.element_size()
+            return out
+
+    B, S = 1, 256
+    model = clone_model(small).to(dtype)
+    model.set_attn_implementation("sdpa")
+    layer = model.model.layers[0]
+    hidden = torch.randn(B, S, 128, dtype=dtype)
+    pos = torch.arange(S)[None]
+    cos_sin = model.model.rotary_emb(hidden, pos)
+    with Written():
+        layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    p = torch.empty((), dtype=dtype).element_size()
+    expected = sum(pointwise_bytes(ModelShape.from_hf_config(small.config), Workload(B, S, p, "flex")).values())
+    assert expected == pytest.approx(Written.total, rel=0.02)
+
+
+def test_varlen_estimate_matches_meter_and_keeps_less_than_dense(small):
+    """The varlen backend saves what one SDPA call saves (no mask): planner == meter, and below the dense path."""
+    B, S = 2, 384
+    shape = ModelShape.from_hf_config(small.config)
+    ids = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(150), torch.arange(S - 150)]).expand(B, S)  # two documents per row
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids}
+    measured = {}
+    for backend in ("dense", "varlen"):
+        model = clone_model(small)
+        patch_attention(model, mode="packed_doc", backend=backend)
+        model.train()
+        report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, 0))
+        est = estimate_activations(shape, Workload(B, S, 4, backend, 0), MemoryConfig())
+        assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), backend
+        measured[backend] = report.total_bytes
+    assert measured["varlen"] < measured["dense"]
+
+
+def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
+    """Under bf16_mixed LoRA the frozen base matrices are bf16 (precision.cast_frozen): 2 bytes, no autocast copy;
+    adapters (and the norm vectors kept for fp32 norm outputs) are fp32 masters with a bf16 copy of the adapters."""
+    from flexengine.cli.doctor import compose_job
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.planner import plan_inputs
+    from flexengine.surgery.model import build_meta_model
+    from flexengine.surgery.precision import precision_spec
+
+    job = compose_job(
+        ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "model.lora.r=16", "loss.chunk_size=1024"]
+    )
+    cfg = build_hf_config(job.model)
+    x = plan_inputs(job, assumed_hardware(job.hardware), precision_spec("bf16_mixed"))
+    terms = plan_memory(cfg, x)["terms"]
+    h, L, f = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    params = sum(p.numel() for p in build_meta_model(cfg, torch.float32).parameters())
+    norms = h * (2 * L + 1)
+    lora = 16 * L * (4 * 2 * h + 3 * (h + f))  # q, k, v, o (MHA: h x h) and gate, up, down: r x (in + out)
+    assert terms["weights_bytes"] == (params - norms) * 2 + (norms + lora) * 4
+    assert terms["compute_copy_bytes"] == lora * 2  # autocast copies only the fp32 adapters
+    assert terms["weights_bytes"] / 2**30 == pytest.approx(13.0, abs=0.1)  # was 25.7 GiB + 12.9 GiB copy

@@ -1,0 +1,205 @@
+"""Every derived form of every mask mode against its element-wise mask_mod, evaluated densely on random layouts.
+
+The mask_mod is the one definition; block occupancy (flex), the dense backend's key ranges, the varlen backend's
+spans and the attended-pair count (MFU) are derived from it by `MaskMode`, and each must agree exactly on random
+document layouts, windows and row lengths (multiples of the block and not). A prefix-LM inner mask written in
+document-local coordinates shows the document wrapper handing local positions to any inner mask.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flexengine.surgery.attention.block_mask import _create_block_mask, build_block_mask, dense_mask_from_mod
+from flexengine.surgery.attention.mask_mode import MaskMode, canonical_document_ids, mask_mode
+from flexengine.surgery.attention.masks import MODES, InnerMask
+from flexengine.surgery.attention.varlen import plan_mask
+
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class PrefixLM(InnerMask):
+    """Test-only inner mask: the first `prefix` tokens of each document see each other both ways, the rest is
+    causal. Not shift-invariant: it is only right if the wrapper hands it document-local positions."""
+
+    prefix: int
+
+    @property
+    def name(self) -> str:
+        return f"prefix_lm_{self.prefix}"
+
+    def allowed(self, q, kv):
+        return (kv <= q) | ((q < self.prefix) & (kv < self.prefix))
+
+    def key_interval(self, q):
+        return torch.zeros_like(q), q.clamp(min=self.prefix - 1)
+
+
+def _random_lengths(seq_len: int, g: torch.Generator) -> list[int]:
+    """Document lengths filling a row: 1-token documents, short ones, ones across blocks, a whole row."""
+    lengths, total = [], 0
+    while total < seq_len:
+        kind = int(torch.randint(0, 5, (1,), generator=g))
+        n = [1, int(torch.randint(2, 40, (1,), generator=g)), int(torch.randint(100, 300, (1,), generator=g)), seq_len][
+            min(kind, 3)
+        ]
+        lengths.append(min(n, seq_len - total))
+        total += lengths[-1]
+    return lengths
+
+
+def _ids(rows: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def _cases():
+    """(mode, document lengths per row) on random layouts: every MODES entry, windows from 1 to past the row."""
+    g = torch.Generator().manual_seed(21)
+    cases = []
+    for seq_len in [256, 384, 300, 129, 200, 127]:  # block multiples and ragged
+        rows = [_random_lengths(seq_len, g) for _ in range(3)]
+        window = int(torch.randint(1, seq_len + 50, (1,), generator=g))
+        for name in MODES:
+            cases.append(pytest.param(mask_mode(name, window), rows, id=f"{name}-w{window}-S{seq_len}"))
+        prefix = int(torch.randint(1, 200, (1,), generator=g))
+        for documents in (True, False):
+            cases.append(
+                pytest.param(MaskMode(PrefixLM(prefix), documents), rows, id=f"prefix{prefix}-{documents}-S{seq_len}")
+            )
+    return cases
+
+
+def _dense(mode: MaskMode, ids: torch.Tensor) -> torch.Tensor:
+    """The mask_mod on every (q, kv) pair: [B, S, S] bool (the reference every form is checked against)."""
+    B, S = ids.shape
+    return dense_mask_from_mod(mode.mask_mod(ids), B, range(S), range(S), ids.device)[:, 0]
+
+
+def _brute_force(mode: MaskMode, rows: list[list[int]]) -> torch.Tensor:
+    """The definition, document by document: same document and the inner mask on local positions."""
+    S = sum(rows[0])
+    out = torch.zeros(len(rows), S, S, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        for start, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths if mode.documents else [S]):
+            local = torch.arange(n)
+            out[b, start : start + n, start : start + n] = mode.inner.allowed(local[:, None], local[None, :])
+    return out
+
+
+@pytest.mark.parametrize("mode, rows", _cases())
+def test_every_form_matches_the_mask_mod(mode, rows):
+    ids = canonical_document_ids(_ids(rows))
+    B, S = ids.shape
+    dense = _dense(mode, ids)
+    assert torch.equal(dense, _brute_force(mode, rows)), "mask_mod != its definition in local coordinates"
+
+    # block occupancy: a block may attend iff any pair does, entirely iff every pair does (no padding inside)
+    n = -(-S // BLOCK)
+    padded = torch.zeros(B, n * BLOCK, n * BLOCK, dtype=torch.bool)
+    padded[:, :S, :S] = dense
+    tiles = padded.view(B, n, BLOCK, n, BLOCK)
+    real = torch.zeros(n * BLOCK, dtype=torch.bool)
+    real[:S] = True
+    real = real.view(n, BLOCK).all(-1)
+    some, every = mode.block_occupancy(ids, BLOCK)
+    assert torch.equal(some, tiles.any(4).any(2)), "block occupancy: some pair"
+    assert torch.equal(every, tiles.all(4).all(2) & real[:, None] & real[None, :]), "block occupancy: every pair"
+
+    # the dense backend's key range per query chunk is exactly the span of keys its queries see
+    chunk = int(torch.randint(1, S + 1, (1,), generator=torch.Generator().manual_seed(S)))
+    for q_start, kv_start, kv_end in mode.key_ranges(ids, chunk):
+        keys = dense[:, q_start : q_start + chunk].any(1).any(0).nonzero()[:, 0]
+        assert (kv_start, kv_end) == (int(keys[0]), int(keys[-1]) + 1), f"chunk at {q_start}"
+
+    # attended pairs (model FLOPs) count exactly the allowed pairs
+    lengths = [n for r in rows for n in r] if mode.documents else [S] * B
+    assert mode.attended_pairs(lengths) == int(dense.sum())
+
+    # varlen: its kernel calls cover each query once and attend exactly the allowed pairs (or it refuses)
+    if mode.inner.varlen_window is None:
+        with pytest.raises(NotImplementedError, match="varlen"):
+            _ = mode.varlen_window
+        return
+    pairs, covered = plan_mask(mode.varlen_spans(ids), B, S, mode.varlen_window)
+    assert bool((covered == 1).all()), "varlen spans: every query exactly once"
+    assert torch.equal(pairs, dense), "varlen spans"
+
+
+@pytest.mark.parametrize("mode, rows", [c for c in _cases() if "S3" in c.id or "S1" in c.id][::3])
+def test_block_mask_equals_torch_create_block_mask(mode, rows):
+    """The block-level BlockMask (from_kv_blocks, O((S/128)^2)) is torch's element-wise one, full blocks too,
+    on ragged rows as well (torch masks the padding past S)."""
+    ids = canonical_document_ids(_ids(rows))
+    B, S = ids.shape
+    ours = build_block_mask(mode, ids, BLOCK)
+    torch_built = _create_block_mask(mode.mask_mod(ids), B, S, ids.device, BLOCK)
+    assert torch.equal(ours.to_dense(), torch_built.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, torch_built.full_kv_num_blocks)
+
+
+def test_an_inner_mask_in_local_coordinates_runs_packed_exactly_as_each_document_alone():
+    """Per-document prefix-LM through the document wrapper: a packed row (dense backend, chunked so that key
+    ranges matter) gives each document what it gets alone in a row of its own."""
+    from flexengine.core.config import AttnMode
+    from flexengine.surgery.attention.block_mask import build_batch_mask
+    from flexengine.surgery.attention.patch import LayerMasks, flexengine_attention
+    from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [37, 5, 90, 1, 60]
+    S, H, D = sum(lengths), 2, 8
+    q, k, v = (torch.randn(1, H, S, D, generator=g) for _ in range(3))
+    spec = AttentionSpec(AttnMode.PACKED_DOC, AttnBackend.DENSE, (None,), (None,), "test")
+
+    def attend(mode, ids, q, k, v):
+        mask = build_batch_mask(ids, mode=mode, backend=AttnBackend.DENSE, dense_chunk=16)
+        return flexengine_attention(None, q, k, v, None, scaling=0.3, flexengine_mask=LayerMasks(spec, {None: mask}))[0]
+
+    inner = PrefixLM(20)
+    packed = attend(MaskMode(inner, True), _ids([lengths]), q, k, v)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone = attend(
+            MaskMode(inner, False), torch.zeros(1, n, dtype=torch.long), q[:, :, part], k[:, :, part], v[:, :, part]
+        )
+        torch.testing.assert_close(packed[:, part], alone, atol=1e-6, rtol=0)
+        start += n
+    # the same inner mask on row positions (no local coordinates) would not: the wrapper really hands them over
+    ids = _ids([lengths])
+    row_positions = _dense(MaskMode(inner, False), ids) & (ids[:, :, None] == ids[:, None, :])
+    assert not torch.equal(row_positions, _dense(MaskMode(inner, True), ids))
+
+
+@pytest.mark.parametrize("name", [*MODES, "prefix_lm"])
+def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
+    """Rows that are no multiple of the block also take the block-level BlockMask (torch masks the padding); the
+    prefix-LM runs flex's element-wise path with document-local positions."""
+    from flexengine.core.config import AttnMode
+    from flexengine.surgery.attention.block_mask import build_batch_mask
+    from flexengine.surgery.attention.patch import LayerMasks, flexengine_attention
+    from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
+
+    g = torch.Generator().manual_seed(1)
+    ids = _ids([[70, 1, 150, 79], [300]])
+    q, k, v = (torch.randn(2, 2, 300, 8, generator=g) for _ in range(3))
+    outs = []
+    for backend in (AttnBackend.FLEX, AttnBackend.DENSE):
+        spec = AttentionSpec(AttnMode.PACKED_DOC, backend, (None,), (None,), "test", compile=False)
+        mode = MaskMode(PrefixLM(100), True) if name == "prefix_lm" else mask_mode(name, 90)
+        mask = build_batch_mask(ids, mode=mode, backend=backend, dense_chunk=64)
+        outs.append(
+            flexengine_attention(None, q, k, v, None, scaling=0.3, flexengine_mask=LayerMasks(spec, {None: mask}))[0]
+        )
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+
+
+def test_the_mode_table_names_the_configs_modes():
+    """Until config.AttnMode reads the table, the two must agree: names, packing and windows."""
+    from flexengine.core.config import AttnMode
+
+    assert set(MODES) == {m.value for m in AttnMode}
+    for m in AttnMode:
+        assert (MODES[m.value].documents, MODES[m.value].windowed) == (m.documents, m.windowed), m

@@ -1,0 +1,100 @@
+"""model.path alone trains that directory's architecture and weights; random weights only when asked, loudly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flexengine.core.config import ModelConfig
+from flexengine.core.errors import UserError
+from flexengine.surgery.model import build_hf_config, build_meta_model, load_model
+from tests.helpers import make_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def rigged_dir(tmp_path):
+    """A 3-layer LLaMA (the tiny default has 4) whose lm_head is scaled 50x: its loss is unmistakable."""
+    model = make_llama(num_hidden_layers=3, hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)
+    model.save_pretrained(tmp_path / "rigged")
+    return tmp_path / "rigged"
+
+
+def test_model_path_alone_loads_its_architecture_and_weights(rigged_dir, caplog):
+    model = ModelConfig(path=str(rigged_dir), arch={"model_type": "llama", "num_hidden_layers": 4})  # init=auto
+    assert model.loads_weights
+    with caplog.at_level(logging.INFO, logger="flexengine.surgery.model"):
+        lm = load_model(model, CPU)
+    assert lm.config.num_hidden_layers == 3 and lm.config.hidden_size == 48  # the directory's, not model.arch's
+    saved = load_file(str(rigged_dir / "model.safetensors"))
+    for name, tensor in lm.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
+    n_params = sum(p.numel() for p in lm.parameters())
+    text = caplog.text
+    assert str(rigged_dir) in text and f"loaded {len(saved)} tensors" in text and f"{n_params / 1e6:.1f}M" in text
+
+
+def test_random_init_only_when_asked_and_said_loudly(rigged_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="flexengine.surgery.model"):
+        lm = load_model(ModelConfig(path=str(rigged_dir), init="random"), CPU)
+    assert lm.config.num_hidden_layers == 3  # the directory's architecture...
+    saved = load_file(str(rigged_dir / "model.safetensors"))
+    assert not torch.equal(lm.lm_head.weight, saved["lm_head.weight"])  # ...with fresh weights
+    assert "RANDOM weights (model.init=random)" in caplog.text
+
+
+def test_checkpoint_missing_weights_is_an_error(rigged_dir):
+    from safetensors.torch import save_file
+
+    saved = load_file(str(rigged_dir / "model.safetensors"))
+    del saved["model.layers.1.mlp.up_proj.weight"]
+    save_file(saved, str(rigged_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="not in the checkpoint"):
+        load_model(ModelConfig(path=str(rigged_dir)), CPU)
+
+
+def test_pretrained_without_path_names_the_key():
+    with pytest.raises(UserError, match="model.path"):
+        ModelConfig(name="deepseek7b", init="pretrained", arch={"model_type": "llama"})
+
+
+def test_meta_model_allocates_nothing_and_counts_like_the_planner():
+    from flexengine.planning.planner import ModelShape
+
+    arch = dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+    config = build_hf_config(ModelConfig(arch=arch))
+    lm = build_meta_model(config, torch.bfloat16)
+    params = list(lm.parameters())
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params)
+    assert sum(p.numel() for p in params) == ModelShape.from_hf_config(config).params  # 7.24e9
+
+
+def test_training_config_with_model_path_trains_those_weights(tmp_path):
+    """Defect 1: `model.path=DIR` on the default config (model=tiny) used to build tiny at random."""
+    from flexengine.data.demo import load_demo_tokenizer
+    from flexengine.run import build_trainer
+    from tests.helpers import make_job
+
+    model = make_llama(num_hidden_layers=3, vocab_size=2048)
+    model.save_pretrained(tmp_path / "ckpt")
+    load_demo_tokenizer().save_pretrained(tmp_path / "ckpt")
+    trainer = build_trainer(
+        make_job(tmp_path / "run", f"model.path={tmp_path / 'ckpt'}", "train.max_steps=1"), tmp_path / "run"
+    )
+    assert trainer.job.model.init == "auto" and trainer.job.model.loads_weights
+    assert len(trainer.model.model.layers) == 3
+    torch.testing.assert_close(trainer.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
