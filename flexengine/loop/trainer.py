@@ -692,7 +692,8 @@ class Trainer:
     def exit_code(self) -> int:
         """0, or 128 + signal after a signal-stopped run (what schedulers read as preemption, not completion).
         A rank stopped because another rank had the signal reports SIGTERM, the usual preemption signal. A signal
-        that arrives after the last step (during the final evaluation or save) leaves a complete run: 0."""
+        during the final save leaves a complete run: 0; one that cuts the final evaluation short (_cut_short)
+        marks the run interrupted (its summary has no eval loss): 128 + signal."""
         if not self._interrupted:
             return 0
         return 128 + (self._stop_signal if self._stop_signal is not None else signal.SIGTERM)
