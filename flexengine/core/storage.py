@@ -8,6 +8,7 @@ output directory, and any layer may write JSON atomically.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -288,7 +289,8 @@ def hold_output_dir(out_dir: Path, resume: Optional[str], enabled: bool = True) 
     """Hold an advisory lock on out_dir/.lock for the run's life: a second run on the same directory (started
     beside it, or a train.resume=auto requeued while it still runs) is refused before it writes or removes
     anything. The kernel drops the lock when the process ends, however it ends, so a killed run never leaves a
-    stale lock. enabled=False (ranks > 0 of a torchrun job; rank 0 holds it for the job) holds nothing."""
+    stale lock. enabled=False (ranks > 0 of a torchrun job; rank 0 holds it for the job) holds nothing; nor does a
+    filesystem without flock (a warning says so once)."""
     if not enabled:
         yield
         return
@@ -302,11 +304,35 @@ def hold_output_dir(out_dir: Path, resume: Optional[str], enabled: bool = True) 
             handle.seek(0)
             holder = handle.read().strip() or "a process that has not written its pid yet"
             raise OutputDirTaken(_in_use_message(out_dir, resume, holder)) from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            _warn_unlocked(out_dir, e)
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
         handle.flush()
         yield
+
+
+# flock's answers on a filesystem that keeps no locks: NFSv3 without lockd (ENOLCK), Lustre mounted noflock,
+# FUSE and object-store mounts (ENOSYS, EOPNOTSUPP, EINVAL)
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
+_warned_unlocked: set[Path] = set()
+
+
+def _warn_unlocked(out_dir: Path, e: OSError) -> None:
+    """Say once per directory that its run goes unlocked. No O_EXCL pid file instead: a killed run would leave it
+    behind and block its own train.resume=auto requeue, and a pid cannot be checked from another node."""
+    if out_dir in _warned_unlocked:
+        return
+    _warned_unlocked.add(out_dir)
+    log.warning(
+        "output dir %s: its filesystem has no locks (flock: %s), so two runs on it are not prevented; "
+        "this run goes on unlocked (do not start a second run, or a requeue, there while it lives)",
+        out_dir,
+        os.strerror(e.errno),
+    )
 
 
 def _in_use_message(out_dir: Path, resume: Optional[str], holder: str) -> str:

@@ -125,3 +125,36 @@ def test_a_manifest_naming_files_outside_its_checkpoint_is_refused(tmp_path, nam
     assert problem is not None and "names files outside its checkpoint" in problem and repr(name) in problem
     with pytest.raises(UserError, match="outside its checkpoint"):
         read_manifest(step)
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP", "EINVAL"])
+def test_a_filesystem_without_locks_runs_unlocked_with_one_warning_naming_the_dir(tmp_path, monkeypatch, caplog, code):
+    """Before: flock's OSError (no filename) escaped run_training as a raw traceback on NFSv3 without lockd,
+    Lustre mounted noflock or a FUSE mount: no run could start there at all."""
+    import errno
+    import fcntl
+
+    def no_locks(handle, how):
+        raise OSError(getattr(errno, code), "no locks here")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="flexengine.core.storage"):
+        with hold_output_dir(out, None):
+            assert (out / RUN_LOCK).read_text().startswith("pid ")  # the holder is still written, for a reader
+        with hold_output_dir(out, "auto"):  # the same directory again (a resume in one process): no second warning
+            pass
+    warned = [r.getMessage() for r in caplog.records if "no locks" in r.getMessage()]
+    assert len(warned) == 1 and str(out) in warned[0] and "not prevented" in warned[0], warned
+
+
+def test_any_other_lock_failure_still_raises(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def broken(handle, how):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(OSError, match="I/O error"), hold_output_dir(tmp_path / "out", None):
+        pass
