@@ -74,6 +74,25 @@ def hidden_1024_offload_overrides() -> list[str]:
     return width_overrides(4, 4096, "precision.mode=bf16_mixed", "memory=offload", *narrow, *heads)
 
 
+def train_dry_overrides(mode: str) -> list[str]:
+    """train_<mode>'s CPU job: the mode through the same loop on a 2-layer tiny LLaMA, 512-token rows."""
+    return tiny_overrides(2, 512, f"precision.mode={mode}")
+
+
+def allocator_dry_overrides(policy: str) -> list[str]:
+    """planner_vs_allocator's CPU job: 8 layers of hidden 512, 2K rows, fp32 (the allocator's stand-in is real
+    tensor bytes + a step's live peak, cpu_step_bytes)."""
+    return tiny_overrides(
+        8,
+        2048,
+        "precision.mode=fp32",
+        f"memory={policy}",
+        "model.arch.hidden_size=512",
+        "model.arch.intermediate_size=1376",
+        "data.demo_max_files=40",
+    )
+
+
 def job_overrides() -> dict[str, list[str]]:
     """Every GPU job these checks compose, by a descriptive key (tests/test_gpu_check.py composes them all)."""
     jobs = {f"train_modes/{m}": width_overrides(4, 8192, f"precision.mode={m}") for m in MODES}
@@ -213,9 +232,7 @@ def check_train_mode(mode: str, dry: bool) -> dict:
     overrides = job_overrides()[f"train_modes/{mode}"]
     planned = plan_for_gpu(overrides)
     planned.pop("terms")
-    r = run_steps(
-        tiny_overrides(2, 512, f"precision.mode={mode}") if dry else overrides, steps=1 if dry else TIMED_STEPS
-    )
+    r = run_steps(train_dry_overrides(mode) if dry else overrides, steps=1 if dry else TIMED_STEPS)
     r.pop("planned_terms")
     r["peak_over_plan"] = r["measured_device_bytes"] / r["planned_device_bytes"]
     # On the CPU the "device" is the host: a CPU-master mode's masters count there too, so the ratio is reported,
@@ -248,18 +265,7 @@ def check_planner_vs_allocator(dry: bool) -> dict:
         }
     policies = {}
     for policy in ("none",) if dry else ("none", "full"):  # (the CPU is slow: memory=full adds nothing it can judge)
-        if dry:
-            overrides = tiny_overrides(
-                8,
-                2048,
-                "precision.mode=fp32",
-                f"memory={policy}",
-                "model.arch.hidden_size=512",
-                "model.arch.intermediate_size=1376",
-                "data.demo_max_files=40",
-            )
-        else:
-            overrides = jobs[f"planner_vs_allocator/{policy}"]
+        overrides = allocator_dry_overrides(policy) if dry else jobs[f"planner_vs_allocator/{policy}"]
         r = run_steps(overrides, steps=1)
         verdict = memory_verdict(r["planned_terms"], r["measured_device_bytes"])
         broken = dict(r["planned_terms"], activation_bytes=r["planned_terms"]["activation_bytes"] // 2)

@@ -34,7 +34,9 @@ def all_job_overrides() -> dict[str, list[str]]:
         cmd = scripts.fsdp_smoke_command(dry, Path("/tmp/x"))
         jobs[f"fsdp_smoke/{tag}"] = [a for a in cmd[cmd.index("flexengine.train") + 1 :] if not a.startswith("hydra.")]
     for mode in width.MODES:
-        jobs[f"train_modes/dry/{mode}"] = width.tiny_overrides(2, 512, f"precision.mode={mode}")
+        jobs[f"train_modes/dry/{mode}"] = width.train_dry_overrides(mode)
+    for policy in ("none", "full"):
+        jobs[f"planner_vs_allocator/dry/{policy}"] = width.allocator_dry_overrides(policy)
     return jobs
 
 
