@@ -189,11 +189,11 @@ def summarise(records: list[dict], names: list[str], total_s: float, dry_run: bo
 
 
 def _key_numbers(record: dict) -> str:
-    """A short cell of a record's headline numbers (its 'headline' dict, else its error)."""
-    if record.get("error") or record.get("skipped"):
-        return str(record.get("error") or record["skipped"]).splitlines()[0][:160]
+    """A short cell: its error or skip reason (if any), then its headline numbers."""
+    said = str(record.get("error") or record.get("skipped") or "").splitlines()[:1]
     headline = record.get("headline", {})
-    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in headline.items())[:300]
+    numbers = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in headline.items())
+    return " | ".join([*(s[:160] for s in said), *([numbers[:300]] if numbers else [])])
 
 
 def markdown(result: dict) -> str:

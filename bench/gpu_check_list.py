@@ -45,11 +45,12 @@ CHECKS: tuple[Check, ...] = (
             f"precision={mode} trains through the real loop (build_trainer + train_step: plan, demo data, flex, "
             "packed 8K rows) at 7B width, 4 layers; tokens/s, MFU and peak memory against the planner's bytes and "
             "step time for this mode (one check per mode, most used first, so a cut-off run keeps the modes done)",
-            "1 warm-up + 3 steps with finite loss and grad norm, and max_memory_allocated <= 1.10 x the planner's "
-            "device bytes (its CUDA reserve left out)",
+            "1 warm-up + 3 steps with finite loss and grad norm, and 0.8 x the planner's device bytes (its CUDA "
+            "reserve left out) <= max_memory_allocated <= 1.10 x them; measured / planned step time reported, not "
+            "judged",
             seconds,
-            "a mode that crashes at step 1 (the torchao lr-tensor crash of bf16_sr) or a planner that under-counts "
-            "the mode's bytes by > 10 %",
+            "a mode that crashes at step 1 (the torchao lr-tensor crash of bf16_sr), a planner that under-counts "
+            "the mode's bytes by > 10 % or over-counts them by > 25 %",
             "plans the 7B-width job for one H200 (the numbers the GPU run is held against); runs the mode for "
             "1 + 1 steps through the same loop on a tiny LLaMA (attn.backend=varlen)",
         )

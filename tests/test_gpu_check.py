@@ -92,6 +92,12 @@ def test_memory_verdict_passes_the_planner_and_fails_it_with_the_activation_term
     assert not halved["ok"]
 
 
+def test_a_train_mode_fails_a_plan_that_under_counts_or_over_counts_its_peak():
+    assert width.peak_problems(1.0) == [] and width.peak_problems(0.85) == []
+    assert "under-counts" in width.peak_problems(1.2)[0]
+    assert "too pessimistic" in width.peak_problems(0.5)[0]  # the old pass line (<= 1.10 only) passed this
+
+
 def test_overlap_verdict_passes_only_copies_that_run_beside_compute():
     demo = gpu_overlap.synthetic_demo()
     assert demo["ok"], demo
