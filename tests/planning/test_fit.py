@@ -103,7 +103,9 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
     for name, row in rows.items():
         assert f"{name:<16}" in text and row["verdict"] in text
         if name != fit.precision.name:
-            assert row["verdict"].startswith(("slower: ", "does not fit: ", "fails the long-horizon", "ties with "))
+            assert row["verdict"].startswith(
+                ("slower: ", "does not fit: ", "fails the long-horizon", "ties with ", "needs ")
+            )
     assert rows["bf16_pure"]["verdict"].startswith("fails the long-horizon numerics check")
     logged = precision_verdicts(fit)  # what a training run logs: one line per mode
     assert len(logged) == len(rows) and all(any(r["verdict"] in line for line in logged) for r in rows.values())
