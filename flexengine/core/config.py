@@ -595,12 +595,14 @@ def check_fixed_rope(
             f"Use a fixed scaling, {instead}, or parallel.cp=1."
         )
     if packed_attn is not None:
+        # Only the fixed scalings are offered: attn=causal is no remedy (with micro_batch > 1 its rows share the
+        # batch's largest position; even at micro_batch=1 dynamic NTK keeps an earlier, longer batch's frequencies).
         raise UserError(
             f"attn={packed_attn} packs several documents into a row, which cannot train with {source} "
             f"rope_type={rope_type}: that RoPE derives its frequencies from the largest position id in the batch "
             "(and transformers caches them across batches), so a packed document would be rotated differently "
             "depending on the documents packed next to it and on the batch before. Use a fixed scaling whose "
-            f"frequencies depend only on the configured length, {instead}, or attn=causal (one document per row)."
+            f"frequencies depend only on the configured length, {instead}."
         )
 
 

@@ -167,7 +167,9 @@ def test_shipped_7b_experiments_keep_rows_within_the_supported_context(tmp_path,
 @pytest.mark.parametrize("attn", ["packed_doc", "packed_sliding"])
 def test_position_dependent_rope_is_refused_under_packing(attn):
     """Dynamic NTK frequencies follow the batch's largest position: a packed document would rotate by its
-    neighbours. One paragraph naming the fixed scalings; one document per row (attn=causal) stays allowed."""
+    neighbours. One paragraph naming only the fixed scalings: attn=causal is no remedy to offer (with micro_batch > 1
+    its rows share the batch's largest position; at micro_batch=1 dynamic NTK still keeps an earlier, longer batch's
+    grown frequencies), though it is not refused."""
     scaling = "model.rope_scaling={rope_type:dynamic,factor:2.0}"
     window = ["attn.window=64"] if attn == "packed_sliding" else []
     with pytest.raises(UserError) as e:
@@ -175,6 +177,7 @@ def test_position_dependent_rope_is_refused_under_packing(attn):
     msg = str(e.value)
     assert f"attn={attn} packs several documents" in msg and "rope_type=dynamic" in msg
     assert all(fixed in msg for fixed in ("yarn", "linear", "llama3")) and "\n" not in msg
+    assert "attn=causal" not in msg
     assert make_job(Path("unused"), "attn=causal", scaling).model.rope_scaling.rope_type == "dynamic"
 
 
