@@ -68,6 +68,15 @@ def _explain(params: int) -> str:
     return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
 
 
+def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
+    """train.max_steps is kept, never taken from a 7B config (the step count follows the user's data, not the model's
+    size), but the demo's count is one of the settings that wreck a 7B run: say so where the defaults are listed."""
+    steps = job.train.max_steps
+    if "train.max_steps" in explicit or steps != _schema_default("train", "max_steps"):
+        return f"train.max_steps={steps} (yours)"
+    return f"train.max_steps={steps} (kept: the demo's; set it for your data)"
+
+
 def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobConfig:
     """The job with fine-tuning defaults when model.path holds pretrained weights and the model group is the demo's
     (see the module docstring); unchanged otherwise. given: the command line's overrides (those keys are kept)."""
@@ -96,6 +105,7 @@ def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobC
             value = raw[group][field]
             changes.setdefault(group, {})[field] = value
             notes.append(f"{key}={value} (from {source})")
+    notes.append(_step_count_note(job, explicit))
     log.warning(
         "model.path=%s holds pretrained weights (%s parameters) and no model group is named, so the demo's "
         "from-scratch settings (model=%s: lr %g, weight decay %g) are replaced by fine-tuning defaults; name a "

@@ -39,6 +39,8 @@ def test_pretrained_path_alone_gets_fine_tuning_defaults_with_their_source(check
     log = caplog.text
     assert "holds pretrained weights" in log and "optim.lr=2e-05 (from conf/model/" in log
     assert "train.micro_batch=2 (kept: " in log and "model.name=my-small-llama (the directory name" in log
+    # the demo's step count is kept (it follows the data, not the model) but listed, so it is not a silent default
+    assert f"train.max_steps={job.train.max_steps} (kept: the demo's; set it for your data)" in log
 
 
 def test_the_users_own_settings_are_kept(checkpoint, caplog):
@@ -48,6 +50,7 @@ def test_the_users_own_settings_are_kept(checkpoint, caplog):
     assert job.optim.warmup_steps == 1  # debug=fast's, not the fine-tuning default
     assert job.optim.weight_decay == 0.0
     assert "optim.lr=0.001 (yours)" in caplog.text
+    assert f"train.max_steps={job.train.max_steps} (yours)" in caplog.text  # debug=fast's
 
 
 def test_a_named_model_group_random_init_or_weightless_dir_changes_nothing(checkpoint, tmp_path):
