@@ -34,10 +34,15 @@ def register_schema(node: type = JobConfig) -> None:
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:
     """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError), with fine-tuning
-    defaults when model.path holds pretrained weights and no model group is named (flexengine.cli.first_contact;
-    overrides: the command line's, kept as given; None = Hydra's record of them inside a Hydra app)."""
+    defaults when model.path holds pretrained weights and no model group is named, and a command-line key winning
+    over a config file's key it excludes (flexengine.cli.first_contact; overrides: the command line's, kept as
+    given; None = Hydra's record of them inside a Hydra app)."""
     from omegaconf import OmegaConf
 
+    from flexengine.cli.first_contact import apply_pretrained_defaults, command_line_wins, given_overrides
+
+    given = given_overrides(overrides)
+    command_line_wins(cfg, given)
     try:
         job = OmegaConf.to_object(cfg)
     except UserError:
@@ -48,9 +53,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    from flexengine.cli.first_contact import maybe_pretrained_defaults
-
-    return maybe_pretrained_defaults(job, overrides)
+    return apply_pretrained_defaults(job, given)
 
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:

@@ -7,6 +7,9 @@ fine-tuning defaults the shipped 7B model configs carry (lr, warmup, weight deca
 accumulation when the checkpoint's parameter count says it is that size. Anything the user set
 on the command line, or that a config of theirs changed from the schema's default, is kept; each default taken is
 logged with the file it came from, and the run is named after the checkpoint directory, never "tiny".
+
+Also the command line's word against a config file's: of two keys that exclude each other (optim.warmup_ratio and
+optim.warmup_steps), the one typed wins over the other set by a model or experiment config (command_line_wins).
 """
 
 from __future__ import annotations
@@ -121,14 +124,40 @@ def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobC
     return dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **groups)
 
 
-def maybe_pretrained_defaults(job: JobConfig, overrides: Optional[Iterable[str]]) -> JobConfig:
-    """apply_pretrained_defaults with the command line's overrides, or Hydra's record of them (None: inside a
-    Hydra app, read from HydraConfig; outside one, nothing was given)."""
-    if overrides is None:
-        try:
-            from hydra.core.hydra_config import HydraConfig
+def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
+    """The command line's overrides, or Hydra's record of them (None: inside a Hydra app, read from HydraConfig;
+    outside one, nothing was given)."""
+    if overrides is not None:
+        return list(overrides)
+    try:
+        from hydra.core.hydra_config import HydraConfig
 
-            overrides = list(HydraConfig.get().overrides.task)
-        except ValueError:  # not inside a Hydra app
-            overrides = []
-    return apply_pretrained_defaults(job, overrides)
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # not inside a Hydra app
+        return []
+
+
+# keys that exclude each other (JobConfig refuses both set): the one typed on the command line wins over the other
+# coming from a config file. Every shipped 7B model/experiment config sets optim.warmup_steps, which made
+# optim.warmup_ratio=0.05 alone a refusal on exactly the models where it is wanted (review 22 #9).
+EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
+
+
+def command_line_wins(cfg: Any, given: Iterable[str]) -> None:
+    """Null, in the composed DictConfig cfg, a config file's key that a command-line key excludes (logged); both
+    typed on the command line stay JobConfig's error."""
+    from omegaconf import OmegaConf, read_write
+
+    explicit = command_line_keys(given)
+    for pair in EXCLUSIVE_KEYS:
+        for mine, theirs in (pair, pair[::-1]):
+            if mine not in explicit or theirs in explicit:
+                continue
+            mine_value, theirs_value = OmegaConf.select(cfg, mine), OmegaConf.select(cfg, theirs)
+            if mine_value is None or theirs_value is None:
+                continue
+            log.info(
+                "%s=%s (command line) wins over %s=%s (from a config file)", mine, mine_value, theirs, theirs_value
+            )
+            with read_write(cfg):
+                OmegaConf.update(cfg, theirs, None)

@@ -470,8 +470,8 @@ class OptimConfig:
             if self.warmup_steps is not None:
                 raise UserError(
                     f"optim.warmup_steps={self.warmup_steps} and optim.warmup_ratio={self.warmup_ratio} are both set "
-                    "(a model or experiment config may set warmup_steps): use one, e.g. add optim.warmup_steps=null "
-                    "to warm up for warmup_ratio x train.max_steps."
+                    "(typed together on the command line, or both in config files): use one. Either one typed "
+                    "alone on the command line overrides the other from a config file."
                 )
             if not 0.0 <= self.warmup_ratio < 1.0:
                 raise UserError(

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.common import compose_job
 from flexengine.core.config import conf_dir
+from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
 from tests.helpers import TINY_LLAMA
 
@@ -72,3 +73,19 @@ def test_a_7b_checkpoint_gets_the_7b_batch_shape(tmp_path):
     assert (job.train.micro_batch, job.train.grad_accum) == (SHIPPED["train"]["micro_batch"], 8)
     assert job.optim.lr == 2e-5
     assert job.model.name == "Llama-2-7b-hf"
+
+
+@pytest.mark.parametrize("group", [["model=deepseek7b"], ["experiment=deepseek7b_6k_a100", "data.source=demo"]])
+def test_a_typed_warmup_ratio_wins_over_a_config_files_warmup_steps(group, caplog):
+    """Before: every shipped 7B model/experiment config sets optim.warmup_steps, so optim.warmup_ratio alone was
+    refused on exactly the models where it is wanted (review 22 #9). Typed together, the two stay an error."""
+    file_steps = compose_job([*group, "model.init=random"]).optim.warmup_steps
+    assert file_steps is not None
+    with caplog.at_level(logging.INFO, logger="flexengine.cli.first_contact"):
+        job = compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05"])
+    assert job.optim.warmup_steps is None and job.optim.warmup_for(400) == 20
+    assert f"optim.warmup_ratio=0.05 (command line) wins over optim.warmup_steps={file_steps}" in caplog.text
+    typed_steps = compose_job([*group, "model.init=random", "optim.warmup_steps=7"])
+    assert typed_steps.optim.warmup_for(400) == 7
+    with pytest.raises(UserError, match="are both set"):
+        compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05", "optim.warmup_steps=7"])
