@@ -71,8 +71,31 @@ def test_adamw_bf16_keeps_an_fp32_second_moment_through_save_and_load():
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
     assert all(s["exp_avg_sq"].dtype == torch.float32 for s in opt.state.values())
     _, fresh = stepped(1)
-    fresh.load_state_dict(saved)  # torch's load would cast exp_avg_sq to the bf16 weights' dtype
+    cast = []  # review 19 #10: torch's load casts each state to the param dtype: a transient bf16 exp_avg_sq
+    policy = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def spy(param, value, param_id, param_groups, key=None):
+        cast.append(key)
+        return policy(param, value, param_id, param_groups, key)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", staticmethod(spy))
+        fresh.load_state_dict(saved)  # torch's load would cast exp_avg_sq to the bf16 weights' dtype
+    assert "exp_avg" in cast and "exp_avg_sq" not in cast, cast
+    assert all("exp_avg_sq" in s for s in saved["state"].values())  # the caller's dict is left whole
     for before, after in zip(opt.state.values(), fresh.state.values()):
         assert after["exp_avg_sq"].dtype == torch.float32
         assert torch.equal(after["exp_avg_sq"], before["exp_avg_sq"])
         assert torch.equal(after["exp_avg"], before["exp_avg"])
+    for _ in range(2):  # and both go on bitwise (same grads, same SR draws)
+        grads = [torch.randn_like(p) for p in params]
+        for o, ps in ((opt, params), (fresh, [p for g in fresh.param_groups for p in g["params"]])):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            torch.manual_seed(7)
+            with torch.compiler.set_stance("force_eager"):
+                o.step()
+    for before, after in zip(opt.state.values(), fresh.state.values()):
+        assert torch.equal(after["exp_avg_sq"], before["exp_avg_sq"]) and torch.equal(
+            after["exp_avg"], before["exp_avg"]
+        )
