@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from flexengine.cli.common import (
 from flexengine.core.config import JobConfig
 from flexengine.core.errors import OutputDirTaken, UserError
 
-__all__ = ["main", "run_dir", "to_job_config"]
+__all__ = ["main", "run_dir", "to_job_config", "worker_overrides"]
 
 log = logging.getLogger("flexengine")
 
@@ -99,10 +100,29 @@ def _stop_sweep(sweep_dir: Path) -> None:
     summarize_sweep(sweep_dir)
 
 
+def worker_overrides(argv: list[str]) -> list[str]:
+    """Hydra overrides for a torchrun rank > 0 (its RANK is set before Hydra starts): Hydra's files are rank 0's.
+    Each rank resolves conf/config.yaml's ${now:...} itself, so ranks starting in different seconds each made a
+    <date>/<time>/ folder with .hydra/ and a train.log of one launch. A rank > 0 writes no .hydra/ and no log file
+    (its lines still reach the console), and its Hydra run dir is the output root rank 0 creates anyway. A
+    hydra.run.dir the user typed is kept: it is the same on every rank (train.resume=auto relies on it)."""
+    if os.environ.get("RANK", "0") == "0":
+        return []
+    extra = [
+        "hydra.output_subdir=null",
+        "~hydra.job_logging.handlers.file",  # logging's dictConfig opens every handler listed, used or not
+        "hydra.job_logging.root.handlers=[console]",
+    ]
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append("hydra.run.dir=${oc.select:train.output_dir,outputs}")
+    return extra
+
+
 def main() -> None:
     """Console entry point: register the schema, then let Hydra parse sys.argv."""
     quiet_third_party()
     register_schema(JobConfig)
+    sys.argv += worker_overrides(sys.argv[1:])
     _main()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -528,3 +529,35 @@ def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path)
     allowed = build_trainer(make_job(tmp_path, *data, f"data.path={b}", "train.resume_new_data=true"), tmp_path)
     allowed.resume("auto")
     assert allowed.state.step == 2 and allowed.loader.cursor == 0  # weights and step kept, new data from row 0
+
+
+def test_a_torchrun_rank_above_0_writes_no_hydra_folder_log_or_config(tmp_path):
+    """F-9 (review 22 #10): each rank resolved ${now:...} itself, so a rank > 0 starting in another second made its
+    own <date>/<time>/ with .hydra/ and a train.log. RANK=1 without WORLD_SIZE runs one process (no process group)
+    through the same entry point and Hydra overrides as a torchrun worker."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK")}
+    args = ["debug=fast", "train.max_steps=1", "train.progress=false", f"train.output_dir={out}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexengine.train", *args],
+        cwd=tmp_path,
+        env={**env, "RANK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 1/1" in proc.stdout  # its lines still reach the console
+    assert not list(out.rglob(".hydra")) and not list(out.rglob("*.log")), sorted(map(str, out.rglob("*")))
+    assert {p.name for p in out.iterdir() if p.is_dir()} <= {"checkpoints", "tb"}  # no <date>/<time>/
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_worker_overrides_keep_a_typed_run_dir(monkeypatch):
+    from flexengine.cli.train import worker_overrides
+
+    monkeypatch.setenv("RANK", "0")
+    assert worker_overrides([]) == []  # rank 0 (and a plain run) keeps Hydra's folder, config and log
+    monkeypatch.setenv("RANK", "3")
+    assert "hydra.output_subdir=null" in worker_overrides([])
+    assert not any(o.startswith("hydra.run.dir=") for o in worker_overrides(["hydra.run.dir=/pinned"]))
