@@ -18,8 +18,9 @@ case " $* " in *" --dry-run "*) BUDGET_S=${GPU_CHECK_BUDGET_S:-2400} ;; esac  # 
 PY=${PYTHON:-python3}  # the image's own interpreter (its torch, transformers, safetensors); PYTHON= overrides
 OUT_DIR=${OUT:-bench/results}
 mkdir -p "$OUT_DIR"
-# Carried wheels -> a temp site dir, the way the device notes say (no index, no deps, no compile).
-if compgen -G ".whl/*.whl" >/dev/null; then
+# Carried wheels -> a temp site dir, the way the device notes say (no index, no deps, no compile); skipped when
+# this python already imports them (a venv that has them, or a second call that put them on PYTHONPATH).
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import hydra, omegaconf, antlr4, torchao" 2>/dev/null; then
   SITE=${GPU_CHECK_SITE:-/tmp/flexengine-site}
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "installing .whl/*.whl into $SITE failed"; exit 3; }
