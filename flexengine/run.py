@@ -77,18 +77,47 @@ def describe_eval_source(data: DataConfig) -> str:
     return f"{data.eval_path}, split {split!r} ({how})"
 
 
-def check_no_overlap(corpus: Corpus, train_docs: np.ndarray, eval_corpus: Corpus, data: DataConfig) -> None:
-    """Refuse a data.eval_path sharing documents with the training set: its loss would pick the best checkpoint
-    and stop early on training data."""
+# data.eval_overlap=auto drops shared documents up to this share of the eval set: standard held-out splits share
+# a few short token-identical records (wikitext repeats heading lines such as " = = Reception = = "), while more
+# than that means the eval set largely is training data (the wrong split, or data.path given twice)
+EVAL_OVERLAP_DROP_MAX = 0.01
+
+
+def held_out_without_overlap(
+    corpus: Corpus, train_docs: np.ndarray, eval_corpus: Corpus, data: DataConfig
+) -> np.ndarray:
+    """The data.eval_path documents to evaluate on, by data.eval_overlap: those that are also training documents
+    would let the eval loss pick the best checkpoint and stop early on training data."""
+    everything = np.arange(len(eval_corpus))
     shared = shared_documents((corpus.tokens, corpus.offsets), train_docs, (eval_corpus.tokens, eval_corpus.offsets))
-    if len(shared):
-        raise UserError(
-            f"data.eval_path ({describe_eval_source(data)}): {len(shared)} of its {len(eval_corpus)} documents are "
-            f"also training documents (identical tokens; held-out document indices {shared[:5].tolist()}"
-            f"{' ...' if len(shared) > 5 else ''}), so the eval loss, best checkpoint and early stopping would "
-            "measure training data. Evaluate on a split the training set does not contain (data.eval_split), "
-            "remove the shared documents, or hold out part of data.path with data.eval_fraction instead."
-        )
+    if not len(shared):
+        return everything
+    what = (
+        f"data.eval_path ({describe_eval_source(data)}): {len(shared)} of its {len(eval_corpus)} documents are also "
+        f"training documents (identical tokens; held-out document indices {shared[:5].tolist()}"
+        f"{' ...' if len(shared) > 5 else ''})"
+    )
+    if data.eval_overlap == "allow":
+        log.warning("%s; kept (data.eval_overlap=allow): the eval loss partly measures training data", what)
+        return everything
+    few = len(shared) <= EVAL_OVERLAP_DROP_MAX * len(eval_corpus)
+    if data.eval_overlap == "drop" or (data.eval_overlap == "auto" and few):
+        kept = np.setdiff1d(everything, shared)
+        if not len(kept):
+            raise UserError(f"{what}: every held-out document is a training document; nothing is left to evaluate.")
+        log.warning("%s; dropped from the eval set (data.eval_overlap=%s), %d left", what, data.eval_overlap, len(kept))
+        return kept
+    limit = (
+        f"more than data.eval_overlap=auto drops by itself ({EVAL_OVERLAP_DROP_MAX:.0%} of them)"
+        if data.eval_overlap == "auto"
+        else "and data.eval_overlap=refuse"
+    )
+    raise UserError(
+        f"{what}, {limit}, so the eval loss, best checkpoint and early stopping would measure training data. "
+        "Evaluate on a split the training set does not contain (data.eval_split), hold out part of data.path with "
+        "data.eval_fraction instead, or set data.eval_overlap=drop (evaluate on the rest) or data.eval_overlap=allow "
+        "(keep them)."
+    )
 
 
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
@@ -118,8 +147,7 @@ def build_data(
         train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
         log.info("data mix: %s", format_mix_report(mix_report))
     if job.data.eval_path:
-        eval_docs = np.arange(len(eval_corpus))
-        check_no_overlap(corpus, train_docs, eval_corpus, job.data)
+        eval_docs = held_out_without_overlap(corpus, train_docs, eval_corpus, job.data)
     plan = plan_packing(corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, train_docs)
     log.info("data: %s", plan.stats.describe())
     if plan.stats.rows == 0:

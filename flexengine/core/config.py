@@ -42,6 +42,7 @@ PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
 DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
+EVAL_OVERLAP = ("auto", "drop", "refuse", "allow")  # data.eval_overlap
 MODEL_INITS = ("auto", "pretrained", "random")
 PRECISIONS = ("auto", "fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
@@ -374,8 +375,11 @@ class DataConfig:
     demo_max_files: int = 400  # demo corpus: number of stdlib source files read
     eval_path: Optional[str] = None  # held-out documents (same source and format as data.path); None = split
     eval_split: Optional[str] = None  # data.eval_path as a saved HF DatasetDict: the split evaluated on;
-    # None = "validation", else "test" (the log says which); a held-out set sharing a document with training is
-    # refused either way
+    # None = "validation", else "test" (the log says which)
+    eval_overlap: str = "auto"  # data.eval_path documents that are also training documents (identical tokens):
+    # auto = drop them from the eval set (a WARNING gives the count) when they are <= 1 % of it (short repeated
+    # records, e.g. wikitext's heading lines), refuse the run above that | drop (any number) | refuse (any) |
+    # allow (keep them, with a warning: the eval loss then partly measures training data)
     eval_fraction: float = 0.0  # with no eval_path: this fraction of the documents is held out for evaluation
     # (whole documents, chosen by a hash of their tokens: stable across runs and seeds); 0 = no held-out set
 
@@ -421,6 +425,7 @@ class DataConfig:
                 f"data.eval_path and data.eval_fraction={self.eval_fraction} both set: use one (the "
                 "held-out set comes from a file, or from splitting data.path), e.g. data.eval_fraction=0."
             )
+        _check_choice("data.eval_overlap", self.eval_overlap, EVAL_OVERLAP)
         if self.eval_split and not self.eval_path:
             raise UserError(
                 f"data.eval_split={self.eval_split} names a split of data.eval_path, which is not set: set "

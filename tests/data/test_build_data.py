@@ -125,3 +125,43 @@ def test_an_unused_validation_split_is_pointed_out(tmp_path, caplog):
     dd = _dataset_dict(tmp_path / "dd", train=DOCS[:40], validation=DOCS[40:48])
     _, held_out, _ = _build(tmp_path, "data=hf", f"data.path={dd}")
     assert held_out is None and f"has a 'validation' split, not evaluated on: add data.eval_path={dd}" in caplog.text
+
+
+HEADING = " = = Reception = = \n"  # wikitext repeats heading records like this in train and validation
+EVAL_DOCS = [f"class C{i}:\n    value = {i * 3} + {i % 5}  # held-out record {i}\n" * 2 for i in range(99)]
+
+
+def _jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def _overlap_build(tmp_path, eval_docs, *overrides):
+    train = _jsonl(tmp_path / "train.jsonl", [*DOCS[:40], HEADING])
+    held_out = _jsonl(tmp_path / "eval.jsonl", eval_docs)
+    return _build(tmp_path, "data=jsonl", f"data.path={train}", f"data.eval_path={held_out}", *overrides)
+
+
+def test_one_shared_short_record_is_dropped_from_the_eval_set_with_a_warning(tmp_path, caplog):
+    """Review 22 #2, before: any shared document refused the run, so a standard held-out split sharing one heading
+    line with training (1 of 100 documents, <= 1 %) could not be trained on at all."""
+    caplog.set_level(logging.WARNING, logger="flexengine")
+    _, batches, report = _overlap_build(tmp_path, [*EVAL_DOCS, HEADING])
+    assert batches is not None and report["eval"]["documents"] == 99
+    warned = [r.getMessage() for r in caplog.records if "also training documents" in r.getMessage()]
+    assert len(warned) == 1 and "1 of its 100 documents" in warned[0] and "dropped" in warned[0], warned
+    with pytest.raises(UserError, match="data.eval_overlap=refuse"):
+        _overlap_build(tmp_path, [*EVAL_DOCS, HEADING], "data.eval_overlap=refuse")
+
+
+def test_half_the_eval_set_shared_is_refused_naming_the_switch_and_allow_or_drop_obey(tmp_path, caplog):
+    half = [*DOCS[:20], *EVAL_DOCS[:20]]  # 20 of 40 are training documents
+    with pytest.raises(UserError, match=r"20 of its 40 documents.*data.eval_overlap=drop.*data.eval_overlap=allow"):
+        _overlap_build(tmp_path, half)
+    caplog.set_level(logging.WARNING, logger="flexengine")
+    _, _, kept = _overlap_build(tmp_path, half, "data.eval_overlap=allow")
+    assert kept["eval"]["documents"] == 40 and "kept (data.eval_overlap=allow)" in caplog.text
+    _, _, dropped = _overlap_build(tmp_path, half, "data.eval_overlap=drop")
+    assert dropped["eval"]["documents"] == 20
+    with pytest.raises(UserError, match="nothing is left to evaluate"):
+        _overlap_build(tmp_path, DOCS[:10], "data.eval_overlap=drop")
