@@ -77,7 +77,7 @@ def test_default_lora_targets_every_projection_and_the_planner_sizes_them(name):
 
 
 def test_unknown_family_is_refused_naming_model_type_and_the_supported_list():
-    with pytest.raises(UserError, match=r"model_type='gpt2'.*llama, mistral, qwen2.*flexengine/family\.py"):
+    with pytest.raises(UserError, match=r"model_type='gpt2'.*llama, mistral, qwen2.*flexengine/surgery/family\.py"):
         resolve_family(GPT2Config())
     # every entry point builds its HF config through build_hf_config: the refusal comes before any work
     with pytest.raises(UserError, match="model_type='gpt2'"):
