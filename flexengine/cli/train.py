@@ -108,12 +108,12 @@ def worker_overrides(argv: list[str]) -> list[str]:
     hydra.run.dir the user typed is kept: it is the same on every rank (train.resume=auto relies on it)."""
     if os.environ.get("RANK", "0") == "0":
         return []
-    extra = [
-        "hydra.output_subdir=null",
-        "~hydra.job_logging.handlers.file",  # logging's dictConfig opens every handler listed, used or not
-        "hydra.job_logging.root.handlers=[console]",
-    ]
-    if not any(a.startswith("hydra.run.dir=") for a in argv):
+    typed = [a.lstrip("+~") for a in argv]
+    extra = ["hydra.output_subdir=null"]
+    if not any(a.startswith(("hydra/job_logging=", "hydra.job_logging")) for a in typed):  # the user's logging stays
+        # logging's dictConfig opens every handler listed, used or not: the file handler goes, not just its use
+        extra += ["~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]"]
+    if not any(a.startswith("hydra.run.dir=") for a in typed):
         extra.append("hydra.run.dir=${oc.select:train.output_dir,outputs}")
     return extra
 

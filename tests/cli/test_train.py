@@ -561,3 +561,4 @@ def test_worker_overrides_keep_a_typed_run_dir(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     assert "hydra.output_subdir=null" in worker_overrides([])
     assert not any(o.startswith("hydra.run.dir=") for o in worker_overrides(["hydra.run.dir=/pinned"]))
+    assert worker_overrides(["hydra/job_logging=disabled", "hydra.run.dir=/pinned"]) == ["hydra.output_subdir=null"]
