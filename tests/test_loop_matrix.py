@@ -11,7 +11,8 @@ Each run calls `flexengine.cli.train.main()` the way `python -m flexengine.train
 start-up cost to one import) and must either work (finite losses, summary, metrics and a checkpoint written) or
 refuse with a UserError (exit 2, one paragraph, no traceback). A run that refuses covers its pairs only as a
 refusal, so a second round re-covers, in runs that can work, the pairs whose only runs refused (except with the
-values that refused in every run they were in: those are reported as refused on this machine).
+values that refused in every run they were in: those are reported as refused on this machine). Only the values in
+MAY_REFUSE_ALONE (attn.backend=flex: no CPU backward) may refuse on their own; any other is a failure.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def _overrides(row: Dict[str, str], data: Path, tokenizer: Path, run_dir: Path) 
 
 def run_entry_point(overrides: List[str]) -> Tuple[int, str]:
     """`python -m flexengine.train <overrides>` in this process: (exit status, stderr)."""
-    from flexengine.cli.common import train
+    from flexengine.cli import train
 
     err = io.StringIO()
     argv = sys.argv
@@ -296,6 +297,32 @@ def still_wanted(results: List[Result], every: Set[Pair]) -> Tuple[Set[Pair], Se
     return every - covered - explained, alone, together
 
 
+# the values that may refuse on their own on this CPU machine, whatever they are paired with: FlexAttention has no
+# CPU backward. Any other value refused alone is a whole option lost (e.g. a precision mode that stopped building
+# here with a tidy UserError): the matrix would count its pairs as explained and pass, so it fails instead.
+MAY_REFUSE_ALONE: Set[Tuple[str, str]] = {("attn.backend", "flex")}
+
+
+def matrix_failures(
+    results: List[Result], every: Set[Pair], may_refuse_alone: Set[Tuple[str, str]] = MAY_REFUSE_ALONE
+) -> List[str]:
+    """What makes the matrix fail: crashes, a refusal longer than one paragraph, a value refused alone that is not
+    in may_refuse_alone, pairs neither trained nor refused, and too few working runs."""
+    failures = [f"crashed {r.row}: {r.detail}" for r in results if r.status == "crashed"]
+    failures += [
+        f"not one paragraph: {r.detail}" for r in results if r.status == "refused" and "\n\n" in r.detail.strip()
+    ]
+    wanted, alone, _ = still_wanted(results, every)
+    for key, value in sorted(alone - may_refuse_alone):
+        why = next(r.detail for r in results if r.status == "refused" and culprits(r) == {(key, value)})
+        failures.append(f"{key}={value} refused on its own (only {sorted(may_refuse_alone)} may): {why}")
+    if wanted:
+        failures.append(f"pairs neither trained nor refused: {sorted(wanted)}")
+    if sum(r.status == "ok" for r in results) < len(results) // 3:
+        failures.append("most options must train somewhere")
+    return failures
+
+
 def format_matrix(results: List[Result]) -> str:
     """The results as Markdown: one line per run, then what refused and why."""
     names = sorted(results[0].row)
@@ -343,14 +370,8 @@ def test_every_option_runs_through_the_loop_or_refuses_clearly(corpus, tmp_path,
     report = format_matrix(results)
     print(report)
     (tmp_path / "matrix.md").write_text(report)
-    crashed = [r for r in results if r.status == "crashed"]
-    assert not crashed, "\n\n".join(f"{r.row}: {r.detail}" for r in crashed)
-    for r in results:
-        if r.status == "refused":
-            assert "\n\n" not in r.detail.strip(), r.detail  # one paragraph
-    wanted, _, _ = still_wanted(results, every)
-    assert not wanted, f"pairs neither trained nor refused: {sorted(wanted)}"
-    assert sum(r.status == "ok" for r in results) >= len(results) // 3, "most options must train somewhere"
+    failures = matrix_failures(results, every)
+    assert not failures, "\n\n".join(failures)
 
 
 def test_a_refusal_explains_the_pairs_it_names_and_leaves_the_others_wanted():
@@ -371,6 +392,32 @@ def test_a_refusal_explains_the_pairs_it_names_and_leaves_the_others_wanted():
     rows = all_pairs(dims, wanted, avoid=together)
     assert not any(r["a"] == "1" and r["b"] == "x" for r in rows)
     assert wanted <= set().union(*map(_pairs_of, rows))
+
+
+def test_only_the_allowed_values_may_refuse_on_their_own():
+    """Review 19 #7: a whole option refusing on CPU with a tidy UserError (naming only itself) explained all its
+    pairs, so the matrix passed with that option never trained; only MAY_REFUSE_ALONE may do that."""
+    dims = {"attn.backend": ["flex", "varlen"], "precision": ["fp32", "bf16_cpu_master"], "c": ["p", "q"]}
+    every = _pairs_of_design(dims)
+    rows = all_pairs({**dims, "attn.backend": ["varlen"], "precision": ["fp32"]})
+    results = [Result(row, "ok", "", 0.0) for row in rows]
+    flex = Result({"attn.backend": "flex", "precision": "fp32", "c": "p"}, "refused", "attn.backend=flex: no.", 0.0)
+    assert matrix_failures([*results, flex], every, {("attn.backend", "flex")}) == [
+        f"pairs neither trained nor refused: {sorted(still_wanted([*results, flex], every)[0])}"
+    ]  # flex is excused; bf16_cpu_master never ran, so its pairs are still wanted
+    mode = Result(
+        {"attn.backend": "varlen", "precision": "bf16_cpu_master", "c": "q"},
+        "refused",
+        "precision=bf16_cpu_master cannot build its optimizer here.",
+        0.0,
+    )
+    failures = matrix_failures([*results, flex, mode], every, {("attn.backend", "flex")})
+    # every pair is explained (the old checks passed); the lone refusal alone fails it, quoting the message
+    assert len(failures) == 1 and failures[0].startswith("precision=bf16_cpu_master refused on its own")
+    assert failures[0].endswith(mode.detail)
+    assert not matrix_failures(
+        [*results, flex, mode], every, {("attn.backend", "flex"), ("precision", "bf16_cpu_master")}
+    )
 
 
 def _pairs_of_design(dims: Dict[str, List[str]]) -> Set[Pair]:
