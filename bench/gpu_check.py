@@ -2,8 +2,9 @@
 
 One worker process (bench/gpu_check_scripts.py) runs the checks one after another, so flex and block compiles
 are shared; it appends each check's JSON line to <out>/<prefix>.jsonl the moment the check ends. This driver
-imports only the standard library and watches the worker: a check that outlives its cap (2x its estimate) is
-killed (SIGTERM, SIGKILL 10 s later) and recorded as timed out; a worker that dies (a CUDA error, an abort)
+imports only the standard library and watches the worker: a check that outlives its cap (check_cap: up to 2x its
+estimate, a share of the time left) is killed (SIGTERM, SIGKILL 10 s later) and recorded as timed out; a worker
+that dies (a CUDA error, an abort)
 has its check recorded as failed; either way a fresh worker resumes at the next check. Checks the budget does
 not reach are recorded as skipped. At the end <prefix>.json (every record + the environment) and <prefix>.md
 (a table) are written from the lines; a cut-off run still leaves the .jsonl.
@@ -24,12 +25,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_list import BY_NAME, CHECKS
+from gpu_check_list import BY_NAME, CALL_BUDGET_S, CHECKS, RESERVE
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "gpu_check_scripts.py"
 KILL_GRACE_S = 10  # SIGTERM first (the worker's finally blocks run), then SIGKILL
 DRY_CAP_FACTOR = 8  # --dry-run: 2 CPU cores shared with other work, and CPU steps in place of GPU ones
+WORKER_START_S = 10  # a new worker after a kill: python, torch, transformers, flexengine imported again
+
+
+def check_cap(names: list[str], left_s: float, scale: float = 1) -> float:
+    """Seconds names[0] may run when `left_s` remain for it and the checks after it (names[1:]): its own cap
+    (2x its estimate, x `scale` in the dry run) as long as the later checks keep RESERVE of their estimates
+    (less one worker start-up each),
+    and never less than its share of the time left in proportion to the estimates. So one slow compile cannot
+    leave the decision-relevant checks after it `not_run`, and time saved early goes to the checks still to come."""
+    estimates = [BY_NAME[n].expected_s for n in names]
+    share = left_s * estimates[0] / sum(estimates)
+    own = BY_NAME[names[0]].cap_s * scale
+    # the later checks' reserve, the restart after this check if it is killed, and the next check's own restart
+    keep = RESERVE * scale * sum(estimates[1:]) + 2 * WORKER_START_S
+    return min(left_s, max(share, min(own, left_s - keep)))
 
 
 def read_records(path: Path) -> list[dict]:
@@ -116,28 +132,26 @@ def run_checks(names: list[str], args, jsonl: Path, log_path: Path, deadline: fl
             break
         cmd = [sys.executable, str(WORKER), "--jsonl", str(jsonl), *(["--dry-run"] if args.dry_run else []), *pending]
         worker = Worker(cmd, log_path)
-        timed_out = None
+        timed_out, caps = None, {}
         while worker.proc.poll() is None:
             time.sleep(0.5)
-            name = worker.current
+            name, started = worker.current, worker.started_at
             if name is None:
                 continue
-            over_cap = time.monotonic() - worker.started_at > BY_NAME[name].cap_s * (
-                DRY_CAP_FACTOR if args.dry_run else 1
-            )
-            if over_cap or time.monotonic() > deadline:
-                timed_out = (name, time.monotonic() - worker.started_at)
+            if name not in caps:  # set once, when the check starts, from the time left then
+                scale = DRY_CAP_FACTOR if args.dry_run else 1
+                caps[name] = check_cap(pending[pending.index(name) :], deadline - started, scale)
+            if time.monotonic() - started > caps[name] or time.monotonic() > deadline:
+                timed_out = (name, time.monotonic() - started, caps[name])
                 _kill(worker.proc)
                 break
         rc = worker.finish()
         done = {r.get("check") for r in read_records(jsonl)}
         if timed_out and timed_out[0] not in done:
-            name, seconds = timed_out
-            reason = "its cap" if time.monotonic() < deadline else "the run's time budget"
-            append_record(
-                jsonl,
-                {"check": name, "ok": False, "status": "fail", "seconds": seconds, "error": f"killed at {reason}"},
-            )
+            name, seconds, cap = timed_out
+            reason = f"its cap of {cap:.0f} s" if time.monotonic() < deadline else "the run's time budget"
+            record = {"check": name, "ok": False, "status": "fail", "seconds": seconds, "cap_s": round(cap, 1)}
+            append_record(jsonl, {**record, "error": f"killed at {reason}"})
             print(f"{name}: killed after {seconds:.0f} s ({reason})", flush=True)
         elif rc != 0 and (worker.current or pending[0]) not in done:
             # died inside a check (a crash, not a timeout), or before starting one (an import error): the check
@@ -209,20 +223,24 @@ def markdown(result: dict) -> str:
             f"(H200 estimate for these checks: {result['expected_h200_total_s']} s); all_ok={result['all_ok']}"
         ),
         "",
-        "| # | check | status | seconds here | H200 s (est.) | numbers |",
-        "|---|---|---|---|---|---|",
+        "| # | check | status | seconds here | of which compiling | H200 s (est.) | numbers |",
+        "|---|---|---|---|---|---|---|",
     ]
     for i, (name, r) in enumerate(result["checks"].items()):
         status = r.get("status", "?")
-        seconds = f"{r['seconds']:.1f}" if isinstance(r.get("seconds"), (int, float)) else "-"
-        lines.append(f"| {i} | `{name}` | {status} | {seconds} | {r['expected_h200_s']} | {_key_numbers(r)} |")
+        seconds, compiling = (
+            f"{r[k]:.1f}" if isinstance(r.get(k), (int, float)) else "-" for k in ("seconds", "compile_s")
+        )
+        lines.append(
+            f"| {i} | `{name}` | {status} | {seconds} | {compiling} | {r['expected_h200_s']} | {_key_numbers(r)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting checks after this")
+    parser.add_argument("--budget-s", type=float, default=CALL_BUDGET_S, help="stop starting checks after this")
     parser.add_argument("--only", nargs="*", default=None, help="checks whose name contains one of these")
     parser.add_argument("--dry-run", action="store_true", help="CPU: imports, configs, each check's CPU part")
     args = parser.parse_args()

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-MODES = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure", "fp32")  # most used first (the CUDA auto order)
+MODES = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure", "fp32")  # run order: bench/gpu_check_list.py
 MEMORY_RTOL = 0.10  # planner vs allocator (planner_vs_allocator); train_<mode> allows the plan to be 10 % low
 # train_<mode>: a plan over 1.25x the measured peak (measured < 0.8x planned) is too pessimistic: it refuses or
 # offloads jobs that fit. Looser than the 10 % on the low side: the timed steps may not reach the planned peak.
 PLAN_PESSIMISTIC = 0.8
 TIMED_STEPS = 3  # after one warm-up step (flex compile, optimizer states, allocator pools)
+FIRST_STEPS: list[float] = []  # seconds of each warm-up step of the running check (the worker resets and records it)
 # planner_vs_allocator's rows: at 7B width (bf16_mixed, memory=none) activations are 19.9 % of the planned device
 # bytes at 2 layers and 8K, 26.7 % at 8 layers and 8K, 55.6 % at 8 layers and 32K (planned 87 GiB of the H200's
 # 140), so halving the activation term moves the total by 9.9 %, 13.3 % and 27.8 %: only at 8 layers and 32K is
@@ -167,6 +168,7 @@ def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
         first = trainer.train_step()
         _sync()
         warm_s = time.perf_counter() - t0
+        FIRST_STEPS.append(warm_s)
         t0 = time.perf_counter()
         metrics = [trainer.train_step() for _ in range(steps)]
         _sync()
@@ -323,8 +325,10 @@ def check_offload_overlap(dry: bool) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(compose_job(job_overrides()["offload_overlap"]), Path(out))
+        t0 = time.perf_counter()
         trainer.train_step()  # warm-up: flex compile, pinned pools
         _sync()
+        FIRST_STEPS.append(time.perf_counter() - t0)
         events = profile_step(trainer.train_step)
         trainer.metrics.close()
         del trainer

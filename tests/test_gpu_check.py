@@ -61,7 +61,32 @@ def test_bench_readme_shows_the_check_list_as_it_is():
 def test_the_check_list_and_the_worker_name_the_same_checks_in_order():
     names = [c.name for c in gpu_check_list.CHECKS]
     assert names[0] == "env" and list(scripts.checks()) == names
-    assert sum(c.expected_s for c in gpu_check_list.CHECKS) <= 400  # the 7-minute call, wheels installed first
+    assert names[1:3] == ["train_bf16_sr", "train_bf16_mixed"]  # what precision=auto picks, then the default
+    decisive = [names.index(n) for n in ("planner_vs_allocator", "offload_overlap", "cp_grads", "doctor")]
+    assert max(decisive) < min(names.index(f"train_{m}") for m in ("bf16_cpu_master", "fp32", "bf16_pure"))
+
+
+def test_the_estimates_leave_a_margin_in_the_calls_budget():
+    budget = gpu_check_list.CALL_BUDGET_S
+    assert f"GPU_CHECK_BUDGET_S:-{budget}}}" in (REPO / "bench" / "gpu_check.sh").read_text()
+    assert sum(c.expected_s for c in gpu_check_list.CHECKS) <= (1 - gpu_check_list.MARGIN) * budget
+
+
+def test_check_cap_keeps_a_turn_for_the_checks_after_overrunning_ones():
+    """Every check before doctor runs until it is killed (and a new worker takes 10 s to start): the checks
+    that decide the most after the train modes still get RESERVE of their estimates (less a start-up); on
+    schedule a check gets 2x its estimate, and time saved early goes to the later checks."""
+    names = [c.name for c in gpu_check_list.CHECKS]
+    left = gpu_check_list.CALL_BUDGET_S - 20.0
+    assert gpu_check.check_cap(names, left) == gpu_check_list.BY_NAME["env"].cap_s  # on schedule: its own cap
+    for i, name in enumerate(names[: names.index("doctor") + 1]):
+        cap = gpu_check.check_cap(names[i:], left)
+        keeps = gpu_check_list.RESERVE * gpu_check_list.BY_NAME[name].expected_s - gpu_check.WORKER_START_S
+        assert cap >= keeps - 1e-9, (name, cap)
+        left -= cap + gpu_check.WORKER_START_S
+    assert left > 0
+    last = names[-1]
+    assert gpu_check.check_cap([last], 100.0) == 100.0 > gpu_check_list.BY_NAME[last].cap_s  # time saved early
 
 
 def test_the_allocator_check_shape_lets_a_halved_activation_term_show_and_2_layers_did_not():
@@ -171,6 +196,7 @@ def test_the_driver_records_a_hang_and_a_crash_and_resumes_at_the_next_check(tmp
         expected_s: int = 1
 
     monkeypatch.setattr(gpu_check, "BY_NAME", collections.defaultdict(Fast))
+    monkeypatch.setattr(gpu_check, "check_cap", lambda names, left_s, scale=1: 2.0)  # its own test above
     names = ["env", "train_bf16_mixed", "flex_vs_dense", "recompiles", "doctor"]
     jsonl = tmp_path / "out.jsonl"
     args = type("Args", (), {"dry_run": False})()
