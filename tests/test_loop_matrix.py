@@ -345,7 +345,8 @@ def fast_cpu():
     """One intra-op thread: at width 32 a thread hand-off costs more than the matmul it splits (measured 10x slower
     per step with 2 threads on a loaded 2-core machine). And torch.compile runs eagerly ("force_eager" stance):
     torchao's optimizers compile their per-parameter step with inductor, whose C++ builds took 30-77 s per run
-    here (per dtype and shape); eager they run the same code. The matrix checks how the options compose in the
+    here (per dtype and shape); eager they run the same code (the compiled bf16_sr step is compared with the eager
+    one in tests/loop/test_optim_numerics.py). The matrix checks how the options compose in the
     loop, not inductor's codegen (nothing else here compiles: train.compile is off, and flex, which forces it,
     cannot train on CPU)."""
     import torch

@@ -58,7 +58,9 @@ class Horizon:
     tail: int = TAIL_STEPS
     halvings: float = 1.0  # the gradient scale at the last step is 2**-halvings of the first's
     seed: int = 0
-    eager: bool = True  # torchao's per-tensor compiled step run eagerly (inductor costs minutes on CPU; same math)
+    # torchao's per-tensor compiled step run eagerly (inductor costs minutes on CPU); the compiled bf16_sr step is
+    # checked against the eager one in tests/loop/test_optim_numerics.py::test_compiled_adamw_bf16_step_matches_...
+    eager: bool = True
 
 
 def step_sizes(spec: PrecisionSpec, beta2: float, horizon: Horizon = Horizon()) -> list[float]:
