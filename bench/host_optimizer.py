@@ -33,13 +33,8 @@ from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.trainer import Trainer
-from flexengine.planning.planner import (
-    HOST_STEP_NS_PER_PARAM,
-    ModelShape,
-    host_optimizer_bytes,
-    host_optimizer_seconds,
-    plan_inputs,
-)
+from flexengine.planning.costs import HOST_STEP_NS_PER_PARAM, host_optimizer_bytes, host_optimizer_seconds
+from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
 
@@ -297,7 +292,7 @@ def _markdown(r: dict) -> str:
     lines += [
         "",
         (
-            f"Planned host bytes (memory/planner.host_optimizer_bytes): {plan['host_bytes'] / GiB:.3f} GiB "
+            f"Planned host bytes (planning/costs.host_optimizer_bytes): {plan['host_bytes'] / GiB:.3f} GiB "
             f"({plan['host_bytes'] / n:.2f} B/param); PCIe {plan['pcie_bytes_per_step'] / n:.1f} B/param a step."
         ),
         (

@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import MemoryConfig
-from flexengine.planning.planner import ModelShape, Workload, estimate_activations
+from flexengine.planning.activations import estimate_activations
+from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations

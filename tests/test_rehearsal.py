@@ -22,7 +22,7 @@ from flexengine.cli.common import compose_job
 from flexengine.core.config import conf_dir
 from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.fit import plan_job
-from flexengine.planning.planner import ModelShape
+from flexengine.planning.shapes import ModelShape
 from flexengine.surgery.memory import decoder_layers
 from flexengine.surgery.model import build_hf_config, build_meta_model
 

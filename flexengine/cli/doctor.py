@@ -29,7 +29,8 @@ from flexengine.core.units import GiB
 from flexengine.loop.hooks import PHASES as STEP_PHASES
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import utilization
-from flexengine.planning.planner import ModelShape, evaluate, plan_inputs, plan_memory
+from flexengine.planning.planner import evaluate, plan_memory
+from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.compile import CompileWatch

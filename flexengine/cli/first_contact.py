@@ -48,7 +48,7 @@ def command_line_keys(overrides: Iterable[str]) -> set[str]:
 
 def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
     """(file, yaml, parameter count) of every shipped model config that carries fine-tuning defaults."""
-    from flexengine.planning.planner import ModelShape
+    from flexengine.planning.shapes import ModelShape
     from flexengine.surgery.model import build_hf_config
 
     out = []
@@ -86,7 +86,7 @@ def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobC
     model = job.model
     if model.name != DEMO_MODEL or not model.loads_weights or not holds_weights(str(model.path)):
         return job
-    from flexengine.planning.planner import ModelShape
+    from flexengine.planning.shapes import ModelShape
     from flexengine.surgery.model import build_hf_config
 
     params = ModelShape.from_hf_config(build_hf_config(model)).params

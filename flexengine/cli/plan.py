@@ -64,7 +64,7 @@ def format_table(plan: dict) -> str:
     ]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
     lines.append(
-        "  assumed (sources in flexengine/planning/planner.py): "
+        "  assumed (sources in flexengine/planning/costs.py): "
         + ", ".join(
             f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
             for k, v in plan["assumptions"].items()
@@ -128,7 +128,7 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
-    from flexengine.planning.planner import plan_inputs
+    from flexengine.planning.shapes import plan_inputs
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.rope import context_limits
 
@@ -207,7 +207,7 @@ def build_plan(job: JobConfig) -> dict:
     """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed)."""
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
-    from flexengine.planning.planner import ModelShape
+    from flexengine.planning.shapes import ModelShape
     from flexengine.surgery.model import build_hf_config
 
     hf_config = build_hf_config(job.model)

@@ -10,7 +10,7 @@ Per parameter and step (optim.name=adamw_cpu_offload; precision=bf16_cpu_master)
   3. it rounds the master into the same slot (round-to-nearest, as a bf16 copy_ does) and uploads it on a side
      stream while the next parameter steps.
 Host bytes per trainable parameter: fp32 master 4 + two fp32 states 8 + the slot (the device dtype's size), plus
-one fp32 scratch of the largest parameter; PCIe: twice the device dtype's size per step (memory/planner.py counts
+one fp32 scratch of the largest parameter; PCIe: twice the device dtype's size per step (planning/costs.py counts
 both: host_optimizer_bytes, host_optimizer_seconds).
 
 Pinned memory: a non-blocking device -> host copy into an unpinned tensor allocates pinned memory through the

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
-from flexengine.planning.planner import k_table, plan_inputs, plan_memory
+from flexengine.planning.planner import k_table, plan_memory
+from flexengine.planning.shapes import plan_inputs
 from flexengine.surgery.precision import (
     PrecisionSpec,
     auto_order,
@@ -227,8 +228,8 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
 
 def compile_hint(job: JobConfig, fit: FitPlan) -> str:
     """With train.compile=false on a GPU: what eager pointwise ops cost over the run against compiling once, when
-    compiling pays (planner.eager_pointwise_s, COMPILE_S); else ''."""
-    from flexengine.planning.planner import COMPILE_S
+    compiling pays (costs.eager_pointwise_s, COMPILE_S); else ''."""
+    from flexengine.planning.costs import COMPILE_S
 
     eager_s = fit.plan.get("eager_pointwise_s", 0.0)
     if job.train.compile or fit.hardware.device == "cpu" or eager_s * job.train.max_steps <= COMPILE_S:
@@ -333,7 +334,7 @@ def _family(memory: dict, micro_batch: int) -> tuple:
 
 def _reduce_line(p: dict, hw: HardwareConfig) -> str:
     """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
-    from flexengine.planning.planner import interconnect_gb_s
+    from flexengine.planning.costs import interconnect_gb_s
 
     other = next(
         (

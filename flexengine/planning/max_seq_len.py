@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE
 from flexengine.core.units import GiB
-from flexengine.planning.planner import ModelShape, PlanInputs, candidates_for, evaluate
+from flexengine.planning.planner import candidates_for, evaluate
+from flexengine.planning.shapes import ModelShape, PlanInputs
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from flexengine.core.config import JobConfig
-from flexengine.planning.planner import ModelShape, estimate_activations, plan_inputs, rank_workload
+from flexengine.planning.activations import estimate_activations
+from flexengine.planning.shapes import ModelShape, plan_inputs, rank_workload
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum

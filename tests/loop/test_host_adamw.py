@@ -18,7 +18,8 @@ from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.host_adamw import CPUOffloadAdamW
 from flexengine.loop.optim import build_optimizer, clip_gradients, last_backward
 from flexengine.loop.trainer import Trainer
-from flexengine.planning.planner import ModelShape, host_optimizer_bytes, host_optimizer_seconds, plan_inputs
+from flexengine.planning.costs import host_optimizer_bytes, host_optimizer_seconds
+from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
 from tests.helpers import make_llama

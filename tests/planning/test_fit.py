@@ -208,13 +208,13 @@ def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, mo
 
 
 def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_path):
-    """Eager blocks run their pointwise ops unfused (planner.eager_pointwise_s): over the experiment's steps that
+    """Eager blocks run their pointwise ops unfused (costs.eager_pointwise_s): over the experiment's steps that
     costs far more than compiling the blocks' one shared graph, so the shipped experiment compiles, and a run with
     train.compile=false is told what it loses."""
     from flexengine.cli.common import compose_job
     from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.costs import COMPILE_S
     from flexengine.planning.fit import compile_hint, plan_job
-    from flexengine.planning.planner import COMPILE_S
     from flexengine.surgery.model import build_hf_config
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')

@@ -13,7 +13,8 @@ import yaml
 
 from flexengine.core.config import HardwareConfig, ModelConfig, conf_dir
 from flexengine.planning.max_seq_len import longest_fitting, max_seq_len_table
-from flexengine.planning.planner import ModelShape, PlanInputs, candidates_for, evaluate
+from flexengine.planning.planner import candidates_for, evaluate
+from flexengine.planning.shapes import ModelShape, PlanInputs
 from flexengine.surgery.model import build_hf_config
 
 ROOT = Path(__file__).parents[2]
@@ -83,7 +84,8 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv():
     """cp ranks share a row: per-token bytes are a rank's S / cp tokens, except the whole row's K and V that
     attention gathers (held for backward when attention is not recomputed) and their gradients in backward.
     Hand computation for deepseek-7B (MHA: 32 KV heads x 128 = 4096 K/V width), 64K tokens over 8 ranks, bf16."""
-    from flexengine.planning.planner import Workload, block_bytes, block_working_bytes, gathered_kv_bytes, rank_workload
+    from flexengine.planning.activations import block_bytes, block_working_bytes, gathered_kv_bytes
+    from flexengine.planning.shapes import Workload, rank_workload
 
     cfg = _deepseek()
     m = ModelShape.from_hf_config(cfg)

@@ -8,17 +8,9 @@ import pytest
 import torch
 
 from flexengine.core.config import HardwareConfig, MemoryConfig, ModelConfig
-from flexengine.planning.planner import (
-    ModelShape,
-    PlanInputs,
-    Workload,
-    block_bytes,
-    estimate_activations,
-    k_table,
-    plan_memory,
-    search_space,
-    spread_layers,
-)
+from flexengine.planning.activations import block_bytes, estimate_activations
+from flexengine.planning.planner import k_table, plan_memory, search_space, spread_layers
+from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations, select_layers
@@ -272,7 +264,7 @@ def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
 def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
     """Per micro-batch: one block's unsharded gradient instead of every block's, for grad_accum x the ring
     reduce-scatter's (world - 1) / world of the fp32 gradients per rank, timed at the interconnect bandwidth."""
-    from flexengine.planning.planner import INTERCONNECT_GB_S
+    from flexengine.planning.costs import INTERCONNECT_GB_S
 
     cfg, x = _deepseek_inputs(grad_accum=8)
     m = ModelShape.from_hf_config(cfg)
@@ -336,7 +328,7 @@ def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
     storages) against the planner's per-op derivation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from flexengine.planning.planner import pointwise_bytes
+    from flexengine.planning.activations import pointwise_bytes
 
     skip = {
         torch.ops.aten.mm.default,
@@ -395,7 +387,7 @@ def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
     adapters (and the norm vectors kept for fp32 norm outputs) are fp32 masters with a bf16 copy of the adapters."""
     from flexengine.cli.doctor import compose_job
     from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.planner import plan_inputs
+    from flexengine.planning.shapes import plan_inputs
     from flexengine.surgery.model import build_meta_model
     from flexengine.surgery.precision import precision_spec
 

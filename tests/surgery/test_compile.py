@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flexengine.core.config import MemoryConfig
-from flexengine.planning.planner import ModelShape, Workload, recompute_flops_per_block
+from flexengine.planning.activations import recompute_flops_per_block
+from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.compile import CompileWatch, apply_compile, needs_compiled_blocks

@@ -23,7 +23,7 @@ from transformers import (
 import flexengine
 from flexengine.core.config import LoraConfig, ModelConfig
 from flexengine.core.errors import UserError
-from flexengine.planning.planner import ModelShape
+from flexengine.planning.shapes import ModelShape
 from flexengine.surgery.family import FAMILIES, LLAMA, MISTRAL, QWEN2, family_of, resolve_family
 from flexengine.surgery.model import build_hf_config
 from tests.helpers import QWEN_MIXED, TINY_LLAMA

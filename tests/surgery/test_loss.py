@@ -89,7 +89,8 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
     """131,072 tokens, vocab 4096: whole fp32 logits would be 2 GiB (and their gradient as much again); chunks of
     1024 keep the working set within the planner's estimate (hidden rows + one chunk's logits, log-probs and
     gradient), and the value equals plain CE summed over slices."""
-    from flexengine.planning.planner import ModelShape, Workload, constant_bytes, loss_transient_bytes
+    from flexengine.planning.activations import constant_bytes, loss_transient_bytes
+    from flexengine.planning.shapes import ModelShape, Workload
     from flexengine.surgery.memory.meter import measure_peak_bytes
 
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ def test_pretrained_without_path_names_the_key():
 
 
 def test_meta_model_allocates_nothing_and_counts_like_the_planner():
-    from flexengine.planning.planner import ModelShape
+    from flexengine.planning.shapes import ModelShape
 
     arch = dict(
         model_type="mistral",

@@ -10,13 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
-from flexengine.planning.planner import (
-    ModelShape,
-    Workload,
-    block_working_bytes,
-    estimate_activations,
-    recompute_flops_per_block,
-)
+from flexengine.planning.activations import block_working_bytes, estimate_activations, recompute_flops_per_block
+from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, decoder_layers, measure_activations

@@ -1,0 +1,177 @@
+"""The step's terms that do not depend on the memory policy: weights, grads and optimizer states (sharded by
+FSDP), FSDP's unsharded buffers, the host optimizer's bytes and seconds, PCIe and reduce-scatter traffic, and the
+assumed constants (MFU, bandwidths, CUDA reserve) that turn bytes and FLOPs into seconds."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flexengine.core.config import HardwareConfig
+from flexengine.core.units import GiB
+from flexengine.planning.activations import pointwise_bytes
+from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
+
+# The constants below are not derived from our code path; each names its source and is printed with every plan
+# (`assumptions` in the JSON, the last lines of the table).
+# Turns FLOPs into seconds when weighing recompute against offload traffic. torchtitan (docs/performance.md)
+# reports 56.8-58.2 % MFU for Llama 3 8B with FSDP2 + compile on 64 A100s; a single-GPU 7B run with long rows
+# and a flex mask reaches less, so the planner assumes 0.4. Only ratios of times use it (recompute vs PCIe).
+ASSUMED_MFU = 0.4
+# CUDA context + caching-allocator headroom on a GPU: the context alone takes 0.5-0.8 GiB on the first CUDA
+# call (PyTorch forum threads 73021 and 81330: 723 MiB and ~800 MiB), the rest absorbs fragmentation.
+CUDA_RESERVE_BYTES = 1 * GiB
+# Memory bandwidth (GB/s) for memory-bound pointwise recompute, by hardware.name substring (vendor datasheets:
+# A100 80GB SXM 2039, H100 SXM 3350, H200 4800); cpu: assumed 10 (a copy of 512 MiB measured 2.3 GB/s on
+# this project's shared 2-core build machine under load); anything else: the A100 figure.
+HBM_GB_S = {"h200": 4800.0, "h100": 3350.0, "a100": 2039.0, "cpu": 10.0}
+DEFAULT_HBM_GB_S = 2039.0
+# GPU<->GPU bandwidth (GB/s per GPU, one direction) that FSDP's gradient reduce-scatter achieves, by hardware.name
+# substring. ESTIMATES, not measured here: the datasheets give NVLink 3 (A100 SXM) 600 GB/s and NVLink 4 (H100/H200
+# SXM) 900 GB/s, both directions together; NCCL's collectives reach roughly 75-80 % of one direction's half
+# (nccl-tests bus bandwidth on DGX A100 ~230 GB/s, DGX H100 ~360 GB/s). PCIe cards without NVLink: pcie_gb_s.
+# hardware.interconnect_gb_s overrides it.
+INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
+# Eager blocks run each pointwise op (norms, RoPE, SwiGLU, residual adds) as its own kernel: every output is
+# written and read back once (2x pointwise_bytes) in forward, and about twice that in backward (3 passes in all);
+# a compiled block fuses them into the matmuls' neighbours. What compiling costs once: one graph shared by every
+# block (compile.apply_compile), about a minute of inductor on a GPU host (assumed; CPU aot_eager: 1-3 s).
+EAGER_POINTWISE_PASSES = 3
+COMPILE_S = 60.0
+# FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
+REDUCE_BYTES = 4
+FALLBACK_PEAK_TFLOPS = 100.0  # only to weigh recompute against PCIe time when the device's peak is unknown
+# adamw_cpu_offload's host step per trainable parameter (flexengine.loop.host_adamw: bf16 slot -> fp32 scratch, fused
+# AdamW, fp32 master -> bf16 slot, the copies): measured on this project's CPU, 1.19 ns of one core per parameter
+# (bench/results/host_optimizer.json: 207M parameters, CPU seconds on one thread of a shared 2-core VM; the replaced
+# foreach step took 5.65). For an A100's host this is an estimate, the same figure: the step is memory-bound and
+# multi-threaded, and a DGX host gives each GPU more cores and memory channels than this VM has.
+HOST_STEP_NS_PER_PARAM = 1.2
+
+
+def static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    """Weights, grads and optimizer states (and autocast's weight copies) on this rank, by term: FSDP shards them."""
+    world = max(1, x.hardware.world_size)  # FSDP shards weights, grads and optimizer states
+    trainable = m.params * x.trainable_fraction
+    weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
+    grad = x.grad_bytes if x.grad_bytes is not None else weight
+    state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else weight
+    copied = m.params  # parameters autocast keeps a bf16 copy of
+    if x.frozen_weight_bytes is not None and x.trainable_fraction < 1.0:
+        # LoRA: base matrices frozen in the compute dtype; norm weights and adapters in the master dtype
+        frozen = m.params - m.norm_params
+        weights = frozen * x.frozen_weight_bytes + (m.norm_params + trainable) * weight
+        copied = trainable
+    else:
+        weights = m.params * weight
+    out = {"weights_bytes": int(weights / world), "grads_bytes": int(trainable * grad / world)}
+    if x.embedding_state_bytes is not None and x.trainable_fraction >= 1.0:
+        embedding = m.vocab * m.hidden  # the input embedding's states replace its share of the others
+        out["optimizer_bytes"] = int(2 * (trainable - embedding) * state / world)
+        out["embedding_optimizer_bytes"] = int(embedding * x.embedding_state_bytes / world)
+    else:
+        out["optimizer_bytes"] = int(2 * trainable * state / world)  # AdamW: exp_avg + exp_avg_sq
+    if x.compute_copy_bytes:
+        out["compute_copy_bytes"] = int(copied * x.compute_copy_bytes / world)
+    return out
+
+
+def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    """Unsharded FSDP2 buffers (parallel.apply_fsdp), 0 for one process.
+
+    Each block is fully_shard-ed on its own: its weights are all-gathered for forward and again for backward,
+    and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
+    embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
+    block until its reduce-scatter, in the fp32 reduce dtype; the root's (lm_head's from the start of backward)
+    until the root's reduce-scatter at its end, in the compute dtype. With grad_accum > 1 and reduce_every=window
+    the trainer reduces once per accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False)
+    until the last micro-batch), so every block's unsharded gradient lives through the window; reduce_every=
+    micro_batch reduce-scatters in every backward and holds one block's at a time."""
+    world = max(1, x.hardware.world_size)
+    if world == 1:
+        return {}
+    gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
+    root = m.embedding_params + m.hidden
+    root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
+    unsharded_blocks = m.layers if x.grad_accum > 1 and x.reduce_every == "window" else 1
+    return {
+        "fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
+        "fsdp_unsharded_grads_bytes": int(
+            unsharded_blocks * m.block_params * x.trainable_fraction * REDUCE_BYTES + root_trainable * gathered
+        ),
+    }
+
+
+def eager_pointwise_s(m: ModelShape, x: PlanInputs) -> float:
+    """Seconds per optimizer step that unfused pointwise ops add to eager (uncompiled) blocks: their bytes at the
+    device's memory bandwidth (see EAGER_POINTWISE_PASSES)."""
+    per_block = 2 * sum(pointwise_bytes(m, rank_workload(x)).values())
+    return x.grad_accum * m.layers * per_block * EAGER_POINTWISE_PASSES / (hbm_gb_s(x.hardware) * 1e9)
+
+
+def interconnect_gb_s(hardware: HardwareConfig) -> float:
+    """GPU<->GPU bandwidth for collectives: hardware.interconnect_gb_s, else INTERCONNECT_GB_S by name, else PCIe."""
+    if hardware.interconnect_gb_s:
+        return hardware.interconnect_gb_s
+    name = (hardware.name or "").lower()
+    return next((v for key, v in INTERCONNECT_GB_S.items() if key in name), hardware.pcie_gb_s)
+
+
+def reduce_scatter_traffic(m: ModelShape, x: PlanInputs) -> tuple[int, float]:
+    """(bytes each rank sends, seconds) of one step's gradient reduce-scatters: a ring reduce-scatter of the
+    trainable fp32 gradients sends (world - 1) / world of them per rank, once per window or once per micro-batch
+    (reduce_every). (0, 0.0) for one process."""
+    world = max(1, x.hardware.world_size)
+    if world == 1:
+        return 0, 0.0
+    reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
+    sent = int(reduces * m.params * x.trainable_fraction * REDUCE_BYTES * (world - 1) / world)
+    return sent, sent / (interconnect_gb_s(x.hardware) * 1e9)
+
+
+def hbm_gb_s(hardware: HardwareConfig) -> float:
+    """Memory bandwidth of the target (HBM_GB_S by hardware.name, else DEFAULT_HBM_GB_S)."""
+    name = (hardware.name or "").lower() if hardware.device != "cpu" else "cpu"
+    return next((v for key, v in HBM_GB_S.items() if key in name), DEFAULT_HBM_GB_S)
+
+
+def assumptions(hardware: HardwareConfig) -> dict[str, float]:
+    """The constants a plan rests on (sources in the comments above their definitions)."""
+    return {
+        "assumed_mfu": ASSUMED_MFU,
+        "cuda_reserve_bytes": CUDA_RESERVE_BYTES if hardware.device != "cpu" else 0,
+        "memory_gb_s": hbm_gb_s(hardware),
+        "pcie_gb_s": hardware.pcie_gb_s,
+        "peak_tflops": hardware.peak_tflops,
+    }
+
+
+def host_optimizer_bytes(m: ModelShape, x: PlanInputs) -> int:
+    """Host bytes a CPU-offloaded optimizer holds on this rank: fp32 master, states and transfer slot per trainable
+    parameter, plus one fp32 scratch of the largest tensor (LoRA's adapters: negligible)."""
+    world = max(1, x.hardware.world_size)
+    largest = m.largest_matrix / world if x.trainable_fraction == 1.0 else 0
+    return int(m.params * x.trainable_fraction / world * x.host_bytes_per_param + largest * x.host_scratch_bytes)
+
+
+def host_optimizer_seconds(m: ModelShape, x: PlanInputs, compute_s: float) -> tuple[float, int]:
+    """(exposed seconds, PCIe bytes) of a host optimizer step (flexengine.loop.host_adamw) per optimizer step.
+
+    Each trainable parameter crosses PCIe twice in the device dtype. The gradients go down during the window's last
+    backward (2/3 of a micro-batch's compute; under torchrun the step downloads them itself, exposed); the host
+    steps once the last one has landed (the clip needs the global norm), and each upload runs on the side stream
+    under the next parameter's host step."""
+    if not x.host_bytes_per_param:
+        return 0.0, 0
+    n = m.params * x.trainable_fraction / max(1, x.hardware.world_size)
+    transfer = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
+    one_way_s = n * transfer / (x.hardware.pcie_gb_s * 1e9)
+    under = 2 * compute_s / 3 if x.hardware.world_size <= 1 else 0.0
+    host_s = n * HOST_STEP_NS_PER_PARAM * 1e-9
+    exposed = host_s + max(0.0, one_way_s - host_s) + max(0.0, one_way_s - under)
+    return exposed, int(2 * n * transfer)
+
+
+def pinned_bound_bytes(host_budget: Optional[int], host_state: int) -> Optional[int]:
+    """Pinned host bytes activation offload may hold on this rank: the rank's host budget less the optimizer
+    state kept on the host (the planner's other host term); None when no budget is known (library use)."""
+    return None if host_budget is None else max(0, host_budget - host_state)

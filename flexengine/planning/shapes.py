@@ -1,0 +1,204 @@
+"""What the bytes model reads: the model's dimensions (ModelShape), one micro-batch (Workload), and everything a
+plan depends on besides the model (PlanInputs, built from a JobConfig by `plan_inputs`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from flexengine.core.config import HardwareConfig
+from flexengine.surgery.family import Family, resolve_family
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a LLaMA-style decoder that the bytes model needs."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    params: int
+    tied: bool = False  # lm_head shares the input embedding
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus lm_head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def norm_params(self) -> int:
+        """Norm weights: two per block and the final norm (the 1-D parameters `precision.cast_frozen` keeps)."""
+        return self.hidden * (2 * self.layers + 1)
+
+    @property
+    def largest_matrix(self) -> int:
+        """Elements of the largest weight matrix (the embedding, unless the MLP or attention is wider)."""
+        return max(self.vocab, self.intermediate, self.heads * self.head_dim) * self.hidden
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block."""
+        return (self.params - self.embedding_params - self.hidden) // self.layers
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        """Read an HF config (LLaMA/Mistral/Qwen2-style names); parameters counted analytically."""
+        h, a = cfg.hidden_size, cfg.num_attention_heads
+        k = getattr(cfg, "num_key_value_heads", None) or a
+        d = getattr(cfg, "head_dim", None) or h // a
+        f, L, V = cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+        per_layer = h * (a * d + 2 * k * d) + a * d * h + 3 * h * f + 2 * h
+        if getattr(cfg, "attention_bias", False):
+            per_layer += a * d + 2 * k * d + h
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        embeddings = V * h * (1 if tied else 2)
+        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied)
+
+    def lora_params(self, r: int, target_modules: list[str], family: Family) -> int:
+        """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
+        h, f = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention, mlp = family.attention, family.mlp  # projection names in role order: q, k, v / gate, up
+        shapes = {
+            **dict(zip(attention.inputs, ((h, q), (h, kv), (h, kv)))),
+            attention.output: (q, h),
+            **dict.fromkeys(mlp.inputs, (h, f)),
+            mlp.output: (f, h),
+        }
+        return self.layers * sum(r * sum(shapes[t]) for t in target_modules if t in shapes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch: its shape, activation dtype and attention backend."""
+
+    micro_batch: int
+    seq_len: int
+    act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
+    backend: str = "flex"  # flex | varlen (CPU per-document SDPA) | dense (the CPU reference; adds S^2 mask terms)
+    chunk_size: int = 0  # loss.chunk_size
+    mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
+    doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
+    dense_chunk: int = 512  # dense backend: attn.dense_chunk, queries per SDPA call
+    cp: int = 1  # context parallelism: seq_len is this rank's share of a row of cp x seq_len tokens, whose K and V
+    # attention gathers whole (torch's flex CP path) and holds for its backward
+
+    @property
+    def tokens(self) -> int:
+        """T = B x S."""
+        return self.micro_batch * self.seq_len
+
+    @property
+    def dense_mask_elements(self) -> int:
+        """Mask elements of the dense backend's per-chunk SDPA calls: each chunk's queries x the keys from the
+        earliest document start in it (exact for documents of doc_len tokens back to back)."""
+        total = 0
+        for q_start in range(0, self.seq_len, self.dense_chunk):
+            q_end = min(q_start + self.dense_chunk, self.seq_len)
+            kv_start = (q_start // self.doc_len) * self.doc_len if self.doc_len else 0
+            total += (q_end - q_start) * (q_end - kv_start)
+        return self.micro_batch * total
+
+    @property
+    def mlp_tiled(self) -> bool:
+        """Whether the MLP really runs in more than one tile (tiled_mlp_forward skips a single tile)."""
+        return 0 < self.mlp_tile < self.tokens
+
+
+@dataclass
+class PlanInputs:
+    """Everything a plan depends on besides the model shape (bytes per parameter from the precision mode)."""
+
+    seq_len: int
+    micro_batch: int
+    dtype_bytes: int  # activation bytes per element (and parameter bytes unless weight_bytes is given)
+    hardware: HardwareConfig
+    chunk_size: int = 0
+    backend: str = "flex"
+    grad_accum: int = 1
+    optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
+    trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
+    embedding_state_bytes: Optional[float] = None  # per input-embedding element when its optimizer states differ
+    # from the rest (adamw_8bit keeps them in fp32: precision.EMBEDDING_STATE_BYTES); None = like every parameter
+    fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
+    # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
+    weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
+    grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
+    compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
+    frozen_weight_bytes: Optional[float] = None  # per frozen matrix element when trainable_fraction < 1 (LoRA's
+    # base weights, stored in the compute dtype with no autocast copy: precision.cast_frozen); None = weight bytes
+    host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
+    host_scratch_bytes: float = 0.0  # per element of the largest trainable tensor: the host step's fp32 scratch
+    precision: str = ""  # the precision mode these bytes come from (for reports)
+    cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
+    # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
+    reduce_every: str = "window"  # FSDP gradient reduce-scatter: window (once per step; every block's unsharded
+
+
+def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
+    """One rank's micro-batch: under context parallelism its seq_len / cp tokens of every row (the whole row's
+    K and V gathered in attention)."""
+    return Workload(
+        x.micro_batch if micro_batch is None else micro_batch,
+        -(-x.seq_len // x.cp),
+        x.dtype_bytes,
+        x.backend,
+        x.chunk_size,
+        mlp_tile,
+        cp=x.cp,
+    )
+
+
+def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = None) -> PlanInputs:
+    """PlanInputs of a JobConfig on concrete hardware under a PrecisionSpec (attention backend as training
+    resolves it on that device)."""
+    if on_cuda is None:
+        on_cuda = hardware.device == "cuda"
+    import torch
+
+    from flexengine.surgery.attention.spec import AttnBackend, resolve_backend
+
+    # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
+    resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
+    backend = {AttnBackend.DENSE: "dense", AttnBackend.VARLEN: "varlen"}.get(resolved, "flex")
+    trainable = 1.0
+    if job.model.lora.r > 0:  # only adapters have grads and optimizer states
+        from flexengine.surgery.model import build_hf_config
+
+        hf_config = build_hf_config(job.model)
+        shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
+        targets = family.lora_targets_of(job.model.lora.target_modules)
+        trainable = shape.lora_params(job.model.lora.r, targets, family) / shape.params
+    from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
+
+    per_param = spec.bytes_per_param()
+    return PlanInputs(
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        dtype_bytes=spec.act_bytes,
+        hardware=hardware,
+        chunk_size=job.loss.chunk_size,
+        backend=backend,
+        grad_accum=job.train.grad_accum,
+        optimizer_state_bytes=per_param["optimizer"] / 2,
+        trainable_fraction=trainable,
+        weight_bytes=per_param["weights"],
+        grad_bytes=per_param["grads"],
+        compute_copy_bytes=per_param["compute_copy"],
+        frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
+        host_bytes_per_param=per_param["host"],
+        host_scratch_bytes=per_param["host_scratch"],
+        embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
+        # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
+        fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
+        precision=spec.name,
+        cp=job.parallel.cp,
+        # DDP keeps full gradients either way: reducing per micro-batch would only add traffic
+        reduce_every="window"
+        if job.parallel.strategy == "ddp" and job.parallel.reduce_every == "auto"
+        else job.parallel.reduce_every,
+    )
