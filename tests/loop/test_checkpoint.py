@@ -247,7 +247,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_newest_that_verifies(run, c
     bad = run / "step_2" / "model.safetensors"
     flip_one_byte(bad)
     assert "does not match its checksum" in verify_checkpoint(run / "step_2")
-    with caplog.at_level(logging.WARNING, logger="flexengine.loop.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="flexengine.loop.checkpoint_load"):
         chosen = resolve_resume("auto", run)
     assert chosen == run / "step_1"
     assert f"{bad} does not match its checksum" in caplog.text and "falling back to" in caplog.text
@@ -484,12 +484,12 @@ def _two_ranks(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
     from flexengine.core import storage
-    from flexengine.loop import checkpoint
+    from flexengine.loop import checkpoint, rank_sync
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3)
     )
-    checkpoint.COLLECTIVE_TIMEOUT_S = 60.0  # a hang fails the test in a minute
+    rank_sync.COLLECTIVE_TIMEOUT_S = 60.0  # a hang fails the test in a minute (the save and the load read it)
     root, model, results = Path(out) / "checkpoints", make_llama(), {}
 
     def phase(name, fn):
