@@ -323,11 +323,12 @@ def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, s
     import os
     import signal
 
+    from flexengine.loop import checkpointer
     from flexengine.loop import trainer as trainer_module
     from flexengine.loop.checkpoint import verify_checkpoint
 
     signum = getattr(signal, sig)
-    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+    real_step, real_save = trainer_module.Trainer.train_step, checkpointer.save_checkpoint
 
     def step_then_signal(self):
         out = real_step(self)
@@ -340,7 +341,7 @@ def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, s
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
-    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_again_while_saving)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", signal_again_while_saving)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     summary = run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
     assert summary["steps"] == 2 and summary["exit_code"] == 128 + signum
@@ -354,9 +355,10 @@ def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
     import os
     import signal
 
+    from flexengine.loop import checkpointer
     from flexengine.loop import trainer as trainer_module
 
-    real_step, real_save = trainer_module.Trainer.train_step, trainer_module.save_checkpoint
+    real_step, real_save = trainer_module.Trainer.train_step, checkpointer.save_checkpoint
 
     def step_then_signal(self):
         out = real_step(self)
@@ -370,7 +372,7 @@ def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
-    monkeypatch.setattr(trainer_module, "save_checkpoint", two_more_while_saving)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", two_more_while_saving)
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         run_training(make_job(tmp_path, "train.max_steps=5", "train.save_final=false"), tmp_path)
@@ -383,15 +385,15 @@ def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatc
     import os
     import signal
 
-    from flexengine.loop import trainer as trainer_module
+    from flexengine.loop import checkpointer
 
-    real_save = trainer_module.save_checkpoint
+    real_save = checkpointer.save_checkpoint
 
     def signal_during_the_final_save(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "save_checkpoint", signal_during_the_final_save)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", signal_during_the_final_save)
     summary = run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
     assert summary["steps"] == 2 and summary["status"] == "ok" and summary["exit_code"] == 0
     assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()

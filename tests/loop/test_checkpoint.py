@@ -42,7 +42,7 @@ def _optimizer_state(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, obj
 
 
 def _state(model: torch.nn.Module, step: int) -> dict:
-    from flexengine.loop.trainer import _rng_state
+    from flexengine.loop.checkpointer import _rng_state
 
     opt, sched = _optimizer_state(model)
     return {
@@ -161,7 +161,7 @@ def test_a_damaged_trainer_state_is_called_damaged_and_other_errors_propagate(ru
 def test_trainer_state_loads_weights_only_and_round_trips(model, tmp_path):
     import numpy as np
 
-    from flexengine.loop.trainer import _set_rng_state
+    from flexengine.loop.checkpointer import _set_rng_state
 
     np.random.seed(3)
     state = _state(model, 1)

@@ -1,0 +1,109 @@
+"""Stop signals: SIGINT/SIGTERM finish the step (or cut an evaluation/sampling short), the ranks agree on the stop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from typing import Callable, Iterator, Optional
+
+import torch
+
+log = logging.getLogger("flexengine.loop.trainer")  # moved out of trainer.py: its lines keep their logger name
+
+
+class StopSignals:
+    """The signal state of one training process: which signal came, how many, and whether the ranks agreed."""
+
+    def __init__(self, device: torch.device, step: Callable[[], int]):
+        self.device = device
+        self.step = step  # the last finished step (the Trainer's state is replaced on resume: read it when asked)
+        self.signal: Optional[int] = None  # set by this process's signal handler
+        self.count = 0  # SIGINT/SIGTERM received while handle() is active
+        self.handling = False  # handle() is active (it nests)
+        self.agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
+        self.pause: Optional[str] = None  # "evaluation" / "sampling" while one runs (a signal cuts it short)
+
+    @contextlib.contextmanager
+    def pausing(self, activity: str) -> Iterator[None]:
+        """Mark an evaluation or sampling pause (the signal handler then says it stops at the next batch/token)."""
+        self.pause = activity
+        try:
+            yield
+        finally:
+            self.pause = None
+
+    def requested(self) -> bool:
+        """Asked between eval batches and sampled tokens: whether a stop signal came. Under torchrun the ranks agree
+        through one small all-reduce (each forward there is a collective: all ranks must leave after the same one);
+        its cost is nothing beside an eval batch's or a whole row's forward."""
+        mine = self.signal is not None
+        if not torch.distributed.is_initialized():
+            return mine
+        vote = torch.tensor([float(mine)], device=self.device)
+        torch.distributed.all_reduce(vote)
+        self.agreed = self.agreed or bool(vote.item() > 0)
+        return self.agreed
+
+    def should_stop(self) -> bool:
+        """Whether the loop stops before its next step (under torchrun: the ranks' agreed vote of the last step)."""
+        if torch.distributed.is_initialized():
+            return self.agreed
+        return self.signal is not None
+
+    @contextlib.contextmanager
+    def handle(self) -> Iterator[None]:
+        """SIGINT/SIGTERM finish the current step, save and stop; a second signal only says the save is still
+        running; a third gives up the save: the previous handler runs (Ctrl-C raises KeyboardInterrupt, SIGTERM
+        ends the process). run_training holds this over the summary write too. The old handlers come back at
+        the end."""
+        if self.handling:
+            yield
+            return
+        previous = {}
+
+        def request_stop(signum: int, frame: object) -> None:
+            self.count += 1
+            if self.signal is None:
+                self.signal = signum
+                log.warning(
+                    "signal %d: %s, then saving and exiting with status %d",
+                    signum,
+                    f"stopping the {self.pause} at its next {'batch' if self.pause == 'evaluation' else 'token'}"
+                    if self.pause
+                    else f"finishing step {self.step() + 1}",
+                    128 + signum,
+                )
+            elif self.count == 2:
+                log.warning(
+                    "signal %d again: still finishing and saving (step %d); exiting when the checkpoint "
+                    "and summary are written. A third signal aborts and loses this save (the previous "
+                    "checkpoint stays intact)",
+                    signum,
+                    self.step(),
+                )
+            else:
+                log.warning(
+                    "signal %d a third time: aborting; the checkpoint being written is lost, the previous "
+                    "one is intact",
+                    signum,
+                )
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                handler = previous.get(signum, signal.SIG_DFL)
+                if callable(handler):
+                    handler(signum, frame)  # Python's SIGINT handler: KeyboardInterrupt here
+                elif handler != signal.SIG_IGN:
+                    os.kill(os.getpid(), signum)  # the default action: end the process by this signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread (e.g. under some launchers)
+                previous[sig] = signal.signal(sig, request_stop)
+        self.handling = True
+        try:
+            yield
+        finally:
+            self.handling = False
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
