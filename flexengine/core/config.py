@@ -257,7 +257,7 @@ class HardwareConfig:
     world_size: int = 1  # devices in the job (torchrun sets the real value)
     interconnect_gb_s: Optional[float] = None  # GPU<->GPU bandwidth per GPU (GB/s, one direction, what NCCL's
     # reduce-scatter achieves) for FSDP's gradient reduction time; None = by hardware.name (NVLink estimates in
-    # memory/planner.INTERCONNECT_GB_S), else pcie_gb_s
+    # planning/costs.INTERCONNECT_GB_S), else pcie_gb_s
 
     def __post_init__(self) -> None:
         check_choice("hardware.device", self.device, ("auto", "cpu", "cuda"))
