@@ -185,75 +185,68 @@ def _check(name: str, verdict: str, value: str, detail: str = "", suggestion: st
     return {"name": name, "verdict": verdict, "value": value, "detail": detail, "suggestion": suggestion}
 
 
-def run_checks(job: JobConfig, n: dict) -> list[dict]:
-    """The verdicts, one per question a slow run raises; each warn/bad carries a concrete suggestion."""
-    on_cuda = n["device"].startswith("cuda")
-    backend, mode = n["attn_backend"], n["attn_mode"]
-    checks = []
-    # attention backend: what ran, and why
-    backend = AttnBackend(backend)
+def _on_cuda(n: dict) -> bool:
+    """The numbers were measured on a GPU (some verdicts only apply there)."""
+    return n["device"].startswith("cuda")
+
+
+def attention_check(job: JobConfig, n: dict) -> dict:
+    """The attention backend: what ran, and why."""
+    backend, mode = AttnBackend(n["attn_backend"]), n["attn_mode"]
     if backend is AttnBackend.HF_SDPA:
         # the padding it costs is judged (and the fix suggested) by the useful-tokens check below
-        checks.append(
-            _check(
-                "attention",
-                "info",
-                f"HF sdpa ({mode}), one document per row",
-                "the padded baseline: every row is padded to the batch's longest document",
-            )
+        return _check(
+            "attention",
+            "info",
+            f"HF sdpa ({mode}), one document per row",
+            "the padded baseline: every row is padded to the batch's longest document",
         )
-    elif backend is AttnBackend.DENSE and on_cuda:
-        checks.append(
-            _check(
-                "attention",
-                "warn",
-                f"dense ({mode})",
-                "materialises a [B, 1, S, S] mask per batch",
-                "dense attention masks on GPU: use attn.backend=flex (or auto)",
-            )
+    if backend is AttnBackend.DENSE and _on_cuda(n):
+        return _check(
+            "attention",
+            "warn",
+            f"dense ({mode})",
+            "materialises a [B, 1, S, S] mask per batch",
+            "dense attention masks on GPU: use attn.backend=flex (or auto)",
         )
-    elif backend is AttnBackend.FLEX and not job.attn.compile:
-        checks.append(
-            _check(
-                "attention",
-                "warn",
-                f"flex ({mode}), not compiled",
-                "uncompiled flex materialises scores",
-                "FlexAttention runs uncompiled: set attn.compile=true",
-            )
+    if backend is AttnBackend.FLEX and not job.attn.compile:
+        return _check(
+            "attention",
+            "warn",
+            f"flex ({mode}), not compiled",
+            "uncompiled flex materialises scores",
+            "FlexAttention runs uncompiled: set attn.compile=true",
         )
-    else:
-        why = {
-            AttnBackend.VARLEN: "auto picks per-document SDPA on CPU (FlexAttention has no CPU backward)",
-            AttnBackend.DENSE: "the boolean-mask reference (attn.backend=auto runs varlen: same result, SDPA's "
-            "causal cost)",
-        }.get(backend, "")
-        checks.append(_check("attention", "ok", f"{backend.value} ({mode})", why))
-    # compilation
+    why = {
+        AttnBackend.VARLEN: "auto picks per-document SDPA on CPU (FlexAttention has no CPU backward)",
+        AttnBackend.DENSE: "the boolean-mask reference (attn.backend=auto runs varlen: same result, SDPA's "
+        "causal cost)",
+    }.get(backend, "")
+    return _check("attention", "ok", f"{backend.value} ({mode})", why)
+
+
+def compile_check(job: JobConfig, n: dict) -> dict:
+    """Compilation: graphs compiled or broken after warm-up, or blocks left eager on a GPU."""
     new_graphs, recompiles, breaks = n["graphs_compiled_after_warmup"], n["recompiles_after_warmup"], n["graph_breaks"]
     if new_graphs or breaks:
         reasons = "; ".join(n["recompile_reasons"][:3])
-        checks.append(
-            _check(
-                "compile",
-                "warn",
-                f"{new_graphs} graphs compiled after warm-up ({recompiles} recompiles), {breaks} graph breaks",
-                "each recompile stalls a step; each graph break splits a block's graph"
-                + (f"; guards that failed: {reasons}" if reasons else ""),
-                "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks",
-            )
+        return _check(
+            "compile",
+            "warn",
+            f"{new_graphs} graphs compiled after warm-up ({recompiles} recompiles), {breaks} graph breaks",
+            "each recompile stalls a step; each graph break splits a block's graph"
+            + (f"; guards that failed: {reasons}" if reasons else ""),
+            "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks",
         )
-    elif on_cuda and not job.train.compile:
-        checks.append(
-            _check(
-                "compile", "warn", "decoder blocks run eagerly", "", "compile the decoder blocks: train.compile=true"
-            )
+    if _on_cuda(n) and not job.train.compile:
+        return _check(
+            "compile", "warn", "decoder blocks run eagerly", "", "compile the decoder blocks: train.compile=true"
         )
-    else:
-        checks.append(
-            _check("compile", "ok", f"{n['graphs_compiled_warmup']} graphs compiled in warm-up, none after it")
-        )
-    # data: padding waste and tokenisation in the loop
+    return _check("compile", "ok", f"{n['graphs_compiled_warmup']} graphs compiled in warm-up, none after it")
+
+
+def useful_tokens_check(job: JobConfig, n: dict) -> dict:
+    """Data: the share of computed tokens that are padding."""
     frac = n["useful_token_fraction"]
     verdict = "ok" if frac >= 0.9 else ("warn" if frac >= 0.6 else "bad")
     suggestion = (
@@ -268,52 +261,75 @@ def run_checks(job: JobConfig, n: dict) -> list[dict]:
             )
         )
     )
-    checks.append(
-        _check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion)
-    )
+    return _check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion)
+
+
+def block_density_check(job: JobConfig, n: dict) -> dict:
+    """How much of a causal mask's block grid the attention really computed."""
     sp = n["block_density"]
-    checks.append(
-        _check(
-            "block density",
-            "info",
-            "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
-            "share of a causal mask's attention blocks actually computed (lower = more skipped)",
-        )
+    return _check(
+        "block density",
+        "info",
+        "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
+        "share of a causal mask's attention blocks actually computed (lower = more skipped)",
     )
-    # time split and throughput
+
+
+def time_split_check(job: JobConfig, n: dict) -> dict:
+    """Where the step's time goes; data loading and mask building should be small."""
     split = n["time_split"]
     verdict = "warn" if split["data"] + split["mask"] > 0.2 else "ok"
-    checks.append(
-        _check(
-            "time split",
-            verdict,
-            ", ".join(f"{p} {split[p]:.0%}" for p in PHASES),
-            "",
-            ""
-            if verdict == "ok"
-            else "data loading / mask building takes over 20% of the step: "
-            "raise train.micro_batch or check data.num_workers and the mask backend",
-        )
+    return _check(
+        "time split",
+        verdict,
+        ", ".join(f"{p} {split[p]:.0%}" for p in PHASES),
+        "",
+        ""
+        if verdict == "ok"
+        else "data loading / mask building takes over 20% of the step: "
+        "raise train.micro_batch or check data.num_workers and the mask backend",
     )
+
+
+def throughput_check(job: JobConfig, n: dict) -> dict:
+    """Tokens per second and MFU / HFU against the hardware's peak."""
     mfu, hfu = n["mfu"], n["hfu"]
-    verdict = "warn" if on_cuda and mfu is not None and mfu < 0.2 else "info"
+    verdict = "warn" if _on_cuda(n) and mfu is not None and mfu < 0.2 else "info"
     util = (
         "MFU n/a (unknown peak)"
         if mfu is None
         else f"MFU {mfu:.1%} (hardware FLOPs {hfu:.1%}) of {n['peak_tflops']} TFLOP/s"
     )
-    checks.append(
-        _check(
-            "throughput",
-            verdict,
-            f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, " + util,
-            "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
-            "padding, recompute and attention as the backend runs it (flexengine.loop.flops)",
-            "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above",
-        )
+    return _check(
+        "throughput",
+        verdict,
+        f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, " + util,
+        "MFU: model FLOPs of useful tokens and attended pairs; hardware FLOPs add "
+        "padding, recompute and attention as the backend runs it (flexengine.loop.flops)",
+        "" if verdict != "warn" else "MFU under 20%: see the time split and the suggestions above",
     )
-    checks.extend(memory_checks(job, n["memory"]))
-    return checks
+
+
+def memory_check(job: JobConfig, n: dict) -> dict:
+    """The planner's verdict on the applied policy (see memory_checks)."""
+    return memory_checks(job, n["memory"])[0]
+
+
+# The checks in report order: each takes the job and the numbers and returns one verdict.
+CHECKS = (
+    attention_check,
+    compile_check,
+    useful_tokens_check,
+    block_density_check,
+    time_split_check,
+    throughput_check,
+    memory_check,
+)
+
+
+def run_checks(job: JobConfig, n: dict) -> list[dict]:
+    """The verdicts, one per question a slow run raises; each warn/bad carries a concrete suggestion."""
+    return [check(job, n) for check in CHECKS]
 
 
 def memory_checks(job: JobConfig, mem: dict) -> list[dict]:
