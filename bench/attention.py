@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flexengine.core.config import AttnMode
 from flexengine.surgery.attention.block_mask import _create_block_mask, build_batch_mask, canonical_document_ids
 from flexengine.surgery.attention.mask_mode import get_mask_mod
+from flexengine.surgery.attention.masks import MODES
 from flexengine.surgery.attention.spec import AttnBackend
 
 RESULTS = Path(__file__).parent / "results"
@@ -91,7 +91,7 @@ def bench_sparsity(seq_len: int, mean_lens: list[int], window: int) -> list[dict
         doc = torch.stack([_doc_layout(seq_len, mean_len, rng) for _ in range(4)])
         row = {"seq_len": seq_len, "mean_doc_len": mean_len}
         for mode in ("causal", "packed_doc", "sliding_window", "packed_sliding"):
-            m = AttnMode(mode)
+            m = MODES[mode]
             mask = build_batch_mask(
                 doc, documents=m.documents, window=window if m.windowed else None, backend=AttnBackend.FLEX
             )
@@ -143,14 +143,13 @@ HEADS = 8, 4, 32  # conf/model/tiny.yaml: 8 query heads, 4 key/value heads, head
 
 def _masks(mode: str, backend: str, doc: torch.Tensor, window: int | None = None):
     """One batch's LayerMasks for a single-layer model (what the attention function receives)."""
-    from flexengine.core.config import AttnMode
     from flexengine.surgery.attention.patch import LayerMasks
     from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
 
-    m = AttnMode(mode)
+    m = MODES[mode]
     window = window if m.windowed else None
     mask = build_batch_mask(doc, documents=m.documents, window=window, backend=AttnBackend(backend))
-    return LayerMasks(AttentionSpec(m, AttnBackend(backend), (window,), (None,), "bench"), {None: mask})
+    return LayerMasks(AttentionSpec(mode, AttnBackend(backend), (window,), (None,), "bench"), {None: mask})
 
 
 def _add(acc: dict, values: dict) -> None:

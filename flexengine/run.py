@@ -33,6 +33,7 @@ from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import fit_job
 from flexengine.planning.report import activation_summary
 from flexengine.surgery.attention import AttnBackend, apply_attention, resolve_attention_spec
+from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
 from flexengine.surgery.context_parallel import build_context_parallel
 from flexengine.surgery.lora import apply_lora
@@ -221,6 +222,7 @@ def build_data(
 
 def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
+    resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
     torch.manual_seed(job.train.seed)
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
@@ -229,7 +231,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         context_limits(hf_config).rope_type,
         f"model.path={job.model.path}, whose config.json has" if job.model.path else "model.arch's",
         cp=job.parallel.cp,
-        packed_attn=job.attn.mode if job.attn.packs_documents else None,
+        packed_attn=job.attn.mode if packs_documents(job.attn.mode) else None,
         instead="rope_parameters set to yarn, linear or llama3 there",
     )
     dist_info = init_distributed(job.parallel, device)

@@ -40,6 +40,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
     from omegaconf import OmegaConf
 
     from flexengine.cli.first_contact import apply_pretrained_defaults, command_line_wins, given_overrides
+    from flexengine.surgery.attention.job_rules import resolve_attention_rules  # the mode table needs torch
 
     given = given_overrides(overrides)
     command_line_wins(cfg, given)
@@ -53,6 +54,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
+    resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
     return apply_pretrained_defaults(job, given)
 
 

@@ -32,6 +32,7 @@ from flexengine.loop.metrics import utilization
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.applied import applied
+from flexengine.surgery.attention.job_rules import packs_documents
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.compile import CompileWatch
 
@@ -256,7 +257,7 @@ def useful_tokens_check(job: JobConfig, n: dict) -> dict:
             f"{n['padding_waste']:.0%} of the tokens computed are padding: "
             + (
                 "enable attn=packed_doc (packs documents with per-document masks)"
-                if not job.attn.packs_documents
+                if not packs_documents(job.attn.mode)
                 else "use data.packing=bfd, or a data.seq_len closer to your document lengths"
             )
         )

@@ -8,7 +8,6 @@ Cross-field rules live in `__post_init__` and raise `UserError` naming the key t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -44,27 +43,6 @@ from flexengine.core.config_data import DataConfig, MixSource  # noqa: F401 (re-
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
 from flexengine.core.errors import UserError
 
-
-class AttnMode(Enum):
-    """attn.mode as a composition of two masks on top of causal: per-document and sliding-window."""
-
-    CAUSAL = "causal"  # one document per row (padded)
-    PACKED_DOC = "packed_doc"  # packed documents, each attending only to itself
-    SLIDING_WINDOW = "sliding_window"  # one document per row, the last `window` keys
-    PACKED_SLIDING = "packed_sliding"  # both
-
-    @property
-    def documents(self) -> bool:
-        """Rows hold several documents separated by the mask (positions restart per document)."""
-        return self in (AttnMode.PACKED_DOC, AttnMode.PACKED_SLIDING)
-
-    @property
-    def windowed(self) -> bool:
-        """Queries see only a sliding window of keys (the model's own, or attn.window)."""
-        return self in (AttnMode.SLIDING_WINDOW, AttnMode.PACKED_SLIDING)
-
-
-ATTN_MODES = tuple(m.value for m in AttnMode)
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
 
 
@@ -93,7 +71,9 @@ class PrecisionConfig:
 class AttnConfig:
     """How attention sees a packed row."""
 
-    mode: str = "causal"  # causal | packed_doc | sliding_window | packed_sliding
+    # causal | packed_doc | sliding_window | packed_sliding: the names of flexengine.surgery.attention.masks.MODES,
+    # checked with the rules that tie a mode to the rest of the job (surgery/attention/job_rules.py)
+    mode: str = "causal"
     # auto (flex on CUDA, varlen on CPU) | flex | varlen (CPU: per-document SDPA calls, the causal kernel's cost)
     # | dense (boolean-mask SDPA: the exact reference) | sdpa (HF's own, padded baseline)
     backend: str = "auto"
@@ -104,7 +84,6 @@ class AttnConfig:
     dense_chunk: int = 512  # dense backend: queries per SDPA call; keys before the chunk's first document skipped
 
     def __post_init__(self) -> None:
-        check_choice("attn.mode", self.mode, ATTN_MODES)
         check_choice("attn.backend", self.backend, ATTN_BACKENDS)
         if self.block_size <= 0:
             raise UserError(f"attn.block_size={self.block_size} must be a positive number of tokens (e.g. 128).")
@@ -112,21 +91,6 @@ class AttnConfig:
             raise UserError(f"attn.dense_chunk={self.dense_chunk} must be a positive number of query tokens.")
         if self.window is not None and self.window <= 0:
             raise UserError(f"attn.window={self.window} must be a positive number of tokens (or null).")
-        if self.window is not None and not self.attn_mode.windowed:
-            raise UserError(
-                f"attn.window={self.window} is set but attn={self.mode} has no sliding window; "
-                "use attn=packed_sliding (or attn=sliding_window), or drop attn.window."
-            )
-
-    @property
-    def attn_mode(self) -> AttnMode:
-        """attn.mode as the enum the rest of the code dispatches on."""
-        return AttnMode(self.mode)
-
-    @property
-    def packs_documents(self) -> bool:
-        """Whether rows hold several documents separated by the mask (else one document per row)."""
-        return self.attn_mode.documents
 
 
 @dataclass
@@ -392,23 +356,10 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.data.packing == "auto":
-            self.data.packing = "bfd" if self.attn.packs_documents else "none"
-        window = self.attn.window
-        if window is not None and window > self.data.seq_len:
-            raise UserError(
-                f"attn.window={window} is longer than data.seq_len={self.data.seq_len}: the window would never "
-                "apply. Lower attn.window or use attn=packed_doc."
-            )
-        if self.attn.packs_documents and self.data.packing == "none":
-            raise UserError(
-                f"attn={self.attn.mode} masks packed documents but data.packing=none puts one per row; "
-                "use data.packing=bfd (or attn=causal for the padded baseline)."
-            )
+        # attn.mode's rules against data.packing, the window and RoPE: surgery/attention/job_rules.py (they need the
+        # mode table, which core does not see), applied by every entry point after composition
         if self.parallel.cp > 1:
             check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
-        packed = self.attn.mode if self.attn.packs_documents else None
-        check_fixed_rope(self.model.rope_scaling.rope_type, "model.rope_scaling", packed_attn=packed)
         positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
         if positions and self.train.sample_prompts and self.train.sample_tokens > positions:
             raise UserError(
@@ -419,10 +370,4 @@ class JobConfig:
             raise UserError(
                 f"train.early_stop_patience={self.train.early_stop_patience} watches the eval loss, but "
                 "there is no held-out set: set data.eval_fraction (e.g. 0.05) or data.eval_path."
-            )
-        if not self.attn.packs_documents and self.data.packing != "none":
-            raise UserError(
-                f"attn={self.attn.mode} has no per-document mask, so packing several documents into one row "
-                f"(data.packing={self.data.packing}) would let them attend to each other. Use attn=packed_doc, "
-                "or data.packing=none for one document per row."
             )

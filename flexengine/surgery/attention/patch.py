@@ -176,8 +176,7 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
             document_ids = document_ids_from_position_ids(position_ids.expand(B, S))
         elif spec.documents and attention_mask is None:
             raise ValueError(
-                f"attention mode {spec.mode.value!r} needs position_ids that restart at 0 per document "
-                "(or document_ids)"
+                f"attention mode {spec.mode!r} needs position_ids that restart at 0 per document (or document_ids)"
             )
         else:  # one document per row (an HF-style batch: padding, if any, comes from attention_mask)
             document_ids = torch.zeros(B, S, dtype=torch.int32, device=ref.device)

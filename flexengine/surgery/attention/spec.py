@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
-from flexengine.core.config import AttnConfig, AttnMode
+from flexengine.core.config import AttnConfig
 from flexengine.core.errors import UserError
+from flexengine.surgery.attention.job_rules import checked_mode, mode_entry
 from flexengine.surgery.attention.mask_mode import MaskMode, band_mode, mask_mode
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class AttnBackend(Enum):
 class AttentionSpec:
     """How every decoder layer attends; built by `resolve_attention_spec`."""
 
-    mode: AttnMode
+    mode: str  # attn.mode: a name of flexengine.surgery.attention.masks.MODES
     backend: AttnBackend
     layer_windows: tuple[Optional[int], ...]  # per decoder layer: sliding window in tokens, None = none
     hf_windows: tuple[Optional[int], ...]  # per layer: the `sliding_window` HF's layer hands the attention
@@ -55,7 +56,7 @@ class AttentionSpec:
     @property
     def documents(self) -> bool:
         """Rows hold several documents separated by the mask."""
-        return self.mode.documents
+        return mode_entry(self.mode).documents
 
     @property
     def mask_windows(self) -> dict[Optional[int], Optional[int]]:
@@ -67,7 +68,7 @@ class AttentionSpec:
         """Per decoder layer: the MaskMode it attends with (its predicate and every form derived from it)."""
         if not self.backend.patched:  # HF's own attention: causal, within the model's window where it has one
             return tuple(band_mode(False, w) for w in self.layer_windows)
-        return tuple(mask_mode(self.mode.value, w) for w in self.layer_windows)
+        return tuple(mask_mode(self.mode, w) for w in self.layer_windows)
 
     @property
     def mask_modes(self) -> dict[Optional[int], MaskMode]:
@@ -84,7 +85,7 @@ class AttentionSpec:
         windows = sorted({w for w in self.layer_windows if w is not None})
         one = len(windows) == 1 and None not in self.layer_windows  # the same window on every layer
         return {
-            "mode": self.mode.value,
+            "mode": self.mode,
             "backend": self.backend.value,
             "documents": self.documents,
             "window": windows[0] if one else (windows or None),
@@ -100,7 +101,7 @@ class AttentionSpec:
         for w in self.layer_windows:
             groups[w] = groups.get(w, 0) + 1
         windows = ", ".join(f"{'none' if w is None else w} on {n} layer{'s' * (n > 1)}" for w, n in groups.items())
-        return f"mode={self.mode.value} backend={self.backend.value} window: {windows} (from {self.window_source})"
+        return f"mode={self.mode} backend={self.backend.value} window: {windows} (from {self.window_source})"
 
 
 def resolve_backend(backend: str, device: Optional[torch.device] = None) -> AttnBackend:
@@ -139,13 +140,13 @@ def native_layer_windows(hf_config) -> tuple[tuple[Optional[int], ...], str]:
 
 def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torch.device] = None) -> AttentionSpec:
     """attn.* + the model's HF config -> AttentionSpec (UserError naming the key on a bad combination)."""
-    mode, backend = attn.attn_mode, resolve_backend(attn.backend, device)
+    mode, entry, backend = attn.mode, checked_mode(attn), resolve_backend(attn.backend, device)
     native, native_source = native_layer_windows(hf_config)
     windowed_layers = [i for i, w in enumerate(native) if w is not None]
     if not backend.patched:
-        if mode is not AttnMode.CAUSAL:
+        if entry.windowed or mask_mode(mode) != band_mode(False, None):  # HF's own: causal per row only
             raise UserError(
-                f"attn.backend=sdpa is HF's own causal attention; attn={mode.value} needs "
+                f"attn.backend=sdpa is HF's own causal attention; attn={mode} needs "
                 "attn.backend=flex, varlen, dense or auto."
             )
         return AttentionSpec(
@@ -158,7 +159,7 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
             attn.dense_chunk,
             attn.compile,
         )
-    if mode.windowed:
+    if entry.windowed:
         if attn.window is not None:
             # on the model's windowed layers only (its full-attention layers stay full), every layer if none
             layers = windowed_layers or range(len(native))
@@ -172,24 +173,24 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
             windows, source = native, native_source
         else:
             raise UserError(
-                f"attn={mode.value} needs a window, and {native_source} gives none: set attn.window=N "
+                f"attn={mode} needs a window, and {native_source} gives none: set attn.window=N "
                 "(tokens), or use attn=packed_doc."
             )
     else:
         windows = (None,) * len(native)
-        source = f"attn={mode.value} (no window)"
+        source = f"attn={mode} (no window)"
         if windowed_layers:
             log.warning(
                 "the model has its own sliding window (%s) but attn=%s attends to whole documents; use "
                 "attn=packed_sliding to keep the model's window",
                 native_source,
-                mode.value,
+                mode,
             )
             source += f"; the model's own window is not used ({native_source})"
     spec = AttentionSpec(mode, backend, windows, native, source, attn.block_size, attn.dense_chunk, attn.compile)
     if backend is AttnBackend.VARLEN and any(m.inner.varlen_window is None for m in spec.layer_masks):
         raise UserError(
-            f"attn.backend=varlen runs causal and sliding-window masks only; attn={mode.value} needs "
+            f"attn.backend=varlen runs causal and sliding-window masks only; attn={mode} needs "
             "attn.backend=dense (CPU) or flex (CUDA)."
         )
     return spec

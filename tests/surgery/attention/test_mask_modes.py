@@ -142,7 +142,6 @@ def test_block_mask_equals_torch_create_block_mask(mode, rows):
 def test_an_inner_mask_in_local_coordinates_runs_packed_exactly_as_each_document_alone():
     """Per-document prefix-LM through the document wrapper: a packed row (dense backend, chunked so that key
     ranges matter) gives each document what it gets alone in a row of its own."""
-    from flexengine.core.config import AttnMode
     from flexengine.surgery.attention.block_mask import build_batch_mask
     from flexengine.surgery.attention.patch import LayerMasks, flexengine_attention
     from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
@@ -151,7 +150,7 @@ def test_an_inner_mask_in_local_coordinates_runs_packed_exactly_as_each_document
     lengths = [37, 5, 90, 1, 60]
     S, H, D = sum(lengths), 2, 8
     q, k, v = (torch.randn(1, H, S, D, generator=g) for _ in range(3))
-    spec = AttentionSpec(AttnMode.PACKED_DOC, AttnBackend.DENSE, (None,), (None,), "test")
+    spec = AttentionSpec("packed_doc", AttnBackend.DENSE, (None,), (None,), "test")
 
     def attend(mode, ids, q, k, v):
         mask = build_batch_mask(ids, mode=mode, backend=AttnBackend.DENSE, dense_chunk=16)
@@ -177,7 +176,6 @@ def test_an_inner_mask_in_local_coordinates_runs_packed_exactly_as_each_document
 def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
     """Rows that are no multiple of the block also take the block-level BlockMask (torch masks the padding); the
     prefix-LM runs flex's element-wise path with document-local positions."""
-    from flexengine.core.config import AttnMode
     from flexengine.surgery.attention.block_mask import build_batch_mask
     from flexengine.surgery.attention.patch import LayerMasks, flexengine_attention
     from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
@@ -187,7 +185,7 @@ def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
     q, k, v = (torch.randn(2, 2, 300, 8, generator=g) for _ in range(3))
     outs = []
     for backend in (AttnBackend.FLEX, AttnBackend.DENSE):
-        spec = AttentionSpec(AttnMode.PACKED_DOC, backend, (None,), (None,), "test", compile=False)
+        spec = AttentionSpec("packed_doc", backend, (None,), (None,), "test", compile=False)
         mode = MaskMode(PrefixLM(100), True) if name == "prefix_lm" else mask_mode(name, 90)
         mask = build_batch_mask(ids, mode=mode, backend=backend, dense_chunk=64)
         outs.append(
@@ -196,10 +194,29 @@ def test_flex_on_a_ragged_row_equals_the_dense_reference(name):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
 
 
-def test_the_mode_table_names_the_configs_modes():
-    """Until config.AttnMode reads the table, the two must agree: names, packing and windows."""
-    from flexengine.core.config import AttnMode
+def test_the_mode_table_and_the_shipped_attn_configs_name_the_same_modes():
+    """A mode is its MODES entry plus conf/attn/<name>.yaml; nothing else lists modes."""
+    import yaml
 
-    assert set(MODES) == {m.value for m in AttnMode}
-    for m in AttnMode:
-        assert (MODES[m.value].documents, MODES[m.value].windowed) == (m.documents, m.windowed), m
+    from flexengine.core.config import conf_dir
+
+    shipped = {p.stem: yaml.safe_load(p.read_text())["mode"] for p in (conf_dir() / "attn").glob("*.yaml")}
+    assert all(stem == mode for stem, mode in shipped.items()), shipped
+    assert set(shipped) == set(MODES)
+
+
+def test_a_new_mode_is_one_table_entry(monkeypatch, tmp_path):
+    """A packed prefix-LM added to MODES alone composes, passes the job rules and resolves to its mask
+    (the config schemas hold no mode list); an unknown mode is refused at composition naming attn.mode."""
+    from flexengine.core.errors import UserError
+    from flexengine.surgery.attention import masks
+    from flexengine.surgery.attention.spec import resolve_attention_spec
+    from tests.helpers import make_job, make_llama
+
+    monkeypatch.setitem(masks.MODES, "packed_prefix_lm", masks.ModeEntry(True, False, lambda window: PrefixLM(16)))
+    job = make_job(tmp_path, "attn.mode=packed_prefix_lm", "attn.backend=dense")
+    assert job.data.packing == "bfd"  # resolved from the entry: it packs documents
+    spec = resolve_attention_spec(job.attn, make_llama().config)
+    assert spec.documents and spec.layer_masks[0] == MaskMode(PrefixLM(16), True)
+    with pytest.raises(UserError, match="attn.mode.*packed_doc"):
+        make_job(tmp_path, "attn.mode=prefix_lm_typo")

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from flexengine import pack_documents, patch_attention
-from flexengine.core.config import AttnMode
 from flexengine.core.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.surgery.applied import attention_spec
+from flexengine.surgery.attention.masks import MODES
 from flexengine.surgery.loss import causal_lm_loss_sum
 from tests.helpers import assert_same_loss_gradients, clone_model, make_llama, make_mistral
 
@@ -126,7 +126,7 @@ def _layouts(seq_len):
 def test_flex_forward_equals_dense_forward(mode):
     seq_len = 256
     reference = make_llama()
-    window = 32 if AttnMode(mode).windowed else None
+    window = 32 if MODES[mode].windowed else None
     dense = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense")
     flex = patch_attention(clone_model(reference), mode=mode, window=window, backend="flex", compile=False)
     for name, lengths in _layouts(seq_len).items():
@@ -166,7 +166,7 @@ def test_sdpa_backend_leaves_hf_attention_in_place():
 def test_chunked_dense_equals_one_dense_call_with_gradients(mode):
     """Skipping keys before each query chunk's first document changes nothing, forward or backward."""
     reference = make_llama()
-    window = 24 if AttnMode(mode).windowed else None
+    window = 24 if MODES[mode].windowed else None
     whole = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=4096)
     chunked = patch_attention(clone_model(reference), mode=mode, window=window, backend="dense", dense_chunk=16)
     batch = pack_documents(_docs([40, 3, 70, 9, 30, 50], seed=3), seq_len=112, strategy="greedy")

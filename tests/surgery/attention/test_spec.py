@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config
 
-from flexengine.core.config import AttnConfig, AttnMode
+from flexengine.core.config import AttnConfig
 from flexengine.core.errors import UserError
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention import (
@@ -17,6 +17,7 @@ from flexengine.surgery.attention import (
     resolve_attention_spec,
 )
 from flexengine.surgery.attention.mask_mode import mask_mode
+from flexengine.surgery.attention.masks import MODES
 from flexengine.surgery.attention.spec import AttnBackend
 from tests.helpers import QWEN_MIXED, TINY_LLAMA, clone_model, make_llama
 from tests.helpers import make_qwen_mixed as _qwen_mixed
@@ -88,9 +89,13 @@ def test_a_sliding_mode_without_any_window_is_a_clear_error():
         resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), make_llama().config)
 
 
-def test_a_window_with_a_mode_that_has_none_is_refused():
+def test_a_window_with_a_mode_that_has_none_is_refused(tmp_path):
+    from tests.helpers import make_job
+
     with pytest.raises(UserError, match="attn.window=64"):
-        AttnConfig(mode="packed_doc", window=64)
+        make_job(tmp_path, "attn=packed_doc", "attn.window=64")  # at composition
+    with pytest.raises(UserError, match="attn.window=64"):  # and by the resolver itself (a hand-built config)
+        resolve_attention_spec(AttnConfig(mode="packed_doc", window=64), make_llama().config)
 
 
 def test_whole_document_mode_on_a_windowed_model_warns_and_records_it(caplog):
@@ -102,12 +107,12 @@ def test_whole_document_mode_on_a_windowed_model_warns_and_records_it(caplog):
 
 
 def test_modes_compose_masks_without_mode_strings():
-    for mode in AttnMode:
+    for name, entry in MODES.items():
         spec = resolve_attention_spec(
-            AttnConfig(mode=mode.value, backend="dense", window=4 if mode.windowed else None), make_llama().config
+            AttnConfig(mode=name, backend="dense", window=4 if entry.windowed else None), make_llama().config
         )
-        assert spec.documents == mode.documents
-        assert (spec.layer_windows[0] is not None) == mode.windowed
+        assert spec.documents == entry.documents
+        assert (spec.layer_windows[0] is not None) == entry.windowed
         assert spec.backend is AttnBackend.DENSE
 
 
@@ -126,22 +131,22 @@ def test_no_shipped_attn_yaml_hard_codes_a_window():
 
 
 def test_no_attention_mode_string_is_compared_outside_the_spec():
-    """attn.mode is parsed once (config.AttnMode, attention/spec.py); everything else dispatches on the spec."""
+    """attn.mode is parsed once (the MODES table, attention/spec.py, job_rules.py); the rest dispatches on the spec."""
     import ast
     from pathlib import Path
 
     import flexengine
-    from flexengine.core.config import ATTN_MODES
 
     package = Path(flexengine.__file__).parent
-    allowed = {package / "config.py", package / "attention" / "spec.py"}
+    attention = package / "surgery" / "attention"
+    allowed = {attention / "masks.py", attention / "spec.py", attention / "job_rules.py"}
     found = []
     for path in sorted(package.rglob("*.py")):
         if path in allowed:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
-                constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in ATTN_MODES]
+                constants = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in MODES]
                 found += [f"{path.relative_to(package)}:{c.lineno} {c.value!r}" for c in constants]
     assert not found, found
 

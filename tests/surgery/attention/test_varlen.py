@@ -3,14 +3,12 @@
 import pytest
 import torch
 
-from flexengine.core.config import AttnMode
 from flexengine.surgery.attention.block_mask import build_batch_mask
 from flexengine.surgery.attention.mask_mode import mask_mode
+from flexengine.surgery.attention.masks import MODES
 from flexengine.surgery.attention.patch import LayerMasks, flexengine_attention
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend
 from flexengine.surgery.attention.varlen import band_chunk, build_varlen_plan, document_runs
-
-MODES = ["causal", "packed_doc", "sliding_window", "packed_sliding"]
 
 
 def _random_row(seq_len: int, g: torch.Generator) -> torch.Tensor:
@@ -29,12 +27,11 @@ def _random_row(seq_len: int, g: torch.Generator) -> torch.Tensor:
 
 def layer_masks(mode: str, backend: str, doc, window=None, dense_chunk=512) -> LayerMasks:
     """One batch's masks for a single-layer model attending as `mode` on `backend`."""
-    m = AttnMode(mode)
-    window = window if m.windowed else None
+    window = window if MODES[mode].windowed else None
     mask = build_batch_mask(
         doc, mode=mask_mode(mode, window), backend=AttnBackend(backend), block_size=16, dense_chunk=dense_chunk
     )
-    spec = AttentionSpec(m, AttnBackend(backend), (window,), (None,), "test")
+    spec = AttentionSpec(mode, AttnBackend(backend), (window,), (None,), "test")
     return LayerMasks(spec, {None: mask})
 
 
