@@ -14,7 +14,7 @@ import torch
 
 from flexengine.core.config import OptimConfig
 from flexengine.loop.optim import build_optimizer
-from flexengine.surgery.precision import autocast_context, precision_spec
+from flexengine.surgery.precision import precision_spec
 from tests.helpers import make_llama
 
 CPU = torch.device("cpu")
@@ -75,7 +75,7 @@ def finetune(mode: str, batches: list[torch.Tensor], arch: dict = NARROW, keep_s
     opt = build_optimizer(model, OptimConfig(name=spec.optimizer, lr=LR, weight_decay=0.0), device)
     run = Finetune(model, [], {})
     for batch in batches:
-        with autocast_context(spec, device):
+        with spec.compute_context(device):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()

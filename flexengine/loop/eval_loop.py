@@ -28,7 +28,7 @@ def evaluate(trainer) -> Optional[dict]:
             trainer.eval_data.batches(),
             trainer.device,
             trainer._prepare,
-            trainer._autocast,
+            trainer.compute_context,
             stop=trainer.signals.requested,
             on_batch=EvalProgress(trainer.state.step, trainer.eval_data.num_batches, enabled=trainer.dist.is_main),
         )
@@ -109,7 +109,7 @@ def sample(trainer) -> Optional[list[str]]:
         return trainer.train_module(batch, logits=True)
 
     trainer.model.eval()
-    with trainer._autocast(), trainer.signals.pausing("sampling"):
+    with trainer.compute_context(), trainer.signals.pausing("sampling"):
         # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
         texts = greedy_continue(
             logits_of,

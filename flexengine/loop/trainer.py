@@ -26,11 +26,11 @@ from flexengine.loop.nonfinite import suspect_settings
 from flexengine.loop.optim import build_optimizer, build_scheduler, clip_gradients, last_backward, schedule_problem
 from flexengine.loop.profiling import start_profiler
 from flexengine.loop.signals import StopSignals
-from flexengine.surgery.applied import attention_spec
+from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention import MASK_KWARG, mask_kwargs
 from flexengine.surgery.context_parallel import ContextParallel
 from flexengine.surgery.parallel import DistInfo, LossForward, grad_norm_value, gradient_sync
-from flexengine.surgery.precision import PrecisionSpec, autocast_context, spec_for_params
+from flexengine.surgery.precision import PrecisionSpec, spec_for_params
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Trainer:
             # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
             last = i == len(micro_batches) - 1
             with gradient_sync(self.train_module, enabled=last or self.job.parallel.reduce_every == "micro_batch"):
-                with self._phase("forward"), self._autocast():
+                with self._phase("forward"), self.compute_context():
                     micro_loss = self.train_module(batch, **mask_kwargs)
                 # the window's gradients are final in this backward: a host optimizer starts its downloads in it
                 with self._phase("backward"), last_backward(self.optimizer, enabled=last):
@@ -259,14 +259,9 @@ class Trainer:
         executed = mask_kwargs[MASK_KWARG].executed_pairs if mask_kwargs else B * S * (S + 1) // 2
         return self._share(model), self.flops.hardware_flops(self._share(B * S), self._share(predicting), executed)
 
-    def _autocast(self):
-        fsdp_casts = (
-            self.dist.world_size > 1
-            and self.job.parallel.strategy == "fsdp"
-            and self.device.type == "cuda"
-            and self.job.parallel.mixed_precision
-        )  # MixedPrecisionPolicy computes in bf16 already
-        return autocast_context(self.precision, self.device, sharded=fsdp_casts)
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """What forward runs under: the precision spec decides, told whether FSDP's policy already casts."""
+        return self.precision.compute_context(self.device, fsdp_casts=applied(self.model).fsdp_policy is not None)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:

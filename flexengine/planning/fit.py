@@ -142,10 +142,9 @@ def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
         precision=PrecisionConfig(mode=fit.precision.name),
         optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
         train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
-        # FSDP2 casts fp32 sharded params to bf16 for compute only when the mode computes in bf16
+        # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
         parallel=dataclasses.replace(
             job.parallel,
-            mixed_precision=job.parallel.mixed_precision and fit.precision.autocast,
             reduce_every=fit.plan.get("reduce_every", "window"),  # the gradient reduction the plan counted
         ),
     )

@@ -15,7 +15,7 @@ from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory.meter import measure_activations
-from flexengine.surgery.precision import PrecisionSpec, autocast_context
+from flexengine.surgery.precision import PrecisionSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
         B, S = job.train.micro_batch, job.data.seq_len
         ids = torch.zeros(B, S, dtype=torch.long, device=device)
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(S, device=device).expand(B, S)}
-        with autocast_context(precision, device):
+        with precision.compute_context(device):  # before sharding: one device's context
             report, out = measure_activations(model, lambda: forward_loss_sum(model, batch, job.loss.chunk_size))
         del out
         return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}

@@ -22,9 +22,13 @@ ATTRIBUTE = "flexengine"
 class Applied:
     """What was done to the model, in surgery order."""
 
+    # precision.cast_frozen: the PrecisionSpec the weights are stored for (typed Any: precision.py imports this
+    # module to record itself, so naming its class here, even for type checkers only, would close a circle)
+    precision: Any = None
     attention: Optional["AttentionSpec"] = None  # apply_attention (None: HF's attention untouched)
     memory: tuple["MemorySpec", ...] = ()  # apply_memory_policy: one spec per decoder block
     compile_backend: Optional[str] = None  # apply_compile: the torch.compile backend of the decoder blocks
+    fsdp_policy: Any = None  # apply_fsdp: the MixedPrecisionPolicy it sharded with (None: no cast by FSDP)
     mask_hook: Any = None  # the decoder's forward pre-hook that builds a batch's masks (RemovableHandle)
     offload: Any = None  # the OffloadManager shared by offloaded blocks (one side stream per model)
     notes: dict = field(default_factory=dict)  # anything else a step wants to report (e.g. layer counts)

@@ -22,6 +22,7 @@ from torch import nn
 
 from flexengine.core.config import ParallelConfig
 from flexengine.core.errors import UserError
+from flexengine.surgery.applied import applied
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import decoder_layers
 
@@ -148,14 +149,18 @@ def apply_fsdp(
     full state dict is broadcast into every rank's shards once the model is sharded. mesh: the 1-D DeviceMesh
     to shard over (context parallelism: its flattened dp x cp mesh); None = all ranks.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     # rank 0's full tensors, kept alive until broadcast; every other rank contributes nothing
     full = {k: v.detach() for k, v in model.state_dict().items()} if weights_from_rank0 and global_rank() == 0 else {}
 
-    kwargs = {}
-    if device.type == "cuda" and parallel.mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the precision mode decides the cast (cast_frozen recorded it; a model that never had one computes in its
+    # stored dtype), and the record says what was applied: the trainer's compute context asks it
+    record = applied(model)
+    record.fsdp_policy = (
+        record.precision.fsdp_policy(device, parallel.mixed_precision) if record.precision is not None else None
+    )
+    kwargs = {"mp_policy": record.fsdp_policy} if record.fsdp_policy is not None else {}
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=parallel.reshard_after_forward, mesh=mesh, **kwargs)
@@ -167,7 +172,9 @@ def apply_fsdp(
         "fsdp: %d decoder blocks + root sharded over %d ranks%s",
         len(layers),
         dist.get_world_size(),
-        " (bf16 params, fp32 reduce)" if "mp_policy" in kwargs else "",
+        f" ({str(record.fsdp_policy.param_dtype).removeprefix('torch.')} params, fp32 reduce)"
+        if record.fsdp_policy is not None
+        else "",
     )
     if weights_from_rank0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

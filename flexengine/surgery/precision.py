@@ -24,11 +24,16 @@ import contextlib
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from flexengine.core.config import OPTIM_NAMES
 from flexengine.core.errors import UserError
+from flexengine.surgery.applied import applied
+
+if TYPE_CHECKING:  # types only: FSDP is imported when a policy is built
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +142,25 @@ class PrecisionSpec:
         """Whether AdamW updates of size ~lr reach bf16-stored weights (always for exact or SR modes)."""
         return self.updates_exact or self.stochastic_rounding or lr >= PURE_BF16_MIN_LR
 
+    def fsdp_policy(self, device: torch.device, enabled: bool = True) -> Optional[MixedPrecisionPolicy]:
+        """FSDP2's MixedPrecisionPolicy for this mode's shards, or None (FSDP computes in the stored dtype).
+
+        Only a mode that computes below its stored dtype needs one (bf16_mixed: fp32 shards, params all-gathered in
+        compute_dtype, gradients reduce-scattered in fp32), only on CUDA (on CPU/gloo autocast casts, as on one
+        device) and only when `enabled` (parallel.mixed_precision)."""
+        if not (enabled and self.autocast and device.type == "cuda"):
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # lazily: a one-process run never loads FSDP
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+
+    def compute_context(self, device: torch.device, fsdp_casts: bool = False) -> contextlib.AbstractContextManager:
+        """What forward runs under: autocast to compute_dtype when the weights are stored higher, unless FSDP2
+        already gathers them in it (`fsdp_casts`: apply_fsdp applied this mode's fsdp_policy)."""
+        if self.autocast and not fsdp_casts:
+            return torch.autocast(device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
 
 SPECS = {
     "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", updates_exact=True),
@@ -209,13 +233,15 @@ def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
 
 
 def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
-    """Store frozen matrices in spec.frozen_dtype (LoRA); returns how many elements were cast.
+    """The precision step of the surgery: record `spec` on model.flexengine (apply_fsdp asks it for the FSDP policy)
+    and store frozen matrices in spec.frozen_dtype (LoRA); returns how many elements were cast.
 
     Only matrices: frozen 1-D parameters (norm weights, biases) stay in the master dtype, since HF's RMSNorm
     returns `weight * x` and an fp32 weight keeps that output, and so the residual stream, in fp32 as before. The
     input embedding's output is cast back to the master dtype for the same reason (a bf16 lookup would make the
     whole residual stream bf16); its values differ from before only by the bf16 rounding autocast gives every
     Linear weight."""
+    applied(model).precision = spec
     cast = 0
     for p in model.parameters():
         if not p.requires_grad and p.ndim >= 2 and p.is_floating_point() and p.dtype != spec.frozen_dtype:
@@ -231,10 +257,3 @@ def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
     if cast:
         log.info("precision: %.1fM frozen weights stored in %s (no master copy)", cast / 1e6, spec.frozen_dtype)
     return cast
-
-
-def autocast_context(spec: PrecisionSpec, device: torch.device, sharded: bool = False):
-    """bf16 compute over fp32 weights on one device; FSDP2's MixedPrecisionPolicy does the cast when sharded."""
-    if spec.autocast and not sharded:
-        return torch.autocast(device.type, dtype=spec.compute_dtype)
-    return contextlib.nullcontext()

@@ -152,6 +152,48 @@ def test_single_process_is_untouched_and_loss_forward_matches(tiny_llama):
     torch.testing.assert_close(module(batch), forward_loss_sum(tiny_llama, batch, 0))
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """An in-process gloo group of one rank (fully_shard needs a process group), destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("mode", "device"), [("bf16_mixed", "cuda"), ("bf16_sr", "cuda"), ("bf16_mixed", "cpu")])
+def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_asks_it(
+    one_rank_group, tiny_llama, mode, device, tmp_path
+):
+    """apply_fsdp takes its MixedPrecisionPolicy from the recorded spec (not parallel.mixed_precision alone: bf16_sr
+    gets none), records it, and the trainer's compute context follows the record (no autocast over FSDP's cast)."""
+    from flexengine.core.config import JobConfig
+    from flexengine.loop.trainer import Trainer
+    from flexengine.surgery.applied import applied
+    from flexengine.surgery.parallel import apply_fsdp
+    from flexengine.surgery.precision import SPECS, cast_frozen
+
+    spec = SPECS[mode]
+    cast_frozen(tiny_llama, spec)
+    root = LossForward(tiny_llama)
+    # a CUDA device object needs no GPU: it only picks the policy, the one-rank gloo mesh shards on the CPU
+    apply_fsdp(root, tiny_llama, ParallelConfig(strategy="fsdp", mixed_precision=True), torch.device(device))
+    policy = spec.fsdp_policy(torch.device(device), enabled=True)
+    assert applied(tiny_llama).fsdp_policy == policy
+    shard_policy = tiny_llama.model.layers[0]._get_fsdp_state()._mp_policy
+    assert (shard_policy.param_dtype, shard_policy.reduce_dtype) == (
+        (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
+    )
+    trainer = Trainer(JobConfig(), tiny_llama, None, None, out_dir=tmp_path, device=torch.device("cpu"), precision=spec)
+    with trainer.compute_context():
+        assert torch.is_autocast_enabled("cpu") == (spec.autocast and policy is None)
+
+
 def test_parallel_config_rejects_unknown_strategy():
     from flexengine.core.errors import UserError
 

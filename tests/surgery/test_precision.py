@@ -7,11 +7,48 @@ tests/gpu/test_gpu_precision.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from flexengine.surgery.precision import SPECS
+from flexengine.surgery.applied import applied
+from flexengine.surgery.precision import SPECS, cast_frozen
 from tests.precision_proof import finetune, learnable_batches, loss_fp32, start_model, update_slope
 
 STEPS, VOCAB = 12, 128
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU: the spec only reads its type
+
+
+@pytest.mark.parametrize("mode", list(SPECS))
+def test_the_spec_gives_fsdp_a_policy_only_when_it_computes_below_its_storage_on_cuda(mode):
+    """bf16_mixed: fp32 shards all-gathered in bf16, reduced in fp32; modes stored in their compute dtype need no
+    cast; CPU FSDP and parallel.mixed_precision=false never get one (autocast casts there)."""
+    spec = SPECS[mode]
+    policy = spec.fsdp_policy(CUDA, enabled=True)
+    if spec.compute_dtype == spec.param_dtype:
+        assert policy is None
+    else:
+        assert (policy.param_dtype, policy.reduce_dtype) == (spec.compute_dtype, torch.float32)
+    assert spec.fsdp_policy(CPU, enabled=True) is None and spec.fsdp_policy(CUDA, enabled=False) is None
+    assert (SPECS["bf16_mixed"].fsdp_policy(CUDA).param_dtype, SPECS["bf16_sr"].fsdp_policy(CUDA)) == (
+        torch.bfloat16,
+        None,
+    )
+
+
+@pytest.mark.parametrize("mode", list(SPECS))
+def test_the_spec_gives_the_compute_context_and_fsdp_casts_switch_autocast_off(mode):
+    spec = SPECS[mode]
+    with spec.compute_context(CPU):
+        on, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    assert on == (spec.compute_dtype != spec.param_dtype) and (not on or dtype == spec.compute_dtype)
+    with spec.compute_context(CPU, fsdp_casts=True):  # the policy gathers the weights in compute_dtype already
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_cast_frozen_records_the_spec_on_the_model(tiny_llama):
+    """The precision step's record is what apply_fsdp asks for the policy."""
+    assert applied(tiny_llama).precision is None
+    cast_frozen(tiny_llama, SPECS["bf16_mixed"])
+    assert applied(tiny_llama).precision is SPECS["bf16_mixed"]
 
 
 @pytest.mark.slow
