@@ -2,7 +2,8 @@
 
 These classes are the schemas Hydra validates overrides against (registered in `train.py`), and the only
 configuration objects the library sees: the `DictConfig` is converted once at the entry point.
-Cross-field rules live in `__post_init__` and raise `UserError` naming the key to change.
+Cross-field rules live in `__post_init__` and raise `UserError` naming the key to change; the ones that need what an
+attention mode means live beside the mode table (flexengine.surgery.attention.job_rules), applied at composition.
 """
 
 from __future__ import annotations
