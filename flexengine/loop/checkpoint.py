@@ -40,6 +40,7 @@ import errno
 import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -234,6 +235,90 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
     return UserError(f"saving the checkpoint into {root} failed: {type(e).__name__}: {first_line(e)}")
 
 
+def _weights_to_write(model: nn.Module, weights: Optional[dict], merged: bool, rank: int) -> tuple[Optional[dict], int]:
+    """The state dict rank 0 writes (None: the model's own) and the bytes of the model's own tensors that
+    `weights` stand in for. Every rank must call it (gathering a sharded model is a collective)."""
+    full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
+    replaced = 0  # bytes of the model's own tensors that `weights` stand in for
+    if weights and rank == 0:
+        own = full if full is not None else model.state_dict()
+        replaced = _tensor_bytes(own[name] for name in weights)
+        full = {**own, **weights}
+    return full, replaced
+
+
+def _prepare_temp_dir(root: Path, final: Path, step: int, needed: int) -> str:
+    """Rank 0: refuse an existing step, check the free space, make an empty temp dir; returns its path."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(os_error_message(e, "creating the checkpoint directory")) from None
+    if final.exists():
+        raise UserError(
+            f"{final} already exists; flexengine never overwrites a checkpoint. Move it away, or "
+            "resume this run with train.resume=auto."
+        )
+    check_free_space(root, needed)
+    tmp = root / temp_dir_name(step)
+    shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(os_error_message(e, "creating the checkpoint's temporary directory")) from None
+    return str(tmp)
+
+
+def _write_rank_part(
+    tmp: Path,
+    root: Path,
+    needed: int,
+    *,
+    rank: int,
+    model: nn.Module,
+    tokenizer: Any,
+    trainer_state: dict,
+    full: Optional[dict],
+    merge_lora: Optional[Any],
+    base_dir: Optional[Path],
+) -> dict:
+    """This rank's files in tmp (rank 0: the HF directory too), fsynced and hashed: {name: manifest entry}."""
+    try:
+        if rank == 0:
+            names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora, base_dir=base_dir)
+        else:
+            names = [RANK_STATE.format(rank=rank)]
+            torch.save(trainer_state, tmp / names[0])
+        return seal_files(tmp, names)
+    except Exception as e:  # disk full, permissions, ...: every rank hears of it (on_every_rank)
+        raise _save_failure(root, tmp, e, needed) from e
+
+
+def _write_on_every_rank(group: Any, tmp: Path, final: Path, write: Callable[[], dict]) -> dict:
+    """Every rank writes and seals its part of tmp; returns all ranks' {name: manifest entry}. A failure on any
+    rank fails every rank, and rank 0 removes tmp."""
+    try:
+        parts = on_every_rank(group, write, f"writing {final}", share=True)
+    except BaseException:
+        if global_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took (every rank is done)
+        raise
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def _publish(root: Path, step: int, tmp: Path, sealed: dict, needed: int, **facts: object) -> str:
+    """Rank 0: the manifest (with `facts`) written last, then the atomic rename into place; returns the final path."""
+    final = step_dir(root, step)
+    try:
+        write_manifest(tmp, step, sealed, **facts)
+        os.replace(tmp, final)
+        fsync_dir(root)  # the rename itself survives a power cut
+    except Exception as e:
+        failure = _save_failure(root, tmp, e, needed)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise failure from e
+    return str(final)
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -265,12 +350,7 @@ def save_checkpoint(
     rank, world_size = global_rank(), global_world_size()
     final = step_dir(root, step)
     merged = merge_lora is not None
-    full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
-    replaced = 0  # bytes of the model's own tensors that `weights` stand in for
-    if weights and rank == 0:
-        own = full if full is not None else model.state_dict()
-        replaced = _tensor_bytes(own[name] for name in weights)
-        full = {**own, **weights}
+    full, replaced = _weights_to_write(model, weights, merged, rank)
     trainer_state = {**trainer_state, "world_size": world_size}
     needed = estimate_checkpoint_bytes(
         model,
@@ -278,57 +358,24 @@ def save_checkpoint(
         world_size,
         merged,
     ) + int((_tensor_bytes((weights or {}).values()) - replaced) * SPACE_MARGIN)
-
-    def prepare() -> str:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(os_error_message(e, "creating the checkpoint directory")) from None
-        if final.exists():
-            raise UserError(
-                f"{final} already exists; flexengine never overwrites a checkpoint. Move it away, or "
-                "resume this run with train.resume=auto."
-            )
-        check_free_space(root, needed)
-        tmp = root / temp_dir_name(step)
-        shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
-        try:
-            tmp.mkdir()
-        except OSError as e:
-            raise UserError(os_error_message(e, "creating the checkpoint's temporary directory")) from None
-        return str(tmp)
-
-    def write() -> dict:
-        try:
-            if rank == 0:
-                names = _write_rank0_part(tmp, model, tokenizer, trainer_state, full, merge_lora, base_dir=base_dir)
-            else:
-                names = [RANK_STATE.format(rank=rank)]
-                torch.save(trainer_state, tmp / names[0])
-            return seal_files(tmp, names)
-        except Exception as e:  # disk full, permissions, ...: every rank hears of it (on_every_rank)
-            raise _save_failure(root, tmp, e, needed) from e
-
-    def publish() -> str:
-        try:
-            write_manifest(tmp, step, sealed, world_size=world_size, **({"finite": True} if finite_checked else {}))
-            os.replace(tmp, final)
-            fsync_dir(root)  # the rename itself survives a power cut
-        except Exception as e:
-            failure = _save_failure(root, tmp, e, needed)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise failure from e
-        return str(final)
-
+    facts = {"world_size": world_size, **({"finite": True} if finite_checked else {})}
     with cpu_group(rank_sync.COLLECTIVE_TIMEOUT_S) as group:
-        tmp = Path(run_on_rank0(group, prepare, f"preparing {final}"))
-        try:
-            parts = on_every_rank(group, write, f"writing {final}", share=True)
-        except BaseException:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took (every rank is done)
-            raise
-        sealed = {name: entry for part in parts for name, entry in part.items()}
+        tmp = Path(run_on_rank0(group, partial(_prepare_temp_dir, root, final, step, needed), f"preparing {final}"))
+        write = partial(
+            _write_rank_part,
+            tmp,
+            root,
+            needed,
+            rank=rank,
+            model=model,
+            tokenizer=tokenizer,
+            trainer_state=trainer_state,
+            full=full,
+            merge_lora=merge_lora,
+            base_dir=base_dir,
+        )
+        sealed = _write_on_every_rank(group, tmp, final, write)
+        publish = partial(_publish, root, step, tmp, sealed, needed, **facts)
         final = Path(run_on_rank0(group, publish, f"publishing {final}"))
     log.info("checkpoint saved: %s", final)
     return final
