@@ -7,6 +7,7 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,17 @@ def rows_counted_once(summed: torch.Tensor, cp: int) -> torch.Tensor:
     """Counts over the job's rows from their all-reduced sum over ranks: the cp ranks of a context-parallel group
     read the same rows, so the sum holds each row cp times (exact: integer counts in float64)."""
     return summed / cp
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one accumulation window's forward/backward leaves for the step's one host sync."""
+
+    loss: torch.Tensor  # the window's mean token loss over every rank (device)
+    block_density: torch.Tensor  # mean BlockMask density of its micro-batches (device; nan without masks)
+    masked: bool  # whether flexengine's masks were built (else block_density means nothing)
+    model_flops: float
+    hardware_flops: float | torch.Tensor  # a device tensor under flex (executed blocks: no host sync)
 
 
 class Trainer:
@@ -148,11 +160,52 @@ class Trainer:
             h.on_step_start(self, self.state.step + 1)
         with self._phase("data"):
             micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
-        # The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share.
-        # One all-reduce carries the window's valid-token count and the ranks' stop votes (a signal may reach
-        # the ranks a step apart; all of them must stop after the same step, or the collectives would hang).
-        # The same all-reduce sums the rows' tokens and useful tokens: the metrics count the whole job's rows.
-        # (Host batches: these counts need no device sync.)
+        counts = self._window_counts(micro_batches)
+        rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
+        window = self._accumulate(micro_batches, n_valid=rows[0].clamp(min=1).float())
+        clip = self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
+        grad_norm = grad_norm_value(clip_gradients(self.optimizer, self.model.parameters(), clip))
+        # the one host sync per step: loss, grad norm, density, flex's executed FLOPs and the job's token counts
+        # come back together (float64: token counts stay exact integers)
+        on = window.loss.device
+        loss_value, norm_value, density_value, stop_votes, hardware_flops, tokens, useful = torch.stack(
+            [
+                window.loss.double(),
+                grad_norm.double().to(on),
+                window.block_density.double().to(on),
+                counts[3],
+                torch.as_tensor(window.hardware_flops, dtype=torch.float64, device=on),
+                rows[1],
+                rows[2],
+            ]
+        ).tolist()
+        self.signals.agreed = stop_votes > 0
+        # this update's lr (read before the scheduler moves on); float(): torchao keeps it as a tensor, and the
+        # metrics, the step line and metrics.jsonl need a number
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self._update(loss_value, norm_value)
+        metrics = {  # tokens: the whole job's rows, each once (tokens/s is the job's throughput, MFU per device)
+            "loss": loss_value,
+            "grad_norm": norm_value,
+            "tokens": int(tokens),
+            "useful_tokens": int(useful),
+            "lr": lr,
+            "block_density": density_value if window.masked else None,
+            "model_flops": window.model_flops,
+            "hardware_flops": hardware_flops,
+        }
+        for h in self.hooks:
+            h.on_step_end(self, self.state.step + 1, metrics)
+        return metrics
+
+    def _window_counts(self, micro_batches: list[dict]) -> torch.Tensor:
+        """[valid targets, tokens, useful tokens, stop votes] of the accumulation window, summed over the ranks.
+
+        The loss is sum(token CE) / valid tokens of the whole window: each backward() adds its share. One
+        all-reduce carries the window's valid-token count and the ranks' stop votes (a signal may reach the ranks
+        a step apart; all of them must stop after the same step, or the collectives would hang). The same
+        all-reduce sums the rows' tokens and useful tokens: the metrics count the whole job's rows. (Host batches:
+        these counts need no device sync.)"""
         counts = torch.tensor(
             [
                 float(sum(count_valid_targets(b["labels"]) for b in micro_batches)),
@@ -165,8 +218,11 @@ class Trainer:
         )
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts)
-        rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
-        n_valid = rows[0].clamp(min=1).float()
+        return counts
+
+    def _accumulate(self, micro_batches: list[dict], n_valid: torch.Tensor) -> _Window:
+        """Forward and backward of every micro-batch of the window; its loss (over all ranks), mask density and
+        FLOPs, still on the device (train_step reads them back in its one sync)."""
         loss_sum = torch.zeros((), device=self.device)
         density, model_flops, hardware_flops = [], 0.0, 0.0
         for i, host_batch in enumerate(micro_batches):
@@ -178,48 +234,30 @@ class Trainer:
                 batch, mask_kwargs = self._prepare(batch)
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
-            # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2),
-            # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
-            last = i == len(micro_batches) - 1
-            with gradient_sync(self.train_module, enabled=last or self.job.parallel.reduce_every == "micro_batch"):
-                with self._phase("forward"), self.compute_context():
-                    micro_loss = self.train_module(batch, **mask_kwargs)
-                # the window's gradients are final in this backward: a host optimizer starts its downloads in it
-                with self._phase("backward"), last_backward(self.optimizer, enabled=last):
-                    (micro_loss / n_valid).backward()
-            loss_sum += micro_loss.detach()
+            loss_sum += self._forward_backward(batch, mask_kwargs, n_valid, last=i == len(micro_batches) - 1)
             if mask_kwargs:
                 density.append(mask_kwargs[MASK_KWARG].block_density)
         loss = loss_sum / n_valid
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
-        grad_norm = grad_norm_value(
-            clip_gradients(
-                self.optimizer,
-                self.model.parameters(),
-                self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf"),
-            )
-        )
         block_density = torch.stack(density).float().mean() if density else torch.full((), float("nan"))
-        # the one host sync per step: loss, grad norm, density, flex's executed FLOPs and the job's token counts
-        # come back together (float64: token counts stay exact integers)
-        loss_value, norm_value, density_value, stop_votes, hardware_flops, tokens, useful = torch.stack(
-            [
-                loss.double(),
-                grad_norm.double().to(loss.device),
-                block_density.double().to(loss.device),
-                counts[3],
-                torch.as_tensor(hardware_flops, dtype=torch.float64, device=loss.device),
-                rows[1],
-                rows[2],
-            ]
-        ).tolist()
-        self.signals.agreed = stop_votes > 0
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-        # this update's lr (read before the scheduler moves on); float(): torchao keeps it as a tensor, and the
-        # metrics, the step line and metrics.jsonl need a number
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if finite:
+        return _Window(loss, block_density, bool(density), model_flops, hardware_flops)
+
+    def _forward_backward(self, batch: dict, mask_kwargs: dict, n_valid: torch.Tensor, last: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward (`last`: the window's final one); its summed token loss."""
+        # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2),
+        # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
+        with gradient_sync(self.train_module, enabled=last or self.job.parallel.reduce_every == "micro_batch"):
+            with self._phase("forward"), self.compute_context():
+                micro_loss = self.train_module(batch, **mask_kwargs)
+            # the window's gradients are final in this backward: a host optimizer starts its downloads in it
+            with self._phase("backward"), last_backward(self.optimizer, enabled=last):
+                (micro_loss / n_valid).backward()
+        return micro_loss.detach()
+
+    def _update(self, loss_value: float, norm_value: float) -> None:
+        """Step the optimizer and the schedule on finite numbers; else skip the step (counted) or stop."""
+        if math.isfinite(loss_value) and math.isfinite(norm_value):
             with self._phase("optimizer"):
                 self.optimizer.step()
             self.scheduler.step()  # counts updates: a skipped step leaves the schedule where it was
@@ -233,19 +271,6 @@ class Trainer:
                 "train.skip_nonfinite=true to skip (and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {  # tokens: the whole job's rows, each once (tokens/s is the job's throughput, MFU per device)
-            "loss": loss_value,
-            "grad_norm": norm_value,
-            "tokens": int(tokens),
-            "useful_tokens": int(useful),
-            "lr": lr,
-            "block_density": density_value if density else None,
-            "model_flops": model_flops,
-            "hardware_flops": hardware_flops,
-        }
-        for h in self.hooks:
-            h.on_step_end(self, self.state.step + 1, metrics)
-        return metrics
 
     def _flops(self, host_batch: dict, mask_kwargs: dict) -> tuple:
         """(model, hardware) FLOPs of one micro-batch; hardware is a device tensor under flex (no host sync)."""
