@@ -25,7 +25,7 @@ from flexengine.loop.checkpoint import (
 from flexengine.loop.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
 from flexengine.loop.optim import exported_weights
 
-log = logging.getLogger("flexengine.loop.trainer")  # moved out of trainer.py: its lines keep their logger name
+log = logging.getLogger(__name__)
 
 
 @dataclass

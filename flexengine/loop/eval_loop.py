@@ -14,7 +14,7 @@ from flexengine.loop.checkpoint import mark_best, step_dir
 from flexengine.loop.checkpointer import prune
 from flexengine.loop.evaluate import EvalProgress, eval_budget_warning, evaluate_loss, greedy_continue
 
-log = logging.getLogger("flexengine.loop.trainer")  # moved out of trainer.py: its lines keep their logger name
+log = logging.getLogger(__name__)
 
 
 def evaluate(trainer) -> Optional[dict]:

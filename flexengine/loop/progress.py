@@ -13,7 +13,7 @@ from flexengine.loop.checkpoint import step_dir
 from flexengine.loop.eval_loop import saves_best
 from flexengine.loop.metrics import peak_memory_bytes, utilization
 
-log = logging.getLogger("flexengine.loop.trainer")  # moved out of trainer.py: its lines keep their logger name
+log = logging.getLogger(__name__)
 
 
 def new_window() -> dict:

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-log = logging.getLogger("flexengine.loop.trainer")  # moved out of trainer.py: its lines keep their logger name
+log = logging.getLogger(__name__)
 
 
 class StopSignals:

@@ -139,3 +139,17 @@ def test_token_counts_count_each_row_once_under_context_parallelism():
     assert job.tolist() == [1998.0, 4096.0, 2601.0] == (groups[0] + groups[1]).tolist()
     assert all(float(x).is_integer() for x in job)
     assert rows_counted_once(summed, cp=1).tolist() == [3996.0, 8192.0, 5202.0]  # cp=1: four dp groups' rows
+
+
+def test_the_trainers_components_log_under_their_own_names(caplog):
+    """checkpointer, eval_loop, progress and signals each log as their own module (a log line names its source),
+    all under the package's logger, so `logger="flexengine"` filters still see them."""
+    import logging
+
+    from flexengine.loop import checkpointer, eval_loop, progress, signals
+
+    for module in (checkpointer, eval_loop, progress, signals):
+        assert module.log.name == module.__name__
+    caplog.set_level(logging.INFO, logger="flexengine")
+    progress.log.info("probe")
+    assert [r.name for r in caplog.records if r.getMessage() == "probe"] == ["flexengine.loop.progress"]
