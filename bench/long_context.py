@@ -22,9 +22,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import MemoryConfig
-from flexengine.planning.activations import estimate_activations
+from flexengine.planning.activations import estimate_activations, memory_specs
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations
 
@@ -83,7 +84,7 @@ def prepare(memory: MemoryConfig, seq_len: int) -> LlamaForCausalLM:
     return model.train()
 
 
-def workload(seq_len: int, backend: str = "dense") -> Workload:
+def workload(seq_len: int, backend: AttnBackend = AttnBackend.DENSE) -> Workload:
     return Workload(1, seq_len, 4, backend, LOSS_CHUNK, doc_len=DOC, dense_chunk=CHUNK)
 
 
@@ -97,8 +98,10 @@ def measure_bytes(max_gib: float, measure_up_to: int) -> list[dict]:
     rows = []
     for seq_len in LENGTHS:
         for label, memory in POLICIES.items():
-            est = estimate_activations(narrow, workload(seq_len), memory)
-            est_7b = estimate_activations(wide, Workload(1, seq_len, 2, "flex", LOSS_CHUNK), memory)
+            est = estimate_activations(narrow, workload(seq_len), memory_specs(memory, narrow))
+            est_7b = estimate_activations(
+                wide, Workload(1, seq_len, 2, AttnBackend.FLEX, LOSS_CHUNK), memory_specs(memory, wide)
+            )
             row = {
                 "policy": label,
                 "seq_len": seq_len,

@@ -19,9 +19,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import MemoryConfig
-from flexengine.planning.activations import estimate_activations
+from flexengine.planning.activations import estimate_activations, memory_specs
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations
 
@@ -109,7 +110,8 @@ def run_policy(arch: dict, memory: MemoryConfig, device: torch.device, steps: in
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     shape = ModelShape.from_hf_config(model.config)
-    est = estimate_activations(shape, Workload(1, S, 2 if gpu else 4, "flex" if gpu else "dense", 1024), memory)
+    backend = AttnBackend.FLEX if gpu else AttnBackend.DENSE
+    est = estimate_activations(shape, Workload(1, S, 2 if gpu else 4, backend, 1024), memory_specs(memory, shape))
     return {
         "activation_bytes": report.total_bytes,
         "offloaded_bytes": report.offloaded_bytes,

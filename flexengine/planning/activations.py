@@ -25,12 +25,13 @@ and SwiGLU (`recompute_flops_per_block`, `recompute_pointwise_bytes_per_block`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
-from flexengine.surgery.memory.layers import select_layers
+from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
 
 
@@ -50,9 +51,9 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
         "attn_out": p * T * ad,
         "logsumexp": 4 * T * m.heads,
     }
-    if w.backend == "flex":
+    if w.backend is AttnBackend.FLEX:
         attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
-    elif w.backend == "dense":
+    elif w.backend is AttnBackend.DENSE:
         attention["float_mask"] = p * w.dense_mask_elements  # SDPA's float copy of each chunk's bool mask
         if w.seq_len > w.dense_chunk:  # the chunks' outputs are concatenated [B, H, S, D]: o_proj gets a copy
             attention["o_proj_input"] = p * T * ad
@@ -84,22 +85,26 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     }
 
 
-def block_bytes(m: ModelShape, w: Workload, recompute: Optional[str], offload: bool) -> tuple[int, int]:
-    """(device bytes, host bytes) one block holds. recompute: None | block | attention | mlp | ops."""
+# The sub-layer of `block_inventory` a sub-module checkpoint re-runs (it keeps only its normalised input)
+_RECOMPUTED_PART = {Recompute.ATTENTION: "attention", Recompute.MLP: "mlp"}
+
+
+def block_bytes(m: ModelShape, w: Workload, spec: MemorySpec) -> tuple[int, int]:
+    """(device bytes, host bytes) one block holds under its MemorySpec."""
     inv = block_inventory(m, w)
-    if w.mlp_tiled and recompute != "ops":
+    if spec.tiles_mlp(w.tokens) and spec.recompute is not Recompute.OPS:
         # per-tile checkpoints keep only views of the MLP input (norm2's output, already counted). Under SAC the
         # tiles' matmul outputs still land in its cache: measured unchanged.
         inv["mlp"] = {}
-    if recompute is None:
+    if spec.recompute is Recompute.NONE:
         held = sum(sum(part.values()) for part in inv.values())
-    elif recompute == "block":
+    elif spec.recompute is Recompute.BLOCK:
         held = w.act_bytes * w.tokens * m.hidden  # the checkpoint's input
-    elif recompute == "ops":
+    elif spec.recompute is Recompute.OPS:
         held = sum(sac_inventory(m, w).values())
     else:  # attention | mlp: that sub-layer keeps only its (already counted) normalised input
-        held = sum(sum(part.values()) for name, part in inv.items() if name != recompute)
-    return (0, held) if offload else (held, 0)
+        held = sum(sum(part.values()) for name, part in inv.items() if name != _RECOMPUTED_PART[spec.recompute])
+    return (0, held) if spec.offload else (held, 0)
 
 
 def block_working_bytes(m: ModelShape, w: Workload) -> int:
@@ -147,14 +152,15 @@ def pointwise_bytes(m: ModelShape, w: Workload) -> dict[str, int]:
 # Which pointwise ops each recompute granularity re-runs (a checkpoint around self_attn/mlp leaves the norms
 # and residual adds outside; op-level SAC recomputes every pointwise op of the block).
 _POINTWISE_RECOMPUTED = {
-    "block": ("norm1", "rope", "norm2", "swiglu", "residual"),
-    "ops": ("norm1", "rope", "norm2", "swiglu", "residual"),
-    "attention": ("rope",),
-    "mlp": ("swiglu",),
+    Recompute.NONE: (),
+    Recompute.BLOCK: ("norm1", "rope", "norm2", "swiglu", "residual"),
+    Recompute.OPS: ("norm1", "rope", "norm2", "swiglu", "residual"),
+    Recompute.ATTENTION: ("rope",),
+    Recompute.MLP: ("swiglu",),
 }
 
 
-def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity: str) -> int:
+def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity: Recompute) -> int:
     """Bytes moved by the pointwise ops one block re-runs in backward: each recomputed output is written once
     and read once by its consumer (2x its bytes). Memory-bound: time = bytes / memory bandwidth."""
     ops = pointwise_bytes(m, w)
@@ -162,7 +168,11 @@ def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity:
 
 
 def recompute_flops_per_block(
-    m: ModelShape, w: Workload, granularity: str, attended_fraction: float = 0.5, count_attention_core: bool = True
+    m: ModelShape,
+    w: Workload,
+    granularity: Recompute,
+    attended_fraction: float = 0.5,
+    count_attention_core: bool = True,
 ) -> float:
     """Extra forward FLOPs backward spends re-running one checkpointed block at `granularity`.
 
@@ -173,10 +183,11 @@ def recompute_flops_per_block(
     f = block_forward_flops(m, w, attended_fraction)
     core = f["attention_core"] if count_attention_core else 0.0
     return {
-        "block": f["qkv_proj"] + core + f["attn_out_proj"] + f["gate_up_proj"],
-        "attention": f["qkv_proj"] + core,
-        "mlp": f["gate_up_proj"],
-        "ops": 0.0,
+        Recompute.NONE: 0.0,
+        Recompute.BLOCK: f["qkv_proj"] + core + f["attn_out_proj"] + f["gate_up_proj"],
+        Recompute.ATTENTION: f["qkv_proj"] + core,
+        Recompute.MLP: f["gate_up_proj"],
+        Recompute.OPS: 0.0,
     }[granularity]
 
 
@@ -192,7 +203,7 @@ def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, 
     # (index_select's backward) and int64 targets (cross-entropy's backward); the positions come from the loader
     if w.chunk_size <= 0 or n <= w.chunk_size:
         out["log_probs"] = 4 * n * m.vocab  # CE keeps fp32 log-softmax of all [tokens, vocab]
-    if w.backend == "dense" and checkpointed:
+    if w.backend is AttnBackend.DENSE and checkpointed:
         out["bool_mask"] = w.dense_mask_elements  # the chunks' bool masks, kept alive by the checkpoint closures
     return out
 
@@ -217,28 +228,26 @@ class ActivationEstimate:
 
 
 def estimate_activations(
-    m: ModelShape, w: Workload, memory: MemoryConfig, attended_fraction: float = 0.5, count_attention_core: bool = True
+    m: ModelShape,
+    w: Workload,
+    specs: Sequence[MemorySpec],
+    attended_fraction: float = 0.5,
+    count_attention_core: bool = True,
 ) -> ActivationEstimate:
-    """Bytes a forward under `memory` (a concrete policy) holds for backward, per block and in total."""
-    w = dataclasses.replace(w, mlp_tile=resolve_tiles(memory, m).tiled_mlp)
-    chosen = set(select_layers(memory.layers, m.layers)) if memory.policy != "none" else set()
-    recompute = memory.policy in ("full", "selective")
-    offload = memory.policy == "offload" or memory.offload
+    """Bytes a forward under one MemorySpec per block (`memory_specs`) holds for backward, per block and in total."""
     per_block, host, flops, pointwise = [], 0, 0.0, 0
-    for i in range(m.layers):
-        sel = i in chosen
-        gran = memory.granularity if (sel and recompute) else None
-        dev, off = block_bytes(m, w, gran, sel and offload)
+    for spec in specs:
+        dev, off = block_bytes(m, w, spec)
         per_block.append(dev)
         host += off
-        if gran is not None:
-            flops += recompute_flops_per_block(m, w, gran, attended_fraction, count_attention_core)
-            pointwise += recompute_pointwise_bytes_per_block(m, w, gran)
-        if w.mlp_tiled:  # every tile re-runs gate_proj + up_proj and SwiGLU in backward (FlopCounterMode-checked)
-            flops += recompute_flops_per_block(m, w, "mlp", attended_fraction, count_attention_core)
-            pointwise += recompute_pointwise_bytes_per_block(m, w, "mlp")
+        if spec.recompute is not Recompute.NONE:
+            flops += recompute_flops_per_block(m, w, spec.recompute, attended_fraction, count_attention_core)
+            pointwise += recompute_pointwise_bytes_per_block(m, w, spec.recompute)
+        if spec.tiles_mlp(w.tokens):  # every tile re-runs gate_proj + up_proj and SwiGLU in backward (FlopCounterMode)
+            flops += recompute_flops_per_block(m, w, Recompute.MLP, attended_fraction, count_attention_core)
+            pointwise += recompute_pointwise_bytes_per_block(m, w, Recompute.MLP)
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
-    holds_mask = bool(chosen) and recompute and memory.granularity != "mlp"
+    holds_mask = any(spec.recompute.wraps_attention for spec in specs)
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
     return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops, pointwise)
 
@@ -248,6 +257,12 @@ def resolve_tiles(memory: MemoryConfig, m: ModelShape) -> MemoryConfig:
     if memory.tiled_mlp != "auto":
         return memory
     return dataclasses.replace(memory, tiled_mlp=auto_tile_tokens(m.hidden))
+
+
+def memory_specs(memory: MemoryConfig, m: ModelShape) -> tuple[MemorySpec, ...]:
+    """A concrete memory.* (tiled_mlp=auto allowed) as the per-block MemorySpecs every cost reads: the one place
+    the planner turns a memory config into specs."""
+    return block_memory_specs(resolve_tiles(memory, m), m.layers)
 
 
 # Not counted under CP: the whole-row block mask ContextParallel.shard builds per window before each micro-batch's

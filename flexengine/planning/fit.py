@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
-from flexengine.planning.planner import k_table, plan_memory
+from flexengine.planning.planner import k_table, offloads, plan_memory, row_family
 from flexengine.planning.shapes import plan_inputs
+from flexengine.surgery.memory.spec import MemorySpec, block_memory_specs
 from flexengine.surgery.precision import (
     PrecisionSpec,
     auto_order,
@@ -47,6 +48,11 @@ class FitPlan:
     def fits(self) -> bool:
         """Whether the chosen configuration fits device and host memory."""
         return bool(self.plan["fits"])
+
+    @property
+    def memory_specs(self) -> tuple[MemorySpec, ...]:
+        """The chosen policy as one MemorySpec per decoder block."""
+        return block_memory_specs(self.memory, self.plan["hf_config"]["num_hidden_layers"])
 
 
 def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
@@ -281,7 +287,7 @@ def format_fit(fit: FitPlan) -> str:
     )
     if hw.world_size > 1 and fit.grad_accum > 1:
         lines.append(_reduce_line(p, hw))
-    if fit.memory.offload or fit.memory.policy == "offload":
+    if offloads(fit.memory_specs):
         bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
         if bound is not None:
             lines.append(
@@ -309,9 +315,10 @@ def format_fit_summary(fit: FitPlan) -> str:
             + ", ".join(f"{r['precision']} {_short_verdict(r['verdict'])}" for r in fit.precision_table)
             + ")"
         )
-    families, runners = {_family(p["memory"], p["micro_batch"])}, []
+    n_layers = p["hf_config"]["num_hidden_layers"]
+    families, runners = {(row_family(p, n_layers), p["micro_batch"])}, []
     for r in sorted((r for r in p["candidates"] if r["fits"]), key=lambda r: (r["cost"], r["k"], r["total_bytes"])):
-        family = _family(r["memory"], r["micro_batch"])
+        family = row_family(r, n_layers), r["micro_batch"]  # another k of the same policy is not worth naming
         if family in families:
             continue
         families.add(family)
@@ -324,11 +331,6 @@ def format_fit_summary(fit: FitPlan) -> str:
 def _short_verdict(verdict: str) -> str:
     """A precision verdict's head ("ties with fp32's 0.3 s", "slower", "does not fit"), for the one-line summary."""
     return verdict.split(":")[0].split(" (")[0]
-
-
-def _family(memory: dict, micro_batch: int) -> tuple:
-    """A policy family: what differs between runners-up worth naming (not just another k of the same policy)."""
-    return memory["policy"], memory["granularity"], bool(memory["offload"]), micro_batch
 
 
 def _reduce_line(p: dict, hw: HardwareConfig) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE
 from flexengine.core.units import GiB
-from flexengine.planning.planner import candidates_for, evaluate
+from flexengine.planning.activations import memory_specs
+from flexengine.planning.planner import candidates_for, evaluate, offloads
 from flexengine.planning.shapes import ModelShape, PlanInputs
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
@@ -47,7 +48,7 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
     m = ModelShape.from_hf_config(hf_config)
     rows = []
     for label, memory in candidates_for(tiled_mlp):
-        if x.hardware.device == "cpu" and (memory.policy == "offload" or memory.offload):
+        if x.hardware.device == "cpu" and offloads(memory_specs(memory, m)):
             continue  # on a CPU "device" offloading saves nothing
         n = longest_fitting(m, x, memory, step)
         row = {"label": label, "max_seq_len": n}
@@ -71,7 +72,7 @@ def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any =
     return {
         label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
         for label, memory in candidates_for(tiled_mlp)
-        if x.hardware.device != "cpu" or not (memory.policy == "offload" or memory.offload)
+        if x.hardware.device != "cpu" or not offloads(memory_specs(memory, m))
     }
 
 

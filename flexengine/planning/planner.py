@@ -10,17 +10,20 @@ plan's inputs: `planning/shapes.py`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.units import GiB
 from flexengine.planning.activations import (
+    ActivationEstimate,
     block_forward_flops,
     block_working_bytes,
     constant_bytes,
     estimate_activations,
     gathered_kv_bytes,
     loss_transient_bytes,
+    memory_specs,
     resolve_tiles,
 )
 from flexengine.planning.costs import (
@@ -39,8 +42,9 @@ from flexengine.planning.costs import (
     reduce_scatter_traffic,
     static_bytes,
 )
-from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
+from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.memory.layers import select_layers
+from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
 
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
 REDUCE_CHOICES = ("window", "micro_batch")
@@ -70,15 +74,36 @@ def spread_layers(k: int, n_layers: int) -> str:
     return "all" if k >= n_layers else f"spread_{k}"
 
 
-def describe(memory: MemoryConfig, n_layers: int) -> str:
-    """A short label of a concrete policy: 'none', 'block k=16/32', 'ops k=32/32 + offload', 'offload k=8/32'."""
-    tiled = " + tiled MLP" if memory.tiled_mlp else ""
-    if memory.policy == "none":
-        return "none" + tiled
-    k = len(select_layers(memory.layers, n_layers))
-    if memory.policy == "offload":
-        return f"offload k={k}/{n_layers}" + tiled
-    return f"{memory.granularity} k={k}/{n_layers}" + (" + offload" if memory.offload else "") + tiled
+def chosen_blocks(specs: Sequence[MemorySpec]) -> list[MemorySpec]:
+    """The blocks memory.layers selected: those that recompute or offload (a tiled MLP alone is every block's)."""
+    return [spec for spec in specs if spec.recompute is not Recompute.NONE or spec.offload]
+
+
+def offloads(specs: Sequence[MemorySpec]) -> bool:
+    """Whether any block keeps saved tensors in host memory."""
+    return any(spec.offload for spec in specs)
+
+
+def policy_family(specs: Sequence[MemorySpec]) -> tuple[Recompute, bool]:
+    """What the chosen blocks recompute and whether they offload: (NONE, False) is policy none, (NONE, True)
+    plain offload; k, the number of chosen blocks, is what varies within a family."""
+    chosen = chosen_blocks(specs)
+    return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
+
+
+def row_family(row: dict, n_layers: int) -> tuple[Recompute, bool]:
+    """`policy_family` of a plan row (its `memory` is a concrete policy, tiles resolved)."""
+    return policy_family(block_memory_specs(MemoryConfig(**row["memory"]), n_layers))
+
+
+def describe(specs: Sequence[MemorySpec]) -> str:
+    """A short label of a policy: 'none', 'block k=16/32', 'ops k=32/32 + offload', 'offload k=8/32'."""
+    tiled = " + tiled MLP" if any(spec.mlp_tile for spec in specs) else ""
+    recompute, offload = policy_family(specs)
+    k = f"k={len(chosen_blocks(specs))}/{len(specs)}"
+    if recompute is Recompute.NONE:
+        return (f"offload {k}" if offload else "none") + tiled
+    return f"{recompute.value} {k}" + (" + offload" if offload else "") + tiled
 
 
 def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
@@ -122,14 +147,24 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
     memory = resolve_tiles(memory, m)
+    return {"memory": dataclasses.asdict(memory), **evaluate_specs(m, x, memory_specs(memory, m))}
+
+
+def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> dict:
+    """`evaluate` from the per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     if x.reduce_every == "auto":  # one evaluation is one concrete plan; plan_memory weighs both reductions
         x = dataclasses.replace(x, reduce_every="window")
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
-    w = rank_workload(x, memory.tiled_mlp)
+    w = rank_workload(x, max((spec.mlp_tile for spec in specs), default=0))
     # A causal row attends half its keys; local queries see all seq_len keys: S^2 / cp, i.e. (S / cp)^2 x cp.
     attended = 0.5 * x.cp
-    act = estimate_activations(m, w, memory, attended_fraction=attended)
+    act = estimate_activations(m, w, specs, attended_fraction=attended)
     static = static_bytes(m, x)
+    return {**_memory_terms(m, x, w, act, static), **_step_time(m, x, w, act, attended), **static}
+
+
+def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict) -> dict:
+    """Device bytes by term, host bytes, the budgets and whether the step fits them."""
     on_gpu = x.hardware.device != "cpu"
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
     backward = max(block_working_bytes(m, w) + gathered_kv_bytes(m, x), loss_transient_bytes(m, w))
@@ -150,6 +185,24 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
     fits = (total <= budget and (host_budget is None or host <= host_budget)) if on_gpu else total + host <= budget
+    return {
+        "activation_bytes": act.total_bytes,
+        "activation_bytes_per_block": act.per_block,
+        "offloaded_bytes": act.offloaded_bytes,
+        "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
+        "total_bytes": total,
+        "budget_bytes": budget,
+        "host_bytes": host,
+        "host_budget_bytes": host_budget or 0,
+        "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
+        "fits": fits,
+        "terms": terms,
+    }
+
+
+def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float) -> dict:
+    """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
+    traffic, the host optimizer and the gradient reduce-scatter not hidden by backward."""
     blocks_flops = m.layers * sum(block_forward_flops(m, w, attended).values())
     step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
     peak = x.hardware.peak_tflops or FALLBACK_PEAK_TFLOPS
@@ -168,18 +221,6 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
     reduce_exposed_s = reduces * max(0.0, reduce_s / reduces - 2 * compute_s / 3) if reduce_bytes else 0.0
     step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s + reduce_exposed_s
     return {
-        "memory": dataclasses.asdict(memory),
-        "activation_bytes": act.total_bytes,
-        "activation_bytes_per_block": act.per_block,
-        "offloaded_bytes": act.offloaded_bytes,
-        "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
-        "total_bytes": total,
-        "budget_bytes": budget,
-        "host_bytes": host,
-        "host_budget_bytes": host_budget or 0,
-        "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
-        "fits": fits,
-        "terms": terms,
         "recompute_flops_fraction": recompute_fraction,
         "recompute_pointwise_s": pointwise_s,
         "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
@@ -193,7 +234,6 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
         "reduce_exposed_s": reduce_exposed_s,
         "step_s": step_s,
         "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
-        **static,
     }
 
 
@@ -245,6 +285,33 @@ def _rank(row: dict) -> tuple:
     )
 
 
+# The chosen candidate's fields the plan repeats at its top level
+PLAN_FIELDS = (
+    "weights_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "workspace_bytes",
+    "total_bytes",
+    "terms",
+    "budget_bytes",
+    "host_bytes",
+    "host_budget_bytes",
+    "offload_pinned_bound_bytes",
+    "fits",
+    "memory",
+    "step_s",
+    "optimizer_s",
+    "recompute_flops_fraction",
+    "recompute_pointwise_s",
+    "offload_bytes_per_step",
+    "reduce_scatter_bytes_per_step",
+    "eager_pointwise_s",
+    "reduce_scatter_s",
+    "reduce_exposed_s",
+)
+
+
 def plan_memory(
     hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None, search_micro_batch: bool = False
 ) -> dict:
@@ -253,31 +320,47 @@ def plan_memory(
     given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
     search_micro_batch: also try smaller micro-batches (more accumulation, same rows per optimizer step)."""
     m = ModelShape.from_hf_config(hf_config)
-    space = search_space(m.layers, given)
+    space = [(mem, memory_specs(mem, m)) for mem in search_space(m.layers, given)]
     if x.hardware.device == "cpu":  # offloading to host memory saves nothing when the device is the host
-        space = [mem for mem in space if not _offloads(mem)] or space
+        space = [(mem, specs) for mem, specs in space if not offloads(specs)] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
-    rows = []
-    for b, accum, reduce_every in _with_reduce_choices(shapes, x):
-        xb = dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every)
-        for mem in space:
-            row = evaluate(m, xb, mem)
-            per_micro_batch = " reduce/mb" if reduce_every == "micro_batch" and accum > 1 else ""
-            rows.append(
-                {
-                    "label": describe(mem, m.layers) + ("" if b == x.micro_batch else f" mb={b}") + per_micro_batch,
-                    "micro_batch": b,
-                    "grad_accum": accum,
-                    "k": 0 if mem.policy == "none" else len(select_layers(mem.layers, m.layers)),
-                    "uses_offload": _offloads(mem),
-                    **row,
-                }
-            )  # row["memory"]: tiles resolved
+    rows = [
+        _candidate_row(
+            m,
+            dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
+            mem,
+            specs,
+            x.micro_batch,
+        )
+        for b, accum, reduce_every in _with_reduce_choices(shapes, x)
+        for mem, specs in space
+    ]
     fitting = [r for r in rows if r["fits"]]
     best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: r["total_bytes"] + r["host_bytes"])
+    return _plan(hf_config, m, x, rows, best, [] if fitting else suggestions(m, x))
+
+
+def _candidate_row(
+    m: ModelShape, x: PlanInputs, memory: MemoryConfig, specs: Sequence[MemorySpec], given_micro_batch: int
+) -> dict:
+    """One candidate's plan row: its label, shape, k and offload, then `evaluate`'s terms (tiles resolved)."""
+    shape = "" if x.micro_batch == given_micro_batch else f" mb={x.micro_batch}"
+    shape += " reduce/mb" if x.reduce_every == "micro_batch" and x.grad_accum > 1 else ""
+    return {
+        "label": describe(specs) + shape,
+        "micro_batch": x.micro_batch,
+        "grad_accum": x.grad_accum,
+        "k": len(chosen_blocks(specs)),
+        "uses_offload": offloads(specs),
+        **evaluate(m, x, memory),
+    }
+
+
+def _plan(hf_config, m: ModelShape, x: PlanInputs, rows: list[dict], best: dict, hints: list[str]) -> dict:
+    """The plan: the chosen row's fields at the top level, the assumptions, and every candidate row."""
     w = rank_workload(x, micro_batch=best["micro_batch"])
     per_block = {r["label"]: r.pop("activation_bytes_per_block") for r in rows}
-    plan = {
+    return {
         "hf_config": hf_config.to_dict(),
         "seq_len": x.seq_len,
         "micro_batch": best["micro_batch"],
@@ -285,79 +368,40 @@ def plan_memory(
         "reduce_every": best["reduce_every"],
         "precision": x.precision,
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
-        **{
-            key: best[key]
-            for key in (
-                "weights_bytes",
-                "grads_bytes",
-                "optimizer_bytes",
-                "activation_bytes",
-                "workspace_bytes",
-                "total_bytes",
-                "terms",
-                "budget_bytes",
-                "host_bytes",
-                "host_budget_bytes",
-                "offload_pinned_bound_bytes",
-                "fits",
-                "memory",
-                "step_s",
-                "optimizer_s",
-                "recompute_flops_fraction",
-                "recompute_pointwise_s",
-                "offload_bytes_per_step",
-                "reduce_scatter_bytes_per_step",
-                "eager_pointwise_s",
-                "reduce_scatter_s",
-                "reduce_exposed_s",
-            )
-        },
+        **{key: best[key] for key in PLAN_FIELDS},
         "assumptions": {
             **assumptions(x.hardware),
             "host_step_ns_per_param": HOST_STEP_NS_PER_PARAM,
             "interconnect_gb_s": interconnect_gb_s(x.hardware),
         },
-        "activation_bytes_per_block": {label: per_block[label] for label in {rows[0]["label"], best["label"]}},
+        # the first candidate (none, where searched) and the chosen one, in that order (a set's order follows
+        # PYTHONHASHSEED: the JSON differed between two runs of one plan)
+        "activation_bytes_per_block": {
+            label: per_block[label] for label in dict.fromkeys((rows[0]["label"], best["label"]))
+        },
         "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
         "policy": best["label"],
         "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
         "candidates": rows,
-        "suggestions": [] if fitting else suggestions(m, x),
+        "suggestions": hints,
     }
-    return plan
 
 
 def k_table(plan: dict) -> list[dict]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
-    best = plan["memory"]
-    family = [
+    n_layers = plan["hf_config"]["num_hidden_layers"]
+    family = row_family(plan, n_layers)
+    if family == (Recompute.NONE, False):  # nothing needed: show what whole-block checkpointing would cost
+        family = (Recompute.BLOCK, False)
+    rows = [
         r
         for r in plan["candidates"]
         if r["micro_batch"] == plan["micro_batch"]
         and r["reduce_every"] == plan["reduce_every"]
-        and (
-            r["k"] == 0
-            or (
-                r["memory"]["policy"] == best["policy"]
-                and r["memory"]["granularity"] == best["granularity"]
-                and r["memory"]["offload"] == best["offload"]
-            )
-        )
+        and (r["k"] == 0 or row_family(r, n_layers) == family)
     ]
-    if best["policy"] == "none":  # nothing needed: show what whole-block checkpointing would cost
-        family = [
-            r
-            for r in plan["candidates"]
-            if r["micro_batch"] == plan["micro_batch"]
-            and r["reduce_every"] == plan["reduce_every"]
-            and (r["k"] == 0 or (r["memory"]["policy"] == "full" and not r["memory"]["offload"]))
-        ]
-    return sorted(family, key=lambda r: r["k"])
-
-
-def _offloads(memory: MemoryConfig) -> bool:
-    return memory.policy == "offload" or bool(memory.offload)
+    return sorted(rows, key=lambda r: r["k"])
 
 
 def _fits(m: ModelShape, x: PlanInputs) -> bool:

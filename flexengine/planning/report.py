@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flexengine.core.config import JobConfig
-from flexengine.planning.activations import estimate_activations
+from flexengine.planning.activations import estimate_activations, memory_specs
 from flexengine.planning.shapes import ModelShape, plan_inputs, rank_workload
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.spec import AttnBackend
@@ -36,7 +36,8 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
         del out
         return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}
     x = plan_inputs(job, job.hardware, precision, on_cuda=device.type == "cuda")
-    est = estimate_activations(ModelShape.from_hf_config(model.config), rank_workload(x), memory)
+    shape = ModelShape.from_hf_config(model.config)
+    est = estimate_activations(shape, rank_workload(x), memory_specs(memory, shape))
     return {
         "activation_bytes": est.total_bytes,
         "activation_bytes_per_block": est.per_block,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.family import Family, resolve_family
 
 
@@ -79,7 +80,8 @@ class Workload:
     micro_batch: int
     seq_len: int
     act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
-    backend: str = "flex"  # flex | varlen (CPU per-document SDPA) | dense (the CPU reference; adds S^2 mask terms)
+    backend: AttnBackend = AttnBackend.FLEX  # FLEX | VARLEN (CPU per-document SDPA) | DENSE (the CPU reference;
+    # adds S^2 mask terms). HF's own SDPA keeps flex's O(S) tensors: planned as FLEX (`plan_inputs`)
     chunk_size: int = 0  # loss.chunk_size
     mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
     doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
@@ -118,7 +120,7 @@ class PlanInputs:
     dtype_bytes: int  # activation bytes per element (and parameter bytes unless weight_bytes is given)
     hardware: HardwareConfig
     chunk_size: int = 0
-    backend: str = "flex"
+    backend: AttnBackend = AttnBackend.FLEX  # as Workload.backend
     grad_accum: int = 1
     optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
     trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
@@ -160,11 +162,11 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         on_cuda = hardware.device == "cuda"
     import torch
 
-    from flexengine.surgery.attention.spec import AttnBackend, resolve_backend
+    from flexengine.surgery.attention.spec import resolve_backend
 
     # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
     resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
-    backend = {AttnBackend.DENSE: "dense", AttnBackend.VARLEN: "varlen"}.get(resolved, "flex")
+    backend = resolved if resolved in (AttnBackend.DENSE, AttnBackend.VARLEN) else AttnBackend.FLEX
     trainable = 1.0
     if job.model.lora.r > 0:  # only adapters have grads and optimizer states
         from flexengine.surgery.model import build_hf_config

@@ -86,6 +86,8 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv():
     Hand computation for deepseek-7B (MHA: 32 KV heads x 128 = 4096 K/V width), 64K tokens over 8 ranks, bf16."""
     from flexengine.planning.activations import block_bytes, block_working_bytes, gathered_kv_bytes
     from flexengine.planning.shapes import Workload, rank_workload
+    from flexengine.surgery.attention.spec import AttnBackend
+    from flexengine.surgery.memory.spec import MemorySpec
 
     cfg = _deepseek()
     m = ModelShape.from_hf_config(cfg)
@@ -93,13 +95,13 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv():
     S, T, kd, p = 65536, 8192, 4096, 2  # row, this rank's share, K/V width, bf16
     x1 = PlanInputs(seq_len=S, micro_batch=1, dtype_bytes=p, hardware=node, chunk_size=1024)
     x8 = dataclasses.replace(x1, cp=8)
-    local = Workload(1, T, p, "flex", 1024)  # the rank's tokens as if they were a row of their own
+    local = Workload(1, T, p, AttnBackend.FLEX, 1024)  # the rank's tokens as if they were a row of their own
     assert rank_workload(x8) == dataclasses.replace(local, cp=8)
     # the gradients of the gathered K and V: 2 x S x 4096 x 2 bytes = 1 GiB; nothing without CP
     assert gathered_kv_bytes(m, x8) == 2 * S * kd * p == 2**30 and gathered_kv_bytes(m, x1) == 0
     # no recompute: a block holds the gathered K and V, (S - T) tokens more than its own, = 1.75 GiB
     extra_kv = 2 * (S - T) * kd * p
-    assert block_bytes(m, rank_workload(x8), None, False)[0] - block_bytes(m, local, None, False)[0] == extra_kv
+    assert block_bytes(m, rank_workload(x8), MemorySpec())[0] - block_bytes(m, local, MemorySpec())[0] == extra_kv
     full = candidates_for("auto")[6][1]  # "full": blocks keep only their input
     e1, e8 = evaluate(m, x1, full), evaluate(m, x8, full)
     assert e8["activation_bytes"] == evaluate(m, dataclasses.replace(x1, seq_len=T), full)["activation_bytes"]

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from flexengine.core.config import HardwareConfig, MemoryConfig, ModelConfig
-from flexengine.planning.activations import block_bytes, estimate_activations
+from flexengine.planning.activations import block_bytes, estimate_activations, memory_specs
 from flexengine.planning.planner import k_table, plan_memory, search_space, spread_layers
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations, select_layers
+from flexengine.surgery.memory.spec import MemorySpec
 from flexengine.surgery.model import build_hf_config
 from tests.helpers import clone_model, make_llama
 
@@ -52,7 +54,7 @@ def test_estimate_within_5_percent_of_meter(small, B, S, chunk):
         apply_memory_policy(model, memory)
         model.train()
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, chunk))
-        est = estimate_activations(shape, Workload(B, S, 4, "dense", chunk), memory)
+        est = estimate_activations(shape, Workload(B, S, 4, AttnBackend.DENSE, chunk), memory_specs(memory, shape))
         assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), memory
         assert est.offloaded_bytes == pytest.approx(report.offloaded_bytes, rel=0.05), memory
         # The meter attributes a storage to the block that created it (each block makes the next one's input),
@@ -94,10 +96,10 @@ def test_7b_none_matches_published_formula_adapted(name):
     s, b, h, a, k, f, p = 6144, 1, 4096, 32, 32, 11008, 2
     d = h // a
     formula = s * b * (2 * ((4 + 2 * p) * h + 4) + p * (3 * a * d + 2 * k * d) + 4 * a + 4 * p * f)
-    assert block_bytes(m, Workload(b, s, p, "flex"), None, False)[0] == formula
+    assert block_bytes(m, Workload(b, s, p, AttnBackend.FLEX), MemorySpec())[0] == formula
     assert formula == pytest.approx(s * b * h * 47.5, rel=0.01)  # ~47.5 sbh vs 34 sbh for a GELU GPT block
     # no S^2 term: doubling the sequence exactly doubles the block's bytes
-    assert block_bytes(m, Workload(b, 2 * s, p, "flex"), None, False)[0] == 2 * formula
+    assert block_bytes(m, Workload(b, 2 * s, p, AttnBackend.FLEX), MemorySpec())[0] == 2 * formula
     assert m.params == pytest.approx({"llama2_7b": 6.74e9, "deepseek7b": 6.91e9}[name], rel=0.01)
 
 
@@ -359,7 +361,9 @@ def test_pointwise_bytes_match_the_ops_hf_runs(small, dtype):
     with Written():
         layer(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
     p = torch.empty((), dtype=dtype).element_size()
-    expected = sum(pointwise_bytes(ModelShape.from_hf_config(small.config), Workload(B, S, p, "flex")).values())
+    expected = sum(
+        pointwise_bytes(ModelShape.from_hf_config(small.config), Workload(B, S, p, AttnBackend.FLEX)).values()
+    )
     assert expected == pytest.approx(Written.total, rel=0.02)
 
 
@@ -376,7 +380,9 @@ def test_varlen_estimate_matches_meter_and_keeps_less_than_dense(small):
         patch_attention(model, mode="packed_doc", backend=backend)
         model.train()
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, 0))
-        est = estimate_activations(shape, Workload(B, S, 4, backend, 0), MemoryConfig())
+        est = estimate_activations(
+            shape, Workload(B, S, 4, AttnBackend(backend), 0), memory_specs(MemoryConfig(), shape)
+        )
         assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05), backend
         measured[backend] = report.total_bytes
     assert measured["varlen"] < measured["dense"]

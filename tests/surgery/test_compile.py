@@ -14,6 +14,7 @@ from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.compile import CompileWatch, apply_compile, needs_compiled_blocks
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory.spec import Recompute
 from tests.helpers import clone_model, make_llama
 
 S = 64
@@ -111,7 +112,7 @@ def test_sac_saves_flex_attention_instead_of_recomputing_it(monkeypatch):
     _, plain_mm, _ = _flex_graphs_in_backward(MemoryConfig(), monkeypatch)
     assert (
         sac_mm == plain_mm
-        and recompute_flops_per_block(ModelShape(64, 4, 2, 16, 128, 2, 256, 0), Workload(1, S), "ops") == 0
+        and recompute_flops_per_block(ModelShape(64, 4, 2, 16, 128, 2, 256, 0), Workload(1, S), Recompute.OPS) == 0
     )
     # the check can fail: full checkpointing does recompute flex (and the matmuls) in backward
     full, full_mm, _ = _flex_graphs_in_backward(MemoryConfig(policy="full"), monkeypatch)

@@ -91,6 +91,7 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
     gradient), and the value equals plain CE summed over slices."""
     from flexengine.planning.activations import constant_bytes, loss_transient_bytes
     from flexengine.planning.shapes import ModelShape, Workload
+    from flexengine.surgery.attention.spec import AttnBackend
     from flexengine.surgery.memory.meter import measure_peak_bytes
 
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
         lambda: out.update(loss=causal_lm_loss_sum(hidden, labels, lm_head, chunk)) or out["loss"].backward()
     )
     shape = ModelShape(hidden=H, heads=1, kv_heads=1, head_dim=H, intermediate=H, layers=0, vocab=V, params=0)
-    w = Workload(1, S, 4, "flex", chunk)
+    w = Workload(1, S, 4, AttnBackend.FLEX, chunk)
     planned = constant_bytes(shape, w, False)["loss_inputs"] + loss_transient_bytes(shape, w)
     planned += 2 * S * H * 4 + V * H * 4  # the gradients of hidden and lm_head, which backward returns
     assert "log_probs" not in constant_bytes(shape, w, False)  # chunked: no whole-sequence log-probs

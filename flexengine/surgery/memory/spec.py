@@ -18,6 +18,12 @@ class Recompute(Enum):
     MLP = "mlp"  # the MLP sub-module
     OPS = "ops"  # op-level SAC: matmul and attention outputs kept, pointwise ops recomputed
 
+    @property
+    def wraps_attention(self) -> bool:
+        """Whether the checkpointed region holds the attention call, so its closure keeps the attention kwargs
+        (the dense backend's mask) alive until backward."""
+        return self in (Recompute.BLOCK, Recompute.ATTENTION, Recompute.OPS)
+
 
 @dataclass(frozen=True)
 class MemorySpec:
@@ -26,6 +32,10 @@ class MemorySpec:
     recompute: Recompute = Recompute.NONE
     offload: bool = False  # saved tensors (under recompute: the checkpoint's inputs) live in host memory
     mlp_tile: int = 0  # the MLP runs over tiles of this many tokens, each recomputed in backward (0 = whole)
+
+    def tiles_mlp(self, tokens: int) -> bool:
+        """Whether the MLP really runs in more than one tile over `tokens` (tiled_mlp_forward skips a single tile)."""
+        return 0 < self.mlp_tile < tokens
 
     @property
     def changes_block(self) -> bool:

@@ -11,8 +11,10 @@ from flexengine.core.errors import UserError
 from flexengine.planning.activations import recompute_flops_per_block
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, decoder_layers, select_layers
+from flexengine.surgery.memory.spec import Recompute
 from tests.helpers import clone_model, make_llama
 
 B, S = 2, 64
@@ -147,7 +149,7 @@ def test_backward_flops_match_claimed_recompute(base, granularity):
     extra = _train_flops(policy) - _train_flops(plain)
     shape = ModelShape.from_hf_config(base.config)
     claimed = len(select_layers(layers, shape.layers)) * recompute_flops_per_block(
-        shape, Workload(B, S, 4, "dense"), granularity, count_attention_core=False
+        shape, Workload(B, S, 4, AttnBackend.DENSE), Recompute(granularity), count_attention_core=False
     )
     assert extra == claimed
     if granularity != "ops":

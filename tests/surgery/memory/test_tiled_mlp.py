@@ -10,12 +10,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
-from flexengine.planning.activations import block_working_bytes, estimate_activations, recompute_flops_per_block
+from flexengine.planning.activations import (
+    block_working_bytes,
+    estimate_activations,
+    memory_specs,
+    recompute_flops_per_block,
+)
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, decoder_layers, measure_activations
 from flexengine.surgery.memory.meter import measure_peak_bytes
+from flexengine.surgery.memory.spec import Recompute
 from tests.helpers import clone_model, make_llama
 
 B, S = 2, 64  # 128 tokens: tiles of 48 leave an uneven last tile of 32
@@ -103,9 +110,15 @@ def test_backward_flops_match_claimed_tile_recompute(base, memory):
     planner's estimate, exactly (FlopCounterMode counts matmuls, not the CPU flash-attention kernel)."""
     extra = _train_flops(_model(base, memory)) - _train_flops(_model(base, MemoryConfig()))
     shape = ModelShape.from_hf_config(base.config)
-    claimed = estimate_activations(shape, Workload(B, S, 8, "dense"), memory, count_attention_core=False)
+    claimed = estimate_activations(
+        shape, Workload(B, S, 8, AttnBackend.DENSE), memory_specs(memory, shape), count_attention_core=False
+    )
     assert extra == claimed.recompute_flops
-    assert extra >= shape.layers * recompute_flops_per_block(shape, Workload(B, S, 8, "dense"), "mlp") > 0
+    assert (
+        extra
+        >= shape.layers * recompute_flops_per_block(shape, Workload(B, S, 8, AttnBackend.DENSE), Recompute.MLP)
+        > 0
+    )
 
 
 def test_only_one_tile_of_the_intermediate_is_ever_alive():
@@ -127,8 +140,8 @@ def test_only_one_tile_of_the_intermediate_is_ever_alive():
         model = _model(base, MemoryConfig(policy="full", tiled_mlp=tile))
         peaks[tile] = measure_peak_bytes(lambda m=model: forward_loss_sum(m, batch).backward())
     shape = ModelShape.from_hf_config(base.config)
-    saved = block_working_bytes(shape, Workload(1, 1024, 4, "dense")) - block_working_bytes(
-        shape, Workload(1, 1024, 4, "dense", mlp_tile=128)
+    saved = block_working_bytes(shape, Workload(1, 1024, 4, AttnBackend.DENSE)) - block_working_bytes(
+        shape, Workload(1, 1024, 4, AttnBackend.DENSE, mlp_tile=128)
     )
     assert saved == 6 * 4 * (1024 - 128) * 512  # 6 fp32 [tokens, intermediate] tensors, 7 of 8 tiles fewer
     assert peaks[0] - peaks[128] == pytest.approx(saved, rel=0.05)
@@ -157,7 +170,8 @@ def test_planner_within_5_percent_of_meter(memory):
     batch = {"input_ids": ids, "position_ids": torch.arange(768)[None], "labels": ids}
     model = _model(small, memory)
     report, _ = measure_activations(model, lambda: forward_loss_sum(model, batch))
-    est = estimate_activations(ModelShape.from_hf_config(small.config), Workload(1, 768, 4, "dense"), memory)
+    shape = ModelShape.from_hf_config(small.config)
+    est = estimate_activations(shape, Workload(1, 768, 4, AttnBackend.DENSE), memory_specs(memory, shape))
     assert est.total_bytes == pytest.approx(report.total_bytes, rel=0.05)
     assert est.offloaded_bytes == pytest.approx(report.offloaded_bytes, rel=0.05)
 
