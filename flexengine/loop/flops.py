@@ -11,8 +11,8 @@
   flash-style backward that recomputes the scores (4 + 10 FLOPs per pair, head and dim).
 
 The counts come from the model's own Linear modules (peft's adapters included), so LoRA, GQA and biases need no
-special case. Which inputs need a gradient follows the data flow of a pre-norm decoder block; which recompute
-re-runs what follows non-reentrant checkpointing, which stops once the last tensor backward needs exists.
+special case. Which inputs need a gradient follows the data flow of a pre-norm decoder block; which parts a
+recompute re-runs is `MemorySpec.recompute_flops` (surgery/memory/spec.py), the definition the planner prices too.
 tests/loop/test_flops.py checks both counts against torch's FlopCounterMode.
 """
 
@@ -26,6 +26,7 @@ from torch import nn
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.mask_mode import band_mode
 from flexengine.surgery.family import family_of
+from flexengine.surgery.memory.spec import BlockFlops
 
 ATTN_MODEL_FLOPS = 4 + 8  # per (query, key) pair, head and head dim: QK^T and PV forward, twice that backward
 ATTN_FWD_FLOPS = 4
@@ -92,17 +93,17 @@ class _Region:
         """Forward + backward matmul FLOPs per token."""
         return sum(p.flops(self.input_grad) for p in self.inputs) + self.output.flops(self.inner_grad)
 
-    def recompute_flops(self, is_last_region: bool) -> float:
-        """Forward FLOPs per token a checkpoint ending with this region re-runs: everything up to the last saved
-        tensor. The output projection's result is saved by nothing (a residual add follows), so it re-runs only
-        when a trainable LoRA factor after it saves lora_A's output (base, then lora_A). Inside a whole-block
-        checkpoint the attention output projection is followed by the MLP, so it re-runs."""
-        total = sum(p.flops(False, forward_only=True) for p in self.inputs)
-        if not is_last_region:
-            return total + self.output.flops(False, forward_only=True)
-        if self.output.lora_trains:
-            total += 2 * (self.output.base + self.output.lora_a)
-        return total
+    @property
+    def inputs_forward(self) -> float:
+        """Forward FLOPs per token of the input projections."""
+        return sum(p.flops(False, forward_only=True) for p in self.inputs)
+
+    @property
+    def output_end(self) -> float:
+        """Forward FLOPs per token a checkpoint ending with this region re-runs of its output projection: its result
+        is saved by nothing (a residual add follows), so only what a trainable LoRA factor after it saves
+        (lora_A's output: base, then lora_A)."""
+        return 2 * (self.output.base + self.output.lora_a) if self.output.lora_trains else 0.0
 
 
 @dataclass
@@ -110,6 +111,19 @@ class _Block:
     attention: _Region
     mlp: _Region
     attention_backward: bool  # q/k/v need gradients, so the attention core runs backward
+
+    @property
+    def recompute_parts(self) -> BlockFlops:
+        """Per token, the parts a recompute can re-run; the attention core is counted per layer from the mask's
+        pairs instead (`TrainFlops.recompute_attention_layers`)."""
+        return BlockFlops(
+            attention_inputs=self.attention.inputs_forward,
+            attention_core=0.0,
+            attention_output=self.attention.output.flops(False, forward_only=True),
+            mlp_inputs=self.mlp.inputs_forward,
+            attention_output_end=self.attention.output_end,
+            mlp_output_end=self.mlp.output_end,
+        )
 
 
 class TrainFlops:
@@ -143,24 +157,11 @@ class TrainFlops:
         self.head_input_grad = grad or _trains(family.final_norm_of(model))
         self.recompute_per_token = 0.0
         self.recompute_attention_layers: list[int] = []  # blocks whose attention core backward re-runs
-        for i, spec in enumerate(applied(model).memory):
-            self._add_recompute(i, spec.recompute.value, getattr(spec, "mlp_tile", 0) > 0)
-
-    def _add_recompute(self, i: int, granularity: str, tiled_mlp: bool) -> None:
-        """A tiled MLP checkpoints each tile, which re-runs gate/up in backward whatever else is recomputed (a
-        block checkpoint then stops at the tiles' saved inputs, so its MLP is not re-run twice)."""
-        block = self.blocks[i]
-        mlp = block.mlp.recompute_flops(True)
-        if granularity == "block":
-            self.recompute_per_token += block.attention.recompute_flops(False) + mlp
-            self.recompute_attention_layers.append(i)
-        elif granularity == "attention":
-            self.recompute_per_token += block.attention.recompute_flops(True) + (mlp if tiled_mlp else 0.0)
-            self.recompute_attention_layers.append(i)
-        elif granularity == "mlp" or tiled_mlp:
-            self.recompute_per_token += mlp
-        # otherwise none, or ops (SAC), which saves every matmul and the attention output: no FLOPs re-run
-        # (its cost is memory traffic, which the planner counts)
+        for i, (block, spec) in enumerate(zip(self.blocks, applied(model).memory)):
+            # per token, so tiled whenever a tile size is set (a micro-batch of one tile or less is not: overcounted)
+            self.recompute_per_token += spec.recompute_flops(block.recompute_parts, mlp_tiled=spec.mlp_tile > 0)
+            if spec.recompute.reruns_attention_core:
+                self.recompute_attention_layers.append(i)
 
     @property
     def block_flops_per_token(self) -> float:

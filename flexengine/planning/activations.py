@@ -19,7 +19,9 @@ Per batch, outside the blocks: rotary cos/sin (2 T d p), the final norm ((4 + p)
 (held by checkpoint closures) once per batch. Validated against flexengine.surgery.memory.meter in tests/memory.
 
 Recompute costs FLOPs plus the bytes its pointwise ops move: SAC keeps every matmul but still re-runs norms, RoPE
-and SwiGLU (`recompute_flops_per_block`, `recompute_pointwise_bytes_per_block`).
+and SwiGLU. Which parts and ops each recompute re-runs is defined beside the enum (surgery/memory/spec.py:
+`Recompute.flops`, `MemorySpec.recompute_flops`, `pointwise_ops`), shared with loop/flops.py; this module prices
+the parts (`block_recompute_parts`, `pointwise_bytes`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention.spec import AttnBackend
-from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
+from flexengine.surgery.memory.spec import BlockFlops, MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
 
 
@@ -149,22 +151,19 @@ def pointwise_bytes(m: ModelShape, w: Workload) -> dict[str, int]:
     }
 
 
-# Which pointwise ops each recompute granularity re-runs (a checkpoint around self_attn/mlp leaves the norms
-# and residual adds outside; op-level SAC recomputes every pointwise op of the block).
-_POINTWISE_RECOMPUTED = {
-    Recompute.NONE: (),
-    Recompute.BLOCK: ("norm1", "rope", "norm2", "swiglu", "residual"),
-    Recompute.OPS: ("norm1", "rope", "norm2", "swiglu", "residual"),
-    Recompute.ATTENTION: ("rope",),
-    Recompute.MLP: ("swiglu",),
-}
-
-
-def recompute_pointwise_bytes_per_block(m: ModelShape, w: Workload, granularity: Recompute) -> int:
-    """Bytes moved by the pointwise ops one block re-runs in backward: each recomputed output is written once
-    and read once by its consumer (2x its bytes). Memory-bound: time = bytes / memory bandwidth."""
-    ops = pointwise_bytes(m, w)
-    return 2 * sum(ops[name] for name in _POINTWISE_RECOMPUTED[granularity])
+def block_recompute_parts(
+    m: ModelShape, w: Workload, attended_fraction: float = 0.5, count_attention_core: bool = True
+) -> BlockFlops:
+    """One block's forward FLOPs by the parts a recompute re-runs (no LoRA here: no `*_end` terms).
+    count_attention_core=False matches FlopCounterMode on CPU, which has no formula for the CPU flash-attention
+    kernel."""
+    f = block_forward_flops(m, w, attended_fraction)
+    return BlockFlops(
+        attention_inputs=f["qkv_proj"],
+        attention_core=f["attention_core"] if count_attention_core else 0.0,
+        attention_output=f["attn_out_proj"],
+        mlp_inputs=f["gate_up_proj"],
+    )
 
 
 def recompute_flops_per_block(
@@ -174,21 +173,8 @@ def recompute_flops_per_block(
     attended_fraction: float = 0.5,
     count_attention_core: bool = True,
 ) -> float:
-    """Extra forward FLOPs backward spends re-running one checkpointed block at `granularity`.
-
-    Non-reentrant checkpointing stops recomputing once the last tensor backward needs exists, so the region's
-    final projection (o_proj / down_proj, whose output nothing saves) is never re-run. ops (SAC) recomputes
-    only pointwise ops: 0 matmul FLOPs. count_attention_core=False matches FlopCounterMode on CPU, which has no
-    formula for the CPU flash-attention kernel."""
-    f = block_forward_flops(m, w, attended_fraction)
-    core = f["attention_core"] if count_attention_core else 0.0
-    return {
-        Recompute.NONE: 0.0,
-        Recompute.BLOCK: f["qkv_proj"] + core + f["attn_out_proj"] + f["gate_up_proj"],
-        Recompute.ATTENTION: f["qkv_proj"] + core,
-        Recompute.MLP: f["gate_up_proj"],
-        Recompute.OPS: 0.0,
-    }[granularity]
+    """Extra forward FLOPs backward spends re-running one block checkpointed at `granularity` (`Recompute.flops`)."""
+    return granularity.flops(block_recompute_parts(m, w, attended_fraction, count_attention_core))
 
 
 def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, int]:
@@ -235,17 +221,16 @@ def estimate_activations(
     count_attention_core: bool = True,
 ) -> ActivationEstimate:
     """Bytes a forward under one MemorySpec per block (`memory_specs`) holds for backward, per block and in total."""
+    parts, ops = block_recompute_parts(m, w, attended_fraction, count_attention_core), pointwise_bytes(m, w)
     per_block, host, flops, pointwise = [], 0, 0.0, 0
     for spec in specs:
         dev, off = block_bytes(m, w, spec)
         per_block.append(dev)
         host += off
-        if spec.recompute is not Recompute.NONE:
-            flops += recompute_flops_per_block(m, w, spec.recompute, attended_fraction, count_attention_core)
-            pointwise += recompute_pointwise_bytes_per_block(m, w, spec.recompute)
-        if spec.tiles_mlp(w.tokens):  # every tile re-runs gate_proj + up_proj and SwiGLU in backward (FlopCounterMode)
-            flops += recompute_flops_per_block(m, w, Recompute.MLP, attended_fraction, count_attention_core)
-            pointwise += recompute_pointwise_bytes_per_block(m, w, Recompute.MLP)
+        tiled = spec.tiles_mlp(w.tokens)  # every tile re-runs gate_proj + up_proj and SwiGLU in backward
+        flops += spec.recompute_flops(parts, tiled)
+        # memory-bound: each re-run op's output is written once and read once by its consumer (2x its bytes)
+        pointwise += 2 * sum(ops[name] for name in spec.recomputed_pointwise_ops(tiled))
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = any(spec.recompute.wraps_attention for spec in specs)
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())

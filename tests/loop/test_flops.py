@@ -192,6 +192,35 @@ def test_checkpointed_hardware_flops_include_recompute(base, memory, lora, chunk
         assert hardware > plain_hardware
 
 
+def test_tiled_mlp_inside_a_block_checkpoint_recomputes_both(base):
+    """Whole-block checkpointing over a tiled MLP: the block's re-run and then each tile's own checkpoint re-run
+    gate/up (MemorySpec.recompute_flops). FlopCounterMode counts a little more still (some tiles' down_proj, ~1 %
+    here); the block's re-run alone, as this counter once claimed, falls 10 % short."""
+    batch = _rows(PACKED, 128)
+    model = _model(base, dense_chunk=32, memory=MemoryConfig(policy="full", tiled_mlp="64"))
+    counted, kwargs = _counted(model, batch, HARDWARE)
+    _, hardware = _claimed(model, batch, kwargs)
+    assert hardware == pytest.approx(counted, rel=0.02)
+
+
+def test_planner_and_counter_price_recompute_with_one_definition(base, monkeypatch):
+    """Which parts a recompute re-runs is defined once (surgery/memory/spec.py): the planner's estimate and this
+    counter both go through it."""
+    from flexengine.planning.activations import estimate_activations, memory_specs
+    from flexengine.planning.shapes import ModelShape, Workload
+    from flexengine.surgery.memory.spec import MemorySpec
+
+    memory = MemoryConfig(policy="selective", granularity="attention")
+    model = _model(base, memory=memory)
+    shape = ModelShape.from_hf_config(base.config)
+    monkeypatch.setattr(MemorySpec, "recompute_flops", lambda self, parts, mlp_tiled: 1000.0)
+    assert TrainFlops(model).recompute_per_token == 1000.0 * shape.layers
+    assert (
+        estimate_activations(shape, Workload(1, 64), memory_specs(memory, shape)).recompute_flops
+        == 1000.0 * shape.layers
+    )
+
+
 def test_sliding_window_pairs():
     assert attended_pairs([5], window=None) == 15
     assert attended_pairs([5], window=2) == 1 + 2 + 2 + 2 + 2

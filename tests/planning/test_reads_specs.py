@@ -1,5 +1,5 @@
-"""The planner's costs read resolved specs (MemorySpec per block, AttnBackend), never config strings: a scan of the
-source for comparisons against a memory policy, granularity or attention backend name, like the
+"""The planner's costs and the FLOP counter read resolved specs (MemorySpec per block, AttnBackend), never config
+strings: a scan of the source for comparisons against a memory policy, granularity or attention backend name, like the
 `memory.policy == "offload" or memory.offload` the planner once repeated in five places."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flexengine"
-SCANNED = sorted((PACKAGE / "planning").glob("*.py"))
+SCANNED = sorted((PACKAGE / "planning").glob("*.py")) + [PACKAGE / "loop" / "flops.py"]
 # memory.policy, memory.granularity and attn.backend values (core/config.py's choice lists)
 CONFIG_NAMES = {"none", "full", "selective", "offload", "block", "attention", "mlp", "ops", "flex", "dense", "varlen"}
 # Functions that build MemoryConfigs or write them back as overrides for the user: config is their subject.
