@@ -139,6 +139,7 @@ class PlanInputs:
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
     reduce_every: str = "window"  # FSDP gradient reduce-scatter: window (once per step; every block's unsharded
+    # gradient lives through the accumulation window) | micro_batch (each backward) | auto (plan_memory weighs both)
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
