@@ -40,7 +40,8 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
     from omegaconf import OmegaConf
 
     from flexengine.cli.first_contact import apply_pretrained_defaults, command_line_wins, given_overrides
-    from flexengine.surgery.attention.job_rules import resolve_attention_rules  # the mode table needs torch
+    from flexengine.surgery.attention.job_rules import resolve_attention_rules  # the mode tables need torch
+    from flexengine.surgery.precision import check_precision_mode
 
     given = given_overrides(overrides)
     command_line_wins(cfg, given)
@@ -55,6 +56,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
+    check_precision_mode(job.precision.mode)
     return apply_pretrained_defaults(job, given)
 
 

@@ -30,7 +30,6 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
     OPTIM_NAMES,
     PACKING_STRATEGIES,
     POSITION_DEPENDENT_ROPE,
-    PRECISIONS,
     REDUCE_EVERY,
     ROPE_SCALING_TYPES,
     SCHEDULES,
@@ -61,11 +60,9 @@ class PrecisionConfig:
 
     # auto: the fastest mode that fits and trains correctly (flexengine.planning.fit) | fp32 | bf16_mixed (fp32 masters,
     # bf16 compute) | bf16_sr (bf16 weights, stochastic-rounding AdamW) | bf16_cpu_master (fp32 masters + states in
-    # host RAM) | bf16_pure (bf16 everything: small updates round away; only when asked)
+    # host RAM) | bf16_pure (bf16 everything: small updates round away; only when asked). The names are
+    # flexengine.surgery.precision.SPECS, checked at composition (precision.check_precision_mode)
     mode: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_choice("precision.mode", self.mode, PRECISIONS)
 
 
 @dataclass

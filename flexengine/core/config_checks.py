@@ -17,7 +17,6 @@ DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
 DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
 EVAL_OVERLAP = ("auto", "drop", "refuse", "allow")  # data.eval_overlap
 MODEL_INITS = ("auto", "pretrained", "random")
-PRECISIONS = ("auto", "fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from flexengine.core.config import OPTIM_NAMES
+from flexengine.core.config import OPTIM_NAMES, check_choice
 from flexengine.core.errors import UserError
 from flexengine.surgery.applied import applied
 
@@ -188,6 +188,11 @@ def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
     """The modes precision=auto weighs, most exact first; an explicit optim.name narrows them."""
     order = AUTO_ORDER_CUDA if on_cuda else AUTO_ORDER_CPU
     return tuple(m for m in order if optimizer == "adamw" or optimizer in _COMPATIBLE_OPTIMIZERS[m])
+
+
+def check_precision_mode(mode: str) -> None:
+    """precision.mode is auto or a SPECS name (UserError naming the key and the choices): the only list of modes."""
+    check_choice("precision.mode", mode, ("auto", *SPECS))
 
 
 def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:

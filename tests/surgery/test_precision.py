@@ -132,3 +132,28 @@ def test_bf16_sr_trains_through_the_loop_and_logs_numbers(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lrs = [r["lr"] for r in records if r["type"] == "train"]
     assert len(lrs) == 2 and all(isinstance(lr, float) and lr > 0 for lr in lrs)
+
+
+def test_the_modes_are_the_spec_table_and_the_shipped_configs(tmp_path):
+    """A precision mode is its SPECS entry (+ conf/precision/<mode>.yaml): no other list of names exists; an unknown
+    mode is refused at composition naming precision.mode and every choice."""
+    import yaml
+
+    from flexengine.core.config import conf_dir
+    from flexengine.core.errors import UserError
+    from tests.helpers import make_job
+
+    shipped = {p.stem: yaml.safe_load(p.read_text())["mode"] for p in (conf_dir() / "precision").glob("*.yaml")}
+    assert all(stem == mode for stem, mode in shipped.items()), shipped
+    assert set(shipped) == {"auto", *SPECS}
+    with pytest.raises(UserError, match=r"precision\.mode.*bf16_sr"):
+        make_job(tmp_path, "precision.mode=bf16_typo")
+
+
+def test_a_new_mode_composes_from_its_spec_entry_alone(tmp_path, monkeypatch):
+    """Adding a SPECS entry is enough for precision.mode to accept it (no choice list in core to edit)."""
+    from flexengine.surgery import precision
+    from tests.helpers import make_job
+
+    monkeypatch.setitem(precision.SPECS, "bf16_new", precision.SPECS["bf16_mixed"])
+    assert make_job(tmp_path, "precision.mode=bf16_new").precision.mode == "bf16_new"
