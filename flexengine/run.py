@@ -12,8 +12,9 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch import nn
 
-from flexengine.core.config import DataConfig, JobConfig, check_fixed_rope
+from flexengine.core.config import DataConfig, HardwareConfig, JobConfig, check_fixed_rope
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
 from flexengine.core.storage import (
@@ -30,12 +31,12 @@ from flexengine.data.packing import PackPlan, has_targets, plan_packing
 from flexengine.data.sources import resolve_eval_split, unused_eval_split
 from flexengine.data.split import shared_documents, split_documents
 from flexengine.loop.trainer import Trainer
-from flexengine.planning.fit import fit_job
+from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import activation_summary
-from flexengine.surgery.attention import AttnBackend, apply_attention, resolve_attention_spec
+from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
-from flexengine.surgery.context_parallel import build_context_parallel
+from flexengine.surgery.context_parallel import ContextParallel, build_context_parallel
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
@@ -255,12 +256,8 @@ def build_data(
     return loader, held_out, report
 
 
-def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
-    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
-    resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
-    torch.manual_seed(job.train.seed)
-    device = resolve_device(job.hardware.device)
-    hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+def _check_checkpoint_rope(job: JobConfig, hf_config) -> None:
+    """The RoPE scaling a checkpoint carries, against context parallelism and packed documents."""
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
     check_fixed_rope(
         context_limits(hf_config).rope_type,
@@ -269,9 +266,10 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         packed_attn=job.attn.mode if packs_documents(job.attn.mode) else None,
         instead="rope_parameters set to yarn, linear or llama3 there",
     )
-    dist_info = init_distributed(job.parallel, device)
-    device = rank_device(device, dist_info)
-    attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
+
+
+def _check_attention_backend(attention: AttentionSpec, dist_info: DistInfo, device: torch.device) -> None:
+    """The resolved backend can train here: flex has no CPU backward, and only flex has a context-parallel path."""
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
         raise UserError(
             "attn.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
@@ -283,14 +281,22 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
             f"attn.backend resolved to {attention.backend.value} on {device.type}, which has no "
             "context-parallel path."
         )
-    context_parallel = build_context_parallel(dist_info, device)
+
+
+def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo) -> HardwareConfig:
+    """hardware.* resolved on this device, with the process group's world size: what the planner fits to."""
     hardware = resolve_hardware(job.hardware, device)
     if dist_info.world_size > 1:
         hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
-    # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
-    job, fit = fit_job(job, hf_config, hardware)
-    tokenizer = load_tokenizer(job.model)
-    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=attention.backend is AttnBackend.FLEX)
+    return hardware
+
+
+def _build_checked_data(
+    job: JobConfig, tokenizer, dist_info: DistInfo, hf_config, *, device: torch.device, flex: bool
+) -> tuple[JobConfig, RowLoader, Optional[HeldOut], dict]:
+    """build_data with its longest piece checked against the model's context; train.epochs becomes max_steps:
+    (job, training loader, held-out batches or None, data report)."""
+    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=flex)
     loader.pin_memory = device.type == "cuda"  # pinned batches: the trainer's non_blocking copies really are
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
     check_context(
@@ -298,6 +304,14 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     )
     if job.train.epochs is not None:
         job = with_epochs(job, loader.batches_per_epoch)
+    return job, loader, eval_data, data_report
+
+
+def _load_weights(
+    job: JobConfig, fit: FitPlan, device: torch.device, dist_info: DistInfo, tokenizer
+) -> tuple[nn.Module, bool]:
+    """The HF model in the planned dtype, its vocabulary checked against the tokenizer; and whether its weights
+    come from rank 0 by broadcast (apply_parallel) rather than from this rank's own read."""
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
     # rank 0's weights by broadcast once wrapped (apply_parallel).
     from_rank0 = dist_info.world_size > 1 and job.model.loads_weights
@@ -307,6 +321,20 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     else:
         model = load_model(job.model, device, fit.precision.param_dtype)
     check_vocab(model, tokenizer)
+    return model, from_rank0
+
+
+def _apply_surgery(
+    model: nn.Module,
+    job: JobConfig,
+    fit: FitPlan,
+    attention: AttentionSpec,
+    *,
+    device: torch.device,
+    context_parallel: Optional[ContextParallel],
+) -> tuple[nn.Module, dict]:
+    """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
+    LoRA) and the activation summary measured before compile."""
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     cast_frozen(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
@@ -320,7 +348,54 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         if not job.train.compile:
             log.info("compile: train.compile=false, but %s: compiling the decoder blocks", must_compile)
         apply_compile(model, job.train.compile_backend)
-    train_module = apply_parallel(
+    return model, memory_report
+
+
+def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
+    """What the run was built from, for resume, the summary and the doctor: the fit, the data and the memory
+    reports, and the fingerprint of the data stream (checked on resume)."""
+    job, loader, dist_info = trainer.job, trainer.loader, trainer.dist
+    trainer.plan = fit
+    trainer.data_report = data_report
+    trainer.data_plan = data_plan_fingerprint(
+        loader.corpus,
+        loader.plan,
+        data=job.data,
+        micro_batch=job.train.micro_batch,
+        world_size=dist_info.world_size,
+        cp=dist_info.cp,
+        seed=job.train.seed,
+    )
+    trainer.memory_report = memory_report
+    trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
+    trainer.metrics.section(
+        "memory",
+        {f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])},
+        0,
+    )
+
+
+def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
+    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
+    resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
+    torch.manual_seed(job.train.seed)
+    device = resolve_device(job.hardware.device)
+    hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
+    _check_checkpoint_rope(job, hf_config)
+    dist_info = init_distributed(job.parallel, device)
+    device = rank_device(device, dist_info)
+    attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
+    _check_attention_backend(attention, dist_info, device)
+    context_parallel = build_context_parallel(dist_info, device)
+    # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
+    job, fit = fit_job(job, hf_config, _run_hardware(job, device, dist_info))
+    tokenizer = load_tokenizer(job.model)
+    job, loader, eval_data, data_report = _build_checked_data(
+        job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
+    )
+    model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
+    model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
+    train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
         model,
         job.parallel,
         dist_info,
@@ -342,24 +417,7 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
         precision=fit.precision,
         context_parallel=context_parallel,
     )
-    trainer.plan = fit
-    trainer.data_report = data_report
-    trainer.data_plan = data_plan_fingerprint(
-        loader.corpus,
-        loader.plan,
-        data=job.data,
-        micro_batch=job.train.micro_batch,
-        world_size=dist_info.world_size,
-        cp=dist_info.cp,
-        seed=job.train.seed,
-    )
-    trainer.memory_report = memory_report
-    trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    trainer.metrics.section(
-        "memory",
-        {f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])},
-        0,
-    )
+    _attach_reports(trainer, fit, data_report, memory_report)
     return trainer
 
 
