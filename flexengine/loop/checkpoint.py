@@ -236,15 +236,15 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
 
 
 def _weights_to_write(model: nn.Module, weights: Optional[dict], merged: bool, rank: int) -> tuple[Optional[dict], int]:
-    """The state dict rank 0 writes (None: the model's own) and the bytes of the model's own tensors that
-    `weights` stand in for. Every rank must call it (gathering a sharded model is a collective)."""
+    """The state dict rank 0 writes (None: the model's own) and the bytes on disk `weights` add over the model's
+    own tensors they stand in for. Every rank must call it (gathering a sharded model is a collective)."""
     full = gather_full_state_dict(model) if is_sharded(model) or merged else None  # a collective: all ranks
     replaced = 0  # bytes of the model's own tensors that `weights` stand in for
     if weights and rank == 0:
         own = full if full is not None else model.state_dict()
         replaced = _tensor_bytes(own[name] for name in weights)
         full = {**own, **weights}
-    return full, replaced
+    return full, int((_tensor_bytes((weights or {}).values()) - replaced) * SPACE_MARGIN)
 
 
 def _prepare_temp_dir(root: Path, final: Path, step: int, needed: int) -> str:
@@ -350,14 +350,10 @@ def save_checkpoint(
     rank, world_size = global_rank(), global_world_size()
     final = step_dir(root, step)
     merged = merge_lora is not None
-    full, replaced = _weights_to_write(model, weights, merged, rank)
+    full, extra = _weights_to_write(model, weights, merged, rank)
     trainer_state = {**trainer_state, "world_size": world_size}
-    needed = estimate_checkpoint_bytes(
-        model,
-        optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {}),
-        world_size,
-        merged,
-    ) + int((_tensor_bytes((weights or {}).values()) - replaced) * SPACE_MARGIN)
+    optimizer_state = optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {})
+    needed = estimate_checkpoint_bytes(model, optimizer_state, world_size, merged) + extra
     facts = {"world_size": world_size, **({"finite": True} if finite_checked else {})}
     with cpu_group(rank_sync.COLLECTIVE_TIMEOUT_S) as group:
         tmp = Path(run_on_rank0(group, partial(_prepare_temp_dir, root, final, step, needed), f"preparing {final}"))
