@@ -37,8 +37,6 @@ INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
 # block (compile.apply_compile), about a minute of inductor on a GPU host (assumed; CPU aot_eager: 1-3 s).
 EAGER_POINTWISE_PASSES = 3
 COMPILE_S = 60.0
-# FSDP reduce-scatters gradients in fp32 (parallel.apply_fsdp's MixedPrecisionPolicy reduce_dtype)
-REDUCE_BYTES = 4
 FALLBACK_PEAK_TFLOPS = 100.0  # only to weigh recompute against PCIe time when the device's peak is unknown
 # adamw_cpu_offload's host step per trainable parameter (flexengine.loop.host_adamw: bf16 slot -> fp32 scratch, fused
 # AdamW, fp32 master -> bf16 slot, the copies): measured on this project's CPU, 1.19 ns of one core per parameter
@@ -81,11 +79,12 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     Each block is fully_shard-ed on its own: its weights are all-gathered for forward and again for backward,
     and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
     embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
-    block until its reduce-scatter, in the fp32 reduce dtype; the root's (lm_head's from the start of backward)
-    until the root's reduce-scatter at its end, in the compute dtype. With grad_accum > 1 and reduce_every=window
-    the trainer reduces once per accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False)
-    until the last micro-batch), so every block's unsharded gradient lives through the window; reduce_every=
-    micro_batch reduce-scatters in every backward and holds one block's at a time."""
+    block until its reduce-scatter, in the reduce dtype (PrecisionSpec.fsdp_dtypes: FSDP2 also accumulates
+    unsynced gradients in it); the root's (lm_head's from the start of backward) until the root's reduce-scatter
+    at its end, in the gather dtype. With grad_accum > 1 and reduce_every=window the trainer reduces once per
+    accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False) until the last micro-batch),
+    so every block's unsharded gradient lives through the window; reduce_every=micro_batch reduce-scatters in
+    every backward and holds one block's at a time."""
     world = max(1, x.hardware.world_size)
     if world == 1:
         return {}
@@ -96,7 +95,7 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     return {
         "fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
         "fsdp_unsharded_grads_bytes": int(
-            unsharded_blocks * m.block_params * x.trainable_fraction * REDUCE_BYTES + root_trainable * gathered
+            unsharded_blocks * m.block_params * x.trainable_fraction * x.fsdp_reduce_bytes + root_trainable * gathered
         ),
     }
 
@@ -118,13 +117,13 @@ def interconnect_gb_s(hardware: HardwareConfig) -> float:
 
 def reduce_scatter_traffic(m: ModelShape, x: PlanInputs) -> tuple[int, float]:
     """(bytes each rank sends, seconds) of one step's gradient reduce-scatters: a ring reduce-scatter of the
-    trainable fp32 gradients sends (world - 1) / world of them per rank, once per window or once per micro-batch
-    (reduce_every). (0, 0.0) for one process."""
+    trainable gradients (in the reduce dtype) sends (world - 1) / world of them per rank, once per window or once
+    per micro-batch (reduce_every). (0, 0.0) for one process."""
     world = max(1, x.hardware.world_size)
     if world == 1:
         return 0, 0.0
     reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
-    sent = int(reduces * m.params * x.trainable_fraction * REDUCE_BYTES * (world - 1) / world)
+    sent = int(reduces * m.params * x.trainable_fraction * x.fsdp_reduce_bytes * (world - 1) / world)
     return sent, sent / (interconnect_gb_s(x.hardware) * 1e9)
 
 

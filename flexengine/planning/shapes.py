@@ -128,6 +128,8 @@ class PlanInputs:
     # from the rest (adamw_8bit keeps them in fp32: precision.EMBEDDING_STATE_BYTES); None = like every parameter
     fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
     # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
+    fsdp_reduce_bytes: int = 4  # bytes per gradient element FSDP reduce-scatters in (fp32 under bf16_mixed's policy,
+    # bf16 for bf16-stored modes: PrecisionSpec.fsdp_dtypes)
     weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
     grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
     compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
@@ -179,6 +181,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
     from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
 
     per_param = spec.bytes_per_param()
+    gather, reduce = spec.fsdp_dtypes(on_cuda, job.parallel.mixed_precision)
     return PlanInputs(
         seq_len=job.data.seq_len,
         micro_batch=job.train.micro_batch,
@@ -196,8 +199,10 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         host_bytes_per_param=per_param["host"],
         host_scratch_bytes=per_param["host_scratch"],
         embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
-        # FSDP2 gathers weights in the compute dtype under its mixed precision (CUDA only)
-        fsdp_param_bytes=spec.act_bytes if on_cuda else int(per_param["weights"]),
+        # FSDP2 gathers weights in the compute dtype and reduces gradients in fp32 under the mode's policy (CUDA,
+        # parallel.mixed_precision), else both in the stored dtype
+        fsdp_param_bytes=gather.itemsize,
+        fsdp_reduce_bytes=reduce.itemsize,
         precision=spec.name,
         cp=job.parallel.cp,
         # DDP keeps full gradients either way: reducing per micro-batch would only add traffic

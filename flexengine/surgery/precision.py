@@ -148,11 +148,22 @@ class PrecisionSpec:
         Only a mode that computes below its stored dtype needs one (bf16_mixed: fp32 shards, params all-gathered in
         compute_dtype, gradients reduce-scattered in fp32), only on CUDA (on CPU/gloo autocast casts, as on one
         device) and only when `enabled` (parallel.mixed_precision)."""
-        if not (enabled and self.autocast and device.type == "cuda"):
+        if not self._fsdp_casts(device.type == "cuda", enabled):
             return None
         from torch.distributed.fsdp import MixedPrecisionPolicy  # lazily: a one-process run never loads FSDP
 
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        gather, reduce = self.fsdp_dtypes(on_cuda=True, enabled=enabled)
+        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce)
+
+    def fsdp_dtypes(self, on_cuda: bool, enabled: bool = True) -> tuple[torch.dtype, torch.dtype]:
+        """(dtype FSDP2 all-gathers parameters in, dtype it reduce-scatters gradients in): under this mode's policy
+        the compute dtype and fp32 (the masters' dtype), else the stored dtype for both (what the planner counts)."""
+        if self._fsdp_casts(on_cuda, enabled):
+            return self.compute_dtype, torch.float32
+        return self.param_dtype, self.param_dtype
+
+    def _fsdp_casts(self, on_cuda: bool, enabled: bool) -> bool:
+        return enabled and self.autocast and on_cuda
 
     def compute_context(self, device: torch.device, fsdp_casts: bool = False) -> contextlib.AbstractContextManager:
         """What forward runs under: autocast to compute_dtype when the weights are stored higher, unless FSDP2

@@ -263,6 +263,32 @@ def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
     assert window["fsdp_unsharded_grads_bytes"] == m.layers * m.block_params * 4 + root * 2
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure"])
+@pytest.mark.parametrize("mixed_precision", [True, False])
+def test_fsdp_bytes_follow_the_policy_the_precision_mode_applies(mode, mixed_precision):
+    """The planner's FSDP gather and reduce dtypes are the ones apply_fsdp's policy really uses (the spec answers
+    both): bf16-stored modes have no policy and reduce-scatter bf16 gradients (was counted as fp32), and
+    bf16_mixed with parallel.mixed_precision=false gathers fp32 weights (was counted as bf16)."""
+    from flexengine.core.config import JobConfig
+    from flexengine.planning.shapes import plan_inputs
+    from flexengine.surgery.precision import SPECS
+
+    spec = SPECS[mode]
+    job = JobConfig()
+    job.parallel.mixed_precision = mixed_precision
+    x = plan_inputs(job, dataclasses.replace(A100, world_size=8), spec, on_cuda=True)
+    policy = spec.fsdp_policy(torch.device("cuda"), mixed_precision)
+    gather = policy.param_dtype if policy else spec.param_dtype
+    reduce = policy.reduce_dtype if policy else spec.param_dtype
+    assert (x.fsdp_param_bytes, x.fsdp_reduce_bytes) == (gather.itemsize, reduce.itemsize)
+    assert x.fsdp_reduce_bytes == x.grad_bytes  # FSDP2 reduces (and accumulates) in the gradients' own dtype
+    cfg = _deepseek_inputs()[0]
+    terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
+    shape = ModelShape.from_hf_config(cfg)
+    root = 2 * 102400 * 4096 + 4096
+    assert terms["fsdp_unsharded_grads_bytes"] == shape.block_params * reduce.itemsize + root * gather.itemsize
+
+
 def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
     """Per micro-batch: one block's unsharded gradient instead of every block's, for grad_accum x the ring
     reduce-scatter's (world - 1) / world of the fp32 gradients per rank, timed at the interconnect bandwidth."""
