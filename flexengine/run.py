@@ -49,7 +49,7 @@ from flexengine.surgery.parallel import (
     rank_device,
     shutdown_distributed,
 )
-from flexengine.surgery.precision import cast_frozen
+from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
 
 log = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ def _apply_surgery(
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
     LoRA) and the activation summary measured before compile."""
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
-    cast_frozen(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
+    apply_precision(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
     apply_attention(model, attention)
     if context_parallel is not None:

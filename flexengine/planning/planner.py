@@ -425,7 +425,7 @@ def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
         out.append(f"train.micro_batch=1 train.grad_accum={x.micro_batch * x.grad_accum} fits (same rows per step)")
     if x.chunk_size <= 0 and _fits(m, dataclasses.replace(x, chunk_size=1024)):
         out.append("loss.chunk_size=1024 fits (chunked cross-entropy)")
-    # LoRA's frozen base is stored in the compute dtype (precision.cast_frozen)
+    # LoRA's frozen base is stored in the compute dtype (precision.apply_precision)
     weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
     frozen = x.frozen_weight_bytes if x.frozen_weight_bytes is not None else min(weight, x.dtype_bytes)
     if _fits(m, dataclasses.replace(x, trainable_fraction=0.01, frozen_weight_bytes=frozen)):

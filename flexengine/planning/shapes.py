@@ -32,7 +32,7 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        """Norm weights: two per block and the final norm (the 1-D parameters `precision.cast_frozen` keeps)."""
+        """Norm weights: two per block and the final norm (the 1-D parameters `precision.apply_precision` keeps)."""
         return self.hidden * (2 * self.layers + 1)
 
     @property
@@ -134,7 +134,7 @@ class PlanInputs:
     grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
     compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
     frozen_weight_bytes: Optional[float] = None  # per frozen matrix element when trainable_fraction < 1 (LoRA's
-    # base weights, stored in the compute dtype with no autocast copy: precision.cast_frozen); None = weight bytes
+    # base weights, stored in the compute dtype with no autocast copy: precision.apply_precision); None = weight bytes
     host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
     host_scratch_bytes: float = 0.0  # per element of the largest trainable tensor: the host step's fp32 scratch
     precision: str = ""  # the precision mode these bytes come from (for reports)

@@ -22,7 +22,7 @@ ATTRIBUTE = "flexengine"
 class Applied:
     """What was done to the model, in surgery order."""
 
-    # precision.cast_frozen: the PrecisionSpec the weights are stored for (typed Any: precision.py imports this
+    # precision.apply_precision: the PrecisionSpec the weights are stored for (typed Any: precision.py imports this
     # module to record itself, so naming its class here, even for type checkers only, would close a circle)
     precision: Any = None
     attention: Optional["AttentionSpec"] = None  # apply_attention (None: HF's attention untouched)

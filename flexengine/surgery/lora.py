@@ -93,7 +93,7 @@ def merge_lora_state_dict(
     """A peft model's full state dict -> the plain HF state dict with W + (alpha / r) * B @ A merged in.
 
     exact_base(hf key): the frozen tensor as the base checkpoint stores it, or None to take the state's. bf16 modes
-    hold the frozen base in bf16 (precision.cast_frozen): merging onto that copy would move every base weight of
+    hold the frozen base in bf16 (precision.apply_precision): merging onto that copy would move every base weight of
     an fp32 checkpoint by its bf16 rounding (up to 2.4e-4, 16 % of a LoRA update, measured in issue 22)."""
     scaling = lora.alpha / lora.r
     factors: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -110,8 +110,8 @@ def merge_lora_state_dict(
         else:
             exact = exact_base(hf_key(key)) if exact_base is not None else None
             merged[key.replace(".base_layer.", ".")] = value if exact is None else exact
-    # the export is in the adapters' (master) dtype: bf16 modes store the frozen base in bf16 (precision.cast_frozen),
-    # and rounding W + dW to bf16 would lose most of a small LoRA update
+    # the export is in the adapters' (master) dtype: bf16 modes store the frozen base in bf16
+    # (precision.apply_precision), and rounding W + dW to bf16 would lose most of a small LoRA update
     master = next((ab["A"].dtype for ab in factors.values()), None)
     if master is not None:
         merged = {k: v.to(master) if v.is_floating_point() else v for k, v in merged.items()}

@@ -154,7 +154,7 @@ def apply_fsdp(
     # rank 0's full tensors, kept alive until broadcast; every other rank contributes nothing
     full = {k: v.detach() for k, v in model.state_dict().items()} if weights_from_rank0 and global_rank() == 0 else {}
 
-    # the precision mode decides the cast (cast_frozen recorded it; a model that never had one computes in its
+    # the precision mode decides the cast (apply_precision recorded it; a model that never had one computes in its
     # stored dtype), and the record says what was applied: the trainer's compute context asks it
     record = applied(model)
     record.fsdp_policy = (

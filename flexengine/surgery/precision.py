@@ -14,7 +14,7 @@ to move at all. Modes, most exact first:
   bf16_pure        bf16 everything with torch AdamW: small updates round away. Only when asked.
 
 Under LoRA the frozen base weights are never updated, so an fp32 master of them is pure waste: every bf16 mode
-stores frozen matrices (Linear weights, embeddings) in bf16 (`cast_frozen`), as PEFT/QLoRA do; the adapters keep
+stores frozen matrices (Linear weights, embeddings) in bf16 (`apply_precision`), as PEFT/QLoRA do; the adapters keep
 the mode's master dtype. Autocast casts every matmul weight to bf16 anyway, so the matmuls see the same values.
 """
 
@@ -248,7 +248,7 @@ def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
         )
 
 
-def cast_frozen(model: torch.nn.Module, spec: PrecisionSpec) -> int:
+def apply_precision(model: torch.nn.Module, spec: PrecisionSpec) -> int:
     """The precision step of the surgery: record `spec` on model.flexengine (apply_fsdp asks it for the FSDP policy)
     and store frozen matrices in spec.frozen_dtype (LoRA); returns how many elements were cast.
 

@@ -415,7 +415,7 @@ def test_varlen_estimate_matches_meter_and_keeps_less_than_dense(small):
 
 
 def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
-    """Under bf16_mixed LoRA the frozen base matrices are bf16 (precision.cast_frozen): 2 bytes, no autocast copy;
+    """Under bf16_mixed LoRA the frozen base matrices are bf16 (precision.apply_precision): 2 bytes, no autocast copy;
     adapters (and the norm vectors kept for fp32 norm outputs) are fp32 masters with a bf16 copy of the adapters."""
     from flexengine.cli.doctor import compose_job
     from flexengine.core.hardware import assumed_hardware

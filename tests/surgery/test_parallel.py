@@ -176,10 +176,10 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
     from flexengine.loop.trainer import Trainer
     from flexengine.surgery.applied import applied
     from flexengine.surgery.parallel import apply_fsdp
-    from flexengine.surgery.precision import SPECS, cast_frozen
+    from flexengine.surgery.precision import SPECS, apply_precision
 
     spec = SPECS[mode]
-    cast_frozen(tiny_llama, spec)
+    apply_precision(tiny_llama, spec)
     root = LossForward(tiny_llama)
     # a CUDA device object needs no GPU: it only picks the policy, the one-rank gloo mesh shards on the CPU
     apply_fsdp(root, tiny_llama, ParallelConfig(strategy="fsdp", mixed_precision=True), torch.device(device))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexengine.surgery.applied import applied
-from flexengine.surgery.precision import SPECS, cast_frozen
+from flexengine.surgery.precision import SPECS, apply_precision
 from tests.precision_proof import finetune, learnable_batches, loss_fp32, start_model, update_slope
 
 STEPS, VOCAB = 12, 128
@@ -44,10 +44,10 @@ def test_the_spec_gives_the_compute_context_and_fsdp_casts_switch_autocast_off(m
         assert not torch.is_autocast_enabled("cpu")
 
 
-def test_cast_frozen_records_the_spec_on_the_model(tiny_llama):
+def test_apply_precision_records_the_spec_on_the_model(tiny_llama):
     """The precision step's record is what apply_fsdp asks for the policy."""
     assert applied(tiny_llama).precision is None
-    cast_frozen(tiny_llama, SPECS["bf16_mixed"])
+    apply_precision(tiny_llama, SPECS["bf16_mixed"])
     assert applied(tiny_llama).precision is SPECS["bf16_mixed"]
 
 
@@ -82,7 +82,7 @@ def test_every_mode_but_pure_bf16_delivers_the_fp32_update():
 
 def test_lora_keeps_frozen_base_in_bf16_and_the_step_of_fp32_frozen_weights(tmp_path, monkeypatch):
     """bf16_mixed + LoRA: frozen matrices bf16, adapters and norm vectors fp32 masters; two training steps give
-    the losses of the same job with fp32 frozen weights under autocast (the reference: cast_frozen skipped)."""
+    the losses of the same job with fp32 frozen weights under autocast (the reference: apply_precision skipped)."""
     import torch
 
     import flexengine.run
@@ -105,7 +105,7 @@ def test_lora_keeps_frozen_base_in_bf16_and_the_step_of_fp32_frozen_weights(tmp_
     assert trainer.plan.plan["terms"]["compute_copy_bytes"] < trainer.plan.plan["terms"]["weights_bytes"] / 10
     got = [trainer.train_step()["loss"] for _ in range(2)]
 
-    monkeypatch.setattr(flexengine.run, "cast_frozen", lambda model, spec: 0)
+    monkeypatch.setattr(flexengine.run, "apply_precision", lambda model, spec: 0)
     reference = build_trainer(job(tmp_path / "fp32"), tmp_path / "fp32")
     assert all(p.dtype == torch.float32 for p in reference.model.parameters())
     want = [reference.train_step()["loss"] for _ in range(2)]
