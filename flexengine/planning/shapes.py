@@ -178,7 +178,6 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
         targets = family.lora_targets_of(job.model.lora.target_modules)
         trainable = shape.lora_params(job.model.lora.r, targets, family) / shape.params
-    from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
 
     per_param = spec.bytes_per_param()
     gather, reduce = spec.fsdp_dtypes(on_cuda, job.parallel.mixed_precision)
@@ -198,7 +197,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
         host_bytes_per_param=per_param["host"],
         host_scratch_bytes=per_param["host_scratch"],
-        embedding_state_bytes=EMBEDDING_STATE_BYTES if spec.optimizer == "adamw_8bit" else None,
+        embedding_state_bytes=per_param["embedding_optimizer"],
         # FSDP2 gathers weights in the compute dtype and reduces gradients in fp32 under the mode's policy (CUDA,
         # parallel.mixed_precision), else both in the stored dtype
         fsdp_param_bytes=gather.itemsize,

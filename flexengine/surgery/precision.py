@@ -108,7 +108,7 @@ class PrecisionSpec:
         """Bytes per activation element."""
         return torch.empty((), dtype=self.compute_dtype).element_size()
 
-    def bytes_per_param(self) -> dict[str, float]:
+    def bytes_per_param(self) -> dict[str, Optional[float]]:
         """Bytes per trainable parameter: weights, grads, states on the device, and host bytes.
 
         bf16_mixed on one device also holds autocast's bf16 copy of every weight (cached for the forward and
@@ -128,6 +128,8 @@ class PrecisionSpec:
             "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
             "host": host + transfer,
             "host_scratch": 4.0 if host and w != 4 else 0.0,
+            # per input-embedding element, in place of "optimizer" there (None: like every parameter)
+            "embedding_optimizer": EMBEDDING_STATE_BYTES if self.optimizer == "adamw_8bit" else None,
         }
 
     @property

@@ -13,6 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flexengine"
 SCANNED = sorted((PACKAGE / "planning").glob("*.py")) + [PACKAGE / "loop" / "flops.py"]
 # memory.policy, memory.granularity and attn.backend values (core/config.py's choice lists)
 CONFIG_NAMES = {"none", "full", "selective", "offload", "block", "attention", "mlp", "ops", "flex", "dense", "varlen"}
+# optim.name and precision.mode values: what a mode stores is PrecisionSpec's answer (bytes_per_param, fsdp_dtypes)
+CONFIG_NAMES |= {"adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload", "fp32", "bf16_mixed", "bf16_sr"}
+CONFIG_NAMES |= {"bf16_cpu_master", "bf16_pure"}
 # Functions that build MemoryConfigs or write them back as overrides for the user: config is their subject.
 CONFIG_WRITERS = {"search_space", "candidates_for", "_overrides"}
 
@@ -51,5 +54,5 @@ def test_the_scan_finds_what_the_planner_once_wrote():
 @pytest.mark.parametrize("path", SCANNED, ids=lambda p: p.name)
 def test_costs_compare_no_config_strings(path):
     assert not string_compares(path.read_text(encoding="utf-8")), (
-        f"{path.name} compares config strings: read the MemorySpec / AttnBackend instead"
+        f"{path.name} compares config strings: read the MemorySpec / AttnBackend / PrecisionSpec instead"
     )
