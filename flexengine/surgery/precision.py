@@ -21,6 +21,7 @@ the mode's master dtype. Autocast casts every matmul weight to bf16 anyway, so t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -37,12 +38,6 @@ if TYPE_CHECKING:  # types only: FSDP is imported when a policy is built
 
 log = logging.getLogger(__name__)
 
-# The modes `precision=auto` weighs, most exact first (a tie in estimated step time goes to the earlier one). It
-# takes the fastest of those that fit and train correctly (planning/fit.py); bf16_pure never does, and is planned
-# only so the plan can show what it would have saved. On CUDA fp32 is left out: the planner's step time assumes
-# bf16 tensor cores, and fp32 matmuls run several times slower for updates no more exact than bf16_mixed's.
-AUTO_ORDER_CUDA = ("bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
-AUTO_ORDER_CPU = ("fp32", "bf16_mixed", "bf16_cpu_master", "bf16_sr", "bf16_pure")
 PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
 
 
@@ -92,6 +87,8 @@ class PrecisionSpec:
     optimizer: str  # optim.name this mode needs: adamw | adamw_bf16 (torchao SR) | adamw_cpu_offload
     updates_exact: bool  # updates are applied to fp32 values (never rounded away)
     stochastic_rounding: bool = False  # updates rounded to bf16 without bias (exact in expectation)
+    other_optimizers: tuple[str, ...] = ()  # optim.name values accepted besides `optimizer` (adamw_8bit: 8-bit states)
+    auto_on_cuda: bool = True  # precision=auto weighs it on CUDA (fp32: no; see auto_order)
 
     @property
     def autocast(self) -> bool:
@@ -175,32 +172,51 @@ class PrecisionSpec:
         return contextlib.nullcontext()
 
 
+_FP32_MASTER_OPTIMIZERS = ("adamw_8bit", "adamw_cpu_offload")  # fp32 parameters: any optimizer but torchao's SR
+
+# Every precision mode, most exact first: the order precision=auto weighs them in (a tie in estimated step time
+# goes to the earlier one; auto_order)
 SPECS = {
-    "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", updates_exact=True),
-    "bf16_mixed": PrecisionSpec("bf16_mixed", torch.float32, torch.bfloat16, "adamw", updates_exact=True),
+    "fp32": PrecisionSpec(
+        "fp32",
+        torch.float32,
+        torch.float32,
+        "adamw",
+        True,
+        other_optimizers=_FP32_MASTER_OPTIMIZERS,
+        auto_on_cuda=False,
+    ),
+    "bf16_mixed": PrecisionSpec(
+        "bf16_mixed", torch.float32, torch.bfloat16, "adamw", True, other_optimizers=_FP32_MASTER_OPTIMIZERS
+    ),
     "bf16_cpu_master": PrecisionSpec(
         "bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload", updates_exact=True
     ),
     "bf16_sr": PrecisionSpec(
         "bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False, stochastic_rounding=True
     ),
-    "bf16_pure": PrecisionSpec("bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", updates_exact=False),
+    "bf16_pure": PrecisionSpec(
+        "bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", False, other_optimizers=("adamw_8bit",)
+    ),
 }
 
-# optim.name choices each mode accepts (the first is what optim.name=adamw turns into)
-_COMPATIBLE_OPTIMIZERS = {
-    "fp32": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
-    "bf16_mixed": ("adamw", "adamw_8bit", "adamw_cpu_offload"),
-    "bf16_cpu_master": ("adamw_cpu_offload",),
-    "bf16_sr": ("adamw_bf16",),
-    "bf16_pure": ("adamw", "adamw_8bit"),
-}
+
+def _accepted_optimizers(spec: PrecisionSpec) -> tuple[str, ...]:
+    return (spec.optimizer, *spec.other_optimizers)
 
 
 def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
-    """The modes precision=auto weighs, most exact first; an explicit optim.name narrows them."""
-    order = AUTO_ORDER_CUDA if on_cuda else AUTO_ORDER_CPU
-    return tuple(m for m in order if optimizer == "adamw" or optimizer in _COMPATIBLE_OPTIMIZERS[m])
+    """The modes precision=auto weighs, most exact first; an explicit optim.name narrows them.
+
+    It takes the fastest of those that fit and train correctly (planning/fit.py); bf16_pure never does, and is
+    planned only so the plan can show what it would have saved. On CUDA fp32 is left out: the planner's step time
+    assumes bf16 tensor cores, and fp32 matmuls run several times slower for updates no more exact than
+    bf16_mixed's."""
+    return tuple(
+        name
+        for name, spec in SPECS.items()
+        if (spec.auto_on_cuda or not on_cuda) and (optimizer == "adamw" or optimizer in _accepted_optimizers(spec))
+    )
 
 
 def check_precision_mode(mode: str) -> None:
@@ -213,16 +229,14 @@ def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
     if mode not in SPECS:
         raise UserError(f"precision={mode!r} is not a concrete mode; choose one of {', '.join(SPECS)}.")
     spec = SPECS[mode]
-    allowed = _COMPATIBLE_OPTIMIZERS[mode]
+    allowed = _accepted_optimizers(spec)
     if optimizer != "adamw" and optimizer not in allowed:
         raise UserError(
             f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
             "drop the optim.name override (the precision mode picks the optimizer)."
         )
     if optimizer == "adamw_8bit":
-        return PrecisionSpec(
-            spec.name, spec.param_dtype, spec.compute_dtype, "adamw_8bit", spec.updates_exact, spec.stochastic_rounding
-        )
+        return dataclasses.replace(spec, optimizer="adamw_8bit")
     return spec
 
 

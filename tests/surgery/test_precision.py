@@ -150,10 +150,21 @@ def test_the_modes_are_the_spec_table_and_the_shipped_configs(tmp_path):
         make_job(tmp_path, "precision.mode=bf16_typo")
 
 
-def test_a_new_mode_composes_from_its_spec_entry_alone(tmp_path, monkeypatch):
-    """Adding a SPECS entry is enough for precision.mode to accept it (no choice list in core to edit)."""
+def test_a_new_mode_composes_and_plans_from_its_spec_entry_alone(tmp_path, monkeypatch):
+    """Adding a SPECS entry is enough: precision.mode accepts it, precision_spec and the optimizer check read it,
+    precision=auto weighs it (after the modes listed before it) and the planner plans it."""
+    import dataclasses
+
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_job
     from flexengine.surgery import precision
+    from flexengine.surgery.model import build_hf_config
     from tests.helpers import make_job
 
-    monkeypatch.setitem(precision.SPECS, "bf16_new", precision.SPECS["bf16_mixed"])
-    assert make_job(tmp_path, "precision.mode=bf16_new").precision.mode == "bf16_new"
+    new = dataclasses.replace(precision.SPECS["bf16_mixed"], name="bf16_new")
+    monkeypatch.setitem(precision.SPECS, "bf16_new", new)
+    job = make_job(tmp_path, "precision.mode=bf16_new")
+    assert precision.precision_spec("bf16_new", "adamw_8bit").optimizer == "adamw_8bit"
+    assert precision.auto_order(on_cuda=True)[-1] == "bf16_new"
+    fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    assert fit.precision == new and fit.plan["step_s"] > 0
