@@ -227,6 +227,7 @@ def build_data(
 ) -> tuple[RowLoader, Optional[HeldOut], dict]:
     """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
     flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
+    resolve_attention_rules(job)  # data.packing=auto on a hand-built JobConfig (the CLI resolved it at composition)
     corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(job, tokenizer, dist_info)
     plan = _plan_training_rows(corpus, train_docs, job.data)
     # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile

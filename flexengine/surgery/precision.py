@@ -227,7 +227,7 @@ def check_precision_mode(mode: str) -> None:
 def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
     """The spec of a concrete mode, with optim.name checked against it (adamw_8bit keeps its 8-bit states)."""
     if mode not in SPECS:
-        raise UserError(f"precision={mode!r} is not a concrete mode; choose one of {', '.join(SPECS)}.")
+        raise UserError(f"precision.mode={mode} is not a precision mode; choose auto or one of {', '.join(SPECS)}.")
     spec = SPECS[mode]
     allowed = _accepted_optimizers(spec)
     if optimizer != "adamw" and optimizer not in allowed:

@@ -165,3 +165,19 @@ def test_half_the_eval_set_shared_is_refused_naming_the_switch_and_allow_or_drop
     assert dropped["eval"]["documents"] == 20
     with pytest.raises(UserError, match="nothing is left to evaluate"):
         _overlap_build(tmp_path, DOCS[:10], "data.eval_overlap=drop")
+
+
+@pytest.mark.parametrize("mode, packing", [("causal", "none"), ("packed_doc", "bfd")])
+def test_a_hand_built_job_gets_the_attention_rules_too(tmp_path, mode, packing):
+    """A JobConfig built in Python (no composition) still has data.packing=auto resolved from attn.mode (the
+    rules live beside the mode table, surgery/attention/job_rules.py) before rows are packed."""
+    from flexengine.core.config import AttnConfig, DataConfig, JobConfig, TrainConfig
+
+    job = JobConfig(
+        attn=AttnConfig(mode=mode, backend="dense"),
+        data=DataConfig(seq_len=64, num_workers=0, demo_max_files=24, cache_dir=str(tmp_path / "cache")),
+        train=TrainConfig(output_dir=str(tmp_path / "run")),
+    )
+    assert job.data.packing == "auto"
+    loader, _, report = build_data(job, load_tokenizer(job.model), DistInfo())
+    assert job.data.packing == packing and loader.batches_per_epoch > 0
