@@ -78,26 +78,50 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
 
     Each block is fully_shard-ed on its own: its weights are all-gathered for forward and again for backward,
     and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
-    embedding, final norm, lm_head) stays gathered through forward and backward. Gradients are unsharded per
-    block until its reduce-scatter, in the reduce dtype (PrecisionSpec.fsdp_dtypes: FSDP2 also accumulates
-    unsynced gradients in it); the root's (lm_head's from the start of backward) until the root's reduce-scatter
-    at its end, in the gather dtype. With grad_accum > 1 and reduce_every=window the trainer reduces once per
-    accumulation window (`parallel.gradient_sync`: set_requires_gradient_sync(False) until the last micro-batch),
-    so every block's unsharded gradient lives through the window; reduce_every=micro_batch reduce-scatters in
-    every backward and holds one block's at a time."""
+    embedding, final norm, lm_head) stays gathered through forward and backward. Unsharded gradients: see
+    fsdp_unsharded_grads."""
     world = max(1, x.hardware.world_size)
     if world == 1:
         return {}
     gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
     root = m.embedding_params + m.hidden
-    root_trainable = root if x.trainable_fraction >= 1.0 else 0  # LoRA: embeddings and lm_head are frozen
-    unsharded_blocks = m.layers if x.grad_accum > 1 and x.reduce_every == "window" else 1
     return {
         "fsdp_gathered_weights_bytes": (2 * m.block_params + root) * gathered,
-        "fsdp_unsharded_grads_bytes": int(
-            unsharded_blocks * m.block_params * x.trainable_fraction * x.fsdp_reduce_bytes + root_trainable * gathered
-        ),
+        "fsdp_unsharded_grads_bytes": sum(fsdp_unsharded_grads(m, x).values()),
     }
+
+
+def fsdp_unsharded_grads(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    """FSDP2's unsharded gradients at backward's peak, by part (bytes on this rank, any world size).
+
+    What torch 2.13's FSDP2 holds (fsdp/_fully_shard/_fsdp_param_group.py post_backward, _fsdp_param.py,
+    _fsdp_collectives.py foreach_reduce); the root (embeddings, final norm, lm_head) is one FSDP group like a block:
+    - autograd computes each gradient in the gather dtype (the unsharded parameter's); the root's (lm_head's) from
+      the start of backward, since the chunked loss is backward's first op.
+    - reduce-scatter on (grad_accum 1, reduce_every=micro_batch, a window's last backward): post_backward copies a
+      group's gradient into a reduce-scatter input in the reduce dtype and frees it; FSDP keeps one such input in
+      flight by default, so one block's gradient and one reduce-scatter input at a time ("block_in_flight"), the
+      root's gradient until the root's reduce-scatter at backward's end ("root").
+    - reduce-scatter off (grad_accum > 1 with reduce_every=window: set_requires_gradient_sync(False) until the
+      window's last micro-batch, `parallel.gradient_sync`): post_backward keeps every group's gradient, the root's
+      too, as FSDPParam.unsharded_accumulated_grad in the reduce dtype through the window (to_accumulated_grad_if_
+      needed; without a cast, reduce dtype = gather dtype and autograd adds into .grad in place): "block_sums",
+      "root_sum". Under a cast each later backward's new gradient is autograd's, in the gather dtype, beside the sum
+      until post_backward adds it in: the root's ("root") and one block's; the window's last backward copies one
+      block's sum into a reduce-scatter input ("block_in_flight": the larger of the two)."""
+    gather = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
+    reduce = x.fsdp_reduce_bytes
+    block = m.block_params * x.trainable_fraction
+    root = (m.embedding_params + m.hidden) if x.trainable_fraction >= 1.0 else 0  # LoRA: the root is frozen
+    if x.grad_accum > 1 and x.reduce_every == "window":
+        casts = gather != reduce
+        return {
+            "block_sums": int(m.layers * block * reduce),
+            "block_in_flight": int(block * max(gather, reduce)),
+            "root_sum": root * reduce,
+            "root": root * gather if casts else 0,
+        }
+    return {"block_in_flight": int(block * (gather + reduce)), "root": root * gather}
 
 
 def eager_pointwise_s(m: ModelShape, x: PlanInputs) -> float:

@@ -257,10 +257,12 @@ def test_fsdp_counts_gathered_blocks_root_and_unsharded_grads():
     root = 2 * 102400 * 4096 + 4096
     assert m.block_params == 4096 * 4096 * 4 + 3 * 4096 * 11008 + 2 * 4096
     assert terms["fsdp_gathered_weights_bytes"] == (2 * m.block_params + root) * 2
-    assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * 4 + root * 2
-    # accumulating over micro-batches, gradients are reduced once per window: every block's stays unsharded
+    # one block's bf16 gradient beside its fp32 reduce-scatter input; the root's bf16 gradient through backward
+    assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * (2 + 4) + root * 2
+    # accumulating over micro-batches, gradients are reduced once per window: every group's fp32 sum stays unsharded,
+    # the root's too (FSDP2's unsharded_accumulated_grad), beside one block's in flight and the root's new bf16 one
     window = plan_memory(cfg, dataclasses.replace(node, grad_accum=8))["terms"]
-    assert window["fsdp_unsharded_grads_bytes"] == m.layers * m.block_params * 4 + root * 2
+    assert window["fsdp_unsharded_grads_bytes"] == (m.layers + 1) * m.block_params * 4 + root * (4 + 2)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure"])
@@ -286,7 +288,30 @@ def test_fsdp_bytes_follow_the_policy_the_precision_mode_applies(mode, mixed_pre
     terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
     shape = ModelShape.from_hf_config(cfg)
     root = 2 * 102400 * 4096 + 4096
-    assert terms["fsdp_unsharded_grads_bytes"] == shape.block_params * reduce.itemsize + root * gather.itemsize
+    in_flight = shape.block_params * (gather.itemsize + reduce.itemsize)  # autograd's gradient + reduce-scatter input
+    assert terms["fsdp_unsharded_grads_bytes"] == in_flight + root * gather.itemsize
+
+
+@pytest.mark.parametrize(
+    ("strategy", "world_size", "mixed_precision", "copies"),
+    [("fsdp", 8, True, False), ("fsdp", 8, False, True), ("ddp", 8, True, True), ("fsdp", 1, True, True)],
+)
+def test_no_autocast_weight_copy_is_counted_when_fsdp_casts(strategy, world_size, mixed_precision, copies):
+    """bf16_mixed sharded over ranks with FSDP's policy runs without autocast (the trainer's compute context asks
+    apply_fsdp's record), so it holds no autocast bf16 copy of the weights; without the policy (mixed_precision off),
+    under DDP or on one process autocast casts and keeps one (the planner counted it always: 1.61 GiB per GPU for
+    deepseek-7B on 8 GPUs)."""
+    from flexengine.core.config import JobConfig
+    from flexengine.planning.shapes import plan_inputs
+    from flexengine.surgery.precision import SPECS
+
+    job = JobConfig()
+    job.parallel.strategy, job.parallel.mixed_precision = strategy, mixed_precision
+    spec = SPECS["bf16_mixed"]
+    x = plan_inputs(job, dataclasses.replace(A100, world_size=world_size), spec, on_cuda=True)
+    cfg = _deepseek_inputs()[0]
+    terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
+    assert ("compute_copy_bytes" in terms) == copies
 
 
 def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
@@ -300,7 +325,8 @@ def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
     window = plan_memory(cfg, dataclasses.replace(node, reduce_every="window"))
     per_mb = plan_memory(cfg, dataclasses.replace(node, reduce_every="micro_batch"))
     held = window["terms"]["fsdp_unsharded_grads_bytes"] - per_mb["terms"]["fsdp_unsharded_grads_bytes"]
-    assert held == (m.layers - 1) * m.block_params * 4  # 24 GiB at 7B, freed
+    root = m.embedding_params + m.hidden  # its fp32 sum, held through the window too
+    assert held == m.layers * m.block_params * 4 - m.block_params * 2 + root * 4  # 25.4 GiB at 7B, freed
     sent = m.params * 4 * 7 / 8
     assert window["reduce_scatter_bytes_per_step"] == pytest.approx(sent, rel=1e-6)
     assert per_mb["reduce_scatter_bytes_per_step"] == pytest.approx(8 * sent, rel=1e-6)

@@ -194,6 +194,51 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
         assert torch.is_autocast_enabled("cpu") == (spec.autocast and policy is None)
 
 
+def test_fsdp_accumulates_unsynced_gradients_in_the_dtype_the_planner_counts(one_rank_group, tiny_llama):
+    """Measured FSDP2 under bf16_mixed's cast (bf16 gather, fp32 reduce) with gradient sync off, as in an
+    accumulation window: every group's unsharded gradient, the root's (embeddings, lm_head) too, is held in fp32 as
+    unsharded_accumulated_grad, and the planner's window terms count exactly those bytes (it counted the root's at
+    bf16: 1.56 GiB short at deepseek-7B)."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from flexengine.core.config import HardwareConfig, JobConfig
+    from flexengine.planning.costs import fsdp_unsharded_grads
+    from flexengine.planning.shapes import ModelShape, plan_inputs
+    from flexengine.surgery.precision import SPECS
+
+    # built here, not from the spec (on CPU it gives none, and the planner's dtypes come from the spec: circular)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = LossForward(tiny_llama)
+    layers = list(tiny_llama.model.layers)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(root, mp_policy=policy)
+    root.set_requires_gradient_sync(False)  # parallel.gradient_sync's first micro-batches
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 16))
+    root({"input_ids": ids, "position_ids": torch.arange(16).expand(2, 16), "labels": ids}).backward()
+
+    def held(module: torch.nn.Module) -> tuple[int, set]:
+        params = module._get_fsdp_state()._fsdp_param_group.fsdp_params
+        assert all(p._unsharded_param.grad is None for p in params)  # moved into the sum, nothing else held
+        sums = [p.unsharded_accumulated_grad for p in params]
+        return sum(t.numel() * t.element_size() for t in sums), {t.dtype for t in sums}
+
+    root_bytes, root_dtypes = held(root)
+    blocks = [held(layer) for layer in layers]
+    assert root_dtypes == {torch.float32} and all(dtypes == {torch.float32} for _, dtypes in blocks)
+
+    job = JobConfig()
+    job.train.grad_accum, job.parallel.reduce_every, job.parallel.mixed_precision = 2, "window", True
+    hardware = dataclasses.replace(HardwareConfig(), device="cuda", world_size=2)
+    x = plan_inputs(job, hardware, SPECS["bf16_mixed"], on_cuda=True)
+    assert (x.fsdp_param_bytes, x.fsdp_reduce_bytes) == (policy.param_dtype.itemsize, policy.reduce_dtype.itemsize)
+    parts = fsdp_unsharded_grads(ModelShape.from_hf_config(tiny_llama.config), x)
+    assert parts["root_sum"] == root_bytes
+    assert parts["block_sums"] == sum(b for b, _ in blocks)
+
+
 def test_parallel_config_rejects_unknown_strategy():
     from flexengine.core.errors import UserError
 
