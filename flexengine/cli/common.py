@@ -26,10 +26,15 @@ ERROR_FILE = "error.json"
 
 
 def register_schema(node: type = JobConfig) -> None:
-    """Make `node` (JobConfig or a subclass with a tool's own options) the schema conf/config.yaml composes on."""
+    """Make `node` (JobConfig or a subclass with a tool's own options) the schema conf/config.yaml composes on, and
+    register `flexengine_output_root` (`${flexengine_output_root:${train.output_dir}}`: the value, or outputs when
+    it is null), which hydra.run.dir uses (conf/config.yaml and the torchrun workers' override)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=node)
+    if not OmegaConf.has_resolver("flexengine_output_root"):
+        OmegaConf.register_new_resolver("flexengine_output_root", lambda value: "outputs" if value is None else value)
 
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:

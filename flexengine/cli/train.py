@@ -114,7 +114,7 @@ def worker_overrides(argv: list[str]) -> list[str]:
         # logging's dictConfig opens every handler listed, used or not: the file handler goes, not just its use
         extra += ["~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]"]
     if not any(a.startswith("hydra.run.dir=") for a in typed):
-        extra.append("hydra.run.dir=${oc.select:train.output_dir,outputs}")
+        extra.append("hydra.run.dir='${flexengine_output_root:${train.output_dir}}'")  # quoted: nested interpolation
     return extra
 
 

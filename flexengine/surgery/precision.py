@@ -147,7 +147,7 @@ class PrecisionSpec:
         Only a mode that computes below its stored dtype needs one (bf16_mixed: fp32 shards, params all-gathered in
         compute_dtype, gradients reduce-scattered in fp32), only on CUDA (on CPU/gloo autocast casts, as on one
         device) and only when `enabled` (parallel.mixed_precision)."""
-        if not self._fsdp_casts(device.type == "cuda", enabled):
+        if not self.fsdp_casts(device.type == "cuda", enabled):
             return None
         from torch.distributed.fsdp import MixedPrecisionPolicy  # lazily: a one-process run never loads FSDP
 
@@ -157,11 +157,15 @@ class PrecisionSpec:
     def fsdp_dtypes(self, on_cuda: bool, enabled: bool = True) -> tuple[torch.dtype, torch.dtype]:
         """(dtype FSDP2 all-gathers parameters in, dtype it reduce-scatters gradients in): under this mode's policy
         the compute dtype and fp32 (the masters' dtype), else the stored dtype for both (what the planner counts)."""
-        if self._fsdp_casts(on_cuda, enabled):
+        if self.fsdp_casts(on_cuda, enabled):
             return self.compute_dtype, torch.float32
         return self.param_dtype, self.param_dtype
 
-    def _fsdp_casts(self, on_cuda: bool, enabled: bool) -> bool:
+    def fsdp_casts(self, on_cuda: bool, enabled: bool = True) -> bool:
+        """Whether FSDP2 casts for this mode (its fsdp_policy is not None), so a sharded forward runs without
+        autocast and holds no autocast weight copy: a mode that computes below its stored dtype, on CUDA (on
+        CPU/gloo autocast casts, as on one device), when `enabled` (parallel.mixed_precision). apply_fsdp and the
+        planner both ask this."""
         return enabled and self.autocast and on_cuda
 
     def compute_context(self, device: torch.device, fsdp_casts: bool = False) -> contextlib.AbstractContextManager:

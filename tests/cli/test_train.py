@@ -564,3 +564,13 @@ def test_worker_overrides_keep_a_typed_run_dir(monkeypatch):
     assert "hydra.output_subdir=null" in worker_overrides([])
     assert not any(o.startswith("hydra.run.dir=") for o in worker_overrides(["hydra.run.dir=/pinned"]))
     assert worker_overrides(["hydra/job_logging=disabled", "hydra.run.dir=/pinned"]) == ["hydra.output_subdir=null"]
+
+
+def test_a_launch_without_an_output_dir_writes_under_outputs_not_none(tmp_path):
+    """train.output_dir defaults to null: Hydra's run dir must then be outputs/<date>/<time>/ (oc.select's default
+    covers a missing key only, so the null made ./None/<date>/<time>/ for the README's default command). A config
+    error is the quickest launch that still makes the folder (its error.json)."""
+    proc = run_cli("attn.mode=nope", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert not (tmp_path / "None").exists()
+    assert [p.name for p in tmp_path.glob("outputs/*/*/error.json")] == ["error.json"]
