@@ -261,3 +261,40 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     assert forbidden_arrows(renamed) == ["flexengine.data.loader (data) -> flexengine.loop.loss (loop)"]
     with pytest.raises(AssertionError, match="sits in no layer"):
         layer_of("flexengine.misc.helper")
+
+
+MAX_FILE_LINES = 500  # issue 21: small rooms
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(package: Path) -> list[str]:
+    """Files over MAX_FILE_LINES and functions (methods, nested functions) over MAX_FUNCTION_LINES, as 'where: n'."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        name = path.relative_to(package)
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            found.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_file_over_500_lines_and_no_function_over_60():
+    assert not oversized(PACKAGE), oversized(PACKAGE)
+
+
+def test_size_check_sees_a_long_file_and_a_long_method(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    package = _write_package(
+        tmp_path,
+        {
+            "long.py": "\n" * MAX_FILE_LINES + "x = 1\n",
+            "method.py": f"class A:\n    def f(self):\n{body}\n        return 0\n",
+            "fine.py": "def g():\n    return 1\n",
+        },
+    )
+    assert sorted(oversized(package)) == ["long.py: 501 lines", "method.py:2 f: 62 lines"]
