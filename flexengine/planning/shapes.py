@@ -132,7 +132,7 @@ class PlanInputs:
     # bf16 for bf16-stored modes: PrecisionSpec.fsdp_dtypes)
     weight_bytes: Optional[float] = None  # bytes per stored parameter; None = dtype_bytes
     grad_bytes: Optional[float] = None  # bytes per gradient element; None = weight bytes
-    compute_copy_bytes: float = 0.0  # per parameter: autocast's low-precision weight copies (bf16_mixed)
+    compute_copy_bytes: float = 0.0  # per parameter: autocast's bf16 weight copies (bf16_mixed unless FSDP casts)
     frozen_weight_bytes: Optional[float] = None  # per frozen matrix element when trainable_fraction < 1 (LoRA's
     # base weights, stored in the compute dtype with no autocast copy: precision.apply_precision); None = weight bytes
     host_bytes_per_param: float = 0.0  # per trainable parameter in host memory (CPU-offloaded masters/states)
@@ -181,6 +181,13 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
 
     per_param = spec.bytes_per_param()
     gather, reduce = spec.fsdp_dtypes(on_cuda, job.parallel.mixed_precision)
+    # sharded over several ranks, FSDP2 casts under the mode's policy (apply_fsdp) and the trainer runs no autocast
+    # (its compute_context asks the record): no autocast weight copy then
+    fsdp_casts = (
+        job.parallel.strategy == "fsdp"
+        and hardware.world_size > 1
+        and spec.fsdp_casts(on_cuda, job.parallel.mixed_precision)
+    )
     return PlanInputs(
         seq_len=job.data.seq_len,
         micro_batch=job.train.micro_batch,
@@ -193,7 +200,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         trainable_fraction=trainable,
         weight_bytes=per_param["weights"],
         grad_bytes=per_param["grads"],
-        compute_copy_bytes=per_param["compute_copy"],
+        compute_copy_bytes=0.0 if fsdp_casts else per_param["compute_copy"],
         frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
         host_bytes_per_param=per_param["host"],
         host_scratch_bytes=per_param["host_scratch"],
