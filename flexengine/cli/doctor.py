@@ -312,8 +312,35 @@ def throughput_check(job: JobConfig, n: dict) -> dict:
 
 
 def memory_check(job: JobConfig, n: dict) -> dict:
-    """The planner's verdict on the applied policy (see memory_checks)."""
-    return memory_checks(job, n["memory"])[0]
+    """The planner's verdict on the applied policy: does it fit, and does it recompute more than needed?"""
+    mem = n["memory"]
+    choice = mem["planner_choice"]
+    value = (
+        f"{mem['planned_total_bytes'] / GiB:.3g} of {mem['budget_bytes'] / GiB:.3g} GiB planned "
+        f"({mem['policy']['policy']}, {len(mem['blocks_changed'])} of {mem['n_layers']} blocks changed, "
+        f"recompute {mem['recompute_flops_fraction']:.0%} of step FLOPs)"
+    )
+    detail = f"planner's choice: {choice['policy']} ({choice['total_bytes'] / GiB:.3g} GiB)"
+    if mem["measured_peak_bytes"] is not None:
+        detail += f"; allocator peak {mem['measured_peak_bytes'] / GiB:.3g} GiB"
+    if not mem["fits"]:
+        fix = (
+            f"the planner's choice fits: memory=auto (it picks {choice['policy']!r})"
+            if choice["fits"]
+            else "nothing fits as configured: " + "; ".join(choice["suggestions"])
+        )
+        needs = f"this policy needs more than hardware.memory_gb={job.hardware.memory_gb}: {fix}"
+        return _check("memory", "bad", value, detail, needs)
+    if choice["fits"] and mem["cost"] > choice["cost"] + 1e-6:
+        return _check(
+            "memory",
+            "warn",
+            value,
+            detail,
+            f"memory=auto fits with less recompute (it picks {choice['policy']!r}: recompute "
+            f"{choice['recompute_flops_fraction']:.0%} instead of {mem['recompute_flops_fraction']:.0%})",
+        )
+    return _check("memory", "ok", value, detail)
 
 
 # The checks in report order: each takes the job and the numbers and returns one verdict.
@@ -331,46 +358,6 @@ CHECKS = (
 def run_checks(job: JobConfig, n: dict) -> list[dict]:
     """The verdicts, one per question a slow run raises; each warn/bad carries a concrete suggestion."""
     return [check(job, n) for check in CHECKS]
-
-
-def memory_checks(job: JobConfig, mem: dict) -> list[dict]:
-    """The planner's verdict on the applied policy: does it fit, and does it recompute more than needed?"""
-    choice = mem["planner_choice"]
-    value = (
-        f"{mem['planned_total_bytes'] / GiB:.3g} of {mem['budget_bytes'] / GiB:.3g} GiB planned "
-        f"({mem['policy']['policy']}, {len(mem['blocks_changed'])} of {mem['n_layers']} blocks changed, "
-        f"recompute {mem['recompute_flops_fraction']:.0%} of step FLOPs)"
-    )
-    detail = f"planner's choice: {choice['policy']} ({choice['total_bytes'] / GiB:.3g} GiB)"
-    if mem["measured_peak_bytes"] is not None:
-        detail += f"; allocator peak {mem['measured_peak_bytes'] / GiB:.3g} GiB"
-    if not mem["fits"]:
-        fix = (
-            f"the planner's choice fits: memory=auto (it picks {choice['policy']!r})"
-            if choice["fits"]
-            else "nothing fits as configured: " + "; ".join(choice["suggestions"])
-        )
-        return [
-            _check(
-                "memory",
-                "bad",
-                value,
-                detail,
-                f"this policy needs more than hardware.memory_gb={job.hardware.memory_gb}: {fix}",
-            )
-        ]
-    if choice["fits"] and mem["cost"] > choice["cost"] + 1e-6:
-        return [
-            _check(
-                "memory",
-                "warn",
-                value,
-                detail,
-                f"memory=auto fits with less recompute (it picks {choice['policy']!r}: recompute "
-                f"{choice['recompute_flops_fraction']:.0%} instead of {mem['recompute_flops_fraction']:.0%})",
-            )
-        ]
-    return [_check("memory", "ok", value, detail)]
 
 
 # -- output -------------------------------------------------------------------------------------------------
