@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from flexengine.core.errors import UserError
 from flexengine.surgery.applied import applied
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import decoder_layers
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -172,15 +175,23 @@ def apply_fsdp(
         "fsdp: %d decoder blocks + root sharded over %d ranks%s",
         len(layers),
         dist.get_world_size(),
-        f" ({str(record.fsdp_policy.param_dtype).removeprefix('torch.')} params, fp32 reduce)"
-        if record.fsdp_policy is not None
-        else "",
+        _policy_note(record.fsdp_policy),
     )
     if weights_from_rank0:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         log.info("fsdp: weights broadcast from rank 0 into the shards (%d tensors)", len(full) if full else -1)
+
+
+def _policy_note(policy: Optional[MixedPrecisionPolicy]) -> str:
+    """' (bfloat16 params, float32 reduce)': the dtypes FSDP2 gathers and reduce-scatters in under `policy`, read
+    from it ('' for none; a None dtype: the stored one, a None reduce dtype: the gradients', i.e. the gathered one)."""
+    if policy is None:
+        return ""
+    gather = str(policy.param_dtype).removeprefix("torch.") if policy.param_dtype is not None else "stored"
+    reduce = str(policy.reduce_dtype).removeprefix("torch.") if policy.reduce_dtype is not None else gather
+    return f" ({gather} params, {reduce} reduce)"
 
 
 def apply_parallel(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -168,7 +169,7 @@ def one_rank_group(tmp_path):
 
 @pytest.mark.parametrize(("mode", "device"), [("bf16_mixed", "cuda"), ("bf16_sr", "cuda"), ("bf16_mixed", "cpu")])
 def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_asks_it(
-    one_rank_group, tiny_llama, mode, device, tmp_path
+    one_rank_group, tiny_llama, mode, device, tmp_path, caplog
 ):
     """apply_fsdp takes its MixedPrecisionPolicy from the recorded spec (not parallel.mixed_precision alone: bf16_sr
     gets none), records it, and the trainer's compute context follows the record (no autocast over FSDP's cast)."""
@@ -182,8 +183,11 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
     apply_precision(tiny_llama, spec)
     root = LossForward(tiny_llama)
     # a CUDA device object needs no GPU: it only picks the policy, the one-rank gloo mesh shards on the CPU
-    apply_fsdp(root, tiny_llama, ParallelConfig(strategy="fsdp", mixed_precision=True), torch.device(device))
+    with caplog.at_level(logging.INFO, logger="flexengine.surgery.parallel"):
+        apply_fsdp(root, tiny_llama, ParallelConfig(strategy="fsdp", mixed_precision=True), torch.device(device))
     policy = spec.fsdp_policy(torch.device(device), enabled=True)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fsdp: ")]
+    assert line.endswith("ranks" if policy is None else "ranks (bfloat16 params, float32 reduce)")
     assert applied(tiny_llama).fsdp_policy == policy
     shard_policy = tiny_llama.model.layers[0]._get_fsdp_state()._mp_policy
     assert (shard_policy.param_dtype, shard_policy.reduce_dtype) == (
@@ -237,6 +241,18 @@ def test_fsdp_accumulates_unsynced_gradients_in_the_dtype_the_planner_counts(one
     parts = fsdp_unsharded_grads(ModelShape.from_hf_config(tiny_llama.config), x)
     assert parts["root_sum"] == root_bytes
     assert parts["block_sums"] == sum(b for b, _ in blocks)
+
+
+def test_the_fsdp_log_line_reads_both_dtypes_from_the_policy():
+    """The log names the policy's own gather and reduce dtypes (it said fp32 reduce for any policy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from flexengine.surgery.parallel import _policy_note
+
+    assert _policy_note(None) == ""
+    assert _policy_note(MixedPrecisionPolicy(torch.bfloat16, torch.float32)) == " (bfloat16 params, float32 reduce)"
+    assert _policy_note(MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16)) == " (bfloat16 params, bfloat16 reduce)"
+    assert _policy_note(MixedPrecisionPolicy(torch.bfloat16)) == " (bfloat16 params, bfloat16 reduce)"
 
 
 def test_parallel_config_rejects_unknown_strategy():
