@@ -271,16 +271,23 @@ def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[t
     return out
 
 
-def _rank(row: dict) -> tuple:
-    # Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, fewer
-    # checkpointed blocks, the larger micro-batch, the coarser granularity and one reduction per window.
+# Tie-break order of what the chosen blocks recompute, coarsest first. Nothing recomputed (no policy, plain offload)
+# ranks with whole blocks: both then keep their order in search_space.
+_COARSENESS = {Recompute.NONE: 0, Recompute.BLOCK: 0, Recompute.ATTENTION: 1, Recompute.MLP: 2, Recompute.OPS: 3}
+
+
+def _rank(candidate: tuple[dict, Sequence[MemorySpec]]) -> tuple:
+    """Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, no MLP tiles,
+    fewer checkpointed blocks, the larger micro-batch, the coarser recompute and one reduction per window. The
+    policy is read from the candidate's MemorySpecs, not from its memory config's strings."""
+    row, specs = candidate
     return (
         round(row["step_s"], 6),
-        row["uses_offload"],
-        bool(row["memory"]["tiled_mlp"]),
-        row["k"],
+        offloads(specs),
+        any(spec.mlp_tile for spec in specs),
+        len(chosen_blocks(specs)),
         -row["micro_batch"],
-        GRANULARITIES.index(row["memory"]["granularity"]),
+        _COARSENESS[policy_family(specs)[0]],
         row["reduce_every"] != "window",
     )
 
@@ -324,19 +331,23 @@ def plan_memory(
     if x.hardware.device == "cpu":  # offloading to host memory saves nothing when the device is the host
         space = [(mem, specs) for mem, specs in space if not offloads(specs)] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
-    rows = [
-        _candidate_row(
-            m,
-            dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
-            mem,
+    candidates = [
+        (
+            _candidate_row(
+                m,
+                dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
+                mem,
+                specs,
+                x.micro_batch,
+            ),
             specs,
-            x.micro_batch,
         )
         for b, accum, reduce_every in _with_reduce_choices(shapes, x)
         for mem, specs in space
     ]
-    fitting = [r for r in rows if r["fits"]]
-    best = min(fitting, key=_rank) if fitting else min(rows, key=lambda r: r["total_bytes"] + r["host_bytes"])
+    rows = [row for row, _ in candidates]
+    fitting = [(row, specs) for row, specs in candidates if row["fits"]]
+    best = min(fitting, key=_rank)[0] if fitting else min(rows, key=lambda r: r["total_bytes"] + r["host_bytes"])
     return _plan(hf_config, m, x, rows, best, [] if fitting else suggestions(m, x))
 
 

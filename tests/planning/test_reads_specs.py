@@ -18,6 +18,8 @@ CONFIG_NAMES |= {"adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload", "fp32
 CONFIG_NAMES |= {"bf16_cpu_master", "bf16_pure"}
 # Functions that build MemoryConfigs or write them back as overrides for the user: config is their subject.
 CONFIG_WRITERS = {"search_space", "candidates_for", "_overrides"}
+# memory.* fields a plan row repeats as strings (row["memory"]): a read of one is a config-string dispatch too
+MEMORY_FIELDS = {"granularity", "tiled_mlp", "offload"}
 
 
 def string_compares(source: str) -> list[str]:
@@ -37,6 +39,8 @@ def string_compares(source: str) -> list[str]:
             }
             if names & CONFIG_NAMES:
                 found.append(f"{function}: {ast.unparse(node)}")
+        if isinstance(node, ast.Subscript) and function not in CONFIG_WRITERS and _reads_memory_config(node):
+            found.append(f"{function}: {ast.unparse(node)}")
         for child in ast.iter_child_nodes(node):
             visit(child, function)
 
@@ -44,11 +48,27 @@ def string_compares(source: str) -> list[str]:
     return found
 
 
+def _reads_memory_config(node: ast.Subscript) -> bool:
+    """`row["memory"]["policy"]`, `mem["granularity"]`: a memory config field read by its string key."""
+
+    def key(n: ast.AST) -> object:
+        return n.slice.value if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) else None
+
+    return key(node) in MEMORY_FIELDS or key(node.value) == "memory"
+
+
 def test_the_scan_finds_what_the_planner_once_wrote():
     old = 'def _offloads(memory):\n    return memory.policy == "offload" or bool(memory.offload)\n'
     assert string_compares(old) == ["_offloads: memory.policy == 'offload'"]
     assert string_compares('def f(w):\n    return w.backend in ("flex", "dense")\n')
     assert not string_compares('def search_space(m):\n    return m.policy == "full"\n')
+    # the ranking once read the row's memory config by key (a plain-offload row ranked as "block" by its default)
+    rank = 'def _rank(row):\n    return bool(row["memory"]["tiled_mlp"]), G.index(row["memory"]["granularity"])\n'
+    assert string_compares(rank) == [
+        "_rank: row['memory']['tiled_mlp']",
+        "_rank: row['memory']['granularity']",
+    ]
+    assert not string_compares('def _rank(row):\n    return row["k"], plan["policy"], MemoryConfig(**row["memory"])\n')
 
 
 @pytest.mark.parametrize("path", SCANNED, ids=lambda p: p.name)
