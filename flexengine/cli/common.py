@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
-from flexengine.core.config import JobConfig
+from flexengine.core.config import JobConfig, check_choice, conf_dir
 from flexengine.core.errors import UserError
 
 CONFIG_PATH = "pkg://flexengine.conf"  # Hydra finds the shipped configs through the package, wherever it lives
@@ -45,8 +45,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
     from omegaconf import OmegaConf
 
     from flexengine.cli.first_contact import apply_pretrained_defaults, command_line_wins, given_overrides
-    from flexengine.surgery.attention.job_rules import resolve_attention_rules  # the mode tables need torch
-    from flexengine.surgery.precision import check_precision_mode
+    from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
 
     given = given_overrides(overrides)
     command_line_wins(cfg, given)
@@ -61,8 +60,16 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
-    check_precision_mode(job.precision.mode)
+    check_choice("precision.mode", job.precision.mode, group_options("precision"))
     return apply_pretrained_defaults(job, given)
+
+
+def group_options(group: str) -> tuple[str, ...]:
+    """The shipped options of a config group (conf/<group>/*.yaml names), sorted. precision.mode is checked
+    against them at composition: surgery/precision.SPECS holds torch dtypes, and composing a job must not import
+    torch (tests/cli/test_cli.py); tests/surgery/test_precision.py keeps these names == {"auto", *SPECS}, and
+    precision_spec checks SPECS itself for a hand-built job."""
+    return tuple(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
 
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
@@ -201,15 +208,7 @@ def copy_config(name: str, dest: Path) -> Path:
     source = files(CONFIG_MODULE) / group / f"{option}.yaml"
     if not option or not source.is_file():
         groups = sorted(p.name for p in files(CONFIG_MODULE).iterdir() if p.is_dir() and not p.name.startswith("_"))
-        options = (
-            sorted(
-                p.name.removesuffix(".yaml")
-                for p in (files(CONFIG_MODULE) / group).iterdir()
-                if p.name.endswith(".yaml")
-            )
-            if group in groups
-            else []
-        )
+        options = group_options(group) if group in groups else ()
         hint = f"options of {group}: {', '.join(options)}" if options else f"groups: {', '.join(groups)}"
         raise UserError(f"no shipped config {name!r}; give <group>/<option> ({hint}).")
     target = Path(dest) / group / f"{option}.yaml"

@@ -61,7 +61,8 @@ class PrecisionConfig:
     # auto: the fastest mode that fits and trains correctly (flexengine.planning.fit) | fp32 | bf16_mixed (fp32 masters,
     # bf16 compute) | bf16_sr (bf16 weights, stochastic-rounding AdamW) | bf16_cpu_master (fp32 masters + states in
     # host RAM) | bf16_pure (bf16 everything: small updates round away; only when asked). The names are
-    # flexengine.surgery.precision.SPECS, checked at composition (precision.check_precision_mode)
+    # flexengine.surgery.precision.SPECS (= the conf/precision/*.yaml names, which composition checks it against:
+    # flexengine.cli.common.group_options)
     mode: str = "auto"
 
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,37 @@ def test_importing_the_entry_points_registers_nothing_and_loads_no_torch():
     )
     proc = _run("-c", code, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_composing_a_job_loads_neither_torch_nor_transformers():
+    """A config mistake fails before the heavy imports (cli/train.py): composing and checking a job, the rules
+    that live beside the attention mode table and the precision mode check included, imports neither torch nor
+    transformers, and those rules still refuse a bad value naming its key."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from flexengine.cli.common import compose_job
+        from flexengine.core.errors import UserError
+
+        assert compose_job(["attn=packed_doc", "precision=bf16_sr"]).data.packing == "bfd"  # auto resolved
+        bad = {
+            "attn.mode": ["attn.mode=nope"],
+            "precision.mode": ["precision.mode=nope"],
+            "data.packing=none": ["attn=packed_doc", "data.packing=none"],
+        }
+        for key, overrides in bad.items():
+            try:
+                compose_job(overrides)
+            except UserError as e:
+                assert key in str(e), (key, str(e))
+            else:
+                raise AssertionError(f"{overrides} accepted")
+        heavy = sorted({"torch", "transformers"} & set(sys.modules))
+        assert not heavy, f"composing a job imported {heavy}"
+        """
+    )
+    proc = _run("-c", code, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_flexengine_command_dispatches_to_the_planner(tmp_path):

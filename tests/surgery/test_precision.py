@@ -151,10 +151,12 @@ def test_the_modes_are_the_spec_table_and_the_shipped_configs(tmp_path):
 
 
 def test_a_new_mode_composes_and_plans_from_its_spec_entry_alone(tmp_path, monkeypatch):
-    """Adding a SPECS entry is enough: precision.mode accepts it, precision_spec and the optimizer check read it,
-    precision=auto weighs it (after the modes listed before it) and the planner plans it."""
+    """A SPECS entry (+ its conf/precision/<mode>.yaml) is enough: precision.mode accepts it, precision_spec and the
+    optimizer check read it, precision=auto weighs it (after the modes listed before it) and the planner plans it."""
     import dataclasses
+    import shutil
 
+    from flexengine.core.config import conf_dir
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
     from flexengine.surgery import precision
@@ -163,6 +165,11 @@ def test_a_new_mode_composes_and_plans_from_its_spec_entry_alone(tmp_path, monke
 
     new = dataclasses.replace(precision.SPECS["bf16_mixed"], name="bf16_new")
     monkeypatch.setitem(precision.SPECS, "bf16_new", new)
+    # composition checks precision.mode against the shipped yaml names (torch-free: cli/common.group_options)
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir() / "precision", conf / "precision")
+    (conf / "precision" / "bf16_new.yaml").write_text("mode: bf16_new\n")
+    monkeypatch.setattr("flexengine.cli.common.conf_dir", lambda: conf)
     job = make_job(tmp_path, "precision.mode=bf16_new")
     assert precision.precision_spec("bf16_new", "adamw_8bit").optimizer == "adamw_8bit"
     assert precision.auto_order(on_cuda=True)[-1] == "bf16_new"

@@ -1,35 +1,44 @@
-"""Attention rewrite: the resolved spec, mask functions, per-batch masks, and the patch that routes HF attention."""
+"""Attention rewrite: the resolved spec, mask functions, per-batch masks, and the patch that routes HF attention.
 
-from flexengine.surgery.attention.block_mask import BatchMask, build_batch_mask
-from flexengine.surgery.attention.mask_mode import MaskMode, get_mask_mod, mask_mode
-from flexengine.surgery.attention.masks import (
-    Causal,
-    InnerMask,
-    SlidingWindow,
-    document_ids_from_position_ids,
-    position_ids_from_document_ids,
-)
-from flexengine.surgery.attention.patch import MASK_KWARG, LayerMasks, apply_attention, mask_kwargs, patch_attention
-from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec, resolve_backend
+The names below are imported on first use (PEP 562, as flexengine/__init__.py does): composing a job imports
+`job_rules` -> `masks` only, and importing this package must not pull in patch.py's transformers or
+block_mask.py's FlexAttention (tests/cli/test_cli.py checks that composing a job loads neither torch nor
+transformers).
+"""
 
-__all__ = [
-    "MASK_KWARG",
-    "AttentionSpec",
-    "AttnBackend",
-    "BatchMask",
-    "Causal",
-    "InnerMask",
-    "LayerMasks",
-    "MaskMode",
-    "SlidingWindow",
-    "apply_attention",
-    "build_batch_mask",
-    "document_ids_from_position_ids",
-    "get_mask_mod",
-    "mask_kwargs",
-    "mask_mode",
-    "patch_attention",
-    "position_ids_from_document_ids",
-    "resolve_attention_spec",
-    "resolve_backend",
-]
+from importlib import import_module
+
+_PACKAGE = "flexengine.surgery.attention"
+# public name -> the submodule that defines it. Not the function `mask_mode`: it shares its module's name, and once
+# the submodule is imported the package attribute `mask_mode` is the module, so take it from .mask_mode itself.
+_LAZY = {
+    "BatchMask": "block_mask",
+    "build_batch_mask": "block_mask",
+    "MaskMode": "mask_mode",
+    "get_mask_mod": "mask_mode",
+    "Causal": "masks",
+    "InnerMask": "masks",
+    "SlidingWindow": "masks",
+    "document_ids_from_position_ids": "masks",
+    "position_ids_from_document_ids": "masks",
+    "MASK_KWARG": "patch",
+    "LayerMasks": "patch",
+    "apply_attention": "patch",
+    "mask_kwargs": "patch",
+    "patch_attention": "patch",
+    "AttentionSpec": "spec",
+    "AttnBackend": "spec",
+    "resolve_attention_spec": "spec",
+    "resolve_backend": "spec",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    """PEP 562: import a public name's submodule when the name is first asked for."""
+    if name in _LAZY:
+        value = getattr(import_module(f"{_PACKAGE}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, ClassVar, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional
 
-import torch
-from torch import Tensor
+# torch is imported inside the few functions that compute: composing and checking a job reads MODES (which mode
+# packs documents, which takes a window: surgery/attention/job_rules.py), and a config error must not wait for
+# torch's import (a bad attn.mode: 0.4 s without it, 6-7 s with torch + transformers on a loaded 2-core machine).
+# tests/cli/test_cli.py checks that composing a job imports neither.
+if TYPE_CHECKING:
+    from torch import Tensor
 
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # FlexAttention's (b, h, q_idx, kv_idx) -> bool
+MaskMod = Callable[["Tensor", "Tensor", "Tensor", "Tensor"], "Tensor"]  # FlexAttention's (b, h, q_idx, kv_idx) -> bool
 
 
 class InnerMask:
@@ -68,6 +72,8 @@ class InnerMask:
 @lru_cache(maxsize=4096)
 def _interval_pairs(inner: InnerMask, n: int) -> int:
     # generic count from the key interval: O(n) once per (mask, length); Causal/SlidingWindow have closed forms
+    import torch
+
     first, last = inner.key_interval(torch.arange(n, dtype=torch.int64))
     return int((last.clamp(max=n - 1) - first + 1).clamp(min=0).sum())
 
@@ -89,6 +95,8 @@ class Causal(InnerMask):
 
     def key_interval(self, q: Tensor) -> tuple[Tensor, Tensor]:
         """[0, q]."""
+        import torch
+
         return torch.zeros_like(q), q
 
     @property
@@ -156,11 +164,15 @@ MODES: dict[str, ModeEntry] = {
 
 def document_ids_from_position_ids(position_ids_BS: Tensor) -> Tensor:
     """Document index of every token: a new document starts wherever the position id restarts at 0."""
+    import torch
+
     return torch.cumsum((position_ids_BS == 0).to(torch.int32), dim=-1)
 
 
 def position_ids_from_document_ids(document_ids_BS: Tensor) -> Tensor:
     """Position of every token within its document (RoPE restarts at each document)."""
+    import torch
+
     S = document_ids_BS.shape[-1]
     idx = torch.arange(S, device=document_ids_BS.device).expand_as(document_ids_BS)
     starts = torch.ones_like(document_ids_BS, dtype=torch.bool)
