@@ -80,22 +80,29 @@ def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
             }
         )
         plans.append((spec, plan))
-    chosen = choose_precision(table)
-    _add_verdicts(table, chosen)
+    chosen = choose_precision(table, timed=on_cuda)
+    _add_verdicts(table, chosen, timed=on_cuda)
     spec, plan = plans[chosen]
     return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan, table)
 
 
-def choose_precision(rows: list[dict]) -> int:
+def choose_precision(rows: list[dict], timed: bool = True) -> int:
     """The row precision=auto takes (rows most exact first): the fastest estimated step among the modes that fit
     and train correctly (and whose optimizer this environment can build), the more exact on a tie (within
     TIE_FRACTION); if none fits, the leanest correct mode, whose plan's suggestions say what would. A single
-    explicit mode is taken as given."""
+    explicit mode is taken as given.
+
+    timed=False (CPU): the most exact mode that fits. The planner's step time has no CPU compute model (no peak
+    FLOPs, and bf16 matmuls are no faster than fp32 on most CPUs), so its differences there are only the modelled
+    transfer terms: over gloo, bf16 gradients' smaller all-reduce made bf16_sr "faster" on 2 ranks while one
+    process took fp32, and the two runs of one job diverged."""
     correct = [i for i, r in enumerate(rows) if r["trains_correctly"] and not r.get("missing")]
     correct = correct or list(range(len(rows)))
     fitting = [i for i in correct if rows[i]["fits"]]
     if not fitting:
         return min(correct, key=lambda i: rows[i]["total_bytes"])
+    if not timed:
+        return fitting[0]
     fastest = min(rows[i]["step_s"] for i in fitting)
     return next(i for i in fitting if rows[i]["step_s"] <= fastest * (1 + TIE_FRACTION))
 
@@ -120,7 +127,7 @@ def _why_not_fit(plan: dict) -> str:
     return f"host {_gib(plan['host_bytes'])} GiB > {_gib(plan['host_budget_bytes'])} GiB"
 
 
-def _add_verdicts(rows: list[dict], chosen: int) -> None:
+def _add_verdicts(rows: list[dict], chosen: int, timed: bool = True) -> None:
     """Each row's `verdict`: why precision=auto took it, or why it lost to the chosen row."""
     best = rows[chosen]
     vs = f"{best['precision']}'s {_secs(best['step_s'])}"
@@ -133,6 +140,8 @@ def _add_verdicts(rows: list[dict], chosen: int) -> None:
             r["verdict"] = f"needs {r['missing']}, not installed (pip install {r['missing']})"
         elif not r["fits"]:
             r["verdict"] = f"does not fit: {r['why_not_fit']}"
+        elif i > chosen and not timed:
+            r["verdict"] = "less exact: on CPU the most exact mode that fits wins (no CPU step-time model)"
         elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):
             r["verdict"] = f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
         else:

@@ -154,10 +154,17 @@ def test_user_given_memory_fields_are_respected():
         _fit(*SEVEN_B, "data.seq_len=32768", "memory.granularity=ops", "memory.offload=false")
 
 
-def test_cpu_plan_picks_fp32():
-    job = compose_job(["debug=fast"])
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_cpu_plan_picks_fp32(ranks):
+    """On CPU auto takes the most exact mode that fits whatever the step estimates say (they have no CPU compute
+    model): with 2 ranks the smaller bf16 all-reduce once made bf16_sr "faster", so a 2-rank run trained in another
+    precision than one process of the same job."""
+    job = compose_job(["debug=fast", f"hardware.world_size={ranks}"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     assert fit.fits and fit.precision.name == "fp32" and fit.memory.policy == "none"
+    assert all(r["verdict"].startswith(("chosen", "less exact", "fails")) for r in fit.precision_table)
+    faster = [_row("exact", 10.0), _row("fast", 1.0)]
+    assert choose_precision(faster, timed=False) == 0 and choose_precision(faster) == 1
 
 
 def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
