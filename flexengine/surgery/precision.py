@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from flexengine.core.config import OPTIM_NAMES, check_choice
+from flexengine.core.config import OPTIM_NAMES
 from flexengine.core.errors import UserError
 from flexengine.surgery.applied import applied
 
@@ -221,11 +221,6 @@ def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
         for name, spec in SPECS.items()
         if (spec.auto_on_cuda or not on_cuda) and (optimizer == "adamw" or optimizer in _accepted_optimizers(spec))
     )
-
-
-def check_precision_mode(mode: str) -> None:
-    """precision.mode is auto or a SPECS name (UserError naming the key and the choices): the only list of modes."""
-    check_choice("precision.mode", mode, ("auto", *SPECS))
 
 
 def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
