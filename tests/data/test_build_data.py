@@ -179,5 +179,5 @@ def test_a_hand_built_job_gets_the_attention_rules_too(tmp_path, mode, packing):
         train=TrainConfig(output_dir=str(tmp_path / "run")),
     )
     assert job.data.packing == "auto"
-    loader, _, report = build_data(job, load_tokenizer(job.model), DistInfo())
+    loader, _, _ = build_data(job, load_tokenizer(job.model), DistInfo())
     assert job.data.packing == packing and loader.batches_per_epoch > 0
