@@ -437,8 +437,10 @@ def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] 
 
 
 def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]) -> dict:
-    check_output_dir(out_dir, job.train.resume)  # before anything is written: never mix two runs
-    if os.environ.get("RANK", "0") == "0":  # before the process group exists, torchrun's RANK says who cleans
+    if os.environ.get("RANK", "0") == "0":  # before the process group exists, torchrun's RANK says who checks/cleans
+        # never mix two runs: checked before anything is written. Rank 0 only, like the lock: a rank > 0 without
+        # train.output_dir has the output root as its Hydra dir (cli/train.worker_overrides), not rank 0's fresh one
+        check_output_dir(out_dir, job.train.resume)
         # first: a dead save's leftovers may be what fills the disk; resume=auto owns the directory (a requeue on
         # another node removes the saves its previous node left unfinished)
         clean_stale_temp_dirs(out_dir / CHECKPOINTS, owned=job.train.resume == "auto")

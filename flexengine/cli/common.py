@@ -34,7 +34,8 @@ def register_schema(node: type = JobConfig) -> None:
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=node)
     if not OmegaConf.has_resolver("flexengine_output_root"):
-        OmegaConf.register_new_resolver("flexengine_output_root", lambda value: "outputs" if value is None else value)
+        # "" too: run_dir treats an empty train.output_dir as unset, and "" here would put the run at /<date>/
+        OmegaConf.register_new_resolver("flexengine_output_root", lambda value: value or "outputs")
 
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:

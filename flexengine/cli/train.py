@@ -89,7 +89,8 @@ def _main(cfg: DictConfig) -> dict:
 
 def _pinned_run_dir(hydra_cfg: DictConfig) -> bool:
     """Whether hydra.run.dir was given on the command line (not Hydra's fresh timestamped default)."""
-    return hydra_cfg.mode == RunMode.RUN and any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
+    typed = [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.run.dir=") and o != WORKER_RUN_DIR]
+    return hydra_cfg.mode == RunMode.RUN and bool(typed)  # a torchrun worker's own override is not the user's
 
 
 def _stop_sweep(sweep_dir: Path) -> None:
@@ -98,6 +99,10 @@ def _stop_sweep(sweep_dir: Path) -> None:
 
     log.warning("interrupted: the sweep stops after this job; summary of the jobs that ran:")
     summarize_sweep(sweep_dir)
+
+
+# a torchrun rank > 0's Hydra run dir: the output root (quoted: a nested interpolation in an override)
+WORKER_RUN_DIR = "hydra.run.dir='${flexengine_output_root:${train.output_dir}}'"
 
 
 def worker_overrides(argv: list[str]) -> list[str]:
@@ -114,7 +119,7 @@ def worker_overrides(argv: list[str]) -> list[str]:
         # logging's dictConfig opens every handler listed, used or not: the file handler goes, not just its use
         extra += ["~hydra.job_logging.handlers.file", "hydra.job_logging.root.handlers=[console]"]
     if not any(a.startswith("hydra.run.dir=") for a in typed):
-        extra.append("hydra.run.dir='${flexengine_output_root:${train.output_dir}}'")  # quoted: nested interpolation
+        extra.append(WORKER_RUN_DIR)
     return extra
 
 

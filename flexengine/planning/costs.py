@@ -108,7 +108,10 @@ def fsdp_unsharded_grads(m: ModelShape, x: PlanInputs) -> dict[str, int]:
       needed; without a cast, reduce dtype = gather dtype and autograd adds into .grad in place): "block_sums",
       "root_sum". Under a cast each later backward's new gradient is autograd's, in the gather dtype, beside the sum
       until post_backward adds it in: the root's ("root") and one block's; the window's last backward copies one
-      block's sum into a reduce-scatter input ("block_in_flight": the larger of the two)."""
+      block's sum into a reduce-scatter input ("block_in_flight": the larger of the two).
+    Not counted: the root's own reduce-scatter input at backward's end (root x reduce bytes, ~3.4 GB at deepseek-7B
+    on 8 ranks under bf16_mixed's cast). By then every block's saved activations are freed, so the activation peak
+    the plan adds on top covers it unless activations + workspace are smaller; a GPU measurement would settle it."""
     gather = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
     reduce = x.fsdp_reduce_bytes
     block = m.block_params * x.trainable_fraction

@@ -574,3 +574,33 @@ def test_a_launch_without_an_output_dir_writes_under_outputs_not_none(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert not (tmp_path / "None").exists()
     assert [p.name for p in tmp_path.glob("outputs/*/*/error.json")] == ["error.json"]
+
+
+def test_a_torchrun_worker_without_an_output_dir_does_not_check_the_output_root(tmp_path):
+    """A rank > 0 without train.output_dir has the output root (outputs/) as its Hydra dir; an earlier run's
+    summary.json there made it refuse a launch whose rank 0 writes to a fresh outputs/<date>/<time>/. Only rank 0
+    checks (and locks) the run's directory."""
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "summary.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK")}
+    args = ["debug=fast", "train.max_steps=1", "train.progress=false", "train.save_final=false"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexengine.train", *args],
+        cwd=tmp_path,
+        env={**env, "RANK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_output_root_resolver_reads_null_and_empty_as_unset():
+    from omegaconf import OmegaConf
+
+    from flexengine.cli.common import register_schema
+
+    register_schema()
+    for value, want in ((None, "outputs"), ("", "outputs"), ("/runs/a", "/runs/a")):
+        cfg = OmegaConf.create({"train": {"output_dir": value}, "d": "${flexengine_output_root:${train.output_dir}}"})
+        assert cfg.d == want
