@@ -539,22 +539,29 @@ def test_resume_on_another_data_stream_is_refused_listing_what_changed(tmp_path)
     assert allowed.state.step == 2 and allowed.loader.cursor == 0  # weights and step kept, new data from row 0
 
 
-def test_a_torchrun_rank_above_0_writes_no_hydra_folder_log_or_config(tmp_path):
-    """F-9 (review 22 #10): each rank resolved ${now:...} itself, so a rank > 0 starting in another second made its
-    own <date>/<time>/ with .hydra/ and a train.log. RANK=1 without WORLD_SIZE runs one process (no process group)
-    through the same entry point and Hydra overrides as a torchrun worker."""
-    out = tmp_path / "out"
+def _run_as_rank_1(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A one-step run as a torchrun rank 1 would start it: RANK=1 without WORLD_SIZE is one process (no process
+    group) through the same entry point and Hydra overrides as a worker; it must succeed."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK")}
-    args = ["debug=fast", "train.max_steps=1", "train.progress=false", f"train.output_dir={out}"]
+    args = ["debug=fast", "train.max_steps=1", "train.progress=false", *overrides]
     proc = subprocess.run(
         [sys.executable, "-m", "flexengine.train", *args],
-        cwd=tmp_path,
+        cwd=cwd,
         env={**env, "RANK": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_torchrun_rank_above_0_writes_no_hydra_folder_log_or_config(tmp_path):
+    """F-9 (review 22 #10): each rank resolved ${now:...} itself, so a rank > 0 starting in another second made its
+    own <date>/<time>/ with .hydra/ and a train.log. RANK=1 without WORLD_SIZE runs one process (no process group)
+    through the same entry point and Hydra overrides as a torchrun worker."""
+    out = tmp_path / "out"
+    proc = _run_as_rank_1(tmp_path, f"train.output_dir={out}")
     assert "step 1/1" in proc.stdout  # its lines still reach the console
     assert not list(out.rglob(".hydra")) and not list(out.rglob("*.log")), sorted(map(str, out.rglob("*")))
     assert {p.name for p in out.iterdir() if p.is_dir()} <= {"checkpoints", "tb"}  # no <date>/<time>/
@@ -588,17 +595,7 @@ def test_a_torchrun_worker_without_an_output_dir_does_not_check_the_output_root(
     checks (and locks) the run's directory."""
     (tmp_path / "outputs").mkdir()
     (tmp_path / "outputs" / "summary.json").write_text("{}")
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK")}
-    args = ["debug=fast", "train.max_steps=1", "train.progress=false", "train.save_final=false"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "flexengine.train", *args],
-        cwd=tmp_path,
-        env={**env, "RANK": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_as_rank_1(tmp_path, "train.save_final=false")
 
 
 def test_the_output_root_resolver_reads_null_and_empty_as_unset():
