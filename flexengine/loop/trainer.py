@@ -53,6 +53,21 @@ class _Window:
     hardware_flops: float | torch.Tensor  # a device tensor under flex (executed blocks: no host sync)
 
 
+def _precision_of(job: JobConfig, model: nn.Module, given: Optional[PrecisionSpec]) -> PrecisionSpec:
+    """The spec the step runs under: the one run.py resolved (planning/fit.py) and recorded on the model when it
+    applied it (surgery/precision.apply_precision; FSDP's policy came from it), which a `given` spec must match; a
+    Trainer built by hand gets its job's mode or its weights' dtype."""
+    recorded = applied(model).precision
+    if given is not None and recorded is not None and given != recorded:
+        raise ValueError(
+            f"Trainer(precision={given.name}) but the model was prepared for precision={recorded.name} "
+            "(apply_precision; FSDP shards with its policy): pass the same spec, or none"
+        )
+    if given is not None or recorded is not None:
+        return given if given is not None else recorded
+    return spec_for_params(job.precision.mode, job.optim.name, next(model.parameters()).dtype)
+
+
 class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader; checkpoints, evaluations,
     progress and stop signals are components it calls (checkpointer.py, eval_loop.py, progress.py, signals.py)."""
@@ -75,12 +90,7 @@ class Trainer:
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
-        # resolved by planning/fit.py (run.py); a Trainer built by hand gets its job's mode or its weights' dtype
-        self.precision = (
-            precision
-            if precision is not None
-            else spec_for_params(job.precision.mode, job.optim.name, next(model.parameters()).dtype)
-        )
+        self.precision = _precision_of(job, model, precision)
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)

@@ -153,3 +153,16 @@ def test_the_trainers_components_log_under_their_own_names(caplog):
     caplog.set_level(logging.INFO, logger="flexengine")
     progress.log.info("probe")
     assert [r.name for r in caplog.records if r.getMessage() == "probe"] == ["flexengine.loop.progress"]
+
+
+def test_the_trainer_runs_under_the_precision_the_model_was_prepared_for(tmp_path):
+    """The spec apply_precision recorded on the model (FSDP's policy came from it) is the step's; a different one
+    handed to the Trainer is refused instead of silently computing under another cast."""
+    from flexengine.surgery.precision import SPECS, apply_precision
+
+    model = _patched()
+    apply_precision(model, SPECS["bf16_mixed"])
+    assert _trainer(tmp_path, model).precision == SPECS["bf16_mixed"]  # was: fp32 read from the weights' dtype
+    job = JobConfig()
+    with pytest.raises(ValueError, match="prepared for precision=bf16_mixed"):
+        Trainer(job, model, None, _loader(2), out_dir=tmp_path, device=CPU, precision=SPECS["fp32"])
