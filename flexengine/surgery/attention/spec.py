@@ -16,8 +16,9 @@ import torch
 
 from flexengine.core.config import AttnConfig
 from flexengine.core.errors import UserError
-from flexengine.surgery.attention.job_rules import checked_mode, mode_entry
+from flexengine.surgery.attention.job_rules import checked_mode
 from flexengine.surgery.attention.mask_mode import MaskMode, band_mode, mask_mode
+from flexengine.surgery.attention.masks import MODES
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class AttentionSpec:
     @property
     def documents(self) -> bool:
         """Rows hold several documents separated by the mask."""
-        return mode_entry(self.mode).documents
+        return MODES[self.mode].documents  # checked once, by resolve_attention_spec (read per layer call)
 
     @property
     def mask_windows(self) -> dict[Optional[int], Optional[int]]:
