@@ -60,11 +60,6 @@ class AttentionSpec:
         return MODES[self.mode].documents  # checked once, by resolve_attention_spec (read per layer call)
 
     @property
-    def mask_windows(self) -> dict[Optional[int], Optional[int]]:
-        """HF's per-layer `sliding_window` -> the window our mask applies there: one mask per entry per batch."""
-        return dict(zip(self.hf_windows, self.layer_windows))
-
-    @property
     def layer_masks(self) -> tuple[MaskMode, ...]:
         """Per decoder layer: the MaskMode it attends with (its predicate and every form derived from it)."""
         if not self.backend.patched:  # HF's own attention: causal, within the model's window where it has one
