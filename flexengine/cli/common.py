@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
 from flexengine.core.errors import UserError
 
@@ -45,10 +47,16 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
     given; None = Hydra's record of them inside a Hydra app)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.first_contact import apply_pretrained_defaults, command_line_wins, given_overrides
+    from flexengine.cli.first_contact import (
+        apply_pretrained_defaults,
+        command_line_keys,
+        command_line_wins,
+        given_overrides,
+    )
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
 
     given = given_overrides(overrides)
+    check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
     command_line_wins(cfg, given)
     try:
         job = OmegaConf.to_object(cfg)
@@ -82,8 +90,8 @@ def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
     try:
         with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
             return compose("config", overrides=list(overrides))
-    except HydraException as e:  # a misspelled key or group option
-        raise UserError(str(e)) from None
+    except HydraException as e:  # a misspelled key or group option, an override it cannot parse
+        raise composition_error(e, schema, overrides) from None
 
 
 def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
@@ -112,6 +120,34 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     if "transformers" in sys.modules:  # imported already: its switch was read; turn the bars off directly
         sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+FULL_ERROR_ENV = "HYDRA_FULL_ERROR"  # "1": Hydra raises its errors instead of printing them and exiting 1
+
+
+def run_hydra_app(app: Callable[[], Any], schema: type = JobConfig) -> Any:
+    """Run a `@hydra.main` app so that a composition error (an unknown key or group option, an override Hydra cannot
+    parse) leaves like every UserError: one paragraph, exit 2. Hydra raises instead of reporting when
+    HYDRA_FULL_ERROR=1, so it is set while the app runs; a user who set it gets Hydra's full report, and an error
+    raised inside the task itself keeps its traceback."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    users_choice = os.environ.get(FULL_ERROR_ENV)
+    os.environ[FULL_ERROR_ENV] = "1"
+    try:
+        return app()
+    except (HydraException, OmegaConfBaseException) as e:
+        task = getattr(app, "__wrapped__", app).__code__
+        in_task = any(frame.f_code is task for frame, _ in traceback.walk_tb(e.__traceback__))
+        if users_choice == "1" or in_task:
+            raise
+        fail(composition_error(e, schema, sys.argv[1:]))
+    finally:
+        if users_choice is None:
+            os.environ.pop(FULL_ERROR_ENV, None)
+        else:
+            os.environ[FULL_ERROR_ENV] = users_choice
 
 
 def fail(error: UserError) -> NoReturn:

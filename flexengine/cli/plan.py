@@ -20,7 +20,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from flexengine.cli.common import CONFIG_PATH, fail, register_schema, to_job_config
+from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config
 from flexengine.core.config import JobConfig, check_context_parallel
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
@@ -290,7 +290,7 @@ def cli() -> None:
     ]
     given = {a.split("=")[0] for a in sys.argv[1:]}
     sys.argv += [d for d in defaults if d.split("=")[0] not in given]
-    main()
+    run_hydra_app(main, PlanJobConfig)
 
 
 if __name__ == "__main__":

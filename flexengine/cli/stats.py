@@ -24,7 +24,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
-    from flexengine.cli.common import CONFIG_PATH, fail, register_schema, to_job_config
+    from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config
     from flexengine.core.errors import UserError
     from flexengine.core.storage import write_json_atomic
 
@@ -71,7 +71,7 @@ def main() -> None:
     # a multirun of stats jobs is not a training sweep: no training summary (flexengine.sweep) for it
     if not any(a.startswith(("~hydra.callbacks", "hydra.callbacks")) for a in sys.argv[1:]):
         sys.argv.append("~hydra.callbacks.sweep_summary")
-    _stats()
+    run_hydra_app(_stats)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from flexengine.cli.common import (
     free_memory,
     quiet_third_party,
     register_schema,
+    run_hydra_app,
     to_job_config,
     write_job_error,
 )
@@ -128,7 +129,7 @@ def main() -> None:
     quiet_third_party()
     register_schema(JobConfig)
     sys.argv += worker_overrides(sys.argv[1:])
-    _main()
+    run_hydra_app(_main)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class ModelConfig:
     # and weights are what trains; None = the architecture in `arch` with random weights
     init: str = "auto"  # auto: load `path`'s weights when given, else random | pretrained: `path` required |
     # random: random weights (architecture from `path` or `arch`), said loudly in the log
-    arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type)
+    arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type);
+    # open-ended: any key of the HF config class is accepted as written (the one group of keys of your choosing)
     tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune
