@@ -51,6 +51,7 @@ def _gib(n: float) -> str:
 def format_table(plan: dict) -> str:
     """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
     the chosen step, the assumptions, the context, and what a node of 8 changes."""
+    from flexengine.planning.budget import plan_budget
     from flexengine.planning.fit import format_fit
 
     lines = [
@@ -63,10 +64,11 @@ def format_table(plan: dict) -> str:
         "  every term of the chosen policy's step:",
     ]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
+    lines.append(f"    {'= planned peak':<28} {_gib(plan['total_bytes'])} of {plan_budget(plan).describe()}")
     lines.append(
-        "  assumed (sources in flexengine/planning/costs.py): "
+        "  assumed (sources in flexengine/planning/costs.py and budget.py): "
         + ", ".join(
-            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:g} GiB"
+            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:.2f} GiB"
             for k, v in plan["assumptions"].items()
             if v is not None
         )
@@ -94,7 +96,8 @@ def format_table(plan: dict) -> str:
     if node:
         lines.append(
             "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-            f"total {_gib(node['total_bytes'])} per GPU, precision {node['precision']}, "
+            f"total {_gib(node['total_bytes'])} per GPU of {_gib(node['budget_bytes'])} budget, "
+            f"precision {node['precision']}, "
             f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
             + ("" if node["fits"] else " (still does not fit)")
         )
@@ -126,6 +129,7 @@ def context_report(job: JobConfig, hf_config) -> dict:
 def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.budget import device_budget
     from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
     from flexengine.planning.shapes import plan_inputs
@@ -149,7 +153,8 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
         "micro_batch": x.micro_batch,
         "dtype_bytes": x.dtype_bytes,
         "trainable_fraction": x.trainable_fraction,
-        "budget_bytes": int(x.hardware.memory_gb * GiB),
+        "budget_bytes": device_budget(x.hardware).usable_bytes,
+        "budget": device_budget(x.hardware).describe(),
         "policies": rows,
         "lengths": lengths,
         "curves_gib": curves,
@@ -161,7 +166,7 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
         plot_memory_vs_seq_len(
             curves,
             lengths,
-            x.hardware.memory_gb,
+            device_budget(x.hardware).usable_bytes / GiB,
             png,
             f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}",
         )
@@ -176,7 +181,7 @@ def format_max_seq_len(report: dict) -> str:
         (
             f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
             f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
-            f"budget {_gib(report['budget_bytes'])}"
+            f"budget {report['budget']}"
         ),
         "",
         head,
@@ -226,7 +231,7 @@ def build_plan(job: JobConfig) -> dict:
         node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
         plan["node_of_8"] = {
             "precision": node.precision.name,
-            **{k: node.plan[k] for k in ("total_bytes", "fits", "policy", "recompute_flops_fraction")},
+            **{k: node.plan[k] for k in ("total_bytes", "budget_bytes", "fits", "policy", "recompute_flops_fraction")},
         }
     return plan
 

@@ -210,8 +210,14 @@ class HardwareConfig:
 
     name: str = "auto"  # auto: detected at run time (CUDA device name, else cpu)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
-    memory_gb: Optional[float] = None  # per-device memory budget (GiB) the planner fits into; None = measured
-    # (CUDA: total memory of the device; CPU: the host's available memory)
+    memory_gb: Optional[float] = None  # the device's memory (GiB) as torch reports it; None = measured (CUDA:
+    # total memory of the device, a named card never above it; CPU: the host's available memory). The planner
+    # fits into it less the CUDA context and the fragmentation margin (flexengine.planning.budget)
+    cuda_context_gb: Optional[float] = None  # GiB the CUDA context (and any other process) holds outside the
+    # allocator; None = measured at start-up on a GPU, assumed 0.8 when planning for a card without one
+    memory_margin_gb: Optional[float] = None  # GiB of the card no plan may fill: the caching allocator's
+    # fragmentation, cuBLAS/Inductor workspaces, the planner's own error; None = max(5 % of the card, 3 GiB) on
+    # CUDA, 0 on CPU; 0 = plan to the last byte
     peak_tflops: Optional[float] = None  # dense bf16 (GPU) / fp32 (CPU) peak, TFLOP/s per device, for MFU;
     # None = from the table of known devices; unknown devices report no MFU rather than a wrong one
     pcie_gb_s: float = 25.0  # host<->device bandwidth, GB/s, for offload traffic estimates
@@ -228,6 +234,10 @@ class HardwareConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise UserError(f"hardware.{key}={value} must be positive (or null to measure/look it up).")
+        for key in ("cuda_context_gb", "memory_margin_gb"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise UserError(f"hardware.{key}={value} must be >= 0 (or null for the measured/default figure).")
 
 
 @dataclass

@@ -85,7 +85,9 @@ def resolve_hardware(hw: HardwareConfig, device: Optional[torch.device] = None) 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name = hw.name if hw.name != "auto" else props.name
-        memory_gb = _at_most(hw.memory_gb, props.total_memory / GiB, "memory_gb")
+        # a named card never above what this card reports: A100-80GB variants differ by 0.2 GiB
+        memory_gb = _at_most(hw.memory_gb, props.total_memory / GiB, "memory_gb", tolerance=1.0)
+        context_gb = hw.cuda_context_gb if hw.cuda_context_gb is not None else cuda_context_gb(device)
         peak = hw.peak_tflops if hw.peak_tflops is not None else lookup_peak_tflops(props.name)
         if peak is None:
             log.warning(
@@ -96,26 +98,43 @@ def resolve_hardware(hw: HardwareConfig, device: Optional[torch.device] = None) 
     else:
         name = hw.name if hw.name != "auto" else "cpu"
         memory_gb = _at_most(hw.memory_gb, host_available, "memory_gb")  # the CPU's "device" is host memory
+        context_gb = 0.0  # no CUDA context on a CPU run
         peak = hw.peak_tflops  # CPU peaks vary too much to tabulate: MFU only when given
     resolved = dataclasses.replace(
-        hw, name=name, device=device.type, memory_gb=memory_gb, peak_tflops=peak, host_memory_gb=host_gb
+        hw,
+        name=name,
+        device=device.type,
+        memory_gb=memory_gb,
+        cuda_context_gb=context_gb,
+        peak_tflops=peak,
+        host_memory_gb=host_gb,
     )
     log.info(
-        "hardware: %s (%s), %.1f GiB device memory budget, %.1f GiB host memory, peak %s TFLOP/s",
+        "hardware: %s (%s), %.2f GiB device memory (%.2f GiB of it held outside the allocator), %.1f GiB host "
+        "memory, peak %s",
         name,
         device.type,
         memory_gb,
+        context_gb,
         host_gb,
-        "unknown (no MFU)" if peak is None else f"{peak:g}",
+        "unknown (no MFU)" if peak is None else f"{peak:g} TFLOP/s",
     )
     return resolved
 
 
-def _at_most(given: Optional[float], measured: float, key: str) -> float:
+def cuda_context_gb(device: torch.device) -> float:
+    """GiB of the device that the caching allocator cannot have: the CUDA context (0.5-0.8 GiB, created by this
+    very call if it was not yet) and whatever other processes hold, i.e. total - free - what torch reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device)) / GiB
+
+
+def _at_most(given: Optional[float], measured: float, key: str, tolerance: float = 1.02) -> float:
+    """The given figure unless it exceeds what was measured by more than `tolerance` (the yaml's rounding)."""
     if given is None:
         return measured
-    if given > measured * 1.02:  # 2 %: the yaml's rounded figures
-        log.warning("hardware.%s=%g but this machine has %.1f GiB: planning with %.1f", key, given, measured, measured)
+    if given > measured * tolerance:
+        log.warning("hardware.%s=%g but this machine has %.2f GiB: planning with %.2f", key, given, measured, measured)
         return measured
     return given
 

@@ -1,14 +1,14 @@
 """The step's terms that do not depend on the memory policy: weights, grads and optimizer states (sharded by
 FSDP), FSDP's unsharded buffers, the host optimizer's bytes and seconds, PCIe and reduce-scatter traffic, and the
-assumed constants (MFU, bandwidths, CUDA reserve) that turn bytes and FLOPs into seconds."""
+assumed constants (MFU, bandwidths) that turn bytes and FLOPs into seconds."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig
-from flexengine.core.units import GiB
 from flexengine.planning.activations import pointwise_bytes
+from flexengine.planning.budget import device_budget
 from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
 
 # The constants below are not derived from our code path; each names its source and is printed with every plan
@@ -17,9 +17,6 @@ from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
 # reports 56.8-58.2 % MFU for Llama 3 8B with FSDP2 + compile on 64 A100s; a single-GPU 7B run with long rows
 # and a flex mask reaches less, so the planner assumes 0.4. Only ratios of times use it (recompute vs PCIe).
 ASSUMED_MFU = 0.4
-# CUDA context + caching-allocator headroom on a GPU: the context alone takes 0.5-0.8 GiB on the first CUDA
-# call (PyTorch forum threads 73021 and 81330: 723 MiB and ~800 MiB), the rest absorbs fragmentation.
-CUDA_RESERVE_BYTES = 1 * GiB
 # Memory bandwidth (GB/s) for memory-bound pointwise recompute, by hardware.name substring (vendor datasheets:
 # A100 80GB SXM 2039, H100 SXM 3350, H200 4800); cpu: assumed 10 (a copy of 512 MiB measured 2.3 GB/s on
 # this project's shared 2-core build machine under load); anything else: the A100 figure.
@@ -161,10 +158,13 @@ def hbm_gb_s(hardware: HardwareConfig) -> float:
 
 
 def assumptions(hardware: HardwareConfig) -> dict[str, float]:
-    """The constants a plan rests on (sources in the comments above their definitions)."""
+    """The constants a plan rests on (sources in the comments above their definitions; the budget's in
+    planning/budget.py)."""
+    budget = device_budget(hardware)
     return {
         "assumed_mfu": ASSUMED_MFU,
-        "cuda_reserve_bytes": CUDA_RESERVE_BYTES if hardware.device != "cpu" else 0,
+        "cuda_context_bytes": budget.context_bytes,
+        "margin_bytes": budget.margin_bytes,
         "memory_gb_s": hbm_gb_s(hardware),
         "pcie_gb_s": hardware.pcie_gb_s,
         "peak_tflops": hardware.peak_tflops,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
+from flexengine.planning.budget import plan_budget
 from flexengine.planning.planner import k_table, offloads, plan_memory, row_family
 from flexengine.planning.shapes import plan_inputs
 from flexengine.surgery.memory.spec import MemorySpec, block_memory_specs
@@ -219,8 +220,9 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
         what = _what_fits(job, hf_config, hardware) if explicit else fit.plan["suggestions"]
         p = fit.plan
         raise UserError(
-            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: {_gib(p['total_bytes'])} GiB of "
-            f"{_gib(p['budget_bytes'])} GiB device memory, {_gib(p['host_bytes'])} GiB of "
+            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(p['total_bytes'])} GiB peak "
+            f"against {plan_budget(p).describe()} (hardware.memory_margin_gb sets the margin), "
+            f"{_gib(p['host_bytes'])} GiB of "
             f"{_gib(p['host_budget_bytes'])} GiB host memory (precision={fit.precision.name}, {p['policy']}). "
             "What would fit:\n  " + "\n  ".join(what)
         )
@@ -261,7 +263,7 @@ def format_fit(fit: FitPlan) -> str:
     hw = fit.hardware
     lines = [
         (
-            f"hardware {hw.name} ({hw.device}): {_gib(p['budget_bytes'])} GiB device, "
+            f"hardware {hw.name} ({hw.device}): {plan_budget(p).describe()} on the device, "
             f"{_gib(p['host_budget_bytes'])} GiB host; seq_len={p['seq_len']} micro_batch={fit.micro_batch} "
             f"grad_accum={fit.grad_accum}"
         )
@@ -290,7 +292,8 @@ def format_fit(fit: FitPlan) -> str:
     terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p["terms"].items() if v)
     lines.append(
         f"chosen: precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x "
-        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB; "
+        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} GiB peak of {_gib(p['budget_bytes'])} "
+        f"GiB budget; "
         f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
         + ("" if fit.fits else "  -- DOES NOT FIT")
     )
@@ -315,7 +318,7 @@ def format_fit_summary(fit: FitPlan) -> str:
     p = fit.plan
     chosen = (
         f"precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
-        f"{_gib(p['total_bytes'])} of {_gib(p['budget_bytes'])} GiB device, host {_gib(p['host_bytes'])} of "
+        f"{_gib(p['total_bytes'])} GiB peak of {plan_budget(p).describe()}, host {_gib(p['host_bytes'])} of "
         f"{_gib(p['host_budget_bytes'])} GiB, ~{p['step_s']:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
     )
     if len(fit.precision_table) > 1:

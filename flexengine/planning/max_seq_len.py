@@ -88,7 +88,9 @@ def plot_memory_vs_seq_len(
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (label, gib) in enumerate(curves.items()):  # 10 colours, then dashed: 11+ policies stay distinct
         ax.plot(lengths, gib, marker=".", label=label, color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
-    ax.axhline(budget_gib, color="black", linestyle="--", label=f"budget {budget_gib:g} GiB")
+    ax.axhline(
+        budget_gib, color="black", linestyle="--", label=f"budget {budget_gib:.1f} GiB (card - CUDA context - margin)"
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("data.seq_len (tokens)")

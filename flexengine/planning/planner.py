@@ -1,10 +1,11 @@
 """The cheapest memory policy that fits the card: every candidate's bytes and step time, and the choice.
 
 A step holds weights, grads, optimizer states (adamw_8bit: the input embedding's in fp32), the activations
-(`planning/activations.py`), backward's workspace, offload buffers in flight, FSDP's unsharded buffers and the CUDA
-reserve (`planning/costs.py`): `evaluate` returns every term by name and the plan prints them. Recompute costs FLOPs
-(at ASSUMED_MFU) plus the bytes its pointwise ops move (at the memory bandwidth). The model's dimensions and the
-plan's inputs: `planning/shapes.py`.
+(`planning/activations.py`), backward's workspace, offload buffers in flight and FSDP's unsharded buffers
+(`planning/costs.py`): `evaluate` returns every term by name and the plan prints them. Their sum must fit the card
+less the CUDA context and a named fragmentation margin (`planning/budget.py`). Recompute costs FLOPs (at
+ASSUMED_MFU) plus the bytes its pointwise ops move (at the memory bandwidth). The model's dimensions and the plan's
+inputs: `planning/shapes.py`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from flexengine.planning.activations import (
     memory_specs,
     resolve_tiles,
 )
+from flexengine.planning.budget import device_budget
 from flexengine.planning.costs import (
     ASSUMED_MFU,
-    CUDA_RESERVE_BYTES,
     FALLBACK_PEAK_TFLOPS,
     HOST_STEP_NS_PER_PARAM,
     assumptions,
@@ -174,13 +175,13 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
         "activation_bytes": act.total_bytes,
         "backward_workspace_bytes": backward,
         "offload_in_flight_bytes": offload_resident,
-        "cuda_reserve_bytes": CUDA_RESERVE_BYTES if on_gpu else 0,
         **fsdp_bytes(m, x),
     }
     total = sum(terms.values())
     host_state = host_optimizer_bytes(m, x)  # masters/states a CPU optimizer keeps
     host = host_state + act.offloaded_bytes
-    budget = int(x.hardware.memory_gb * GiB)
+    device = device_budget(x.hardware)  # the card less the CUDA context and the fragmentation margin
+    budget = device.usable_bytes
     # hardware.host_memory_gb is already this rank's share (flexengine.core.hardware divides by the node's ranks)
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
@@ -189,9 +190,12 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
         "activation_bytes": act.total_bytes,
         "activation_bytes_per_block": act.per_block,
         "offloaded_bytes": act.offloaded_bytes,
-        "workspace_bytes": backward + offload_resident + terms["cuda_reserve_bytes"],
+        "workspace_bytes": backward + offload_resident,
         "total_bytes": total,
         "budget_bytes": budget,
+        "card_bytes": device.card_bytes,
+        "cuda_context_bytes": device.context_bytes,
+        "margin_bytes": device.margin_bytes,
         "host_bytes": host,
         "host_budget_bytes": host_budget or 0,
         "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
@@ -302,6 +306,9 @@ PLAN_FIELDS = (
     "total_bytes",
     "terms",
     "budget_bytes",
+    "card_bytes",
+    "cuda_context_bytes",
+    "margin_bytes",
     "host_bytes",
     "host_budget_bytes",
     "offload_pinned_bound_bytes",

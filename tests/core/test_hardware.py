@@ -41,10 +41,14 @@ def test_auto_on_cpu_uses_host_memory_and_reports_no_mfu():
 def test_auto_on_cuda_reads_device_properties(monkeypatch):
     props = SimpleNamespace(name="NVIDIA H200", total_memory=150_121_218_048)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    # the context (and other processes) hold what is neither free nor reserved by torch's allocator
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (props.total_memory - GiB, props.total_memory))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: GiB // 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     hw = resolve_hardware(HardwareConfig(host_memory_gb=None), device=torch.device("cuda", 0))
     assert hw.name == "NVIDIA H200" and hw.device == "cuda"
     assert hw.memory_gb == pytest.approx(150_121_218_048 / GiB) and hw.peak_tflops == 989.0
+    assert hw.cuda_context_gb == pytest.approx(0.75)
     assert hw.host_memory_gb == pytest.approx(available_host_memory_gb() / 8, rel=0.2)  # a share per local rank
     unknown = SimpleNamespace(name="Mystery Accelerator", total_memory=48 * GiB)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: unknown)
@@ -55,6 +59,14 @@ def test_auto_on_cuda_reads_device_properties(monkeypatch):
         device=torch.device("cuda", 0),
     )
     assert capped.memory_gb == pytest.approx(48) and capped.host_memory_gb < 1e6
+    # ... not even by the 0.2 GiB the A100-80GB variants differ by; a measured context the user gave is kept
+    props80 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", total_memory=int(79.2 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props80)
+    a100 = resolve_hardware(
+        HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, cuda_context_gb=0.6),
+        device=torch.device("cuda", 0),
+    )
+    assert a100.memory_gb == pytest.approx(79.2) and a100.cuda_context_gb == 0.6
 
 
 def test_given_values_are_kept():

@@ -231,8 +231,22 @@ def test_every_term_is_named_and_adds_up_to_the_total():
     cfg, x = _deepseek_inputs()
     plan = plan_memory(cfg, x)
     assert sum(plan["terms"].values()) == plan["total_bytes"]
-    assert plan["terms"]["cuda_reserve_bytes"] == plan["assumptions"]["cuda_reserve_bytes"] == 2**30
     assert plan["assumptions"]["assumed_mfu"] == 0.4 and plan["assumptions"]["memory_gb_s"] == 2039
+
+
+def test_the_budget_leaves_the_cuda_context_and_a_named_margin():
+    """A GPU plan fits the card less the CUDA context and max(5 %, 3 GiB): never the card itself."""
+    cfg, x = _deepseek_inputs()
+    plan = plan_memory(cfg, x)
+    card, context, margin = plan["card_bytes"], plan["cuda_context_bytes"], plan["margin_bytes"]
+    assert card == 80 * 2**30 and context == int(0.8 * 2**30) and margin == int(0.05 * 80 * 2**30)
+    assert plan["budget_bytes"] == card - context - margin
+    assert plan["assumptions"]["margin_bytes"] == margin and plan["assumptions"]["cuda_context_bytes"] == context
+    assert plan["total_bytes"] <= plan["budget_bytes"] and "cuda_reserve_bytes" not in plan["terms"]
+    # the chosen plan uses the budget, not the card: the same job with no margin may keep more blocks
+    given = dataclasses.replace(x.hardware, memory_margin_gb=0.0, cuda_context_gb=0.0)
+    roomy = plan_memory(cfg, dataclasses.replace(x, hardware=given))
+    assert roomy["budget_bytes"] == card and roomy["total_bytes"] >= plan["total_bytes"]
 
 
 def test_adamw_8bit_counts_fp32_embedding_states():
