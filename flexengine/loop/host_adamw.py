@@ -41,6 +41,7 @@ from typing import Iterator, List, Optional
 import torch
 from torch import nn
 
+from flexengine.loop.grad_norm import total_norm
 from flexengine.surgery.memory.offload import CudaStreams
 from flexengine.surgery.parallel import is_dtensor, local_shard
 
@@ -175,9 +176,9 @@ class CPUOffloadAdamW(torch.optim.AdamW):
 
     # -- clipping --------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
-        """The gradients' total norm; the clip to max_norm is applied on the host in step() (device grads untouched)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        """The gradients' total norm in fp32 (of bf16 grads too); the clip to max_norm is applied on the host in step()
+        (device grads untouched)."""
+        norm = total_norm([p.grad for p in params if p.grad is not None])
         self._clip = (max_norm, norm) if math.isfinite(max_norm) else None
         return norm
 

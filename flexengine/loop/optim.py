@@ -19,6 +19,7 @@ from torch import nn
 
 from flexengine.core.config import OPTIM_NAMES, OptimConfig
 from flexengine.core.errors import UserError
+from flexengine.loop.grad_norm import clip_grad_norm
 from flexengine.loop.host_adamw import CPUOffloadAdamW
 from flexengine.surgery.precision import TORCHAO_OPTIMIZERS
 
@@ -52,11 +53,12 @@ def last_backward(opt: torch.optim.Optimizer, enabled: bool):
 
 
 def clip_gradients(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The gradients' total norm, clipped to max_norm (inf: none). CPUOffloadAdamW applies the clip on the host in
-    fp32 inside its step (its downloads may have left before the norm was known); others scale the device grads."""
+    """The gradients' total norm in fp32 (grad_norm.py), clipped to max_norm (inf: none). CPUOffloadAdamW applies
+    the clip on the host in fp32 inside its step (its downloads may have left before the norm was known); others
+    scale the device grads."""
     if isinstance(opt, CPUOffloadAdamW):
         return opt.clip_grad_norm(list(params), max_norm)
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return clip_grad_norm(params, max_norm)
 
 
 def exported_weights(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
