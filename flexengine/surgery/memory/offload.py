@@ -7,12 +7,29 @@ around a compiled region they cause no break and no recompile) and outside a che
 disable it; outside, they see only the checkpoint's positional inputs). On CPU the same path runs without pinning
 or streams.
 
-Ordering (CUDA): every copy runs on one side stream. A handle records an event after its device->host copy
-and another after its prefetch back; compute waits on the event of the handle it needs, never on the whole side
-stream, so the prefetch of the block before keeps running while this block's backward computes. Pinned host
-memory is bounded (`max_pinned_bytes`): past the bound, copies go to pageable memory (they then block the
-host) and the manager counts them. All CUDA calls go through `CudaStreams`, which a CPU test replaces with a
-recording fake to check the order of copies, events and waits.
+Device memory (CUDA). Every device tensor offload holds comes from the compute stream's pool: the saved tensors
+themselves, and the buffers backward's prefetch copies into (allocated on the compute stream, filled by the side
+stream). A tensor allocated on the side stream would come from that stream's own pool, which compute never reuses;
+so no tensor is allocated there. Nor is `record_stream` used: it keeps a block from reuse until the side stream has
+done everything queued when the block is freed, and with copies slower than compute (~33-38 ms against ~25-30 ms
+a block at 7B width) that is ever more blocks. Instead compute waits on the copy's event before the memory is
+handed back (`_Handle.guard`).
+
+At most `OFFLOAD_BLOCKS_IN_FLIGHT` blocks hold device memory for offload at any time, whatever the copy speed:
+- forward: a handle keeps its saved tensor until its device -> host copy is known done. Before block i's
+  tensors are packed, compute waits on the copy event of block i - N and that block's tensors are released, so
+  blocks i - N + 1 .. i hold device memory (i is the one being computed);
+- backward: block g's first unpack prefetches block g - 1: g (being consumed) and g - 1 hold device memory. A
+  block whose saved tensors are still held (the last ones of the forward) is used in place, not copied back.
+The planner counts the same bound (`planning/planner.py`, the offload_in_flight term).
+
+Ordering: every copy runs on one side stream. A device -> host copy starts after the compute queued so far
+(which wrote the tensor); a prefetch starts after the compute queued so far (which may still use the memory its
+buffer was given); compute waits on one handle's event, never on the whole side stream, so the prefetch of the
+block before keeps running while this block's backward computes. Pinned host memory is bounded
+(`max_pinned_bytes`): past the bound, copies go to pageable memory (they then block the host) and the manager
+counts them. All CUDA calls go through `CudaStreams`, which a CPU test replaces with a recording fake to check
+the order of copies, events and waits, the stream each buffer comes from, and the blocks in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +44,12 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from flexengine.core.units import GiB
+
+# Blocks whose saved tensors may occupy device memory at once (module docstring). 2 is the least that overlaps:
+# block i - 1's copy runs while block i computes, and block g - 1 arrives while block g's backward runs. More
+# would not be faster: when copies are slower than compute the side stream is the bottleneck and is kept busy
+# with 2 already; when they are faster, 2 never waits.
+OFFLOAD_BLOCKS_IN_FLIGHT = 2
 
 _HOST_COPY_DEPTH = [0]  # >0 while this module copies saved tensors to host (the meter reports those bytes apart)
 
@@ -60,17 +83,52 @@ class _Group:
         # Several saved tensors can be views of one storage (attention output and o_proj's input): copy it once.
         self.seen: dict[int, tuple[StorageWeakRef, weakref.ref]] = {}
         self.prefetched = False
+        self.copied: Any = None  # event after this block's last device -> host copy (one side stream: all of them)
+
+    def live_handles(self) -> list["_Handle"]:
+        """The handles some saved tensor still refers to."""
+        return [h for h in (ref() for ref in self.handles) if h is not None]
+
+    def holds_saved_tensors(self) -> bool:
+        """Whether some handle of this block still holds its saved tensor on the device."""
+        return any(h.saved is not None for h in self.live_handles())
 
 
 class _Handle:
-    """One offloaded storage: its host bytes, its device bytes once prefetched, and the events marking the
-    end of each copy on the side stream (None on CPU)."""
+    """One offloaded storage: its host bytes, its device bytes while held (`saved`: the saved storage itself,
+    until its copy to host is known done; `on_device`: the copy brought back in backward), and the events marking
+    the end of each copy on the side stream (None on CPU)."""
 
     def __init__(self, group: _Group, host: Optional[Tensor], device: torch.device):
         self.group, self.host, self.device = group, host, device
+        self.saved: Optional[Tensor] = None
         self.on_device: Optional[Tensor] = None
         self.offloaded: Any = None  # event: the device -> host copy has finished
         self.prefetched: Any = None  # event: the host -> device copy has finished
+        self.unwaited: Optional[weakref.finalize] = None  # armed while compute has not waited on the copy's event
+
+    def guard(self, copy_done: Any, streams: "CudaStreams") -> None:
+        """The device tensor held now (saved or on_device) is read or written by a side-stream copy until
+        `copy_done`. It belongs to the compute stream's pool: once freed, the allocator hands its memory to the
+        next compute-stream request at once, ordered after the compute queued so far but not after the side
+        stream. So compute waits on `copy_done` before the memory goes back -- no `record_stream`, which would
+        hold it until the side stream drained whatever it had queued by then. `compute_waited` (the normal path:
+        compute used the copy, or the forward's bound waited on it) disarms the guard; otherwise (a backward that
+        raised, a graph dropped unused) it queues the wait when the handle dies, before the tensor is freed
+        (weakref callbacks run before an instance's attributes are cleared)."""
+        self.unwaited = weakref.finalize(self, streams.compute_waits, copy_done)
+        self.unwaited.atexit = False  # no CUDA calls at interpreter exit
+
+    def compute_waited(self) -> None:
+        """Compute has waited on the event of the copy that touched the held tensor: freeing it is safe."""
+        if self.unwaited is not None:
+            self.unwaited.detach()
+            self.unwaited = None
+
+    def release_saved(self) -> None:
+        """Drop the saved tensor (compute has waited on its copy to host)."""
+        self.compute_waited()
+        self.saved = None
 
 
 class CudaStreams:
@@ -102,13 +160,14 @@ class CudaStreams:
         """The allocator must not reuse t's memory before the side stream's queued work has read it."""
         t.record_stream(self.side)
 
-    def used_on_compute(self, t: Tensor) -> None:
-        """t was allocated on the side stream and is used by compute from now on."""
-        t.record_stream(torch.cuda.current_stream(self.device))
-
     def host_buffer(self, t: Tensor, pinned: bool) -> Tensor:
         """Host memory for a copy of t."""
         return torch.empty_like(t, device="cpu", pin_memory=pinned)
+
+    def device_buffer(self, host: Tensor, device: torch.device) -> Tensor:
+        """Device memory for a copy of `host`, from the pool of the stream current now (offload calls it on the
+        compute stream, never inside `on_side`)."""
+        return torch.empty_like(host, device=device)
 
 
 class _Packed:
@@ -156,24 +215,42 @@ class OffloadManager:
         min_bytes: int = 1024,
         max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
         streams: Optional[CudaStreams] = None,
+        blocks_in_flight: int = OFFLOAD_BLOCKS_IN_FLIGHT,
     ):
+        if blocks_in_flight < 2:  # backward holds the block it consumes and the one it prefetches
+            raise ValueError(f"blocks_in_flight={blocks_in_flight}: offload needs at least 2")
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
         self.max_pinned_bytes = max_pinned_bytes
+        self.blocks_in_flight = blocks_in_flight
         self.pinned_bytes = 0  # pinned host bytes held by live handles
         self.pageable_bytes = 0  # bytes that went to pageable memory past the bound (cumulative)
         self._streams = streams  # created on the first CUDA tensor unless given
         self._last: Optional[weakref.ref] = None
+        self._holding: list[_Group] = []  # forward's blocks that may still hold their saved tensors, oldest first
 
     @contextlib.contextmanager
     def block(self, index: int, kwargs: dict) -> Iterator[None]:
         """Run one block call with its saved tensors offloaded."""
         last = self._last() if self._last is not None else None
         group = _Group(index, last if last is not None and last.index < index else None)
+        self._bound_in_flight()
+        self._holding.append(group)
         # Keyword tensors (rotary cos/sin, masks) are shared by all blocks of the batch: never copy them per block.
         shared = {t.untyped_storage().data_ptr() for t in _tensors(kwargs)}
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, shared, t), self._unpack):
             yield
         self._last = weakref.ref(group)
+
+    def _bound_in_flight(self) -> None:
+        """Before a block packs anything: release the oldest blocks until fewer than N hold device memory, each
+        after compute has waited on its last device -> host copy (so the memory is reused only after it)."""
+        holding = [g for g in self._holding if g.holds_saved_tensors()]
+        while len(holding) >= self.blocks_in_flight:
+            oldest = holding.pop(0)
+            self._streams.compute_waits(oldest.copied)
+            for handle in oldest.live_handles():
+                handle.release_saved()
+        self._holding = holding
 
     # -- forward: device -> host ----------------------------------------------------------------------------
     def _pack(self, group: _Group, shared: set, t: Tensor) -> Any:
@@ -183,7 +260,9 @@ class OffloadManager:
             or _is_parameter_view(t)
             or t.untyped_storage().data_ptr() in shared
         ):
-            return t
+            # kept as is, but detached: a node's own output returned by the hook would hold the node (grad_fn),
+            # a cycle Python's collector cannot see, and a graph dropped without backward would never be freed
+            return t.detach()
         storage = t.untyped_storage()
         hit = group.seen.get(storage._cdata)
         handle = hit[1]() if hit is not None and not hit[0].expired() else None
@@ -227,8 +306,9 @@ class OffloadManager:
             streams.side_waits_for_compute()
             with streams.on_side():
                 handle.host.copy_(t, non_blocking=True)
-            streams.used_on_side(t)
-            handle.offloaded = streams.record()
+            handle.offloaded = group.copied = streams.record()
+            handle.saved = t  # until the bound releases it, or backward uses it in place
+            handle.guard(handle.offloaded, streams)
             return handle
 
     # -- backward: host -> device, one block ahead ----------------------------------------------------------
@@ -243,20 +323,30 @@ class OffloadManager:
         return _as_view(self._fetch(packed.handle), packed.view)
 
     def _prefetch(self, group: _Group) -> None:
-        for ref in group.handles:
-            handle = ref()
-            if handle is None or handle.offloaded is None or handle.on_device is not None:
-                continue
-            with self._streams.on_side():  # after its own device -> host copy, in stream order
-                handle.on_device = handle.host.to(handle.device, non_blocking=True)
-            handle.prefetched = self._streams.record()
+        streams = self._streams
+        todo = [h for h in group.live_handles() if h.offloaded is not None and h.saved is None and h.on_device is None]
+        if not todo:
+            return
+        # On the compute stream: its pool, which the block's backward frees them back to. The side stream starts
+        # after the compute queued so far, the last user of whatever memory the allocator just handed out.
+        buffers = [streams.device_buffer(h.host, h.device) for h in todo]
+        streams.side_waits_for_compute()
+        for handle, buffer in zip(todo, buffers):
+            with streams.on_side():  # after the block's own device -> host copies, in stream order
+                buffer.copy_(handle.host, non_blocking=True)
+            handle.on_device, handle.prefetched = buffer, streams.record()
+            handle.guard(handle.prefetched, streams)
 
     def _fetch(self, handle: _Handle) -> Tensor:
         if handle.offloaded is None:  # CPU
             return handle.host
-        if handle.on_device is None:  # not prefetched (the first block of backward): copy on this stream
+        if handle.saved is not None:  # one of the forward's last blocks, still on the device: used in place (a
+            return handle.saved  # read needs no wait; the guard waits on its copy to host before it is freed)
+        if handle.on_device is None:  # released and not prefetched: copy back on the compute stream, now
             self._streams.compute_waits(handle.offloaded)
-            return handle.host.to(handle.device, non_blocking=True)
-        self._streams.compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
-        self._streams.used_on_compute(handle.on_device)
+            handle.on_device = self._streams.device_buffer(handle.host, handle.device)
+            handle.on_device.copy_(handle.host, non_blocking=True)
+        elif handle.unwaited is not None:
+            self._streams.compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
+            handle.compute_waited()
         return handle.on_device
