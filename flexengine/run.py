@@ -451,6 +451,9 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
         summary = trainer.train()
         summary["data"] = trainer.data_report
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
+        # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
+        plan = trainer.plan.plan
+        summary.update(planned_peak_bytes=plan["total_bytes"], plan_budget_bytes=plan["budget_bytes"])
         summary["config"] = resolved_config if resolved_config is not None else asdict(job)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)

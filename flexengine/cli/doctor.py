@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +29,7 @@ from flexengine.core.storage import write_json_atomic
 from flexengine.core.units import GiB
 from flexengine.loop.hooks import PHASES as STEP_PHASES
 from flexengine.loop.hooks import StepHooks
-from flexengine.loop.metrics import utilization
+from flexengine.loop.metrics import allocator_stats, utilization
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.applied import applied
@@ -68,9 +69,9 @@ class DoctorHooks(StepHooks):
 
 
 # -- memory -----------------------------------------------------------------------------------------------
-def memory_report(trainer, peak_bytes: Optional[int]) -> dict:
-    """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also the
-    allocator's measured peak over the diagnosed steps."""
+def memory_report(trainer, allocator: dict) -> dict:
+    """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also what the
+    caching allocator held over the diagnosed steps (flexengine.loop.metrics.allocator_stats; None on CPU)."""
     job, model = trainer.job, trainer.model
     x = plan_inputs(job, job.hardware, trainer.precision, on_cuda=trainer.device.type == "cuda")
     current = MemoryConfig(**trainer.memory_report["memory_policy"])
@@ -97,7 +98,11 @@ def memory_report(trainer, peak_bytes: Optional[int]) -> dict:
             "cost": next(r["cost"] for r in plan["candidates"] if r["label"] == plan["policy"]),
             "suggestions": plan["suggestions"],
         },
-        "measured_peak_bytes": peak_bytes,  # torch.cuda.max_memory_allocated over the steps (None on CPU)
+        "measured_peak_bytes": allocator["max_memory_allocated_bytes"],  # over the measured steps (None on CPU)
+        # peaks over the measured steps; the retry and OOM counters over the whole run, warm-up included
+        "allocator": allocator,
+        # the allocator's settings in force (the CUDA name, else the generic one torch also reads)
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF")),
     }
 
 
@@ -127,10 +132,9 @@ def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, tra
     finally:
         trainer.hooks.remove(hooks)
     compiles.setdefault("warmup", compiles["measured"])
-    peak = torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda" else None
     for i, step in enumerate(hooks.steps):
         step["warmup"] = i < warmup
-    report = build_report(trainer, hooks.steps, compiles, memory_report(trainer, peak))
+    report = build_report(trainer, hooks.steps, compiles, memory_report(trainer, allocator_stats(trainer.device)))
     write_json_atomic(out_dir / "doctor.json", report)
     trainer.metrics.close()
     return report
@@ -343,6 +347,50 @@ def memory_check(job: JobConfig, n: dict) -> dict:
     return _check("memory", "ok", value, detail)
 
 
+def _allocator_fixes(job: JobConfig, mem: dict) -> str:
+    """The knobs that lower what the allocator must hold, or leave it more of the card."""
+    now = f"{mem['policy']['policy']}, {len(mem['blocks_changed'])} of {mem['n_layers']} blocks changed"
+    fixes = [
+        f"recompute more: memory.policy=full, or more blocks in memory.layers (now {now})",
+        f"a smaller train.micro_batch (now {job.train.micro_batch}; raise train.grad_accum to keep the batch)",
+        "a larger fragmentation margin in the plan: hardware.memory_margin_gb",
+    ]
+    if "expandable_segments:True" not in (mem["cuda_alloc_conf"] or ""):
+        fixes.insert(0, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator fragments less)")
+    return "; ".join(fixes)
+
+
+def allocator_check(job: JobConfig, n: dict) -> dict:
+    """What the CUDA caching allocator really held: out-of-memory errors, cudaMalloc retries (each one frees the
+    cache and synchronises the device: a stall), or a reserved peak past the plan's budget (the margin is eaten)."""
+    mem = n["memory"]
+    a = mem["allocator"]
+    if a["max_memory_reserved_bytes"] is None:
+        return _check("allocator", "info", "n/a (no CUDA caching allocator on CPU)")
+    reserved, budget = a["max_memory_reserved_bytes"], mem["budget_bytes"]
+    value = (
+        f"{reserved / GiB:.3g} GiB reserved of {budget / GiB:.3g} GiB budget (allocated "
+        f"{a['max_memory_allocated_bytes'] / GiB:.3g}, overhead {a['allocator_overhead_bytes'] / GiB:.3g}), "
+        f"{a['num_alloc_retries']} retries, {a['num_ooms']} OOMs"
+    )
+    problems = []
+    if a["num_ooms"]:
+        problems.append(f"the allocator ran out of memory {a['num_ooms']} time(s)")
+    if a["num_alloc_retries"]:
+        problems.append(f"cudaMalloc failed and was retried after freeing the cache {a['num_alloc_retries']} time(s)")
+    if reserved > budget:
+        problems.append(
+            f"the allocator reserved {(reserved - budget) / GiB:.2f} GiB beyond the plan's budget: "
+            "fragmentation is eating the plan's margin"
+        )
+    if not problems:
+        return _check("allocator", "ok", value, "reserved peak within the plan's budget, no retries")
+    verdict = "bad" if a["num_ooms"] else "warn"
+    return _check(
+        "allocator", verdict, value, "; ".join(problems), "leave the allocator room: " + _allocator_fixes(job, mem)
+    )
+
+
 # The checks in report order: each takes the job and the numbers and returns one verdict.
 CHECKS = (
     attention_check,
@@ -352,6 +400,7 @@ CHECKS = (
     time_split_check,
     throughput_check,
     memory_check,
+    allocator_check,
 )
 
 

@@ -1,4 +1,5 @@
-"""Run metrics: TensorBoard scalars under stable tags + metrics.jsonl, FLOPs utilisation arithmetic, peak memory."""
+"""Run metrics: TensorBoard scalars under stable tags + metrics.jsonl, FLOPs utilisation arithmetic, peak memory and
+the CUDA caching allocator's own figures."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ TAGS = {
     "block_density": "attn/block_density",
 }
 
+# What the CUDA caching allocator holds (torch.cuda.memory_stats), logged on CUDA only: on CPU there is no such
+# allocator and these keys are null in summary.json and absent from metrics.jsonl and TensorBoard.
+ALLOCATOR_TAGS = {
+    "max_memory_allocated_bytes": "memory/max_allocated_bytes",  # peak bytes in live tensors
+    "max_memory_reserved_bytes": "memory/max_reserved_bytes",  # peak bytes the allocator held from the card
+    # reserved minus allocated at their peaks: fragmentation and cached free blocks, which the planner's tensor
+    # bytes do not see and its margin must absorb
+    "allocator_overhead_bytes": "memory/allocator_overhead_bytes",
+    "num_alloc_retries": "memory/alloc_retries",  # cudaMalloc failed, the cache was freed and the call retried
+    "num_ooms": "memory/ooms",  # out-of-memory errors the allocator raised
+}
+
+_TRAIN_TAGS = {**TAGS, **ALLOCATOR_TAGS}
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA max allocated on GPU; the process's peak RSS on CPU."""
@@ -33,6 +48,23 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def allocator_stats(device: torch.device) -> dict:
+    """The ALLOCATOR_TAGS figures since the process started (or the last peak reset); all None off CUDA. A host-side
+    read of the allocator's counters: no device sync."""
+    if device.type != "cuda":
+        return dict.fromkeys(ALLOCATOR_TAGS)
+    stats = torch.cuda.memory_stats(device)  # max_memory_allocated/_reserved read these same peaks
+    allocated = int(stats.get("allocated_bytes.all.peak", 0))
+    reserved = int(stats.get("reserved_bytes.all.peak", 0))
+    return {
+        "max_memory_allocated_bytes": allocated,
+        "max_memory_reserved_bytes": reserved,
+        "allocator_overhead_bytes": reserved - allocated,
+        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "num_ooms": int(stats.get("num_ooms", 0)),
+    }
 
 
 def utilization(flops: float, seconds: float, peak_tflops: Optional[float]) -> Optional[float]:
@@ -60,7 +92,7 @@ class MetricsWriter:
         values = {k: v for k, v in values.items() if v is not None}
         if self.writer is not None:
             for key, value in values.items():
-                tag = TAGS.get(key, f"extra/{key}") if kind == "train" else f"{kind}/{key}"
+                tag = _TRAIN_TAGS.get(key, f"extra/{key}") if kind == "train" else f"{kind}/{key}"
                 self.writer.add_scalar(tag, float(value), step)
         self.record({"type": kind, "step": step, **values})
 

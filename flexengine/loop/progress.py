@@ -11,7 +11,7 @@ from typing import Optional
 from flexengine.core.storage import CHECKPOINTS
 from flexengine.loop.checkpoint import step_dir
 from flexengine.loop.eval_loop import saves_best
-from flexengine.loop.metrics import peak_memory_bytes, utilization
+from flexengine.loop.metrics import allocator_stats, peak_memory_bytes, utilization
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ def log_step(trainer, m: dict, tokens_per_s: float, useful_per_s: float, flops_p
             "mfu": utilization(flops_per_s[0], 1.0, peak),
             "hfu": utilization(flops_per_s[1], 1.0, peak),
             "peak_memory_bytes": peak_memory_bytes(trainer.device),
+            **allocator_stats(trainer.device),  # None off CUDA: left out of TensorBoard and metrics.jsonl
             "useful_token_fraction": m["useful_tokens"] / m["tokens"],
             "block_density": m["block_density"],
         },
@@ -98,6 +99,7 @@ def summary(trainer) -> dict:
         "block_density": s.block_density_sum / max(1, s.step) if trainer._patched_attention else None,
         "attention": trainer.attn.as_dict() if trainer.attn is not None else None,
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
+        **allocator_stats(trainer.device),  # the run's allocator peaks and counters (null off CUDA)
         "wall_s": trainer._elapsed_wall(),  # the whole run, evaluations included
         "train_s": trainer.train_s,  # training steps only (tokens/s, MFU)
         "eval_s": sum(trainer._eval_seconds),  # evaluations of this process

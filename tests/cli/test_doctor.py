@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from flexengine.cli.doctor import compose_job, diagnose, exit_status, format_report, run_doctor
-from flexengine.core.config import conf_dir
+from flexengine.cli.doctor import allocator_check, compose_job, diagnose, exit_status, format_report, run_doctor
+from flexengine.core.config import JobConfig, TrainConfig, conf_dir
 from flexengine.core.errors import UserError
 from flexengine.loop.hooks import StepHooks
 from flexengine.run import build_trainer
@@ -43,6 +43,7 @@ def test_healthy_run_has_no_suggestions_and_writes_doctor_json(healthy):
     mem = n["memory"]
     assert mem["blocks_changed"] == [] and mem["fits"] and mem["planner_choice"]["policy"] == "none"
     assert mem["measured_peak_bytes"] is None  # CPU: the planner's figures only
+    assert set(mem["allocator"].values()) == {None} and check(report, "allocator")["verdict"] == "info"
 
 
 def test_padded_baseline_is_told_to_pack(tmp_path, capsys):
@@ -125,3 +126,61 @@ def test_exit_status_is_1_only_for_a_failed_check():
 
     assert exit_status(report("ok", "info", "warn")) == 0
     assert exit_status(report("ok", "bad")) == 1
+
+
+GB = 2**30
+KNOBS = ("memory.policy", "memory.layers", "train.micro_batch", "hardware.memory_margin_gb")
+
+
+def _cuda_numbers(*, reserved: float, retries: int = 0, ooms: int = 0, conf: str = "expandable_segments:True"):
+    """A GPU run's numbers as diagnose records them: a 70 GiB budget and a 66 GiB allocated peak."""
+    allocated = 66 * GB
+    return {
+        "device": "cuda:0",
+        "memory": {
+            "policy": {"policy": "selective"},
+            "blocks_changed": [0, 1, 2],
+            "n_layers": 30,
+            "budget_bytes": 70 * GB,
+            "cuda_alloc_conf": conf,
+            "allocator": {
+                "max_memory_allocated_bytes": allocated,
+                "max_memory_reserved_bytes": int(reserved * GB),
+                "allocator_overhead_bytes": int(reserved * GB) - allocated,
+                "num_alloc_retries": retries,
+                "num_ooms": ooms,
+            },
+        },
+    }
+
+
+JOB = JobConfig(train=TrainConfig(micro_batch=2))
+
+
+def test_allocator_within_the_budget_is_ok():
+    c = allocator_check(JOB, _cuda_numbers(reserved=68.5))
+    assert c["verdict"] == "ok" and not c["suggestion"]
+    assert "68.5 GiB reserved of 70 GiB budget" in c["value"] and "overhead 2.5" in c["value"]
+
+
+def test_allocator_retries_warn_and_name_the_knobs():
+    c = allocator_check(JOB, _cuda_numbers(reserved=68.5, retries=3, conf=None))
+    assert c["verdict"] == "warn" and "retried after freeing the cache 3 time(s)" in c["detail"]
+    assert all(k in c["suggestion"] for k in KNOBS) and "train.micro_batch (now 2" in c["suggestion"]
+    # the user had turned expandable segments off (entry points default them on): say so
+    assert "expandable_segments:True" in c["suggestion"]
+
+
+def test_reserved_beyond_the_plans_budget_warns():
+    c = allocator_check(JOB, _cuda_numbers(reserved=71.25))
+    assert c["verdict"] == "warn" and "1.25 GiB beyond the plan's budget" in c["detail"]
+    assert all(k in c["suggestion"] for k in KNOBS)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in c["suggestion"]  # already on
+
+
+def test_an_allocator_oom_is_a_failed_check():
+    report = {"checks": [allocator_check(JOB, _cuda_numbers(reserved=69.9, ooms=1))]}
+    c = report["checks"][0]
+    assert c["verdict"] == "bad" and "ran out of memory 1 time(s)" in c["detail"]
+    assert all(k in c["suggestion"] for k in KNOBS)
+    assert exit_status(report) == 1

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from flexengine.cli.common import compose_job
-from flexengine.loop.metrics import TAGS
+from flexengine.loop import metrics, progress
+from flexengine.loop.metrics import ALLOCATOR_TAGS, TAGS
 from flexengine.run import run_training
 
 
@@ -17,21 +21,29 @@ def _accumulator(log_dir):
     return ea
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    job = compose_job(
+def _tiny_job(out, steps: int = 3):
+    return compose_job(
         [
             "debug=fast",
             "attn=packed_doc",
-            "train.max_steps=3",
+            f"train.max_steps={steps}",
             "hardware=cpu",
             "train.save_final=false",
             f"train.output_dir={out}",
         ]
     )
-    summary = run_training(job, out)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    summary = run_training(_tiny_job(out), out)
     return out, summary
+
+
+def _train_records(out) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["type"] == "train"]
 
 
 def test_every_stable_tag_is_logged_each_step(tiny_run):
@@ -61,3 +73,63 @@ def test_hparams_are_logged_for_side_by_side_comparison(tiny_run):
     assert hparams["seq_len"].number_value == 256
     ea = _accumulator(out / "tb")
     assert ea.Scalars("hparam/final_loss")[0].value == pytest.approx(summary["final_loss"], rel=1e-6)
+
+
+def test_allocator_figures_are_null_on_cpu(tiny_run):
+    """No caching allocator on a CPU: the keys are null in summary.json, absent from metrics.jsonl and TensorBoard
+    (never a made-up number); the plan's peak and budget are in the summary beside them."""
+    out, _ = tiny_run
+    saved = json.loads((out / "summary.json").read_text())
+    assert {k: saved[k] for k in ALLOCATOR_TAGS} == dict.fromkeys(ALLOCATOR_TAGS)
+    assert all(not set(ALLOCATOR_TAGS) & set(r) for r in _train_records(out))
+    assert not set(ALLOCATOR_TAGS.values()) & set(_accumulator(out / "tb").Tags()["scalars"])
+    assert 0 < saved["planned_peak_bytes"] <= saved["plan_budget_bytes"]
+
+
+class _FakeAllocator:
+    """torch.cuda.memory_stats as a CUDA run would answer it, growing with each read."""
+
+    def __init__(self) -> None:
+        self.reads: list[dict] = []
+
+    def __call__(self, device=None) -> dict:
+        k = len(self.reads) + 1
+        stats = {
+            "allocated_bytes.all.peak": k * 2**30,
+            "reserved_bytes.all.peak": k * 2**30 + k * 2**20,
+            "num_alloc_retries": k,
+            "num_ooms": k - 1,
+        }
+        self.reads.append(stats)
+        return stats
+
+
+def _expected(stats: dict) -> dict:
+    allocated, reserved = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+    return {
+        "max_memory_allocated_bytes": allocated,
+        "max_memory_reserved_bytes": reserved,
+        "allocator_overhead_bytes": reserved - allocated,
+        "num_alloc_retries": stats["num_alloc_retries"],
+        "num_ooms": stats["num_ooms"],
+    }
+
+
+def test_allocator_figures_reach_tensorboard_metrics_and_summary(tmp_path, monkeypatch):
+    """A CPU run whose loop reads a CUDA device's allocator (torch.cuda.memory_stats faked): each logged step's
+    figures reach metrics.jsonl and TensorBoard under ALLOCATOR_TAGS, and the run's last read reaches summary.json.
+    Read once per logged step and once for the summary: no more host calls than that."""
+    fake = _FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "memory_stats", fake)
+    monkeypatch.setattr(progress, "allocator_stats", lambda device: metrics.allocator_stats(torch.device("cuda", 0)))
+    summary = run_training(_tiny_job(tmp_path, steps=2), tmp_path)
+    assert len(fake.reads) == 3  # steps 1 and 2 (log_every=1), then the summary
+    records = _train_records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    for record, stats in zip(records, fake.reads):
+        assert {k: record[k] for k in ALLOCATOR_TAGS} == _expected(stats)
+    ea = _accumulator(tmp_path / "tb")
+    for key, tag in ALLOCATOR_TAGS.items():
+        assert [e.value for e in ea.Scalars(tag)] == [float(_expected(s)[key]) for s in fake.reads[:2]], tag
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert {k: saved[k] for k in ALLOCATOR_TAGS} == {k: summary[k] for k in ALLOCATOR_TAGS} == _expected(fake.reads[2])
