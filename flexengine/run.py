@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flexengine.core.allocator import allocator_line
 from flexengine.core.config import DataConfig, HardwareConfig, JobConfig, check_fixed_rope
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
@@ -385,6 +386,8 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     _check_checkpoint_rope(job, hf_config)
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
+    if device.type == "cuda":
+        log.info("%s", allocator_line())  # expandable segments or not: the fragmentation the margin must absorb
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     _check_attention_backend(attention, dist_info, device)
     context_parallel = build_context_parallel(dist_info, device)
