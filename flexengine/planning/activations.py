@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
@@ -211,6 +211,7 @@ class ActivationEstimate:
     offloaded_bytes: int
     recompute_flops: float  # extra forward FLOPs per micro-batch (attention core at the given attended fraction)
     recompute_pointwise_bytes: int = 0  # bytes the re-run pointwise ops move per micro-batch (memory-bound)
+    offloaded_per_block: list[int] = field(default_factory=list)  # host bytes of each block (0: not offloaded)
 
 
 def estimate_activations(
@@ -222,11 +223,11 @@ def estimate_activations(
 ) -> ActivationEstimate:
     """Bytes a forward under one MemorySpec per block (`memory_specs`) holds for backward, per block and in total."""
     parts, ops = block_recompute_parts(m, w, attended_fraction, count_attention_core), pointwise_bytes(m, w)
-    per_block, host, flops, pointwise = [], 0, 0.0, 0
+    per_block, offloaded, flops, pointwise = [], [], 0.0, 0
     for spec in specs:
         dev, off = block_bytes(m, w, spec)
         per_block.append(dev)
-        host += off
+        offloaded.append(off)
         tiled = spec.tiles_mlp(w.tokens)  # every tile re-runs gate_proj + up_proj and SwiGLU in backward
         flops += spec.recompute_flops(parts, tiled)
         # memory-bound: each re-run op's output is written once and read once by its consumer (2x its bytes)
@@ -234,7 +235,7 @@ def estimate_activations(
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = any(spec.recompute.wraps_attention for spec in specs)
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
-    return ActivationEstimate(sum(per_block) + other, per_block, other, host, flops, pointwise)
+    return ActivationEstimate(sum(per_block) + other, per_block, other, sum(offloaded), flops, pointwise, offloaded)
 
 
 def resolve_tiles(memory: MemoryConfig, m: ModelShape) -> MemoryConfig:

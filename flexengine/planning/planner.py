@@ -45,6 +45,7 @@ from flexengine.planning.costs import (
 )
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.memory.layers import select_layers
+from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
 
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
@@ -169,7 +170,7 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
     on_gpu = x.hardware.device != "cpu"
     # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
     backward = max(block_working_bytes(m, w) + gathered_kv_bytes(m, x), loss_transient_bytes(m, w))
-    offload_resident = 2 * max(act.offloaded_bytes // max(1, m.layers), 0)  # in flight + prefetched block
+    offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
     terms = {
         **static,
         "activation_bytes": act.total_bytes,

@@ -9,12 +9,13 @@ import torch
 
 from flexengine.core.config import HardwareConfig, MemoryConfig, ModelConfig
 from flexengine.planning.activations import block_bytes, estimate_activations, memory_specs
-from flexengine.planning.planner import k_table, plan_memory, search_space, spread_layers
-from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
+from flexengine.planning.planner import evaluate, k_table, plan_memory, search_space, spread_layers
+from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, measure_activations, select_layers
+from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.memory.spec import MemorySpec
 from flexengine.surgery.model import build_hf_config
 from tests.helpers import clone_model, make_llama
@@ -476,3 +477,19 @@ def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
     assert terms["weights_bytes"] == (params - norms) * 2 + (norms + lora) * 4
     assert terms["compute_copy_bytes"] == lora * 2  # autocast copies only the fp32 adapters
     assert terms["weights_bytes"] / 2**30 == pytest.approx(13.0, abs=0.1)  # was 25.7 GiB + 12.9 GiB copy
+
+
+def test_offload_in_flight_is_offloads_bound_times_its_largest_block():
+    """The term counts the blocks offload lets hold device memory at once (its OFFLOAD_BLOCKS_IN_FLIGHT), each as
+    large as the largest offloaded block -- however many blocks offload: an average over every block of the model
+    counted 8/30 of a block per slot when 8 of 30 offload."""
+    cfg, x = _deepseek_inputs()
+    m = ModelShape.from_hf_config(cfg)
+    w = rank_workload(x)
+    for family in (dict(policy="offload"), dict(policy="selective", granularity="ops", offload=True)):
+        one_block = max(block_bytes(m, w, spec)[1] for spec in memory_specs(MemoryConfig(**family), m))
+        assert one_block > 0
+        for k in (1, 8, m.layers):
+            plan = evaluate(m, x, MemoryConfig(**family, layers=spread_layers(k, m.layers)))
+            assert plan["terms"]["offload_in_flight_bytes"] == OFFLOAD_BLOCKS_IN_FLIGHT * one_block, (family, k)
+    assert evaluate(m, x, MemoryConfig(policy="none"))["terms"]["offload_in_flight_bytes"] == 0
