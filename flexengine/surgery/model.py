@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from flexengine.core.config import ModelConfig
 from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
 from flexengine.surgery.family import resolve_family
+from flexengine.surgery.model_files import (
+    check_against_manifest,
+    check_shapes,
+    read_config_json,
+    stored_tensors,
+    tokenizer_problem,
+)
 from flexengine.surgery.rope import apply_rope_scaling
 
 log = logging.getLogger(__name__)
@@ -20,7 +29,8 @@ log = logging.getLogger(__name__)
 
 def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     """The HF config of the model (from model.path/config.json or model.arch), with model.rope_scaling applied and
-    use_cache off for training."""
+    use_cache off for training. A config.json that is not JSON, or weight files that are damaged (headers, index,
+    sizes: cheap to read), fail here, before any tokenizing."""
     if model.trust_remote_code:
         log.warning(
             "model.trust_remote_code=true: Python code shipped in %s will run in this process; use it "
@@ -36,9 +46,12 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
                 f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
                 "(expected config.json, tokenizer files and *.safetensors)."
             )
+        read_config_json(path)
+        if model.loads_weights:
+            stored_tensors(path)
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
-        except (ValueError, OSError) as e:  # OSError: not valid JSON (transformers' wording names the file)
+        except (ValueError, OSError) as e:  # JSON, but not a config transformers knows (e.g. its model_type)
             raise UserError(
                 f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
                 "replace the file (it must be the model's Hugging Face config)."
@@ -105,14 +118,7 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
-    lm, info = AutoModelForCausalLM.from_pretrained(
-        model.path,
-        config=config,
-        dtype=dtype,
-        trust_remote_code=model.trust_remote_code,
-        use_safetensors=None,
-        output_loading_info=True,
-    )
+    lm, info = _from_pretrained(model, config, dtype)
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # HF would initialise them at random and only warn
         raise UserError(
@@ -136,6 +142,33 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
     return lm
 
 
+def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.dtype) -> tuple:
+    """transformers' from_pretrained after checking the files it will read: each weight file's header, a
+    checkpoint's manifest, and every stored tensor's shape against config.json's architecture."""
+    path = Path(model.path)
+    stored = stored_tensors(path)
+    if stored is not None:
+        check_against_manifest(path, {t.file for t in stored.values()})
+        meta = build_meta_model(config, dtype, model.trust_remote_code)
+        check_shapes(stored, {k: tuple(v.shape) for k, v in meta.state_dict().items()}, path / "config.json")
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model.path,
+            config=config,
+            dtype=dtype,
+            trust_remote_code=model.trust_remote_code,
+            use_safetensors=None,
+            output_loading_info=True,
+        )
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        # what the checks above do not read: *.bin weights (torch's zip/pickle format), or a tensor's data bytes
+        raise UserError(
+            f"cannot load the weights in {path} (model.path): {type(e).__name__}: {' '.join(str(e).split())[:400]}"
+        ) from None
+
+
 def load_tokenizer(model: ModelConfig, cache_dir: Optional[Path] = None):
     """The tokenizer of model.tokenizer / model.path, or the offline demo tokenizer when neither is given."""
     source = model.tokenizer or model.path
@@ -143,8 +176,8 @@ def load_tokenizer(model: ModelConfig, cache_dir: Optional[Path] = None):
         return load_demo_tokenizer(cache_dir)
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from {source!r} (model.tokenizer / model.path): {e}") from None
+    except Exception as e:  # tokenizers raises plain Exception for a broken tokenizer.json
+        raise UserError(tokenizer_problem(source, e) + ".") from None
 
 
 def check_vocab(lm: torch.nn.Module, tokenizer) -> None:

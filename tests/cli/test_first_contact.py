@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.common import compose_job
@@ -64,11 +65,11 @@ def test_a_named_model_group_random_init_or_weightless_dir_changes_nothing(check
 
 def test_a_7b_checkpoint_gets_the_7b_batch_shape(tmp_path):
     """The parameter count (from config.json) picks the shipped config of that size: its micro-batch,
-    accumulation come too. (The weight file only has to exist: nothing is loaded here.)"""
+    accumulation come too. (The weight file only has to be a valid one: nothing is loaded here.)"""
     arch = {k: v for k, v in SHIPPED["model"]["arch"].items() if k != "model_type"}
     path = tmp_path / "Llama-2-7b-hf"
     LlamaConfig(**arch).save_pretrained(path)
-    (path / "model.safetensors").touch()
+    save_file({}, path / "model.safetensors")  # a well-formed file of no tensors (an empty one is damaged)
     job = compose_job([f"model.path={path}"])
     assert (job.train.micro_batch, job.train.grad_accum) == (SHIPPED["train"]["micro_batch"], 8)
     assert job.optim.lr == 2e-5

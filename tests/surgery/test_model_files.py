@@ -1,0 +1,214 @@
+"""Damaged, truncated or mismatched files in model.path stop with one paragraph naming the file and what is wrong
+(exit 2 through the real entry point), before transformers or safetensors raise from deep inside."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexengine.core.config import ModelConfig
+from flexengine.core.errors import UserError
+from flexengine.core.storage import write_manifest
+from flexengine.surgery.model import build_hf_config, load_model, load_tokenizer
+from flexengine.surgery.model_files import stored_tensors
+from tests.helpers import FAST, flip_one_byte, make_llama
+
+CPU = torch.device("cpu")
+
+
+def _save_model(directory: Path, shard_size: str = "5GB") -> Path:
+    from flexengine.data.demo import load_demo_tokenizer
+
+    make_llama(vocab_size=2048).save_pretrained(directory, max_shard_size=shard_size)
+    load_demo_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"single": _save_model(root / "single"), "sharded": _save_model(root / "sharded", "100KB")}
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path):
+    def copy(kind: str) -> Path:
+        return Path(shutil.copytree(saved[kind], tmp_path / kind))
+
+    return copy
+
+
+def _shards(directory: Path) -> list[Path]:
+    return sorted(directory.glob("model-*.safetensors"))
+
+
+# -- each damage, and what it is called ---------------------------------------------------------------------------
+
+
+def truncate(d: Path) -> Path:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return f
+
+
+def garble_header_length(d: Path) -> Path:
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[:8] = struct.pack("<Q", 10**12)
+    f.write_bytes(bytes(data))
+    return f
+
+
+def garble_header_json(d: Path) -> Path:
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:12] = b"\xff\xfe@@"
+    f.write_bytes(bytes(data))
+    return f
+
+
+def append_bytes(d: Path) -> Path:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes() + b"\0" * 16)
+    return f
+
+
+def empty_file(d: Path) -> Path:
+    f = d / "model.safetensors"
+    f.write_bytes(b"")
+    return f
+
+
+def remove_a_shard(d: Path) -> Path:
+    f = _shards(d)[1]
+    f.unlink()
+    return f
+
+
+def index_names_a_tensor_the_shard_lacks(d: Path) -> Path:
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(iter(data["weight_map"]))
+    others = [s.name for s in _shards(d) if s.name != data["weight_map"][name]]
+    data["weight_map"][name] = others[0]
+    index.write_text(json.dumps(data))
+    return index
+
+
+def index_not_json(d: Path) -> Path:
+    index = d / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    return index
+
+
+DAMAGE = [
+    ("single", truncate, "is truncated: its tensors need"),
+    ("single", garble_header_length, "is damaged: its header says the table of tensors is 1,000,000,000,000 bytes"),
+    ("single", garble_header_json, "is damaged: its header is not a JSON table of tensors"),
+    ("single", append_bytes, "is damaged: 16 bytes follow its last tensor"),
+    ("single", empty_file, "is 0 bytes, too short for a safetensors file"),
+    ("sharded", remove_a_shard, "does not exist: the shard is missing"),
+    ("sharded", index_names_a_tensor_the_shard_lacks, "does not hold them: the index and the shards come from"),
+    ("sharded", index_not_json, "is damaged: it must be JSON with a weight_map"),
+]
+
+
+@pytest.mark.parametrize("kind, damage, said", DAMAGE, ids=[d.__name__ for _, d, _ in DAMAGE])
+def test_damaged_weights_are_named_before_any_tokenizing(copy_of, kind, damage, said):
+    directory = copy_of(kind)
+    assert stored_tensors(directory) is not None  # intact, it reads
+    damage_file = damage(directory)
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(path=str(directory)))
+    text = str(e.value)
+    assert said in text and str(damage_file if damage is not remove_a_shard else directory) in text, text
+    assert "\n" not in text
+    build_hf_config(ModelConfig(path=str(directory), init="random"))  # random weights: the files are not read
+
+
+def test_intact_directories_list_every_tensor(saved):
+    expected = set(make_llama(vocab_size=2048).state_dict())
+    for kind in ("single", "sharded"):
+        stored = stored_tensors(saved[kind])
+        assert set(stored) == expected
+        assert {t.file.name for t in stored.values()} == (
+            {"model.safetensors"} if kind == "single" else {f.name for f in _shards(saved[kind])}
+        )
+
+
+def test_weights_of_another_shape_than_config_json(copy_of):
+    directory = copy_of("single")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(UserError, match=r"holds model\.layers\.0\.mlp\.\w+_proj\.weight with shape \[.*config\.json"):
+        load_model(ModelConfig(path=str(directory)), CPU)
+
+
+def test_checkpoint_used_as_model_path_is_checked_against_its_manifest(copy_of):
+    directory = copy_of("single")
+    write_manifest(directory, step=1)  # as a flexengine checkpoint is saved: manifest.json with sizes and sha256
+    load_model(ModelConfig(path=str(directory)), CPU)
+    flip_one_byte(directory / "model.safetensors")  # inside the tensor data: every header still parses
+    with pytest.raises(UserError, match=r"model\.safetensors does not match the checksum .*manifest\.json"):
+        load_model(ModelConfig(path=str(directory)), CPU)
+
+
+def test_config_json_that_is_not_json(copy_of):
+    directory = copy_of("single")
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"config\.json is not valid JSON \(Expecting property name"):
+        build_hf_config(ModelConfig(path=str(directory)))
+
+
+def test_tokenizer_files_missing_or_broken(copy_of):
+    directory = copy_of("single")
+    (directory / "tokenizer.json").write_text("{garbage")
+    with pytest.raises(UserError, match=r"tokenizer\.json is not valid JSON"):
+        load_tokenizer(ModelConfig(path=str(directory)))
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=r"has no tokenizer vocabulary .* it holds tokenizer_config\.json"):
+        load_tokenizer(ModelConfig(path=str(directory)))
+
+
+# -- through the real entry point ---------------------------------------------------------------------------------
+
+
+def _remove_tokenizer_json(d: Path) -> Path:
+    (d / "tokenizer.json").unlink()
+    return d
+
+
+def _break_config_json(d: Path) -> Path:
+    (d / "config.json").write_text("{not json")
+    return d / "config.json"
+
+
+ENTRY_POINT = [
+    ("single", truncate, "is truncated"),
+    ("single", garble_header_length, "its first 8 bytes are garbled"),
+    ("sharded", remove_a_shard, "the shard is missing"),
+    ("single", _break_config_json, "is not valid JSON"),
+    ("single", _remove_tokenizer_json, "has no tokenizer vocabulary"),
+]
+
+
+@pytest.mark.parametrize("kind, damage, said", ENTRY_POINT, ids=[d.__name__ for _, d, _ in ENTRY_POINT])
+def test_train_stops_with_one_paragraph_and_exit_2(copy_of, tmp_path, kind, damage, said):
+    directory = copy_of(kind)
+    named = damage(directory)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexengine.train", f"model.path={directory}", *FAST, "train.max_steps=1",
+         f"train.output_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    error = proc.stderr[proc.stderr.index("flexengine: error: ") :].strip()
+    assert said in error and str(named) in error and "\n" not in error, error
