@@ -1,0 +1,160 @@
+"""The planner against PyTorch's own MemTracker (bench/memtracker_step.py) on one training step at deepseek-7B
+width, 8K rows and 2-4 layers over fake tensors; and each stand-in the bench needs against the real op it
+replaces, on small real tensors (bench/memtracker_standins.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+import flexengine.surgery.memory.offload as engine_offload
+from flexengine.core.config import MemoryConfig
+from flexengine.surgery.applied import applied
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.loss import _chunk_loss_sum, forward_loss_sum
+from flexengine.surgery.memory import apply_memory_policy, measure_activations
+from tests.helpers import make_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import memtracker_standins as standins
+import memtracker_step as step
+
+
+def _saved(fn) -> list[tuple]:
+    """(shape, dtype) of every floating-point tensor autograd saves while fn() runs, sorted."""
+    saved = []
+
+    def pack(t):
+        if t.is_floating_point():
+            saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sorted(saved, key=str)
+
+
+def _compiled_flex_saved(q, k, v, block_mask) -> list[tuple]:
+    """(shape, dtype) of the floating-point tensors compiled flex keeps for backward: the forward graph's outputs
+    after its own, as inductor's min-cut partitioner splits flex's joint graph (no inductor codegen needed)."""
+    found = []
+
+    def forward_compiler(gm, inputs):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        found.extend(
+            (tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in outputs[1:] if o.meta["val"].is_floating_point()
+        )
+        return gm
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, inputs: gm,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch._dynamo.reset()
+    torch.compile(lambda q, k, v: torch_flex.flex_attention(q, k, v, block_mask=block_mask), backend=backend)(q, k, v)
+    return sorted(found, key=str)
+
+
+def _hf_qkv(dtype, requires_grad=True, B=1, S=256, H=4, D=64):
+    """q, k, v as HF's attention hands them over: [B, H, S, D] views of [B, S, H, D] projections."""
+    return [torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2).requires_grad_(requires_grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_flex_stand_in_saves_what_compiled_flex_saves(monkeypatch, dtype, autocast):
+    block_mask = torch_flex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 256, device="cpu")
+    # flex refuses inputs that require grad on CPU only because its CPU backward is missing; its forward and what
+    # its autograd saves are the same as on a GPU
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args, **kwargs: None)
+    q, k, v = _hf_qkv(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        stand_in = _saved(lambda: standins.FlexStandIn()(q, k, v, block_mask=block_mask))
+        compiled = _compiled_flex_saved(q, k, v, block_mask)
+        eager = _saved(lambda: torch_flex.flex_attention(q, k, v, block_mask=block_mask))
+    assert stand_in == compiled
+    assert len(stand_in) == 5 and {d for s, d in stand_in if len(s) == 4} == {torch.bfloat16 if autocast else dtype}
+    # eager flex keeps max_scores too ([B, H, S] fp32, never read by its backward): the only difference
+    assert Counter(eager) - Counter(stand_in) == Counter([((1, 4, 256), torch.float32)])
+
+
+def test_flex_stand_in_output_has_flex_layout():
+    """flex returns out in q's stride order, so o_proj's input (out.transpose(1, 2).contiguous()) is a view."""
+    block_mask = torch_flex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 256, device="cpu")
+    q, k, v = _hf_qkv(torch.float32, requires_grad=False)
+    real = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
+    stand_in = standins.FlexStandIn()(q, k, v, block_mask=block_mask)
+    assert stand_in.stride() == real.stride() == q.stride()
+    assert real.transpose(1, 2).contiguous().data_ptr() == real.data_ptr()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_functional_chunk_loss_saves_what_the_module_call_saves(autocast):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(64, 512, bias=False)
+    hidden = torch.randn(100, 64, requires_grad=True)
+    targets = torch.randint(0, 512, (100,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        real = _saved(lambda: _chunk_loss_sum(hidden, targets, lm_head))
+        stand_in = _saved(lambda: standins.functional_chunk_loss_sum(hidden, targets, lm_head))
+        same = _chunk_loss_sum(hidden, targets, lm_head), standins.functional_chunk_loss_sum(hidden, targets, lm_head)
+    assert stand_in == real and len(real) >= 2
+    torch.testing.assert_close(same[0], same[1])
+
+
+def test_fake_safe_storage_views_equal_the_offload_managers():
+    base = torch.randn(6, 5, 4)
+    t = base[1:].transpose(0, 2)  # an offset, non-contiguous view
+    view = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+    real = engine_offload._as_view(engine_offload._storage_bytes(t), view)
+    stand_in = standins.as_view(standins.storage_bytes(t), view)
+    assert stand_in.stride() == real.stride() == t.stride()
+    assert torch.equal(stand_in, real) and torch.equal(stand_in, t)
+    assert standins.storage_bytes(t).numel() == engine_offload._storage_bytes(t).numel() == base.numel() * 4
+
+
+def test_host_on_meta_offloads_what_the_cpu_path_offloads():
+    """The meta-device host copies hold the bytes the CPU path copies (the meter's offloaded bytes), plus the
+    shared rotary cos/sin each block copies under the stand-in (fake storages cannot be told apart by pointer)."""
+    B, S, layers = 1, 256, 3
+    ids = torch.randint(0, 512, (B, S))
+    batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
+    host = []
+
+    class Counting(standins.HostOnMeta):
+        def host_buffer(self, t, pinned):
+            host.append(t.untyped_storage().nbytes())
+            return super().host_buffer(t, pinned)
+
+    reports = []
+    for meta in (False, True):
+        model = make_llama(num_hidden_layers=layers, hidden_size=128, intermediate_size=344, vocab_size=512)
+        patch_attention(model, mode="packed_doc", backend="dense")
+        apply_memory_policy(model, MemoryConfig(policy="offload"))
+        model.train()
+        if meta:
+            applied(model).offload._streams = Counting(torch.device("cpu"))
+        with standins.fake_safe_offload() if meta else torch.enable_grad():
+            reports.append(measure_activations(model, lambda model=model: forward_loss_sum(model, batch))[0])
+    cos_sin = 2 * B * S * model.config.head_dim * 4
+    assert reports[0].offloaded_bytes > 0
+    assert sum(host) == reports[0].offloaded_bytes + layers * cos_sin
+
+
+TINY = (("hidden_size", 256), ("intermediate_size", 688), ("num_attention_heads", 8), ("num_key_value_heads", 8))
+
+
+def test_fake_and_real_steps_track_alike():
+    """The same small step over real CPU tensors and over fake ones: the same peak, term by term."""
+    case = step.Case(2, "full", "bf16_mixed", seq_len=512, arch=(*TINY, ("vocab_size", 2048)), chunk_size=128)
+    fake, real = step.tracked_step(case, fake=True), step.tracked_step(case, fake=False)
+    assert fake["peak_bytes"] == real["peak_bytes"] > 0
+    assert fake["at_peak"] == real["at_peak"] and fake["after_forward"] == real["after_forward"]
