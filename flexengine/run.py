@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,15 @@ from torch import nn
 
 from flexengine.core.allocator import allocator_line
 from flexengine.core.config import DataConfig, HardwareConfig, JobConfig, check_fixed_rope
+from flexengine.core.config_record import (
+    AUTO_ATTENTION_BACKEND,
+    AUTO_EPOCHS,
+    AUTO_HARDWARE,
+    AUTO_PLANNER,
+    FROM_CALLER,
+    RESOLVED_CONFIG_FILE,
+    ConfigRecord,
+)
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
 from flexengine.core.storage import (
@@ -29,8 +37,8 @@ from flexengine.data.corpus import Corpus, build_corpus
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import PackPlan, has_targets, plan_packing
-from flexengine.data.sources import resolve_eval_split, unused_eval_split
-from flexengine.data.split import shared_documents, split_documents
+from flexengine.data.sources import unused_eval_split
+from flexengine.data.split import describe_eval_source, eval_source, held_out_without_overlap, split_documents
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import activation_summary
@@ -54,73 +62,6 @@ from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
 
 log = logging.getLogger(__name__)
-
-
-def eval_source(data: DataConfig) -> DataConfig:
-    """data.eval_path read like data.path (same source, format and fields), all of its documents; of a saved
-    DatasetDict its held-out split (data.eval_split, else validation, else test), never data.hf_split."""
-    split = resolve_eval_split(data)
-    return dataclasses.replace(
-        data,
-        path=data.eval_path,
-        hf_split=split or data.hf_split,
-        eval_path=None,
-        eval_split=None,
-        max_docs=None,
-        mix=[],
-    )
-
-
-def describe_eval_source(data: DataConfig) -> str:
-    """Where the held-out documents come from, for the log and summary.json."""
-    split = resolve_eval_split(data)
-    if split is None:
-        return str(data.eval_path)
-    how = "data.eval_split" if data.eval_split else "data.eval_split default: validation, else test"
-    return f"{data.eval_path}, split {split!r} ({how})"
-
-
-# data.eval_overlap=auto drops shared documents up to this share of the eval set: standard held-out splits share
-# a few short token-identical records (wikitext repeats heading lines such as " = = Reception = = "), while more
-# than that means the eval set largely is training data (the wrong split, or data.path given twice)
-EVAL_OVERLAP_DROP_MAX = 0.01
-
-
-def held_out_without_overlap(
-    corpus: Corpus, train_docs: np.ndarray, eval_corpus: Corpus, data: DataConfig
-) -> np.ndarray:
-    """The data.eval_path documents to evaluate on, by data.eval_overlap: those that are also training documents
-    would let the eval loss pick the best checkpoint and stop early on training data."""
-    everything = np.arange(len(eval_corpus))
-    shared = shared_documents((corpus.tokens, corpus.offsets), train_docs, (eval_corpus.tokens, eval_corpus.offsets))
-    if not len(shared):
-        return everything
-    what = (
-        f"data.eval_path ({describe_eval_source(data)}): {len(shared)} of its {len(eval_corpus)} documents are also "
-        f"training documents (identical tokens; held-out document indices {shared[:5].tolist()}"
-        f"{' ...' if len(shared) > 5 else ''})"
-    )
-    if data.eval_overlap == "allow":
-        log.warning("%s; kept (data.eval_overlap=allow): the eval loss partly measures training data", what)
-        return everything
-    few = len(shared) <= EVAL_OVERLAP_DROP_MAX * len(eval_corpus)
-    if data.eval_overlap == "drop" or (data.eval_overlap == "auto" and few):
-        kept = np.setdiff1d(everything, shared)
-        if not len(kept):
-            raise UserError(f"{what}: every held-out document is a training document; nothing is left to evaluate.")
-        log.warning("%s; dropped from the eval set (data.eval_overlap=%s), %d left", what, data.eval_overlap, len(kept))
-        return kept
-    limit = (
-        f"more than data.eval_overlap=auto drops by itself ({EVAL_OVERLAP_DROP_MAX:.0%} of them)"
-        if data.eval_overlap == "auto"
-        else "and data.eval_overlap=refuse"
-    )
-    raise UserError(
-        f"{what}, {limit}, so the eval loss, best checkpoint and early stopping would measure training data. "
-        "Evaluate on a split the training set does not contain (data.eval_split), hold out part of data.path with "
-        "data.eval_fraction instead, or set data.eval_overlap=drop (evaluate on the rest) or data.eval_overlap=allow "
-        "(keep them)."
-    )
 
 
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
@@ -377,8 +318,11 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     )
 
 
-def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
-    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last)."""
+def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> Trainer:
+    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last). record: the
+    composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
+    train.epochs, the attention backend)."""
+    record = record if record is not None else ConfigRecord(job, FROM_CALLER)
     resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
     torch.manual_seed(job.train.seed)
     device = resolve_device(job.hardware.device)
@@ -391,12 +335,18 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     _check_attention_backend(attention, dist_info, device)
     context_parallel = build_context_parallel(dist_info, device)
+    hardware = _run_hardware(job, device, dist_info)
+    record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
-    job, fit = fit_job(job, hf_config, _run_hardware(job, device, dist_info))
+    job, fit = fit_job(job, hf_config, hardware)
+    record.update(job, AUTO_PLANNER)
     tokenizer = load_tokenizer(job.model)
     job, loader, eval_data, data_report = _build_checked_data(
         job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
     )
+    record.update(job, AUTO_EPOCHS)
+    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
+        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
@@ -425,21 +375,24 @@ def build_trainer(job: JobConfig, out_dir: Path) -> Trainer:
     return trainer
 
 
-def run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict] = None) -> dict:
+def run_training(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> dict:
     """Train, checkpoint and write out_dir/summary.json; returns the summary. summary["exit_code"] is 0, or
-    128 + signal when SIGTERM/SIGINT stopped the run (after its checkpoint and summary were written)."""
+    128 + signal when SIGTERM/SIGINT stopped the run (after its checkpoint and summary were written).
+    record: where each of the job's values came from (the CLI's; None: every value is the caller's); with the
+    values resolved at start-up it becomes out_dir/resolved_config.yaml, summary.json's config and config_sources
+    and TensorBoard's config text."""
     try:
         # the lock first: a live run's directory is refused before anything is checked, cleaned or truncated
         # (under torchrun rank 0 holds it for the job; RANK is set before the process group exists)
         with hold_output_dir(out_dir, job.train.resume, enabled=os.environ.get("RANK", "0") == "0"):
-            return _run_training(job, out_dir, resolved_config)
+            return _run_training(job, out_dir, record if record is not None else ConfigRecord(job, FROM_CALLER))
     except OSError as e:  # a filesystem fault anywhere (cache dir, output dir, ...): one paragraph with the path
         if e.filename is None:  # a timeout, a lost connection, too many open files: not "check the path"
             raise
         raise UserError(os_error_message(e, "the run")) from None
 
 
-def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]) -> dict:
+def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
     if os.environ.get("RANK", "0") == "0":  # before the process group exists, torchrun's RANK says who checks/cleans
         # never mix two runs: checked before anything is written. Rank 0 only, like the lock: a rank > 0 without
         # train.output_dir has the output root as its Hydra dir (cli/train.worker_overrides), not rank 0's fresh one
@@ -447,7 +400,9 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
         # first: a dead save's leftovers may be what fills the disk; resume=auto owns the directory (a requeue on
         # another node removes the saves its previous node left unfinished)
         clean_stale_temp_dirs(out_dir / CHECKPOINTS, owned=job.train.resume == "auto")
-    trainer = build_trainer(job, out_dir)
+    trainer = build_trainer(job, out_dir, record)
+    if trainer.dist.is_main:
+        _write_record(record, out_dir, trainer)
     with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
         if job.train.resume:
             trainer.resume(job.train.resume)
@@ -457,7 +412,7 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = trainer.plan.plan
         summary.update(planned_peak_bytes=plan["total_bytes"], plan_budget_bytes=plan["budget_bytes"])
-        summary["config"] = resolved_config if resolved_config is not None else asdict(job)
+        summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)
     shutdown_distributed()
@@ -475,6 +430,15 @@ def _run_training(job: JobConfig, out_dir: Path, resolved_config: Optional[dict]
         f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "",
     )
     return summary
+
+
+def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None:
+    """The configuration as it runs: out_dir/resolved_config.yaml (each value's source as a comment) and
+    TensorBoard's config text, written before step 1 (a run that fails or is stopped still says what it ran)."""
+    path = record.write(out_dir / RESOLVED_CONFIG_FILE)
+    changed = sorted(k for k, kind in record.kinds().items() if kind in ("first-contact", "auto"))
+    log.info("config as it runs (each value's source beside it): %s; set at start-up: %s", path, ", ".join(changed))
+    trainer.metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
 
 
 def _fmt_loss(loss: Optional[float]) -> str:

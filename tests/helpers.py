@@ -27,6 +27,16 @@ def make_job(out_dir: Path, *overrides: str) -> JobConfig:
     return compose_job([*FAST, f"train.output_dir={out_dir}", *overrides])
 
 
+def save_pretrained_llama(path: Path) -> Path:
+    """A small pretrained-looking HF directory at `path` (weights, config.json, the demo tokenizer): what a user's
+    model.path holds, at the demo tokenizer's vocabulary."""
+    from flexengine.data.demo import load_demo_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": 2048})).save_pretrained(path)
+    load_demo_tokenizer().save_pretrained(path)
+    return path
+
+
 # the GPU checks' small LLaMA (wide enough for flex's 128-token blocks and bf16 tolerances)
 GPU_TINY_LLAMA = dict(
     vocab_size=512,

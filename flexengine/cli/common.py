@@ -19,6 +19,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
+from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord
 from flexengine.core.errors import UserError
 
 CONFIG_PATH = "pkg://flexengine.conf"  # Hydra finds the shipped configs through the package, wherever it lives
@@ -41,12 +42,22 @@ def register_schema(node: type = JobConfig) -> None:
 
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:
+    """The composed DictConfig as a validated JobConfig (see to_job_record, which also says where each value came
+    from)."""
+    return to_job_record(cfg, overrides)[0]
+
+
+def to_job_record(
+    cfg: Any, overrides: Optional[Sequence[str]] = None, hydra_cfg: Any = None
+) -> tuple[JobConfig, ConfigRecord]:
     """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError), with fine-tuning
     defaults when model.path holds pretrained weights and no model group is named, and a command-line key winning
     over a config file's key it excludes (flexengine.cli.first_contact; overrides: the command line's, kept as
-    given; None = Hydra's record of them inside a Hydra app)."""
+    given; None = Hydra's record of them inside a Hydra app); and the record of where each of its values came from
+    (hydra_cfg: Hydra's own node, for the group options chosen; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
+    from flexengine.cli.config_sources import composed_sources, hydra_runtime
     from flexengine.cli.first_contact import (
         apply_pretrained_defaults,
         command_line_keys,
@@ -57,7 +68,7 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
 
     given = given_overrides(overrides)
     check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
-    command_line_wins(cfg, given)
+    overruled = command_line_wins(cfg, given)
     try:
         job = OmegaConf.to_object(cfg)
     except UserError:
@@ -68,9 +79,13 @@ def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobCon
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
+    record = ConfigRecord(job, composed_sources(job, command_line_keys(given), hydra_runtime(hydra_cfg)))
+    for key, winner in overruled.items():
+        record.set(key, None, f"{FROM_COMMAND_LINE} ({winner} typed there excludes it)")
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
+    record.update(job, AUTO_ATTENTION_RULES)
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
-    return apply_pretrained_defaults(job, given)
+    return apply_pretrained_defaults(job, given, record), record
 
 
 def group_options(group: str) -> tuple[str, ...]:
@@ -83,20 +98,36 @@ def group_options(group: str) -> tuple[str, ...]:
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
     """Compose the shipped conf/ with the same overrides as `flexengine train`: the DictConfig an entry point gets."""
+    return _compose(overrides, schema)[0]
+
+
+def _compose(overrides: Sequence[str], schema: type) -> tuple[Any, Any]:
+    """(the DictConfig an entry point gets, Hydra's own node: the group options chosen, the search path)."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
+    from omegaconf import open_dict
 
     register_schema(schema)
     try:
         with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
-            return compose("config", overrides=list(overrides))
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
     except HydraException as e:  # a misspelled key or group option, an override it cannot parse
         raise composition_error(e, schema, overrides) from None
+    hydra_cfg = cfg.hydra
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, hydra_cfg
 
 
 def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
     """Compose the shipped conf/ with the same overrides as `flexengine train`, into a validated JobConfig."""
-    return to_job_config(compose_config(overrides, schema), overrides)
+    return compose_job_record(overrides, schema)[0]
+
+
+def compose_job_record(overrides: Sequence[str], schema: type = JobConfig) -> tuple[JobConfig, ConfigRecord]:
+    """compose_job, and the record of where each value came from (flexengine.core.config_record)."""
+    cfg, hydra_cfg = _compose(overrides, schema)
+    return to_job_record(cfg, overrides, hydra_cfg)
 
 
 # Third-party lines that bury a run's first useful ones (issue 22 F-10): torchao's optional CUDA kernels its wheel

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
+from flexengine.core.config_record import ConfigRecord
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,12 @@ def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
     return f"train.max_steps={steps} (kept: the demo's; set it for your data)"
 
 
-def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobConfig:
+def apply_pretrained_defaults(
+    job: JobConfig, given: Iterable[str] = (), record: Optional[ConfigRecord] = None
+) -> JobConfig:
     """The job with fine-tuning defaults when model.path holds pretrained weights and the model group is the demo's
-    (see the module docstring); unchanged otherwise. given: the command line's overrides (those keys are kept)."""
+    (see the module docstring); unchanged otherwise. given: the command line's overrides (those keys are kept);
+    record: takes each value changed, labelled first-contact with the file it came from."""
     model = job.model
     if model.name != DEMO_MODEL or not model.loads_weights or not holds_weights(str(model.path)):
         return job
@@ -121,7 +125,11 @@ def apply_pretrained_defaults(job: JobConfig, given: Iterable[str] = ()) -> JobC
         "\n  ".join(notes),
     )
     groups = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in changes.items()}
-    return dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **groups)
+    job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **groups)
+    if record is not None:
+        labels = {f"{g}.{f}": f"first-contact: from {source}" for g, fields in changes.items() for f in fields}
+        record.update(job, {**labels, "model.name": "first-contact: model.path's directory name"})
+    return job
 
 
 def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
@@ -143,12 +151,13 @@ def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
 EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
 
 
-def command_line_wins(cfg: Any, given: Iterable[str]) -> None:
+def command_line_wins(cfg: Any, given: Iterable[str]) -> dict[str, str]:
     """Null, in the composed DictConfig cfg, a config file's key that a command-line key excludes (logged); both
-    typed on the command line stay JobConfig's error."""
+    typed on the command line stay JobConfig's error. Returns {nulled key: the typed key that excluded it}."""
     from omegaconf import OmegaConf, read_write
 
     explicit = command_line_keys(given)
+    overruled = {}
     for pair in EXCLUSIVE_KEYS:
         for mine, theirs in (pair, pair[::-1]):
             if mine not in explicit or theirs in explicit:
@@ -161,3 +170,5 @@ def command_line_wins(cfg: Any, given: Iterable[str]) -> None:
             )
             with read_write(cfg):
                 OmegaConf.update(cfg, theirs, None)
+            overruled[theirs] = mine
+    return overruled

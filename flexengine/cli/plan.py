@@ -20,8 +20,9 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config
+from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.core.config import JobConfig, check_context_parallel
+from flexengine.core.config_record import AUTO_ATTENTION_BACKEND, AUTO_HARDWARE, AUTO_PLANNER, ConfigRecord
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 
@@ -30,7 +31,8 @@ from flexengine.core.units import GiB
 class PlanOptions:
     """Options of the planner CLI."""
 
-    format: str = "table"  # table | json
+    format: str = "table"  # table | json | resolved (the config a run of these overrides would record, each value
+    # with its source: resolved_config.yaml without training)
     max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
     png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
     cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
@@ -257,17 +259,54 @@ def plan_job_config(cfg: DictConfig) -> JobConfig:
     return job
 
 
+PLAN_ONLY = "auto: flexengine-plan reads the architecture only (a training run needs model.path / data.path)"
+
+
+def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
+    """plan.format=resolved: the record a training run of these overrides would write (resolved_config.yaml),
+    without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
+    the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
+    as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
+    import torch
+
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_job, resolved_job
+    from flexengine.surgery.attention import resolve_attention_spec
+    from flexengine.surgery.model import build_hf_config
+
+    job, record = to_job_record(cfg)
+    record.drop("plan")  # this command's own options
+    for key, value in plan_only.items():
+        record.set(key, value, PLAN_ONLY)
+    hf_config = build_hf_config(job.model)
+    hardware = assumed_hardware(job.hardware)
+    record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
+    job = resolved_job(job, plan_job(job, hf_config, hardware))
+    record.update(job, AUTO_PLANNER)
+    if job.attn.backend == "auto":
+        spec = resolve_attention_spec(job.attn, hf_config, device=torch.device(hardware.device))
+        record.set("attn.backend", spec.backend.value, AUTO_ATTENTION_BACKEND)
+    return record
+
+
+FORMATS = ("table", "json", "resolved")
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
+    plan_only = {}
     if cfg.model.path is None:
-        cfg.model.init = "random"  # the planner reads only the architecture
+        plan_only["model.init"] = cfg.model.init = "random"  # the planner reads only the architecture
     if cfg.data.source != "demo" and not cfg.data.path:
-        cfg.data.source = "demo"  # no documents to compare with the context: only data.seq_len matters
+        plan_only["data.source"] = cfg.data.source = "demo"  # no documents: only data.seq_len matters
     fmt = cfg.plan.format
     try:
-        if fmt not in ("table", "json"):
-            raise UserError(f"plan.format={fmt!r}: choose table or json")
+        if fmt not in FORMATS:
+            raise UserError(f"plan.format={fmt!r}: choose one of {', '.join(FORMATS)}")
+        if fmt == "resolved":
+            print(resolved_record(cfg, plan_only).to_yaml(), end="")
+            return
         job = plan_job_config(cfg)
         if cfg.plan.max_seq_len:
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)

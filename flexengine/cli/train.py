@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from flexengine.cli.common import (
     CONFIG_PATH,
@@ -28,6 +28,7 @@ from flexengine.cli.common import (
     register_schema,
     run_hydra_app,
     to_job_config,
+    to_job_record,
     write_job_error,
 )
 from flexengine.core.config import JobConfig
@@ -52,14 +53,16 @@ def _main(cfg: DictConfig) -> dict:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     job_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        job = to_job_config(cfg)  # config mistakes fail here, before the heavy imports below
+        job, record = to_job_record(cfg)  # config mistakes fail here, before the heavy imports below
         if job.train.resume == "auto" and not job.train.output_dir and _pinned_run_dir(hydra_cfg):
             # the user's hydra.run.dir is the same directory at every launch: resume=auto has a run to look for
             job = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(job_dir)))
-        log.info("config (full: %s/.hydra/config.yaml):\n%s", job_dir, format_job_short(job))
+            record.update(job, "auto: hydra.run.dir typed with train.resume=auto")
+        # the short form after first-contact; the whole config as it runs, with sources: resolved_config.yaml
+        log.info("config (Hydra's composition: %s/.hydra/config.yaml):\n%s", job_dir, format_job_short(job))
         from flexengine.run import run_training
 
-        summary = run_training(job, run_dir(job), OmegaConf.to_container(cfg, resolve=True))
+        summary = run_training(job, run_dir(job), record)
     except KeyboardInterrupt as e:  # Ctrl-C outside the training loop (which stops cleanly by itself)
         write_job_error(job_dir, e)
         if multirun:
@@ -124,12 +127,23 @@ def worker_overrides(argv: list[str]) -> list[str]:
     return extra
 
 
+# Hydra prints `--cfg job` before any of our code runs: the config as composed, not as it will run
+CFG_JOB_NOTE = (
+    "flexengine: --cfg job shows the config as composed (.hydra/config.yaml), before first-contact defaults "
+    "(model.path with pretrained weights), the planner's precision / memory / micro-batch and the attention "
+    "backend. The config as it will run, each value with its source: flexengine-plan <the same overrides> "
+    "plan.format=resolved; a run writes it to resolved_config.yaml in its directory."
+)
+
+
 def main() -> None:
     """Console entry point: register the schema, then let Hydra parse sys.argv."""
     quiet_third_party()
     register_schema(JobConfig)
     sys.argv += worker_overrides(sys.argv[1:])
     run_hydra_app(_main)
+    if {"--cfg", "-c"} & set(sys.argv[1:]) or any(a.startswith("--cfg=") for a in sys.argv[1:]):
+        print(CFG_JOB_NOTE, file=sys.stderr)  # stdout stays Hydra's YAML
 
 
 if __name__ == "__main__":

@@ -396,9 +396,15 @@ def check_output_dir(out_dir: Path, resume: Optional[str]) -> None:
 def write_json_atomic(path: Path, data: dict) -> None:
     """json.dump through a temp file, fsynced, renamed into place, and the directory fsynced: after a crash the
     file is either the old one or the whole new one."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text through a temp file, fsynced, renamed into place, and the directory fsynced (see
+    write_json_atomic)."""
     tmp = path.with_name(f".{path.name}.tmp_{socket.gethostname()}_{os.getpid()}")
     with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, default=str))
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

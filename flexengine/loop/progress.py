@@ -133,6 +133,8 @@ def hparams(trainer) -> dict:
         "attn": j.attn.mode,
         "backend": trainer.attn.backend.value if trainer.attn is not None else "hf",
         "memory": j.memory.policy,
+        "precision": j.precision.mode,
+        "optimizer": j.optim.name,
         "seq_len": j.data.seq_len,
         "packing": j.data.packing,
         "micro_batch": j.train.micro_batch,

@@ -1,0 +1,127 @@
+"""The record of the effective config (resolved_config.yaml, summary.json's config, TensorBoard) is what trained:
+checked value by value against what the trainer used, for a model.path run whose first-contact defaults and planner
+choices both change the composed config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexengine.cli.common import compose_job_record
+from flexengine.core.config import MemoryConfig
+from flexengine.loop import progress
+from flexengine.run import build_trainer
+from flexengine.surgery.applied import applied
+from flexengine.surgery.memory.spec import block_memory_specs
+from tests.helpers import save_pretrained_llama
+
+REPO = Path(__file__).resolve().parents[1]
+# debug=fast on a pretrained directory; a 30 MiB "device" makes the planner halve the micro-batch typed
+OVERRIDES = ("debug=fast", "train.micro_batch=4", "hardware.device=cpu", "hardware.memory_gb=0.03")
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    return save_pretrained_llama(tmp_path / "my-small-llama")
+
+
+def _used(trainer) -> dict:
+    """What the built trainer really runs with, read from the objects that do the work."""
+    return {
+        "optim.lr": trainer.scheduler.base_lrs[0],  # the peak the schedule scales
+        "optim.weight_decay": trainer.optimizer.param_groups[0]["weight_decay"],  # the matrices' group
+        "optim.name": type(trainer.optimizer).__name__.lower(),
+        "model.name": progress.hparams(trainer)["model"],
+        "precision.mode": trainer.precision.name,
+        "train.micro_batch": trainer.loader.micro_batch,
+        "train.grad_accum": trainer.job.train.grad_accum,  # the loop's accumulation count
+        "attn.backend": trainer.attn.backend.value,
+    }
+
+
+def test_the_record_is_what_the_trainer_used(checkpoint, tmp_path):
+    job, record = compose_job_record([f"model.path={checkpoint}", *OVERRIDES])
+    trainer = build_trainer(job, tmp_path / "run", record)
+    used = _used(trainer)
+    assert {key: record.values[key] for key in used} == used
+    # the memory policy: the specs on the model's blocks are the ones the recorded memory.* values make
+    memory = MemoryConfig(**{k.split(".")[1]: v for k, v in record.values.items() if k.startswith("memory.")})
+    assert applied(trainer.model).memory == block_memory_specs(memory, len(applied(trainer.model).memory))
+    # and these are the run's values, not the composed ones: first-contact's lr, weight decay and name, the
+    # planner's micro-batch (4 typed, 2 planned) and precision
+    assert (used["optim.lr"], used["optim.weight_decay"], used["model.name"]) == (2e-5, 0.0, "my-small-llama")
+    assert (used["train.micro_batch"], used["train.grad_accum"]) == (2, 2)
+    kinds = record.kinds()
+    assert kinds["optim.lr"] == kinds["optim.weight_decay"] == kinds["model.name"] == "first-contact"
+    assert kinds["train.micro_batch"] == kinds["precision.mode"] == kinds["memory.policy"] == "auto"
+    assert (
+        kinds["attn.backend"] == "auto" and kinds["train.max_steps"] == "config" and kinds["hardware.device"] == "yours"
+    )
+    assert "replaces 4, yours: command line" in record.sources["train.micro_batch"]
+    assert "replaces 0.001, config: conf/optim/adamw.yaml" in record.sources["optim.lr"]
+
+
+def _tensorboard(run_dir: Path) -> tuple[dict, dict]:
+    """(the HParams a run logged, its text entries by tag), read back from the event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    hparams, texts = {}, {}
+    for path in (run_dir / "tb").rglob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                plugin = value.metadata.plugin_data.plugin_name
+                if plugin == "hparams":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    if data.HasField("session_start_info"):
+                        for k, v in data.session_start_info.hparams.items():
+                            hparams[k] = getattr(v, v.WhichOneof("kind"))
+                elif plugin == "text":
+                    texts[value.tag] = value.tensor.string_val[0].decode()
+    return hparams, texts
+
+
+def _cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_the_files_tensorboard_and_the_plan_show_the_same_record(checkpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [f"model.path={checkpoint}", *OVERRIDES, "train.max_steps=2"]
+    proc = _cli("flexengine.train", *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["config"] == resolved
+    assert resolved["optim"]["lr"] == 2e-5 and resolved["train"]["micro_batch"] == 2
+    assert summary["config_sources"]["optim.lr"].startswith("first-contact: from conf/model/")
+    # what trained: 2 steps of micro_batch 2 x grad_accum 2 rows of 256 tokens
+    assert summary["tokens_seen"] == 2 * 2 * 2 * 256
+    hydra_cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert hydra_cfg["optim"]["lr"] == 1e-3  # Hydra's composition, as composed (the record says what changed it)
+    hparams, texts = _tensorboard(run_dir)
+    shown = {"lr": "optim.lr", "weight_decay": "optim.weight_decay", "model": "model.name", "memory": "memory.policy"}
+    shown |= {"precision": "precision.mode", "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum"}
+    flat = {f"{g}.{k}": v for g, values in resolved.items() for k, v in values.items()}
+    assert {name: hparams[name] for name in shown} == pytest.approx({name: flat[key] for name, key in shown.items()})
+    assert hparams["backend"] == flat["attn.backend"]
+    assert yaml.safe_load(texts["config/resolved/text_summary"]) == resolved
+    # without training: the plan's resolved config is the run's (host memory is measured again, so it moves)
+    plan = _cli("flexengine.plan", *overrides, "plan.format=resolved", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    planned = yaml.safe_load(plan.stdout)
+    for group in (planned, resolved):
+        group["hardware"].pop("host_memory_gb")
+    assert planned == resolved
+
+
+def test_cfg_job_says_it_is_the_composition_and_where_the_effective_config_is(tmp_path):
+    proc = _cli("flexengine.train", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["optim"]["lr"] == 1e-3
+    assert "plan.format=resolved" in proc.stderr and "resolved_config.yaml" in proc.stderr
