@@ -202,11 +202,14 @@ def build_data(
 def _check_checkpoint_rope(job: JobConfig, hf_config) -> None:
     """The RoPE scaling a checkpoint carries, against context parallelism and packed documents."""
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
+    limits = context_limits(hf_config)
     check_fixed_rope(
-        context_limits(hf_config).rope_type,
+        limits.rope_type,
         f"model.path={job.model.path}, whose config.json has" if job.model.path else "model.arch's",
         cp=job.parallel.cp,
-        packed_attn=job.attn.mode if packs_documents(job.attn.mode) else None,
+        attn_mode=job.attn.mode,
+        packs=packs_documents(job.attn.mode),
+        rows=(job.data.seq_len, limits.trained),
         instead="rope_parameters set to yarn, linear or llama3 there",
     )
 

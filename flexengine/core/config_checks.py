@@ -109,28 +109,47 @@ def check_fixed_rope(
     source: str,
     *,
     cp: int = 1,
-    packed_attn: Optional[str] = None,
+    attn_mode: Optional[str] = None,
+    packs: bool = False,
+    rows: Optional[tuple[int, Optional[int]]] = None,
     instead: str = FIXED_ROPE_INSTEAD,
 ) -> None:
-    """Refuse a RoPE whose frequencies depend on the positions in the tensor it gets where tokens that belong
-    together would see different ones: context parallelism (cp > 1) or packed documents (packed_attn: attn.mode
-    when it packs). `source`: where rope_type is set; `instead`: how to set a fixed scaling there."""
+    """Refuse a RoPE whose frequencies depend on the positions in the tensor it gets (POSITION_DEPENDENT_ROPE) where
+    tokens that belong together would see different ones, or where training would not rotate a row the way the model
+    will be run: context parallelism (cp > 1), or any attention mode (attn_mode; packs: it packs documents) once rows
+    pass the trained context. rows: (data.seq_len, the trained context or None if unknown yet): rows within the
+    trained context leave such a RoPE at the pretrained frequencies, so it is accepted there. `source`: where
+    rope_type is set; `instead`: how to set a fixed scaling there."""
     if rope_type not in POSITION_DEPENDENT_ROPE:
         return
+    if rows is not None and rows[1] is not None and rows[0] <= rows[1]:
+        return  # transformers rescales only past the trained context (max_position_embeddings, or longrope's original)
+    past = (
+        f"rows of data.seq_len={rows[0]} pass the trained context of {rows[1]} positions, and there that RoPE "
+        if rows is not None and rows[1] is not None
+        else "that RoPE "
+    )
     if cp > 1:
         raise UserError(
-            f"parallel.cp={cp} cannot train with {source} rope_type={rope_type}: that RoPE derives its frequencies "
+            f"parallel.cp={cp} cannot train with {source} rope_type={rope_type}: {past}derives its frequencies "
             "from the largest position id in the tensor it gets, and under context parallelism each rank holds "
             "only its share of the row, so the ranks would rotate queries and keys with different frequencies. "
             f"Use a fixed scaling, {instead}, or parallel.cp=1."
         )
-    if packed_attn is not None:
-        # Only the fixed scalings are offered: attn=causal is no remedy (with micro_batch > 1 its rows share the
-        # batch's largest position; even at micro_batch=1 dynamic NTK keeps an earlier, longer batch's frequencies).
-        raise UserError(
-            f"attn={packed_attn} packs several documents into a row, which cannot train with {source} "
-            f"rope_type={rope_type}: that RoPE derives its frequencies from the largest position id in the batch "
-            "(and transformers caches them across batches), so a packed document would be rotated differently "
-            "depending on the documents packed next to it and on the batch before. Use a fixed scaling whose "
-            f"frequencies depend only on the configured length, {instead}."
-        )
+    if attn_mode is None:
+        return
+    # attn=causal is no remedy: its rows share the batch's largest position, and even at micro_batch=1 the
+    # frequencies transformers grew for an earlier, longer batch stay cached for the shorter ones after it
+    which = (
+        "a packed document would be rotated differently depending on the documents packed next to it and on the "
+        "batch before"
+        if packs
+        else "a row would be rotated by the longest row in its batch, or by a longer batch before it (one "
+        "document per row does not help)"
+    )
+    raise UserError(
+        f"attn={attn_mode} cannot train with {source} rope_type={rope_type}: {past}derives its frequencies from the "
+        f"largest position id in the batch (and transformers caches them across batches), so {which}, unlike the "
+        "model run on one sequence. Use a fixed scaling whose frequencies depend only on the configured length, "
+        f"{instead}, or rows within the trained context (data.seq_len), where it keeps the pretrained frequencies."
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.train import to_job_config
 from flexengine.core.config import ModelConfig, RopeScalingConfig
@@ -164,26 +164,57 @@ def test_shipped_7b_experiments_keep_rows_within_the_supported_context(tmp_path,
         assert limits == ContextLimits(4096, 8192, "yarn", 2.0)
 
 
-@pytest.mark.parametrize("attn", ["packed_doc", "packed_sliding"])
-def test_position_dependent_rope_is_refused_under_packing(attn):
-    """Dynamic NTK frequencies follow the batch's largest position: a packed document would rotate by its
-    neighbours. One paragraph naming only the fixed scalings: attn=causal is no remedy to offer (with micro_batch > 1
-    its rows share the batch's largest position; at micro_batch=1 dynamic NTK still keeps an earlier, longer batch's
-    grown frequencies), though it is not refused."""
+@pytest.mark.parametrize("attn", ["packed_doc", "packed_sliding", "causal"])
+def test_position_dependent_rope_is_refused_past_the_trained_context_in_every_mode(attn):
+    """Dynamic NTK frequencies follow the batch's largest position once it passes the trained context: a packed
+    document would rotate by its neighbours, and attn=causal is no remedy (its rows share the batch's largest
+    position; at micro_batch=1 an earlier, longer batch's grown frequencies stay cached), so it is refused too, and
+    the message offers only the fixed scalings or rows within the trained context."""
     scaling = "model.rope_scaling={rope_type:dynamic,factor:2.0}"
     window = ["attn.window=64"] if attn == "packed_sliding" else []
+    short = "model.arch.max_position_embeddings=128"  # the demo's rows are 256 tokens
     with pytest.raises(UserError) as e:
-        make_job(Path("unused"), f"attn={attn}", *window, scaling)
+        make_job(Path("unused"), f"attn={attn}", *window, scaling, short)
     msg = str(e.value)
-    assert f"attn={attn} packs several documents" in msg and "rope_type=dynamic" in msg
-    assert all(fixed in msg for fixed in ("yarn", "linear", "llama3")) and "\n" not in msg
-    assert "attn=causal" not in msg
-    assert make_job(Path("unused"), "attn=causal", scaling).model.rope_scaling.rope_type == "dynamic"
+    assert f"attn={attn} cannot train" in msg and "rope_type=dynamic" in msg and "\n" not in msg
+    assert "pass the trained context of 128 positions" in msg
+    assert all(fixed in msg for fixed in ("yarn", "linear", "llama3"))
+    assert ("packed document" in msg) == (attn != "causal") and ("one document per row" in msg) == (attn == "causal")
+    # within the trained context the scaling is inert, in every mode: accepted
+    assert make_job(Path("unused"), f"attn={attn}", *window, scaling).model.rope_scaling.rope_type == "dynamic"
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_position_dependent_rope_within_the_trained_context_is_batch_independent(rope_type):
+    """Why rows within the trained context are accepted: transformers rescales dynamic NTK and switches longrope to
+    its long factors only past it, so a sequence's logits are the same alone, after a longer batch and beside a
+    longer row (and dynamic NTK's are the unscaled model's)."""
+    from tests.helpers import TINY_LLAMA
+
+    rope = {"rope_theta": 10000.0, "rope_type": rope_type, "factor": 2.0}
+    if rope_type == "longrope":
+        half = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"] // 2
+        rope.update(original_max_position_embeddings=64, short_factor=[1.0] * half, long_factor=[2.0] * half)
+    torch.manual_seed(0)
+    arch = {**TINY_LLAMA, "max_position_embeddings": 64}
+    plain = LlamaForCausalLM(LlamaConfig(**arch)).eval()
+    scaled = LlamaForCausalLM(LlamaConfig(**arch, rope_parameters=rope)).eval()
+    scaled.load_state_dict(plain.state_dict())
+    short, long = (torch.randint(0, TINY_LLAMA["vocab_size"], (1, n)) for n in (16, 64))
+    with torch.no_grad():
+        alone = scaled(input_ids=short).logits
+        scaled(input_ids=long)  # an earlier batch as long as the trained context
+        torch.testing.assert_close(scaled(input_ids=short).logits, alone)
+        beside = scaled(input_ids=torch.cat([torch.cat([short, long[:, 16:]], 1), long])).logits[:1, :16]
+        torch.testing.assert_close(beside, alone)  # causal: the row's first 16 positions see only themselves
+        if rope_type == "dynamic":
+            torch.testing.assert_close(alone, plain(input_ids=short).logits)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_checkpoint_with_position_dependent_rope_is_refused_under_packing(tmp_path, rope_type):
-    """The same refusal when the scaling comes from model.path's config.json (no model.rope_scaling given)."""
+    """The same refusal when the scaling comes from model.path's config.json (no model.rope_scaling given), for rows
+    past its trained context: packed, or one padded document per row."""
     from tests.helpers import TINY_LLAMA
 
     rope = {"rope_theta": 10000.0, "rope_type": rope_type, "factor": 2.0}
@@ -191,6 +222,8 @@ def test_checkpoint_with_position_dependent_rope_is_refused_under_packing(tmp_pa
         half = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"] // 2
         rope.update(original_max_position_embeddings=512, short_factor=[1.0] * half, long_factor=[2.0] * half)
     LlamaConfig(**TINY_LLAMA, rope_parameters=rope).save_pretrained(tmp_path / "model")
-    job = make_job(tmp_path / "out", "attn=packed_doc", f"model.path={tmp_path / 'model'}", "model.init=random")
-    with pytest.raises(UserError, match=rf"attn=packed_doc packs .* config.json has rope_type={rope_type}.*llama3"):
-        build_trainer(job, tmp_path / "out")
+    model = [f"model.path={tmp_path / 'model'}", "model.init=random", "data.seq_len=2048"]
+    for attn in ("packed_doc", "causal"):
+        job = make_job(tmp_path / "out", f"attn={attn}", *model)
+        with pytest.raises(UserError, match=rf"attn={attn} cannot .* config.json has rope_type={rope_type}.*llama3"):
+            build_trainer(job, tmp_path / "out")

@@ -8,6 +8,8 @@ on the composed job before anything reads it: flexengine.cli.common.to_job_confi
 
 from __future__ import annotations
 
+from typing import Optional
+
 from flexengine.core.config import AttnConfig, JobConfig, check_choice, check_fixed_rope
 from flexengine.core.errors import UserError
 from flexengine.surgery.attention.masks import MODES, ModeEntry
@@ -58,6 +60,23 @@ def resolve_attention_rules(job: JobConfig) -> JobConfig:
             f"(data.packing={data.packing}) would let them attend to each other. Use attn=packed_doc, "
             "or data.packing=none for one document per row."
         )
-    packed = attn.mode if entry.documents else None
-    check_fixed_rope(job.model.rope_scaling.rope_type, "model.rope_scaling", packed_attn=packed)
+    if _trained_context(job) is not None:  # else model.path's config.json tells, checked at run time (flexengine.run)
+        rows = (data.seq_len, _trained_context(job))
+        check_fixed_rope(
+            job.model.rope_scaling.rope_type,
+            "model.rope_scaling",
+            attn_mode=attn.mode,
+            packs=entry.documents,
+            rows=rows,
+        )
     return job
+
+
+def _trained_context(job: JobConfig) -> Optional[int]:
+    """The trained context composition can see for a position-dependent RoPE: longrope's
+    original_max_position_embeddings, else model.arch's max_position_embeddings (what dynamic NTK reads); None
+    with model.path, whose config.json is read at run time."""
+    scaling = job.model.rope_scaling
+    if scaling.rope_type == "longrope" and scaling.original_max_position_embeddings:
+        return scaling.original_max_position_embeddings
+    return None if job.model.path else job.model.arch.get("max_position_embeddings")
