@@ -37,6 +37,7 @@ gathered weights anyway. Resume therefore needs the same world size, and says so
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -155,8 +156,24 @@ def gather_full_state_dict(model: nn.Module) -> dict:
 
 def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Optional[dict]) -> None:
     model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    _enable_kv_cache(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
+
+
+def _enable_kv_cache(directory: Path) -> None:
+    """The saved config.json and generation_config.json (which `generate` reads) with use_cache true: training runs
+    with the KV cache off (with it on, HF skips its packed-sequence handling), but an export is loaded to generate,
+    where the cache is what makes it fast. The live model's config stays as training needs it. (A LoRA checkpoint
+    has neither file: adapters only.)"""
+    for name in ("config.json", "generation_config.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        if config.get("use_cache") is False:
+            config["use_cache"] = True
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # HF's own layout
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}

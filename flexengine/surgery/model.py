@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import Optional
@@ -50,7 +51,7 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
         if model.loads_weights:
             stored_tensors(path)
         try:
-            config = AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+            config = AutoConfig.from_pretrained(base_name_or_path(model), trust_remote_code=model.trust_remote_code)
         except (ValueError, OSError) as e:  # JSON, but not a config transformers knows (e.g. its model_type)
             raise UserError(
                 f"model.path={model.path!r}: transformers cannot read its config.json: {e} Fix or "
@@ -72,6 +73,13 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     resolve_family(config)  # a family flexengine does not know fails here, before any tokenizing or allocating
     apply_rope_scaling(config, model.rope_scaling.as_hf())
     return config
+
+
+def base_name_or_path(model: ModelConfig) -> str:
+    """model.path as an absolute path: what the loaded model's `name_or_path` says, which peft records as a LoRA
+    adapter's base_model_name_or_path. The path as typed was relative to wherever the run was launched, so the
+    adapter could not find its base from anywhere else. (Symlinks are kept: they are the user's names.)"""
+    return os.path.abspath(model.path)
 
 
 def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -153,7 +161,7 @@ def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.
         check_shapes(stored, {k: tuple(v.shape) for k, v in meta.state_dict().items()}, path / "config.json")
     try:
         return AutoModelForCausalLM.from_pretrained(
-            model.path,
+            base_name_or_path(model),
             config=config,
             dtype=dtype,
             trust_remote_code=model.trust_remote_code,

@@ -560,3 +560,55 @@ def test_a_failure_on_one_rank_fails_every_rank_without_a_hang(tmp_path):
     for name in ("rank1_write", "rank0_bug", "rank1_load"):
         assert r0[name][2] < 20 and r1[name][2] < 20, name  # seconds: no rank waited for a timeout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # no partial save left
+
+
+# Loads the exports with plain transformers / peft (no flexengine) and generates with the KV cache.
+_LOAD_AND_GENERATE = """
+import json, sys
+from pathlib import Path
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+def generate(model):
+    assert model.config.use_cache is True and model.generation_config.use_cache is True
+    out = model.generate(torch.tensor([[5, 9, 17]]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 7) and out.get("cache") is not None  # generated with the KV cache
+
+full, lora = map(Path, sys.argv[1:])
+generate(AutoModelForCausalLM.from_pretrained(full))
+generate(AutoModelForCausalLM.from_pretrained(lora / "merged"))
+base = json.loads((lora / "adapter_config.json").read_text())["base_model_name_or_path"]
+assert Path(base).is_absolute(), base
+generate(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), lora))
+print("ok")
+"""
+
+
+def test_exports_drop_in_from_another_directory(tmp_path, monkeypatch):
+    """A full checkpoint, a LoRA adapter and its merged/ copy, from a run launched with a relative model.path, load
+    with plain transformers / peft from another working directory and generate with the KV cache on (the exported
+    config.json and generation_config.json say use_cache: true; the adapter names its base by an absolute path).
+    Training keeps the cache off."""
+    from flexengine.data.demo import load_demo_tokenizer
+    from flexengine.run import build_trainer
+    from tests.helpers import DEBUG_FAST, make_job
+
+    make_llama(vocab_size=2048, use_cache=True).save_pretrained(tmp_path / "base")  # as a downloaded model is
+    load_demo_tokenizer().save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    steps = []
+    for name, extra in (("full", ()), ("lora", ("model.lora.r=4", "train.merge_lora_on_save=true"))):
+        trainer = build_trainer(
+            make_job(tmp_path / name, *DEBUG_FAST, "model.path=base", "train.max_steps=1", *extra), tmp_path / name
+        )
+        trainer.train()
+        assert trainer.model.config.use_cache is False  # the live model trains as before
+        steps.append(str(tmp_path / name / "checkpoints" / "step_1"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_GENERATE, *steps], cwd=elsewhere, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
