@@ -4,8 +4,9 @@ and a comparison plot in the sweep directory.
 `SweepSummary` is a Hydra callback (registered under `hydra.callbacks` in conf/config.yaml), so
 `python -m flexengine.train -m attn=causal,packed_doc memory=none,full` ends with sweep_summary.{csv,md,png}.
 `python -m flexengine.sweep <sweep_dir>` rebuilds the summary of an existing (or interrupted) sweep.
-`<sweep_dir>/tb/` links each job's TensorBoard directory under the overrides that vary between jobs, so
-`tensorboard --logdir <sweep_dir>/tb` names the runs (and their HPARAMS rows) by what was swept, not by job number.
+When the sweep ends, each job's TensorBoard events move to `<sweep_dir>/tb/<overrides that vary between jobs>`, so
+`tensorboard --logdir <sweep_dir>` shows one run per job (and its HPARAMS row) named by what was swept, not by job
+number; while the sweep runs they are in each job's own tb/.
 A failed job is a row with its error: train.py writes error.json (`write_job_error`) instead of ending the sweep.
 """
 
@@ -28,7 +29,7 @@ from flexengine.core.units import GiB
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
-TB_LINKS = "tb"  # <sweep_dir>/tb/<varying overrides> -> <job dir>/tb
+TB_LINKS = "tb"  # <sweep_dir>/tb/<varying overrides>: each job's TensorBoard events, moved there at the end
 # (column, summary.json key (dotted: nested), scale): the numbers each row reports.
 METRICS = (
     ("tokens_per_s", "tokens_per_s", 1.0),
@@ -190,28 +191,46 @@ def _run_name(label: str) -> str:
     return label.replace(os.sep, "_").replace(" ", ",")[:200] or "run"
 
 
-def link_tensorboard_runs(rows: list[dict], sweep_dir: Path) -> Optional[Path]:
-    """<sweep_dir>/tb/<overrides that vary> -> each job's tb/ (relative links): TensorBoard names a run by its
-    directory, so the runs and their HPARAMS rows read as what was swept. Returns the directory (None: no tb)."""
+def _run_names(rows: list[dict]) -> list[str]:
+    """Each job's TensorBoard run name: the overrides that vary; jobs sharing one get their job number added (the
+    same rows give the same names, so rebuilding a summary finds the runs it made)."""
+    names = [_run_name(label) for label in varying_overrides(rows)]
+    shared = {n for n in names if names.count(n) > 1}
+    return [f"{n}_job{r['job'].replace(os.sep, '_')}" if n in shared else n for n, r in zip(names, rows)]
+
+
+def _merge_into(source: Path, dest: Path) -> None:
+    """Move source's files into dest (created if missing), subdirectories merged; a name dest already has stays
+    where it was (event files carry host, pid and time in their names: a clash is not a run's data)."""
+    if not dest.exists():
+        source.rename(dest)
+        return
+    for entry in source.iterdir():
+        target = dest / entry.name
+        if entry.is_dir() and target.is_dir():
+            _merge_into(entry, target)
+        elif not target.exists():
+            entry.rename(target)
+    if not any(source.iterdir()):
+        source.rmdir()
+
+
+def gather_tensorboard_runs(rows: list[dict], sweep_dir: Path) -> Optional[Path]:
+    """Move each job's tb/ to <sweep_dir>/tb/<overrides that vary>: TensorBoard names a run by its directory, and
+    a run reachable by two paths (the job's own tb/ and a named link to it, as before) is shown twice. With the
+    events in one place, `tensorboard --logdir` the sweep directory (or its tb/) shows one run per job, named by
+    what was swept. Returns the directory (None: no job wrote TensorBoard events)."""
     root = sweep_dir / TB_LINKS
-    made = 0
-    for row, label in zip(rows, varying_overrides(rows)):
-        target = Path(row["dir"]) / "tb"
-        if not target.is_dir():
+    for row, name in zip(rows, _run_names(rows)):
+        events = Path(row["dir"]) / "tb"
+        if events.is_symlink() or not events.is_dir():
             continue
         root.mkdir(exist_ok=True)
-        name = _run_name(label)
-        link = root / name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and link.resolve() == target.resolve():
-                made += 1
-                continue
-            link = root / f"{name}_job{row['job'].replace(os.sep, '_')}"  # two jobs with one label
-            if link.is_symlink():
-                link.unlink()
-        link.symlink_to(os.path.relpath(target, root), target_is_directory=True)
-        made += 1
-    return root if made else None
+        dest = root / name
+        if dest.is_symlink():  # a sweep summarised before: its link to the job's tb/ gives way to the events
+            dest.unlink()
+        _merge_into(events, dest)
+    return root if root.is_dir() and any(root.iterdir()) else None
 
 
 def summarize_sweep(sweep_dir: Path) -> list[dict]:
@@ -240,9 +259,9 @@ def summarize_sweep(sweep_dir: Path) -> list[dict]:
         log.warning("sweep summary: could not draw sweep_summary.png (%s)", e)
     failed = sum(r["status"] != "ok" for r in rows)
     log.info("sweep summary: %d runs (%d not ok) -> %s", len(rows), failed, sweep_dir / "sweep_summary.md")
-    tb = link_tensorboard_runs(rows, sweep_dir)
+    tb = gather_tensorboard_runs(rows, sweep_dir)
     if tb is not None:
-        log.info("sweep summary: tensorboard --logdir %s (runs named by their overrides)", tb)
+        log.info("sweep summary: tensorboard --logdir %s (one run per job, named by its overrides)", tb)
     return rows
 
 

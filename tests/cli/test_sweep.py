@@ -117,12 +117,27 @@ def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
     assert float(table[1]["final_loss"]) == pytest.approx(summary["final_loss"])
     assert table[1]["steps"] == "2"
     assert (sweep / "sweep_summary.md").is_file() and (sweep / "sweep_summary.png").is_file()
-    # TensorBoard: the run is named by its overrides, and its HPARAMS row carries the schedule and friends
+    # TensorBoard: the run is named by its overrides, shown once, and its HPARAMS row carries the schedule and friends
     run = sweep / "tb" / "train.micro_batch=2"
-    assert run.is_dir() and run.resolve() == (sweep / "1" / "tb").resolve()
+    assert run.is_dir() and not run.is_symlink() and not (sweep / "1" / "tb").exists()
+    assert _tensorboard_runs(sweep) == ["tb/train.micro_batch=2"]
     hparams = _hparams(run)
     assert {"schedule", "warmup_steps", "weight_decay", "lora_r", "eval_fraction"} <= set(hparams)
     assert hparams["schedule"] == "cosine" and hparams["warmup_steps"] == 1 and hparams["lora_r"] == 0
+
+
+def _tensorboard_runs(logdir: Path) -> list[str]:
+    """The runs `tensorboard --logdir logdir` lists (it follows symlinks: a linked directory is a second run)."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    return sorted(EventMultiplexer().AddRunsFromDirectory(str(logdir)).Runs())
+
+
+def _write_events(tb_dir: Path, loss: float) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(tb_dir)) as writer:
+        writer.add_scalar("train/loss", loss, 1)
 
 
 def _hparams(tb_dir: Path) -> dict:
@@ -140,7 +155,7 @@ def _hparams(tb_dir: Path) -> dict:
 def test_table_has_eval_loss_and_tensorboard_runs_are_named_by_overrides(tmp_path):
     for num, lr in enumerate(("1e-3", "3e-3")):
         d = _job(tmp_path, num, ["debug=fast", f"optim.lr={lr}", "data.path=/d/x.jsonl"])
-        (d / "tb").mkdir()
+        _write_events(d / "tb", loss=3.0 + num)
         summary = {"final_loss": 3.0, "steps": 4, "eval": {"loss": 3.5 - num, "best_loss": 3.25 - num}}
         (d / "summary.json").write_text(json.dumps(summary))
     _job(tmp_path, 2, ["debug=fast", "optim.lr=1e-2", "data.path=/d/x.jsonl"])  # no tb/ (failed early)
@@ -149,10 +164,35 @@ def test_table_has_eval_loss_and_tensorboard_runs_are_named_by_overrides(tmp_pat
     assert [float(r["eval_loss"]) for r in table[:2]] == [3.5, 2.5]
     assert [float(r["best_eval_loss"]) for r in table[:2]] == [3.25, 2.25] and table[2]["eval_loss"] == ""
     assert "eval_loss" in (tmp_path / "sweep_summary.md").read_text()
-    links = sorted(p.name for p in (tmp_path / "tb").iterdir())
-    assert links == ["optim.lr=1e-3", "optim.lr=3e-3"]
-    assert (tmp_path / "tb" / "optim.lr=3e-3").resolve() == (tmp_path / "1" / "tb").resolve()
-    assert summarize_sweep(tmp_path) == rows  # rebuilding keeps the links
+    # one TensorBoard run per job, named by the overrides that vary (was: 0/tb, 1/tb and a named link to each)
+    assert _tensorboard_runs(tmp_path) == ["tb/optim.lr=1e-3", "tb/optim.lr=3e-3"]
+    assert _tensorboard_runs(tmp_path / "tb") == ["optim.lr=1e-3", "optim.lr=3e-3"]
+    assert not (tmp_path / "1" / "tb").exists()
+    _write_events(tmp_path / "1" / "tb", loss=9.0)  # the job resumed into its own directory later
+    assert summarize_sweep(tmp_path) == rows  # rebuilding merges the new events into the same run
+    assert _tensorboard_runs(tmp_path) == ["tb/optim.lr=1e-3", "tb/optim.lr=3e-3"]
+    assert len(list((tmp_path / "tb" / "optim.lr=3e-3").glob("events.out.tfevents.*"))) == 2
+
+
+def test_a_sweep_summarised_with_links_before_gets_its_events_moved(tmp_path):
+    for num, lr in enumerate(("1e-3", "3e-3")):
+        d = _job(tmp_path, num, [f"optim.lr={lr}"])
+        _write_events(d / "tb", loss=1.0)
+        (d / "summary.json").write_text(json.dumps({"final_loss": 1.0}))
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "optim.lr=1e-3").symlink_to(Path("..") / "0" / "tb", target_is_directory=True)
+    assert len(_tensorboard_runs(tmp_path)) == 3  # 0/tb, 1/tb and the link: job 0 shown twice
+    rows = summarize_sweep(tmp_path)
+    assert len(rows) == 2 and _tensorboard_runs(tmp_path) == ["tb/optim.lr=1e-3", "tb/optim.lr=3e-3"]
+
+
+def test_jobs_whose_labels_make_one_name_keep_one_run_each(tmp_path):
+    for num, path in enumerate(("/d/x", "_d_x")):  # a path separator cannot be part of a directory name
+        d = _job(tmp_path, num, [f"data.path={path}"])
+        _write_events(d / "tb", loss=float(num))
+        (d / "summary.json").write_text(json.dumps({"final_loss": 1.0}))
+    summarize_sweep(tmp_path)
+    assert _tensorboard_runs(tmp_path) == ["tb/data.path=_d_x_job0", "tb/data.path=_d_x_job1"]
 
 
 def test_plot_overlays_loss_curves_and_prints_bar_values(tmp_path):
