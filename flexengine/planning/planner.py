@@ -439,7 +439,8 @@ def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:
     while seq > 128 and not _fits(m, dataclasses.replace(x, seq_len=seq)):
         seq //= 2
     if seq < x.seq_len and _fits(m, dataclasses.replace(x, seq_len=seq)):
-        out.append(f"data.seq_len={seq} fits (at most; try values between {seq} and {x.seq_len})")
+        # a lower bound only: _fits tries whole-block checkpointing alone, the search more (tiles, chunks)
+        out.append(f"data.seq_len={seq} fits (longer rows may too: plan.max_seq_len=true finds the longest)")
     if x.micro_batch > 1 and _fits(m, dataclasses.replace(x, micro_batch=1)):
         out.append(f"train.micro_batch=1 train.grad_accum={x.micro_batch * x.grad_accum} fits (same rows per step)")
     if x.chunk_size <= 0 and _fits(m, dataclasses.replace(x, chunk_size=1024)):

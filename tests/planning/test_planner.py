@@ -493,3 +493,20 @@ def test_offload_in_flight_is_offloads_bound_times_its_largest_block():
             plan = evaluate(m, x, MemoryConfig(**family, layers=spread_layers(k, m.layers)))
             assert plan["terms"]["offload_in_flight_bytes"] == OFFLOAD_BLOCKS_IN_FLIGHT * one_block, (family, k)
     assert evaluate(m, x, MemoryConfig(policy="none"))["terms"]["offload_in_flight_bytes"] == 0
+
+
+def test_a_row_too_long_is_told_a_length_that_fits_and_where_the_longest_is_found():
+    """Before: `data.seq_len=122070 fits (at most; try values between 122070 and 1000000000)` -- a lower bound
+    called a ceiling, and a range up to the length refused. Now: a length that fits, said to be one."""
+    import re
+
+    from flexengine.planning.max_seq_len import max_seq_len_table
+
+    cfg, x = _deepseek_inputs(seq_len=10**9)
+    plan = plan_memory(cfg, x)
+    assert not plan["fits"]
+    said = next(s for s in plan["suggestions"] if s.startswith("data.seq_len="))
+    shorter = int(re.fullmatch(r"data\.seq_len=(\d+) fits \(longer rows may too: plan\.max_seq_len=true .*\)", said)[1])
+    assert plan_memory(cfg, dataclasses.replace(x, seq_len=shorter))["fits"]
+    longest = max(row["max_seq_len"] for row in max_seq_len_table(cfg, x))
+    assert shorter <= longest < x.seq_len  # what the pointer finds is at least as long
