@@ -24,6 +24,7 @@ from flexengine.core.config_record import (
     RESOLVED_CONFIG_FILE,
     ConfigRecord,
 )
+from flexengine.core.distributed import DistInfo, init_distributed, main_rank_first, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
 from flexengine.core.storage import (
@@ -49,15 +50,7 @@ from flexengine.surgery.context_parallel import ContextParallel, build_context_p
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
-from flexengine.surgery.parallel import (
-    DistInfo,
-    apply_parallel,
-    init_distributed,
-    loads_weights,
-    main_rank_first,
-    rank_device,
-    shutdown_distributed,
-)
+from flexengine.surgery.parallel import apply_parallel, loads_weights
 from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
 

@@ -25,13 +25,14 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexengine.core.config import ParallelConfig
+from flexengine.core.distributed import init_distributed
 from flexengine.data.packing import pack_documents
 from flexengine.loop.evaluate import evaluate_loss, greedy_continue
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.compile import apply_compile
 from flexengine.surgery.context_parallel import build_context_parallel
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.parallel import apply_parallel, init_distributed
+from flexengine.surgery.parallel import apply_parallel
 from tests.helpers import CharTokenizer, clone_model, make_qwen_mixed
 
 SEQ_LEN = 1024  # 8 blocks of 128: PTRR balances whole blocks, 4 per rank

@@ -23,6 +23,7 @@ def main(out: Path, overrides: list[str]) -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     from flexengine.cli.doctor import compose_job
+    from flexengine.core.distributed import init_distributed
     from flexengine.loop.trainer import Trainer
     from flexengine.run import build_data
     from flexengine.surgery.attention import apply_attention, resolve_attention_spec
@@ -30,7 +31,7 @@ def main(out: Path, overrides: list[str]) -> None:
     from flexengine.surgery.context_parallel import build_context_parallel
     from flexengine.surgery.memory import decoder_layers
     from flexengine.surgery.model import load_model, load_tokenizer
-    from flexengine.surgery.parallel import apply_parallel, init_distributed
+    from flexengine.surgery.parallel import apply_parallel
     from tests.helpers import sdpa_on_block_mask
     from tests.parallel_grads import record_steps
 

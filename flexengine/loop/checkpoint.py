@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from flexengine.core.distributed import cpu_group, global_rank, global_world_size
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.storage import (
     check_free_space,
@@ -81,7 +82,7 @@ from flexengine.loop.checkpoint_load import (  # noqa: F401 (re-exported)
 )
 from flexengine.loop.rank_sync import on_every_rank, run_on_rank0
 from flexengine.surgery.lora import hf_key, is_lora, merge_lora_state_dict
-from flexengine.surgery.parallel import cpu_group, global_rank, global_world_size, is_dtensor
+from flexengine.surgery.parallel import is_dtensor
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from flexengine.core.distributed import cpu_group, global_rank, global_world_size
 from flexengine.core.errors import UserError
 from flexengine.core.storage import (
     has_manifest,
@@ -35,7 +36,7 @@ from flexengine.loop import rank_sync
 from flexengine.loop.nonfinite import nonfinite_names
 from flexengine.loop.rank_sync import on_every_rank, run_on_rank0
 from flexengine.surgery.lora import adapter_to_model_keys, is_lora
-from flexengine.surgery.parallel import cpu_group, global_rank, global_world_size, is_dtensor
+from flexengine.surgery.parallel import is_dtensor
 
 log = logging.getLogger(__name__)
 

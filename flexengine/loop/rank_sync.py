@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from flexengine.core.distributed import global_rank, global_world_size
 from flexengine.core.errors import UserError, os_error_message
-from flexengine.surgery.parallel import global_rank, global_world_size
 
 COLLECTIVE_TIMEOUT_S = 3 * 3600.0  # ranks wait for rank 0 to write and hash a 7B checkpoint on a slow disk
 

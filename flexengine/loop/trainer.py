@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flexengine.core.config import JobConfig
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.data.targets import count_valid_targets
@@ -30,7 +31,7 @@ from flexengine.loop.signals import StopSignals
 from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention import MASK_KWARG, mask_kwargs
 from flexengine.surgery.context_parallel import ContextParallel
-from flexengine.surgery.parallel import DistInfo, LossForward, grad_norm_value, gradient_sync
+from flexengine.surgery.parallel import LossForward, grad_norm_value, gradient_sync
 from flexengine.surgery.precision import PrecisionSpec, spec_for_params
 
 log = logging.getLogger(__name__)

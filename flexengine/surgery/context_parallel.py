@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.data.targets import shift_targets
@@ -33,7 +34,6 @@ from flexengine.surgery.attention.block_mask import BatchMask, canonical_documen
 from flexengine.surgery.attention.masks import document_ids_from_position_ids
 from flexengine.surgery.attention.patch import CP_ATTENTION, MASK_KWARG, LayerMasks, _flex_fn, mask_kwargs
 from flexengine.surgery.family import family_of
-from flexengine.surgery.parallel import DistInfo
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from flexengine.cli.common import compose_job
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.run import build_data
 from flexengine.surgery.model import load_tokenizer
-from flexengine.surgery.parallel import DistInfo
 
 # distinct documents long enough to fill rows of 64 tokens
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i} - {i % 7}  # function number {i}\n" * 3 for i in range(60)]

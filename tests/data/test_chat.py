@@ -9,11 +9,11 @@ import logging
 import pytest
 
 from flexengine.cli.common import compose_job
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.run import build_data, run_training
 from flexengine.surgery.model import load_tokenizer
-from flexengine.surgery.parallel import DistInfo
 
 
 def _conversation(i: int, turns: int) -> list[dict]:

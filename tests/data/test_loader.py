@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flexengine.core.config import DataConfig
+from flexengine.core.distributed import DistInfo
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import (
     RowLoader,
@@ -16,7 +17,6 @@ from flexengine.data.loader import (
     row_token_counts,
 )
 from flexengine.data.packing import flatten_documents, plan_packing
-from flexengine.surgery.parallel import DistInfo
 
 SEQ_LEN = 32
 

@@ -10,11 +10,11 @@ import pytest
 
 from flexengine.cli.common import compose_job
 from flexengine.core.config import MixSource
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.mix import mix_documents
 from flexengine.run import build_data
 from flexengine.surgery.model import load_tokenizer
-from flexengine.surgery.parallel import DistInfo
 
 
 def test_weights_become_token_shares_by_whole_documents():

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from flexengine.cli.common import compose_job
+from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.packing import flatten_documents
 from flexengine.data.split import split_documents
 from flexengine.run import build_data
 from flexengine.surgery.model import load_tokenizer
-from flexengine.surgery.parallel import DistInfo
 
 
 def test_split_is_deterministic_sized_and_keeps_duplicates_together():

@@ -13,10 +13,10 @@ import torch
 
 from flexengine.cli.doctor import compose_job
 from flexengine.core.config import ParallelConfig
+from flexengine.core.distributed import init_distributed
 from flexengine.core.errors import UserError
 from flexengine.data.targets import shift_targets
 from flexengine.surgery.loss import causal_lm_loss_sum, shifted_loss_sum
-from flexengine.surgery.parallel import init_distributed
 from tests.helpers import python_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
