@@ -2,10 +2,12 @@
 appending one JSON line per check to --jsonl as it ends and printing `@@start NAME` / `@@done NAME: ...` lines the
 driver follows. With --dry-run every check runs its CPU part (bench/gpu_check_list.py says what that is).
 
-  python bench/gpu_check_scripts.py --jsonl OUT.jsonl [--dry-run] NAME [NAME ...]
+  python bench/gpu_check_scripts.py --jsonl OUT.jsonl [--dry-run [--fast]] NAME [NAME ...]
 
 Checks here: env, flex_vs_dense, flex_vs_sdpa, recompiles, cp_grads, doctor, fsdp_smoke, precision_proof; the
-7B-width ones (train_<mode>, planner_vs_allocator, offload_overlap) are in bench/gpu_check_width.py.
+7B-width ones (train_<mode>, planner_vs_allocator, offload_overlap) are in bench/gpu_check_width.py, the README's
+plan at the A100's budget (readme_a100) in bench/gpu_check_readme.py. A check says how far it got with
+`@@progress ...` lines (gpu_check_width.progress): the driver keeps them for a check it has to kill.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import importlib
 import io
 import json
+import logging
 import math
 import os
 import subprocess
@@ -30,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
-from gpu_check_width import FIRST_STEPS  # noqa: E402
+from gpu_check_width import CHECK_STARTED, FAST_DRY, FIRST_STEPS, PROGRESS  # noqa: E402
 
 from tests.helpers import GPU_TINY_LLAMA  # noqa: E402
 
@@ -146,7 +149,16 @@ ENV_MODULES = (  # everything the checks import: a missing carried wheel fails h
     "torch.nn.attention.flex_attention",
     "torch.distributed.fsdp",
     "gpu_check_width",
+    "gpu_check_readme",
     "gpu_overlap",
+)
+# what the checks' compiles and allocations run under (bench/gpu_check.py sets them for the whole call)
+CALL_ENV = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_FX_GRAPH_CACHE",
 )
 
 
@@ -167,14 +179,23 @@ def check_env(dry: bool) -> dict:
         "cuda": torch.version.cuda,
         "gpu": props.name if props else None,
         "gpu_memory_gib": props.total_memory / 2**30 if props else None,
+        # held outside the allocator before any allocation: the CUDA context (the planner's context term)
+        "cuda_context_gib": _context_gib() if props else None,
         "transformers": versions.get("transformers"),
         "versions": versions,
+        "call_env": {k: os.environ.get(k) for k in CALL_ENV},
     }
     ok = not errors and (dry or props is not None)
     record = {"ok": ok, "env": env, "import_errors": errors, "headline": {"torch": torch.__version__}}
     if props is None and not dry:
         record["error"] = "no CUDA device visible: nothing else can be checked"
     return record
+
+
+def _context_gib() -> float:
+    """Device memory in use that the caching allocator does not hold (the CUDA context, other processes)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
 
 
 # -- flex vs dense --------------------------------------------------------------------------------------------
@@ -646,10 +667,12 @@ def checks() -> dict[str, Callable[[bool], dict]]:
     """Check name -> function(dry) -> record, in bench/gpu_check_list.py's order."""
     import gpu_check_width as width
     from gpu_check_list import CHECKS
+    from gpu_check_readme import check_readme_a100
 
     modes = {f"train_{m}": functools.partial(width.check_train_mode, m) for m in width.MODES}
     table = {
         "env": check_env,
+        "readme_a100": check_readme_a100,
         **modes,
         "flex_vs_dense": check_flex_vs_dense,
         "flex_vs_sdpa": check_flex_vs_sdpa,
@@ -682,19 +705,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jsonl", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--fast", action="store_true", help="with --dry-run: the CPU parts without training steps")
     parser.add_argument("names", nargs="+")
     args = parser.parse_args()
+    FAST_DRY[0] = args.fast and args.dry_run
     # One process trains many shapes and dtypes through the same compiled code (the decoder block, flex): more
     # cache entries than dynamo's default limit of 8, past which flex would fall back to eager (scores
     # materialised). The recompiles check counts its own compiles with CompileWatch, which this does not change.
     for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(256, getattr(torch._dynamo.config, key)))
+    # the run's own log lines (its plan, warnings) go to the driver's log next to the @@ lines
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     table = checks()
     for name in args.names:
         print(f"@@start {name}", flush=True)
         t0, compiled0 = time.perf_counter(), compile_seconds()
         FIRST_STEPS.clear()
+        PROGRESS.clear()
+        CHECK_STARTED[0] = t0
         try:
             record = table[name](args.dry_run)
         except Exception as e:
@@ -710,6 +739,7 @@ def main() -> None:
         record["compile_s"] = round(compile_seconds() - compiled0, 2)
         if FIRST_STEPS:
             record["first_step_s"] = [round(x, 2) for x in FIRST_STEPS]
+        record["progress"] = list(PROGRESS)
         record["left_allocated_gib"] = _free_device()  # > 1: this check leaked device memory (dynamo was reset)
         append_line(args.jsonl, {"check": name, "seconds": round(seconds, 2), "dry_run": args.dry_run, **record})
         print(f"@@done {name}: {record['status']} ({seconds:.0f} s) {_headline(record)}", flush=True)
