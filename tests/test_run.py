@@ -64,6 +64,7 @@ def test_the_record_is_what_the_trainer_used(checkpoint, tmp_path):
     )
     assert "replaces 4, yours: command line" in record.sources["train.micro_batch"]
     assert "replaces 0.001, config: conf/optim/adamw.yaml" in record.sources["optim.lr"]
+    assert record.sources["optim.warmup_steps"] == "config: conf/debug/fast.yaml"  # so no warmup ratio is taken
 
 
 def _tensorboard(run_dir: Path) -> tuple[dict, dict]:
@@ -99,7 +100,7 @@ def test_the_files_tensorboard_and_the_plan_show_the_same_record(checkpoint, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["config"] == resolved
     assert resolved["optim"]["lr"] == 2e-5 and resolved["train"]["micro_batch"] == 2
-    assert summary["config_sources"]["optim.lr"].startswith("first-contact: from conf/model/")
+    assert summary["config_sources"]["optim.lr"].startswith("first-contact: from flexengine's generic")
     # what trained: 2 steps of micro_batch 2 x grad_accum 2 rows of 256 tokens
     assert summary["tokens_seen"] == 2 * 2 * 2 * 256
     hydra_cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())

@@ -57,12 +57,13 @@ def to_job_record(
     (hydra_cfg: Hydra's own node, for the group options chosen; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.config_sources import composed_sources, hydra_runtime
+    from flexengine.cli.config_sources import composed_sources, hydra_runtime, value_from_files
     from flexengine.cli.first_contact import (
         apply_pretrained_defaults,
         command_line_keys,
         command_line_wins,
         given_overrides,
+        keep_rows_per_step,
     )
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
 
@@ -79,11 +80,14 @@ def to_job_record(
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    record = ConfigRecord(job, composed_sources(job, command_line_keys(given), hydra_runtime(hydra_cfg)))
+    runtime = hydra_runtime(hydra_cfg)
+    record = ConfigRecord(job, composed_sources(job, command_line_keys(given), runtime))
     for key, winner in overruled.items():
         record.set(key, None, f"{FROM_COMMAND_LINE} ({winner} typed there excludes it)")
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
+    job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))
+    record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
     return apply_pretrained_defaults(job, given, record), record
 

@@ -71,27 +71,47 @@ def _keys_set_by_files(
     choices: Mapping[str, Optional[str]], dirs: list[tuple[Path, str]], leaves: Iterable[str]
 ) -> dict[str, str]:
     """The job's dotted key -> the last chosen option's file that sets it (or part of it: model.arch.hidden_size
-    sets model.arch). Hydra's choices list the defaults tree last-composed first (experiment before model before
-    optim), hence reversed."""
+    sets model.arch)."""
     leaves = list(leaves)
     owner: dict[str, str] = {}
+    for label, values in _chosen_files(choices, dirs):
+        for key in values:
+            for leaf in leaves:
+                if leaf == key or key.startswith(leaf + ".") or leaf.startswith(key + "."):
+                    owner[leaf] = label
+    return owner
+
+
+def value_from_files(key: str, runtime: Optional[Any]) -> Optional[tuple[Any, str]]:
+    """(value, file) of the last chosen config file that sets the dotted `key`, before the command line; None when
+    no file sets it (or outside Hydra)."""
+    if runtime is None:
+        return None
+    found = None
+    for label, values in _chosen_files(dict(runtime.choices), _search_dirs(runtime)):
+        if key in values:
+            found = values[key], label
+    return found
+
+
+def _chosen_files(choices: Mapping[str, Optional[str]], dirs: list[tuple[Path, str]]) -> list[tuple[str, dict]]:
+    """(file label, {dotted key: value}) of each chosen group option's file, in composition order. Hydra's choices
+    list the defaults tree last-composed first (experiment before model before optim), hence reversed."""
+    out = []
     for group, option in reversed(list(choices.items())):
         if option is None or group.startswith("hydra"):
             continue
         path, name = next(
             ((d / group / f"{option}.yaml", n) for d, n in dirs if (d / group / f"{option}.yaml").is_file()), (None, "")
         )
-        if path is None:  # an option Hydra found elsewhere (a plugin's search path): no per-file attribution
-            continue
-        for key in _file_keys(path, group):
-            for leaf in leaves:
-                if leaf == key or key.startswith(leaf + ".") or leaf.startswith(key + "."):
-                    owner[leaf] = f"{name}/{group}/{option}.yaml"
-    return owner
+        if path is not None:  # else an option Hydra found elsewhere (a plugin's search path): not attributed
+            out.append((f"{name}/{group}/{option}.yaml", _file_values(path, group)))
+    return out
 
 
-def _file_keys(path: Path, group: str) -> list[str]:
-    """The dotted keys one option file sets, under its package (`# @package _global_`, else the group's)."""
+def _file_values(path: Path, group: str) -> dict[str, Any]:
+    """The dotted keys one option file sets and their values, under its package (`# @package _global_`, else the
+    group's)."""
     text = path.read_text(encoding="utf-8")
     package = group.replace("/", ".")
     for line in text.splitlines():
@@ -102,11 +122,14 @@ def _file_keys(path: Path, group: str) -> list[str]:
             package = "" if match.group(1) == "_global_" else match.group(1).replace("_group_", package)
     body = yaml.safe_load(text) or {}
     body.pop("defaults", None)
-    return [f"{package}.{key}" if package else key for key in _flat_keys(body)]
+    return {f"{package}.{key}" if package else key: value for key, value in _flat_values(body).items()}
 
 
-def _flat_keys(node: Mapping[str, Any], prefix: str = "") -> list[str]:
-    out = []
+def _flat_values(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, value in node.items():
-        out += _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"]
+        if isinstance(value, dict) and value:
+            out.update(_flat_values(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
@@ -28,12 +28,19 @@ from flexengine.core.config_record import ConfigRecord
 log = logging.getLogger(__name__)
 
 DEMO_MODEL = "tiny"  # conf/config.yaml's default model group: what "no model group named" composes
-# keys whose demo values are wrong for pretrained weights of any size (taken from a shipped 7B model config)
-FINETUNE_KEYS = ("optim.lr", "optim.warmup_steps", "optim.weight_decay")
+# keys whose demo values are wrong for pretrained weights of any size: from the shipped model config of the
+# checkpoint's size, else GENERIC_FINETUNE
+FINETUNE_KEYS = ("optim.lr", "optim.warmup_ratio", "optim.weight_decay")
+# what a pretrained model of a size no shipped config has gets (a 13B, a 1B): full fine-tuning values of the
+# LLaMA family (lr 2e-5, no weight decay, 3 % of the steps warming up), as the shipped 7B configs carry them
+GENERIC_FINETUNE = {"optim.lr": 2e-5, "optim.warmup_ratio": 0.03, "optim.weight_decay": 0.0}
+GENERIC_SOURCE = "flexengine's generic fine-tuning defaults, first_contact.GENERIC_FINETUNE"
 # keys that depend on the model's size: taken only when the checkpoint is within SAME_SIZE of that config's
 # (loss.chunk_size is not one: conf/loss/default.yaml already chunks the cross-entropy for any vocabulary)
 SIZE_KEYS = ("train.micro_batch", "train.grad_accum")
-SAME_SIZE = 2.0  # parameter-count ratio (either way) under which two models count as the same size class
+# parameter-count ratio (either way) under which a shipped config counts as the checkpoint's size: the 7B configs
+# (6.7-7.2B) cover 5.2B-9.4B (Llama-3-8B, Qwen2-7B, Gemma-7B), not Llama-2-13B (13.0B, 1.9x) nor a 3B
+SAME_SIZE = 1.3
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
 
@@ -95,23 +102,22 @@ def apply_pretrained_defaults(
 
     params = ModelShape.from_hf_config(build_hf_config(model)).params
     source, raw, source_params = min(_shipped_finetune_configs(), key=lambda c: abs(math.log(c[2] / params)))
-    same_size = max(params, source_params) / min(params, source_params) <= SAME_SIZE
     explicit = command_line_keys(given)
-    changes: dict[str, dict] = {}
     notes = [f"model.name={Path(str(model.path)).name} (the directory name of model.path)"]
-    for key in FINETUNE_KEYS + SIZE_KEYS:
-        group, field = key.split(".")
-        current = getattr(getattr(job, group), field)
-        if key in SIZE_KEYS and not same_size:
-            notes.append(f"{key}={current} (kept: {_explain(params)} parameters is not the size of {source})")
-        elif key in explicit or current != _schema_default(group, field):
-            notes.append(f"{key}={current} (yours)")
-        elif key == "optim.warmup_steps" and job.optim.warmup_ratio is not None:
-            notes.append(f"optim.warmup_ratio={job.optim.warmup_ratio} (yours)")
-        else:
-            value = raw[group][field]
-            changes.setdefault(group, {})[field] = value
-            notes.append(f"{key}={value} (from {source})")
+    rows_kept: dict = {}
+    if max(params, source_params) / min(params, source_params) <= SAME_SIZE:
+        defaults = {key: raw[key.split(".")[0]].get(key.split(".")[1]) for key in FINETUNE_KEYS + SIZE_KEYS}
+        defaults = {k: v for k, v in defaults.items() if v is not None}
+        rows_kept = _rows_kept(job, explicit, defaults, source, notes)
+    else:
+        notes.append(
+            f"{_explain(params)} parameters: no shipped model config is within {SAME_SIZE}x of that size (nearest: "
+            f"{source}, {_explain(source_params)}), so generic fine-tuning defaults apply and the demo's "
+            f"train.micro_batch={job.train.micro_batch} x train.grad_accum={job.train.grad_accum} stays"
+        )
+        defaults, source = dict(GENERIC_FINETUNE), GENERIC_SOURCE
+    others = {k: v for k, v in defaults.items() if k not in rows_kept}
+    changes = {**_taken_defaults(job, explicit, others, source, notes), **rows_kept}
     notes.append(_step_count_note(job, explicit))
     log.warning(
         "model.path=%s holds pretrained weights (%s parameters) and no model group is named, so the demo's "
@@ -124,12 +130,80 @@ def apply_pretrained_defaults(
         job.optim.weight_decay,
         "\n  ".join(notes),
     )
-    groups = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in changes.items()}
-    job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **groups)
+    groups: dict[str, dict] = {}
+    for key, value in changes.items():
+        groups.setdefault(key.split(".")[0], {})[key.split(".")[1]] = value
+    replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in groups.items()}
+    job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **replaced)
     if record is not None:
-        labels = {f"{g}.{f}": f"first-contact: from {source}" for g, fields in changes.items() for f in fields}
+        labels = dict.fromkeys(changes, f"first-contact: from {source}")
         record.update(job, {**labels, "model.name": "first-contact: model.path's directory name"})
     return job
+
+
+def _rows_kept(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
+    """train.micro_batch typed alone on a model of a shipped config's size: its grad_accum follows, so that the
+    config's rows per optimizer step stay (the effective batch is what a fine-tuning recipe means)."""
+    if "train.micro_batch" not in explicit or "train.grad_accum" in explicit or "train.micro_batch" not in defaults:
+        return {}
+    rows = defaults["train.micro_batch"] * defaults.get("train.grad_accum", 1)
+    accum = max(1, round(rows / job.train.micro_batch))
+    notes.append(
+        f"train.grad_accum={accum} (keeps {source}'s {rows} rows per optimizer step at your "
+        f"train.micro_batch={job.train.micro_batch}"
+        + ("" if accum * job.train.micro_batch == rows else f": {accum * job.train.micro_batch}, the nearest")
+        + "; type train.grad_accum to choose)"
+    )
+    return {"train.grad_accum": accum}
+
+
+def _taken_defaults(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
+    """Of the defaults, those the job takes: not a key the user set (typed, or changed from the schema's default
+    by a config of theirs), nor a warmup ratio where a warmup step count is set. Each one noted."""
+    changes = {}
+    for key, value in defaults.items():
+        group, field = key.split(".")
+        current = getattr(getattr(job, group), field)
+        if key in explicit or current != _schema_default(group, field):
+            notes.append(f"{key}={current} (yours)")
+        elif key == "optim.warmup_ratio" and job.optim.warmup_steps is not None:
+            notes.append(f"optim.warmup_steps={job.optim.warmup_steps} (yours)")
+        else:
+            changes[key] = value
+            notes.append(f"{key}={value} (from {source})")
+    return changes
+
+
+def keep_rows_per_step(
+    job: JobConfig, explicit: set[str], from_files: Callable[[str], Optional[tuple[Any, str]]]
+) -> JobConfig:
+    """train.micro_batch typed alone, over a config file's micro_batch x grad_accum (a 7B experiment's 1 x 8): the
+    accumulation follows, so the file's rows per optimizer step stay (logged; typing train.grad_accum too keeps
+    both as typed). from_files(key): (value, file) as the config files set key, or None."""
+    if "train.micro_batch" not in explicit or "train.grad_accum" in explicit:
+        return job
+    accum_from = from_files("train.grad_accum")
+    if accum_from is None:
+        return job
+    micro_from = from_files("train.micro_batch")
+    file_micro = micro_from[0] if micro_from else _schema_default("train", "micro_batch")
+    rows, micro = file_micro * accum_from[0], job.train.micro_batch
+    accum = max(1, round(rows / micro))
+    if accum == job.train.grad_accum and accum * micro == rows:
+        return job
+    log.warning(
+        "train.micro_batch=%d typed alone: train.grad_accum %d -> %d keeps the %d rows per optimizer step of %s "
+        "(micro_batch %d x grad_accum %d)%s; type train.grad_accum to choose",
+        micro,
+        job.train.grad_accum,
+        accum,
+        rows,
+        accum_from[1],
+        file_micro,
+        accum_from[0],
+        "" if accum * micro == rows else f" as near as {micro} divides them: {accum * micro}",
+    )
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=accum))
 
 
 def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:

@@ -44,6 +44,7 @@ from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingCon
 from flexengine.core.errors import UserError
 
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
+RESUME_SCHEDULES = ("continue", "rederive")  # train.resume_schedule
 
 
 def conf_dir() -> Path:
@@ -308,6 +309,10 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only at the end)
     save_final: bool = True  # checkpoint at the end of the run
     resume: Optional[str] = None  # auto (newest checkpoint of train.output_dir that verifies) | path to step_<N>
+    # a resume whose train.max_steps differs from the saved run's: continue (the lr goes on from the saved step's,
+    # the rest of the saved schedule stretched over the steps left) | rederive (the schedule planned over the new
+    # length from step 0: the lr jumps to where that schedule is at the saved step)
+    resume_schedule: str = "continue"
     resume_new_data: bool = False  # resume even though the data stream changed (corpus, seq_len, packing,
     # micro_batch, ranks, seed): keep weights, optimizer and step; read the new data from its first row
     seed: int = 0
@@ -340,6 +345,7 @@ class TrainConfig:
                 raise UserError(f"train.{key}={getattr(self, key)} must be >= 0 (0 = off / default).")
         if self.log_every <= 0:
             raise UserError(f"train.log_every={self.log_every} must be a positive number of steps.")
+        check_choice("train.resume_schedule", self.resume_schedule, RESUME_SCHEDULES)
         if self.epochs is not None and self.epochs <= 0:
             raise UserError(f"train.epochs={self.epochs} must be positive (or null to use train.max_steps).")
         if not 0 < self.sample_tokens <= MAX_SAMPLE_TOKENS:

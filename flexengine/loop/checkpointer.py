@@ -23,7 +23,7 @@ from flexengine.loop.checkpoint import (
     save_checkpoint,
 )
 from flexengine.loop.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
-from flexengine.loop.optim import exported_weights
+from flexengine.loop.optim import apply_knots, exported_weights, planned_update, resumed_knots
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def trainer_state(trainer) -> dict:
         "data": trainer.loader.state_dict(),
         "rng": _rng_state(),
         "wall_s": trainer._elapsed_wall(),
-        "train_s": trainer.train_s,
+        "train_s": trainer.elapsed_train(),  # this launch's loop so far included
         "max_steps": trainer.job.train.max_steps,  # the schedule's length: a resume with another one is told
         "data_plan": dict(trainer.data_plan),
     }
@@ -139,14 +139,7 @@ def resume(trainer, spec: str) -> Optional[Path]:
     new_data = check_data_plan(trainer, state.get("data_plan", {}), path)  # before the weights: a cheap refusal
     load_checkpoint_weights(path, trainer.model)
     trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    # The saved lr came from the old schedule; re-derive it so a changed train.max_steps applies at once.
-    saved_lr = float(trainer.optimizer.param_groups[0]["lr"])
-    for group, base_lr, factor in zip(
-        trainer.optimizer.param_groups, trainer.scheduler.base_lrs, trainer.scheduler.lr_lambdas
-    ):
-        group["lr"] = base_lr * factor(trainer.scheduler.last_epoch)
-    warn_schedule_change(trainer, state, saved_lr)
+    resume_schedule(trainer, state)
     if not new_data:
         try:
             trainer.loader.load_state_dict(state["data"])
@@ -167,22 +160,51 @@ def resume(trainer, spec: str) -> Optional[Path]:
     return path
 
 
-def warn_schedule_change(trainer, state: dict, saved_lr: float) -> None:
-    """A resume whose schedule differs from the saved run's (train.max_steps, optim.*) jumps the lr: say so."""
+def resume_schedule(trainer, state: dict) -> None:
+    """Load the saved schedule and fit it to this run's train.max_steps (train.resume_schedule: continue or
+    rederive, see optim.resumed_knots)."""
+    scheduler, train = trainer.scheduler, trainer.job.train
+    scheduler.load_state_dict(state["scheduler"])
+    saved_lr = float(trainer.optimizer.param_groups[0]["lr"])
+    saved_max = state.get("max_steps") or train.max_steps
+    # checkpoints from before the knots were saved ran the plain schedule over their max_steps
+    knots = state["scheduler"].get("knots") or [[0, 0], [saved_max, saved_max]]
+    done = scheduler.last_epoch
+    apply_knots(scheduler, trainer.job.optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
+    warn_schedule_change(trainer, state, saved_lr, finished=planned_update(done, knots) >= knots[-1][1])
+
+
+def warn_schedule_change(trainer, state: dict, saved_lr: float, finished: bool = False) -> None:
+    """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does."""
     lr = float(trainer.optimizer.param_groups[0]["lr"])
-    before = state.get("max_steps")
-    if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, trainer.job.train.max_steps):
+    before, train = state.get("max_steps"), trainer.job.train
+    if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, train.max_steps):
         return
-    changed = f"train.max_steps {before} -> {trainer.job.train.max_steps}" if before else "the lr schedule"
-    log.warning(
-        "resume: %s changed: the schedule is re-derived over %d steps, so the lr of step %d is %.3g (the saved "
-        "run's was %.3g); the warmup and decay are those of the new length.",
-        changed,
-        trainer.job.train.max_steps,
-        state["train"]["step"] + 1,
-        lr,
-        saved_lr,
-    )
+    step = state["train"]["step"] + 1
+    if before in (None, train.max_steps):  # optim.* changed: the schedule itself is another one
+        what = (
+            f"the lr schedule changed (optim.*): the lr of step {step} is {lr:.3g} (the saved run's was {saved_lr:.3g})"
+        )
+    elif train.resume_schedule == "rederive":
+        what = (
+            f"train.max_steps {before} -> {train.max_steps}, train.resume_schedule=rederive: the schedule is planned "
+            f"over {train.max_steps} steps from step 0, so the lr of step {step} is {lr:.3g} (the saved run's was "
+            f"{saved_lr:.3g}); train.resume_schedule=continue goes on from the saved lr instead"
+        )
+    elif finished:
+        what = (
+            f"train.max_steps {before} -> {train.max_steps}: the saved run had finished its schedule, so "
+            f"(train.resume_schedule=continue) its {train.max_steps - step + 1} new steps keep the lr of its last "
+            f"step, {lr:.3g}; train.resume_schedule=rederive plans a schedule over {train.max_steps} steps instead"
+        )
+    else:
+        what = (
+            f"train.max_steps {before} -> {train.max_steps}, train.resume_schedule=continue: the lr goes on from "
+            f"the saved run's {saved_lr:.3g}, with the rest of its warmup and decay stretched over the "
+            f"{train.max_steps - step + 1} steps left; train.resume_schedule=rederive plans the schedule over "
+            f"{train.max_steps} steps from step 0 instead (the lr jumps)"
+        )
+    log.warning("resume: %s.", what)
 
 
 def check_data_plan(trainer, saved: dict, path: Path) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable, List
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -111,22 +112,25 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
 
 
 def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):
-    """The learning-rate schedule optim.schedule names, from transformers.get_scheduler (a LambdaLR).
+    """The learning-rate schedule optim.schedule names, from transformers.get_scheduler (a LambdaLR), over
+    max_steps updates (see apply_knots for how a resume with another length continues it)."""
+    scheduler = _transformers_scheduler(opt, optim, max_steps)
+    apply_knots(scheduler, optim, [[0, 0], [max_steps, max_steps]])
+    return scheduler
 
-    transformers' schedules give factor 0 at their step 0, so a run's first update would be wasted: update k
-    (0-based) here uses the factor of step k + 1 over a horizon of max_steps + 1 steps, so the first update
-    warms up at lr / warmup_steps and the last one still moves (linear and decay-to-zero end there).
-    """
+
+def _transformers_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, length: int):
+    """transformers' LambdaLR for optim.schedule over `length` updates (+1: see apply_knots)."""
     from transformers import get_scheduler
 
-    warmup = min(optim.warmup_for(max_steps), max_steps)
-    horizon = max_steps + 1
+    warmup = min(optim.warmup_for(length), length)
+    horizon = length + 1
     kwargs: dict = {}
     name = optim.schedule
     if name == "cosine":  # to lr * min_lr_ratio, not to 0
         name, kwargs = "cosine_with_min_lr", {"min_lr_rate": optim.min_lr_ratio}
     elif name == "warmup_stable_decay":
-        decay = max(1, round(optim.decay_fraction * max_steps))
+        decay = max(1, round(optim.decay_fraction * length))
         kwargs = {
             "num_decay_steps": min(decay, horizon - warmup),
             "min_lr_ratio": optim.min_lr_ratio,
@@ -137,14 +141,69 @@ def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: i
             f"optim.schedule={name!r} is not valid; choose one of cosine, linear, constant, "
             "constant_with_warmup, warmup_stable_decay."
         )
-    scheduler = get_scheduler(
+    return get_scheduler(
         name, opt, num_warmup_steps=warmup, num_training_steps=horizon, scheduler_specific_kwargs=kwargs or None
     )
-    scheduler.lr_lambdas = [_shifted(f, horizon) for f in scheduler.lr_lambdas]
+
+
+def apply_knots(scheduler, optim: OptimConfig, knots: list[list[float]]) -> None:
+    """Set the scheduler's factors from the schedule planned over knots[-1][1] updates, read through the piecewise
+    linear map `knots` ([updates done, planned update] pairs): identity for a plain run; a resume with another
+    train.max_steps adds a knot (resumed_knots). The knots are kept on the scheduler, so its state_dict saves them.
+
+    transformers' schedules give factor 0 at their step 0, so a run's first update would be wasted: update k
+    (0-based) here uses the factor of step k + 1 over a horizon of length + 1 steps, so the first update warms up
+    at lr / warmup_steps and the last one still moves (linear and decay-to-zero end there).
+    """
+    opt = scheduler.optimizer
+    length = int(knots[-1][1])
+    lrs = [group["lr"] for group in opt.param_groups]
+    planned = _transformers_scheduler(opt, optim, length)  # its factors only (building it sets the groups' lr)
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    scheduler.lr_lambdas = [_through_knots(f, length + 1, knots) for f in planned.lr_lambdas]
+    scheduler.knots = [list(k) for k in knots]
     for group, base_lr, factor in zip(opt.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the first update, with the shift
+        group["lr"] = base_lr * factor(scheduler.last_epoch)  # the lr of the next update
     scheduler._last_lr = [group["lr"] for group in opt.param_groups]
-    return scheduler
+
+
+def planned_update(done: float, knots: list[list[float]]) -> float:
+    """Where `done` updates stand in the planned schedule: linear between knots, one for one past the last."""
+    xs, ys = [k[0] for k in knots], [k[1] for k in knots]
+    if done >= xs[-1]:
+        return ys[-1] + (done - xs[-1])
+    return float(np.interp(done, xs, ys))
+
+
+def resumed_knots(knots: list[list[float]], done: int, max_steps: int, how: str) -> list[list[float]]:
+    """The knots of a run resumed after `done` updates with train.max_steps=max_steps (train.resume_schedule=how):
+    unchanged for the same length; rederive: the schedule planned over the new length from update 0 (the lr at
+    `done` jumps); continue: the saved run's remaining schedule stretched (or squeezed) over the steps left, so
+    the lr goes on from where it was."""
+    if max_steps == knots[-1][0] or max_steps <= done:
+        return knots
+    if how == "rederive":
+        return [[0, 0], [max_steps, max_steps]]
+    return [k for k in knots if k[0] < done] + [[done, planned_update(done, knots)], [max_steps, knots[-1][1]]]
+
+
+def _through_knots(factor, horizon: int, knots: list[list[float]]):
+    def next_step_factor(step: int) -> float:
+        # past the end: the final value (a cosine would rise again)
+        return factor(min(planned_update(step + 1, knots), horizon))
+
+    return next_step_factor
+
+
+def describe_schedule(optim: OptimConfig, max_steps: int) -> str:
+    """The schedule in words, its warmup in steps and where that number comes from (for the log)."""
+    warmup = min(optim.warmup_for(max_steps), max_steps)
+    if optim.warmup_ratio is not None:
+        why = f"optim.warmup_ratio={optim.warmup_ratio:g} of train.max_steps={max_steps}"
+    else:
+        why = "optim.warmup_steps" if optim.warmup_steps is not None else "the default, optim.warmup_steps=null"
+    return f"optim.schedule={optim.schedule} over {max_steps} steps at peak lr {optim.lr:g}, warmup {warmup} ({why})"
 
 
 # schedules that decay after warmup (constant and constant_with_warmup stay at the peak)
@@ -170,10 +229,3 @@ def schedule_problem(optim: OptimConfig, max_steps: int) -> str:
         f"{source} >= train.max_steps={max_steps}: the optim.schedule={optim.schedule} run {what}. Lower "
         "optim.warmup_steps, or set optim.warmup_ratio=0.05 (with optim.warmup_steps=null) to scale it with the run."
     )
-
-
-def _shifted(factor, horizon: int):
-    def next_step_factor(step: int) -> float:
-        return factor(min(step + 1, horizon))  # past the end: the final value (a cosine would rise again)
-
-    return next_step_factor

@@ -25,7 +25,14 @@ from flexengine.loop.flops import TrainFlops, attended_pairs
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import MetricsWriter
 from flexengine.loop.nonfinite import suspect_settings
-from flexengine.loop.optim import build_optimizer, build_scheduler, clip_gradients, last_backward, schedule_problem
+from flexengine.loop.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    describe_schedule,
+    last_backward,
+    schedule_problem,
+)
 from flexengine.loop.profiling import start_profiler
 from flexengine.loop.signals import StopSignals
 from flexengine.surgery.applied import applied, attention_spec
@@ -96,6 +103,8 @@ class Trainer:
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
+        if self.dist.is_main:
+            log.info("optim: %s", describe_schedule(job.optim, job.train.max_steps))
         if schedule_problem(job.optim, job.train.max_steps) and self.dist.is_main:
             log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
         self.eval_data = eval_data  # the held-out rows; None = no held-out set

@@ -25,11 +25,11 @@ def test_command_line_files_in_composition_order_and_defaults():
 
 def test_a_key_typed_into_an_open_dict_and_an_overruled_file_key():
     _, record = compose_job_record(
-        ["model=deepseek7b", "model.init=random", "model.arch.num_hidden_layers=2", "optim.warmup_ratio=0.05"]
+        ["model=deepseek7b", "model.init=random", "model.arch.num_hidden_layers=2", "optim.warmup_steps=5"]
     )
     assert record.sources["model.arch"] == FROM_COMMAND_LINE  # part of it typed
-    assert record.values["optim.warmup_steps"] is None
-    assert record.sources["optim.warmup_steps"].startswith(f"{FROM_COMMAND_LINE} (optim.warmup_ratio typed")
+    assert record.values["optim.warmup_ratio"] is None  # conf/model/deepseek7b.yaml's, excluded by the typed key
+    assert record.sources["optim.warmup_ratio"].startswith(f"{FROM_COMMAND_LINE} (optim.warmup_steps typed")
 
 
 def test_a_users_config_dir_is_named_by_its_path(tmp_path):

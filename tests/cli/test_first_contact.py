@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.common import compose_job
+from flexengine.cli.first_contact import GENERIC_FINETUNE
 from flexengine.core.config import conf_dir
 from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
@@ -32,15 +33,16 @@ def checkpoint(tmp_path) -> Path:
 def test_pretrained_path_alone_gets_fine_tuning_defaults_with_their_source(checkpoint, caplog):
     with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
         job = compose_job([f"model.path={checkpoint}"])
-    assert job.optim.lr == SHIPPED["optim"]["lr"] == 2e-5  # was the demo's 1e-3
-    assert job.optim.weight_decay == SHIPPED["optim"]["weight_decay"] == 0.0  # was 0.1
-    assert job.optim.warmup_steps == SHIPPED["optim"]["warmup_steps"]
+    # a few-hundred-thousand-parameter model is the size of no shipped config: the generic fine-tuning defaults
+    assert job.optim.lr == GENERIC_FINETUNE["optim.lr"] == 2e-5  # was the demo's 1e-3
+    assert job.optim.weight_decay == GENERIC_FINETUNE["optim.weight_decay"] == 0.0  # was 0.1
+    assert job.optim.warmup_ratio == GENERIC_FINETUNE["optim.warmup_ratio"] and job.optim.warmup_steps is None
     assert job.model.name == "my-small-llama"  # never "tiny"
-    # a few-hundred-thousand-parameter model is not 7B: the demo's batch shape stays, and the log says why
+    # and the demo's batch shape stays, and the log says why
     assert (job.train.micro_batch, job.train.grad_accum) == (2, 2)
     log = caplog.text
-    assert "holds pretrained weights" in log and "optim.lr=2e-05 (from conf/model/" in log
-    assert "train.micro_batch=2 (kept: " in log and "model.name=my-small-llama (the directory name" in log
+    assert "holds pretrained weights" in log and "optim.lr=2e-05 (from flexengine's generic" in log
+    assert "no shipped model config is within 1.3x" in log and "model.name=my-small-llama (the directory name" in log
     # the demo's step count is kept (it follows the data, not the model) but listed, so it is not a silent default
     assert f"train.max_steps={job.train.max_steps} (kept: the demo's; set it for your data)" in log
 
@@ -63,30 +65,90 @@ def test_a_named_model_group_random_init_or_weightless_dir_changes_nothing(check
     assert compose_job([f"model.path={bare}", "model.init=random"]).model.name == "tiny"
 
 
-def test_a_7b_checkpoint_gets_the_7b_batch_shape(tmp_path):
-    """The parameter count (from config.json) picks the shipped config of that size: its micro-batch,
-    accumulation come too. (The weight file only has to be a valid one: nothing is loaded here.)"""
-    arch = {k: v for k, v in SHIPPED["model"]["arch"].items() if k != "model_type"}
-    path = tmp_path / "Llama-2-7b-hf"
-    LlamaConfig(**arch).save_pretrained(path)
+def _checkpoint_of(tmp_path: Path, name: str, **arch) -> Path:
+    """A model directory of llama2_7b.yaml's architecture with `arch` changed (the weight file only has to be a valid
+    one: nothing is loaded here)."""
+    config = {k: v for k, v in SHIPPED["model"]["arch"].items() if k != "model_type"} | arch
+    path = tmp_path / name
+    LlamaConfig(**config).save_pretrained(path)
     save_file({}, path / "model.safetensors")  # a well-formed file of no tensors (an empty one is damaged)
-    job = compose_job([f"model.path={path}"])
+    return path
+
+
+def test_a_7b_checkpoint_gets_the_7b_config(tmp_path, caplog):
+    """The parameter count (from config.json) picks the shipped config of that size: its fine-tuning values, its
+    micro-batch and accumulation come too, each noted with its file."""
+    path = _checkpoint_of(tmp_path, "Llama-2-7b-hf")
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={path}"])
     assert (job.train.micro_batch, job.train.grad_accum) == (SHIPPED["train"]["micro_batch"], 8)
-    assert job.optim.lr == 2e-5
+    assert job.optim.lr == 2e-5 and job.optim.warmup_ratio == SHIPPED["optim"]["warmup_ratio"]
     assert job.model.name == "Llama-2-7b-hf"
+    assert "train.grad_accum=8 (from conf/model/" in caplog.text
+
+
+def test_a_13b_checkpoint_is_not_7b_sized(tmp_path, caplog):
+    """Llama-2-13B (13.0B parameters, 1.9x the 7B configs) used to count as 7B-sized (anything from 3.4B to 14.5B)
+    and took their batch shape; now it gets the generic defaults and the log says no shipped config is its size."""
+    path = _checkpoint_of(
+        tmp_path,
+        "Llama-2-13b-hf",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+    )
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={path}"])
+    assert (job.train.micro_batch, job.train.grad_accum) == (2, 2)  # the demo's, not the 7B's 1 x 8
+    assert job.optim.lr == 2e-5 and job.optim.weight_decay == 0.0
+    assert "13.02B parameters: no shipped model config is within 1.3x" in caplog.text
+    assert "optim.lr=2e-05 (from flexengine's generic fine-tuning defaults" in caplog.text
+    # an 8B (Llama-3-8B's width) is 7B-sized
+    eight = _checkpoint_of(tmp_path, "llama-8b", intermediate_size=14336, vocab_size=128256, num_key_value_heads=8)
+    assert compose_job([f"model.path={eight}"]).train.grad_accum == 8
+
+
+def test_micro_batch_typed_alone_keeps_the_configs_rows_per_step(tmp_path, caplog):
+    """train.micro_batch=4 on a 7B-sized checkpoint used to bring in the 7B's grad_accum=8 (32 rows per step, not
+    the config's 8): the accumulation follows, and the log says how to choose both."""
+    path = _checkpoint_of(tmp_path, "Llama-2-7b-hf")
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={path}", "train.micro_batch=4"])
+    assert (job.train.micro_batch, job.train.grad_accum) == (4, 2)
+    assert "train.grad_accum=2 (keeps conf/model/llama2_7b.yaml's 8 rows per optimizer step" in caplog.text
+    job = compose_job([f"model.path={path}", "train.micro_batch=4", "train.grad_accum=8"])  # both typed: as typed
+    assert (job.train.micro_batch, job.train.grad_accum) == (4, 8)
+
+
+@pytest.mark.parametrize("group", [["model=llama2_7b"], ["experiment=llama2_7b_4k_a100", "data.source=demo"]])
+def test_micro_batch_typed_alone_over_a_config_file_keeps_its_rows_per_step(group, caplog):
+    """The same rule for a named model or experiment config (1 x 8 and 2 x 4: 8 rows per step): micro_batch=4 typed
+    alone keeps 8 rows per step, and 3 (which does not divide 8) takes the nearest, saying so."""
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([*group, "model.init=random", "train.micro_batch=4"])
+    assert (job.train.micro_batch, job.train.grad_accum) == (4, 2)
+    assert "-> 2 keeps the 8 rows per optimizer step of conf/" in caplog.text
+    assert compose_job([*group, "model.init=random", "train.micro_batch=3"]).train.grad_accum == 3
+    assert "as near as 3 divides them: 9" in caplog.text
+    assert compose_job([*group, "model.init=random", "train.micro_batch=4", "train.grad_accum=8"]).train.grad_accum == 8
 
 
 @pytest.mark.parametrize("group", [["model=deepseek7b"], ["experiment=deepseek7b_6k_a100", "data.source=demo"]])
-def test_a_typed_warmup_ratio_wins_over_a_config_files_warmup_steps(group, caplog):
-    """Before: every shipped 7B model/experiment config sets optim.warmup_steps, so optim.warmup_ratio alone was
-    refused on exactly the models where it is wanted (review 22 #9). Typed together, the two stay an error."""
-    file_steps = compose_job([*group, "model.init=random"]).optim.warmup_steps
-    assert file_steps is not None
+def test_a_typed_warmup_steps_wins_over_a_config_files_warmup_ratio(group, caplog):
+    """The shipped 7B model/experiment configs warm up for a fraction of the run (optim.warmup_ratio: 50 steps
+    never ended a short run); a typed optim.warmup_steps replaces it, and the other way round. Typed together, the
+    two stay an error."""
+    file_job = compose_job([*group, "model.init=random"])
+    assert file_job.optim.warmup_steps is None and file_job.optim.warmup_ratio is not None
+    assert file_job.optim.warmup_for(20) == round(20 * file_job.optim.warmup_ratio)  # a short run warms up briefly
     with caplog.at_level(logging.INFO, logger="flexengine.cli.first_contact"):
-        job = compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05"])
-    assert job.optim.warmup_steps is None and job.optim.warmup_for(400) == 20
-    assert f"optim.warmup_ratio=0.05 (command line) wins over optim.warmup_steps={file_steps}" in caplog.text
-    typed_steps = compose_job([*group, "model.init=random", "optim.warmup_steps=7"])
-    assert typed_steps.optim.warmup_for(400) == 7
+        job = compose_job([*group, "model.init=random", "optim.warmup_steps=7"])
+    assert job.optim.warmup_ratio is None and job.optim.warmup_for(400) == 7
+    assert f"optim.warmup_steps=7 (command line) wins over optim.warmup_ratio={file_job.optim.warmup_ratio}" in (
+        caplog.text
+    )
+    assert compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05"]).optim.warmup_for(400) == 20
     with pytest.raises(UserError, match="are both set"):
         compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05", "optim.warmup_steps=7"])

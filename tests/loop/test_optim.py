@@ -188,7 +188,7 @@ def test_cpu_offload_adamw_resume_restores_exact_fp32_masters():
     assert any(not torch.equal(m, p.float()) for (p, m) in opt._pairs)  # bf16 weights alone would not do
 
 
-def _lrs(schedule: str, max_steps: int = 20, **kw) -> list[float]:
+def _lrs(schedule: str = "cosine", max_steps: int = 20, **kw) -> list[float]:
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
     sched = build_scheduler(opt, OptimConfig(lr=1.0, schedule=schedule, **kw), max_steps=max_steps)
@@ -262,3 +262,59 @@ def test_warmup_as_long_as_the_run_is_reported():
     assert schedule_problem(OptimConfig(warmup_steps=10), max_steps=11) == ""
     assert schedule_problem(OptimConfig(schedule="constant", warmup_steps=10), max_steps=5) == ""
     assert schedule_problem(OptimConfig(schedule="constant_with_warmup", warmup_steps=5), max_steps=5) == ""
+
+
+def _resumed_lrs(done: int, first: int, then: int, how: str, **kw) -> tuple[list[float], list[float]]:
+    """(the lrs of a run of `first` steps up to `done`, those after resuming there with max_steps=`then`): the
+    resume as the checkpointer does it, through the scheduler's saved state."""
+    from flexengine.loop.optim import apply_knots, resumed_knots
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    config = OptimConfig(lr=1.0, **kw)
+    sched = build_scheduler(opt, config, max_steps=first)
+    before = []
+    for _ in range(done):
+        before.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2 = torch.optim.SGD([p], lr=1.0)
+    opt2.load_state_dict(opt.state_dict())
+    resumed = build_scheduler(opt2, config, max_steps=then)
+    resumed.load_state_dict(state)
+    apply_knots(resumed, config, resumed_knots(state["knots"], done, then, how))
+    after = []
+    for _ in range(then - done):
+        after.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        resumed.step()
+    return before, after
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "warmup_stable_decay"])
+def test_a_longer_resume_continues_the_schedule_from_where_it_was(schedule):
+    """train.resume_schedule=continue: no jump at the resume, the warmup and decay keep their shape over the longer
+    remainder, and the run still ends where the schedule ends; rederive jumps to the new schedule's lr."""
+    kw = {"schedule": schedule, "warmup_steps": 4, "min_lr_ratio": 0.1}
+    straight = _lrs(max_steps=20, **kw)
+    before, after = _resumed_lrs(10, 20, 40, "continue", **kw)
+    assert before == pytest.approx(straight[:10])  # the saved run itself is unchanged
+    steps = before[-1] - after[0], straight[9] - straight[10]
+    assert 0 <= steps[0] <= steps[1] + 1e-12  # no jump: a smaller step than the planned run's own
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(before[4:] + after))  # never climbs back
+    assert after[-1] == pytest.approx(straight[-1], rel=0.05)  # ends where the schedule ends
+    _, rederived = _resumed_lrs(10, 20, 40, "rederive", **kw)
+    assert rederived == pytest.approx(_lrs(max_steps=40, **kw)[10:])
+
+
+def test_a_resume_inside_warmup_finishes_the_same_warmup_without_a_dip():
+    """The issue's case: a 6-step run wholly inside a 50-step warmup, resumed to 8 steps, went 2e-5, 1.75e-5, 2e-5
+    (the warmup was capped to the new length); continuing keeps climbing or holds, never dips."""
+    before, after = _resumed_lrs(6, 6, 8, "continue", warmup_steps=50)
+    assert before[-1] == pytest.approx(1.0)  # capped: the 6-step run warms up to the peak at its last step
+    assert after == pytest.approx([1.0, 1.0])  # finished: its last lr holds
+    before, after = _resumed_lrs(3, 6, 12, "continue", warmup_steps=50)
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(before + after))  # still warming up, stretched
+    _, dip = _resumed_lrs(6, 6, 8, "rederive", warmup_steps=50)
+    assert dip == pytest.approx([7 / 8, 1.0])  # what rederive means: the schedule of 8 steps

@@ -4,6 +4,7 @@ epochs, metrics.jsonl and the plain-text log line."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import math
@@ -157,8 +158,8 @@ def test_early_stop_needs_a_held_out_set(tmp_path):
 
 
 def test_schedule_that_cannot_decay_or_changes_on_resume_is_reported(tmp_path, caplog):
-    """A run no longer than its warmup ends at the peak lr, and a resume with another train.max_steps re-derives
-    the schedule (the lr jumps): both say so in the log."""
+    """A run no longer than its warmup ends at the peak lr, and a resume with another train.max_steps says what the
+    lr does: a finished schedule keeps its last lr (continue), or is planned again over the new length (rederive)."""
     caplog.set_level(logging.WARNING, logger="flexengine")
     build_trainer(make_job(tmp_path / "a", *WORKFLOW, "train.max_steps=4", "optim.warmup_steps=10"), tmp_path / "a")
     assert "optim.warmup_steps=10 >= train.max_steps=4" in caplog.text and "peak lr" in caplog.text
@@ -167,9 +168,37 @@ def test_schedule_that_cannot_decay_or_changes_on_resume_is_reported(tmp_path, c
     same = build_trainer(make_job(tmp_path, *WORKFLOW, "train.max_steps=3", "optim.warmup_steps=1"), tmp_path)
     same.resume("auto")
     assert "re-derived" not in caplog.text
+    last_lr = _logged_lrs(tmp_path)[-1]  # the lr step 3 trained with
     longer = build_trainer(make_job(tmp_path, *WORKFLOW, "train.max_steps=30", "optim.warmup_steps=1"), tmp_path)
     longer.resume("auto")
-    assert "resume: train.max_steps 3 -> 30 changed" in caplog.text and "the lr of step 4" in caplog.text
+    assert "train.max_steps 3 -> 30: the saved run had finished its schedule" in caplog.text
+    assert float(longer.optimizer.param_groups[0]["lr"]) == pytest.approx(last_lr)
+    again = ("train.max_steps=30", "optim.warmup_steps=1", "train.resume_schedule=rederive")
+    rederived = build_trainer(make_job(tmp_path, *WORKFLOW, *again), tmp_path)
+    rederived.resume("auto")
+    assert "train.resume_schedule=rederive: the schedule is planned over 30 steps" in caplog.text
+    assert float(rederived.optimizer.param_groups[0]["lr"]) > 2 * last_lr  # the 30-step cosine at step 4
+
+
+def _logged_lrs(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["lr"] for r in rows if r["type"] == "train"]
+
+
+def test_a_longer_resume_goes_on_from_the_saved_lr(tmp_path):
+    """Through the entry point: a run planned for 8 steps, resumed from its step 4 with train.max_steps=12, goes on
+    from step 4's lr with no jump and no climb, and decays to the same end (before: the schedule was re-derived
+    over 12 steps, so the lr jumped back up at step 5)."""
+    first = run_training(make_job(tmp_path / "a", *WORKFLOW, "train.max_steps=8", "train.save_every=4"), tmp_path / "a")
+    planned = _logged_lrs(tmp_path / "a")
+    step_4 = tmp_path / "a" / "checkpoints" / "step_4"
+    run_training(make_job(tmp_path / "b", *WORKFLOW, "train.max_steps=12", f"train.resume={step_4}"), tmp_path / "b")
+    resumed = _logged_lrs(tmp_path / "b")
+    assert first["steps"] == 8 and len(resumed) == 8  # steps 5..12
+    lrs = planned[:4] + resumed
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))  # after the 1-step warmup: never climbs
+    assert planned[3] - resumed[0] <= planned[3] - planned[4]  # step 5 moves less than the 8-step run's did
+    assert resumed[-1] == pytest.approx(planned[-1], rel=0.05)
 
 
 # -- a stop signal during evaluation or sampling (issue 22 R-1) ------------------------------------------------------
