@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 
 from flexengine.cli.doctor import compose_job
+from flexengine.data.build import pad_token_id
 from flexengine.data.corpus import build_corpus
 from flexengine.data.demo import iter_demo_documents
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.loop.flops import TrainFlops, attended_pairs
 from flexengine.run import build_trainer
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.model import build_hf_config, load_tokenizer, pad_token_id
+from flexengine.surgery.model import build_hf_config, load_tokenizer
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 SEQ_LEN, FILES, TRAIN_DOCS, EVAL_DOCS = 512, 160, 120, 16

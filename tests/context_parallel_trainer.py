@@ -24,8 +24,8 @@ def main(out: Path, overrides: list[str]) -> None:
 
     from flexengine.cli.doctor import compose_job
     from flexengine.core.distributed import init_distributed
+    from flexengine.data.build import build_data
     from flexengine.loop.trainer import Trainer
-    from flexengine.run import build_data
     from flexengine.surgery.attention import apply_attention, resolve_attention_spec
     from flexengine.surgery.attention.patch import CP_ATTENTION
     from flexengine.surgery.context_parallel import build_context_parallel

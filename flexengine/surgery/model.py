@@ -196,11 +196,3 @@ def check_vocab(lm: torch.nn.Module, tokenizer) -> None:
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {vocab}; "
             "use the model's own tokenizer (model.tokenizer) or a larger vocab_size."
         )
-
-
-def pad_token_id(tokenizer) -> int:
-    """The id used for padding slots (their labels are -100, so any valid id works)."""
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0

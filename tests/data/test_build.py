@@ -1,5 +1,5 @@
-"""run.build_data: the held-out set (data.eval_path / data.eval_split, no overlap with training), mixtures of
-formats, and the data log lines a user reads."""
+"""data/build.py: the held-out set (data.eval_path / data.eval_split, no overlap with training), mixtures of formats,
+the data log lines a user reads, and the padding id."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from flexengine.cli.common import compose_job
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.run import build_data
+from flexengine.data.build import build_data, pad_token_id
 from flexengine.surgery.model import load_tokenizer
 
 # distinct documents long enough to fill rows of 64 tokens
@@ -168,16 +168,31 @@ def test_half_the_eval_set_shared_is_refused_naming_the_switch_and_allow_or_drop
 
 
 @pytest.mark.parametrize("mode, packing", [("causal", "none"), ("packed_doc", "bfd")])
-def test_a_hand_built_job_gets_the_attention_rules_too(tmp_path, mode, packing):
-    """A JobConfig built in Python (no composition) still has data.packing=auto resolved from attn.mode (the
-    rules live beside the mode table, surgery/attention/job_rules.py) before rows are packed."""
+def test_a_hand_built_job_packs_once_its_attention_rules_are_resolved(tmp_path, mode, packing):
+    """A JobConfig built in Python (no composition) keeps data.packing=auto until the attention rules resolve it
+    from attn.mode (surgery/attention/job_rules.py, beside the mode table; run.build_trainer calls them): the data
+    layer refuses to guess, naming the call, and packs as the mode says once it is made."""
     from flexengine.core.config import AttnConfig, DataConfig, JobConfig, TrainConfig
+    from flexengine.surgery.attention.job_rules import resolve_attention_rules
 
     job = JobConfig(
         attn=AttnConfig(mode=mode, backend="dense"),
         data=DataConfig(seq_len=64, num_workers=0, demo_max_files=24, cache_dir=str(tmp_path / "cache")),
         train=TrainConfig(output_dir=str(tmp_path / "run")),
     )
-    assert job.data.packing == "auto"
-    loader, _, _ = build_data(job, load_tokenizer(job.model), DistInfo())
+    tokenizer = load_tokenizer(job.model)
+    with pytest.raises(UserError, match=r"data.packing=auto .*resolve_attention_rules\(job\)"):
+        build_data(job, tokenizer, DistInfo())
+    loader, _, _ = build_data(resolve_attention_rules(job), tokenizer, DistInfo())
     assert job.data.packing == packing and loader.batches_per_epoch > 0
+
+
+class _Tokenizer:
+    def __init__(self, pad: int | None, eos: int | None):
+        self.pad_token_id, self.eos_token_id = pad, eos
+
+
+def test_padding_slots_take_the_pad_token_else_eos_else_0():
+    assert pad_token_id(_Tokenizer(3, 7)) == 3
+    assert pad_token_id(_Tokenizer(None, 7)) == 7
+    assert pad_token_id(_Tokenizer(None, None)) == 0

@@ -11,8 +11,9 @@ import pytest
 from flexengine.cli.common import compose_job
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
+from flexengine.data.build import build_data
 from flexengine.data.packing import IGNORE_INDEX
-from flexengine.run import build_data, run_training
+from flexengine.run import run_training
 from flexengine.surgery.model import load_tokenizer
 
 

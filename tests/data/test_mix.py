@@ -12,8 +12,8 @@ from flexengine.cli.common import compose_job
 from flexengine.core.config import MixSource
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
+from flexengine.data.build import build_data
 from flexengine.data.mix import mix_documents
-from flexengine.run import build_data
 from flexengine.surgery.model import load_tokenizer
 
 

@@ -12,9 +12,9 @@ import torch
 from flexengine.cli.common import compose_job
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
+from flexengine.data.build import build_data
 from flexengine.data.packing import flatten_documents
 from flexengine.data.split import split_documents
-from flexengine.run import build_data
 from flexengine.surgery.model import load_tokenizer
 
 

@@ -1,0 +1,161 @@
+"""A job's rows: tokenize (cached, rank 0 first), hold out whole documents, mix the sources, pack the training
+documents into a resumable RowLoader and the held-out ones into HeldOut batches, with the report of both.
+
+The held-out policy: without data.eval_path, data.eval_fraction of the training corpus's documents by content
+hash (data/split.py); with it, a corpus of its own whose documents that are also training documents follow
+data.eval_overlap. Nothing held out: the log says so when data.path has a split that could have been.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+
+from flexengine.core.config import DataConfig, JobConfig
+from flexengine.core.distributed import DistInfo, main_rank_first
+from flexengine.core.errors import UserError
+from flexengine.data.corpus import Corpus, build_corpus
+from flexengine.data.loader import HeldOut, RowLoader
+from flexengine.data.mix import build_sources, format_mix_report, mix_documents
+from flexengine.data.packing import PackPlan, has_targets, plan_packing
+from flexengine.data.sources import unused_eval_split
+from flexengine.data.split import describe_eval_source, eval_source, held_out_without_overlap, split_documents
+
+log = logging.getLogger(__name__)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used for padding slots (their labels are -100, so any valid id works)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def _documents(
+    job: JobConfig, tokenizer, dist_info: DistInfo
+) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[dict]]:
+    """The tokenized corpora (cached) and which documents train and which are held out:
+    (corpus, eval corpus, training documents, held-out documents, the mix report or None)."""
+    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
+        corpus, source_of = build_sources(job.data, tokenizer)
+        eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus
+    train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, job.data.eval_fraction)
+    mix_report = None
+    if source_of is not None:  # each source's weight as its share of the training tokens
+        train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
+        log.info("data mix: %s", format_mix_report(mix_report))
+    if job.data.eval_path:
+        eval_docs = held_out_without_overlap(corpus, train_docs, eval_corpus, job.data)
+    return corpus, eval_corpus, train_docs, eval_docs, mix_report
+
+
+def _plan_training_rows(corpus: Corpus, train_docs: np.ndarray, data: DataConfig) -> PackPlan:
+    """The training documents packed into rows, refused when no row would carry a target."""
+    plan = plan_packing(corpus.lengths, data.seq_len, data.packing, data.long_docs, train_docs)
+    log.info("data: %s", plan.stats.describe())
+    if plan.stats.rows == 0:
+        raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
+    if not has_targets(plan, corpus.offsets, corpus.loss_mask):
+        raise UserError(
+            f"data: no packed row has a token to predict (data.seq_len={data.seq_len}): a token is a target "
+            "only after an earlier trained token of its document in the same row, and every document piece here "
+            "is a single token (or has no trained token after its first). Raise data.seq_len, keep "
+            "data.add_eos=true, or use longer documents; training would report a meaningless loss of 0."
+        )
+    return plan
+
+
+def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[dict], data: DataConfig) -> dict:
+    """The training data's packing statistics, skipped documents, mixture and over-long chats."""
+    report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
+    if mix_report is not None:
+        report["mix"] = mix_report
+    if data.formats & {"chat", "mixed"}:
+        report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": data.long_chats}
+    return report
+
+
+def _log_unused_eval_split(data: DataConfig) -> None:
+    """Nothing held out: say so when data.path has a split that could have been evaluated on."""
+    unused = unused_eval_split(data)
+    if unused:
+        log.info(
+            "data: %s has a %r split, not evaluated on: add data.eval_path=%s (its %s split is taken)",
+            data.path,
+            unused,
+            data.path,
+            unused,
+        )
+
+
+def _held_out(
+    job: JobConfig, tokenizer, dist_info: DistInfo, eval_corpus: Corpus, eval_docs: np.ndarray, *, trim: bool
+) -> tuple[HeldOut, dict]:
+    """The held-out batches and their report (statistics, skipped documents, source)."""
+    # packed and masked exactly like the training rows
+    eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)
+    if eval_plan.stats.rows == 0:
+        raise UserError("data: every held-out document was dropped (data.long_docs=drop?); nothing to evaluate.")
+    report = {
+        **eval_plan.stats.as_dict(),
+        "documents_skipped": eval_corpus.skipped,
+        "source": (job.data.eval_path and describe_eval_source(job.data))
+        # no data.eval_path: eval_corpus is the training corpus, eval_docs the share data.eval_fraction held out
+        or f"{len(eval_docs)} of {len(eval_corpus)} documents (data.eval_fraction={job.data.eval_fraction})",
+    }
+    log.info("eval data: %s, from %s", eval_plan.stats.describe(), report["source"])
+    held_out = HeldOut(
+        eval_corpus,
+        eval_plan,
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        pad_id=pad_token_id(tokenizer),
+        trim_padding=trim,
+        max_batches=job.train.eval_batches,
+        rank=dist_info.data_rank,
+        world_size=dist_info.data_world_size,
+    )
+    return held_out, report
+
+
+def build_data(
+    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
+) -> tuple[RowLoader, Optional[HeldOut], dict]:
+    """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
+    flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
+    if job.data.packing == "auto":
+        raise UserError(
+            "data.packing=auto is decided by attn.mode (bfd when the mode packs documents, else none): resolve the "
+            "job first (flexengine.surgery.attention.job_rules.resolve_attention_rules(job); a job composed by the "
+            "CLI or cli.common.compose_job already is), or set data.packing."
+        )
+    corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(job, tokenizer, dist_info)
+    plan = _plan_training_rows(corpus, train_docs, job.data)
+    # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
+    # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
+    trim = job.data.packing == "none" and not flex
+    try:
+        loader = RowLoader(
+            corpus,
+            plan,
+            seq_len=job.data.seq_len,
+            micro_batch=job.train.micro_batch,
+            pad_id=pad_token_id(tokenizer),
+            seed=job.train.seed,
+            shuffle=job.data.shuffle,
+            bucket=job.data.bucket,
+            trim_padding=trim,
+            rank=dist_info.data_rank,
+            world_size=dist_info.data_world_size,
+        )
+    except ValueError as e:
+        raise UserError(f"{e}.") from None
+    report = _data_report(plan, corpus, mix_report, job.data)
+    if not len(eval_docs):
+        _log_unused_eval_split(job.data)
+        return loader, None, report
+    held_out, report["eval"] = _held_out(job, tokenizer, dist_info, eval_corpus, eval_docs, trim=trim)
+    return loader, held_out, report
