@@ -9,12 +9,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
 from flexengine.core.allocator import allocator_line
-from flexengine.core.config import DataConfig, HardwareConfig, JobConfig, check_fixed_rope
+from flexengine.core.config import HardwareConfig, JobConfig, check_fixed_rope
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_EPOCHS,
@@ -24,7 +23,7 @@ from flexengine.core.config_record import (
     RESOLVED_CONFIG_FILE,
     ConfigRecord,
 )
-from flexengine.core.distributed import DistInfo, init_distributed, main_rank_first, rank_device, shutdown_distributed
+from flexengine.core.distributed import DistInfo, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
 from flexengine.core.storage import (
@@ -34,12 +33,8 @@ from flexengine.core.storage import (
     hold_output_dir,
     write_json_atomic,
 )
-from flexengine.data.corpus import Corpus, build_corpus
+from flexengine.data.build import build_data
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
-from flexengine.data.mix import build_sources, format_mix_report, mix_documents
-from flexengine.data.packing import PackPlan, has_targets, plan_packing
-from flexengine.data.sources import unused_eval_split
-from flexengine.data.split import describe_eval_source, eval_source, held_out_without_overlap, split_documents
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import activation_summary
@@ -49,7 +44,7 @@ from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
 from flexengine.surgery.context_parallel import ContextParallel, build_context_parallel
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
-from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer, pad_token_id
+from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
 from flexengine.surgery.parallel import apply_parallel, loads_weights
 from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
@@ -68,128 +63,6 @@ def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
         steps,
     )
     return dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=steps))
-
-
-def _documents(
-    job: JobConfig, tokenizer, dist_info: DistInfo
-) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[dict]]:
-    """The tokenized corpora (cached) and which documents train and which are held out:
-    (corpus, eval corpus, training documents, held-out documents, the mix report or None)."""
-    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
-        corpus, source_of = build_sources(job.data, tokenizer)
-        eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus
-    train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, job.data.eval_fraction)
-    mix_report = None
-    if source_of is not None:  # each source's weight as its share of the training tokens
-        train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
-        log.info("data mix: %s", format_mix_report(mix_report))
-    if job.data.eval_path:
-        eval_docs = held_out_without_overlap(corpus, train_docs, eval_corpus, job.data)
-    return corpus, eval_corpus, train_docs, eval_docs, mix_report
-
-
-def _plan_training_rows(corpus: Corpus, train_docs: np.ndarray, data: DataConfig) -> PackPlan:
-    """The training documents packed into rows, refused when no row would carry a target."""
-    plan = plan_packing(corpus.lengths, data.seq_len, data.packing, data.long_docs, train_docs)
-    log.info("data: %s", plan.stats.describe())
-    if plan.stats.rows == 0:
-        raise UserError("data: every document was dropped (data.long_docs=drop?); nothing to train on.")
-    if not has_targets(plan, corpus.offsets, corpus.loss_mask):
-        raise UserError(
-            f"data: no packed row has a token to predict (data.seq_len={data.seq_len}): a token is a target "
-            "only after an earlier trained token of its document in the same row, and every document piece here "
-            "is a single token (or has no trained token after its first). Raise data.seq_len, keep "
-            "data.add_eos=true, or use longer documents; training would report a meaningless loss of 0."
-        )
-    return plan
-
-
-def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[dict], data: DataConfig) -> dict:
-    """The training data's packing statistics, skipped documents, mixture and over-long chats."""
-    report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
-    if mix_report is not None:
-        report["mix"] = mix_report
-    if data.formats & {"chat", "mixed"}:
-        report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": data.long_chats}
-    return report
-
-
-def _log_unused_eval_split(data: DataConfig) -> None:
-    """Nothing held out: say so when data.path has a split that could have been evaluated on."""
-    unused = unused_eval_split(data)
-    if unused:
-        log.info(
-            "data: %s has a %r split, not evaluated on: add data.eval_path=%s (its %s split is taken)",
-            data.path,
-            unused,
-            data.path,
-            unused,
-        )
-
-
-def _held_out(
-    job: JobConfig, tokenizer, dist_info: DistInfo, eval_corpus: Corpus, eval_docs: np.ndarray, *, trim: bool
-) -> tuple[HeldOut, dict]:
-    """The held-out batches and their report (statistics, skipped documents, source)."""
-    # packed and masked exactly like the training rows
-    eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)
-    if eval_plan.stats.rows == 0:
-        raise UserError("data: every held-out document was dropped (data.long_docs=drop?); nothing to evaluate.")
-    report = {
-        **eval_plan.stats.as_dict(),
-        "documents_skipped": eval_corpus.skipped,
-        "source": (job.data.eval_path and describe_eval_source(job.data))
-        # no data.eval_path: eval_corpus is the training corpus, eval_docs the share data.eval_fraction held out
-        or f"{len(eval_docs)} of {len(eval_corpus)} documents (data.eval_fraction={job.data.eval_fraction})",
-    }
-    log.info("eval data: %s, from %s", eval_plan.stats.describe(), report["source"])
-    held_out = HeldOut(
-        eval_corpus,
-        eval_plan,
-        seq_len=job.data.seq_len,
-        micro_batch=job.train.micro_batch,
-        pad_id=pad_token_id(tokenizer),
-        trim_padding=trim,
-        max_batches=job.train.eval_batches,
-        rank=dist_info.data_rank,
-        world_size=dist_info.data_world_size,
-    )
-    return held_out, report
-
-
-def build_data(
-    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
-) -> tuple[RowLoader, Optional[HeldOut], dict]:
-    """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
-    flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
-    resolve_attention_rules(job)  # data.packing=auto on a hand-built JobConfig (the CLI resolved it at composition)
-    corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(job, tokenizer, dist_info)
-    plan = _plan_training_rows(corpus, train_docs, job.data)
-    # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
-    # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
-    trim = job.data.packing == "none" and not flex
-    try:
-        loader = RowLoader(
-            corpus,
-            plan,
-            seq_len=job.data.seq_len,
-            micro_batch=job.train.micro_batch,
-            pad_id=pad_token_id(tokenizer),
-            seed=job.train.seed,
-            shuffle=job.data.shuffle,
-            bucket=job.data.bucket,
-            trim_padding=trim,
-            rank=dist_info.data_rank,
-            world_size=dist_info.data_world_size,
-        )
-    except ValueError as e:
-        raise UserError(f"{e}.") from None
-    report = _data_report(plan, corpus, mix_report, job.data)
-    if not len(eval_docs):
-        _log_unused_eval_split(job.data)
-        return loader, None, report
-    held_out, report["eval"] = _held_out(job, tokenizer, dist_info, eval_corpus, eval_docs, trim=trim)
-    return loader, held_out, report
 
 
 def _check_checkpoint_rope(job: JobConfig, hf_config) -> None:
