@@ -285,20 +285,24 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)
     shutdown_distributed()
-    log.info(
-        "done: %d steps, loss %s -> %s, %.0f useful tokens/s, %.1f s (%.1f s training, %.1f s evaluating); "
-        "summary: %s%s",
-        summary["steps"],
-        _fmt_loss(summary["initial_loss"]),
-        _fmt_loss(summary["final_loss"]),
-        summary["useful_tokens_per_s"],
-        summary["wall_s"],
-        summary["train_s"],
-        summary["eval_s"],
-        out_dir / "summary.json",
-        f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "",
-    )
+    log.info("%s", done_line(summary, out_dir / "summary.json"))
     return summary
+
+
+def done_line(summary: dict, summary_path: Path) -> str:
+    """The run's last log line: steps, loss, speed, time, where the summary is. A launch that resumed a finished
+    run (or one stopped early) ran no step: it says so, and the numbers are the run's so far."""
+    rate = summary["useful_tokens_per_s"]
+    speed = "no training time recorded" if rate is None else f"{rate:.0f} useful tokens/s"
+    head = "done:"
+    if summary["steps_run"] == 0 and summary["steps"] > 0:
+        head = f"done: no step run by this launch (it resumed at step {summary['steps']}); the run so far:"
+    return (
+        f"{head} {summary['steps']} steps, loss {_fmt_loss(summary['initial_loss'])} -> "
+        f"{_fmt_loss(summary['final_loss'])}, {speed}, {summary['wall_s']:.1f} s ({summary['train_s']:.1f} s "
+        f"training, {summary['eval_s']:.1f} s evaluating); summary: {summary_path}"
+        + (f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "")
+    )
 
 
 def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None:

@@ -79,14 +79,19 @@ def progress_bar(trainer):
 def summary(trainer) -> dict:
     """The numbers summary.json reports."""
     s = trainer.state
-    wall = max(trainer.train_s, 1e-9)  # rates are of training time (evaluations and saves are not steps)
+    wall = trainer.train_s  # rates are of training time (evaluations and saves are not steps)
+
+    def per_s(amount: float) -> Optional[float]:  # no training time (no step ran, ever): no rate, not amount/1e-9
+        return amount / wall if wall > 0 else None
+
     return {
         "steps": s.step,
+        "steps_run": s.step - trainer._loop_start_step,  # by this launch (0: resumed at train.max_steps)
         "tokens_seen": s.tokens_seen,
         "useful_tokens_seen": s.useful_tokens_seen,
         "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
-        "tokens_per_s": s.tokens_seen / wall,
-        "useful_tokens_per_s": s.useful_tokens_seen / wall,
+        "tokens_per_s": per_s(s.tokens_seen),
+        "useful_tokens_per_s": per_s(s.useful_tokens_seen),
         # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
         "mfu": utilization(s.model_flops, wall, trainer.job.hardware.peak_tflops),
         "hfu": utilization(s.hardware_flops, wall, trainer.job.hardware.peak_tflops),
@@ -149,12 +154,15 @@ def hparams(trainer) -> dict:
     }
 
 
+def _or_nan(value: Optional[float]) -> float:
+    return float("nan") if value is None else value
+
+
 def hparam_metrics(summary: dict) -> dict:
     """The numbers TensorBoard's HPARAMS tab compares runs by (the held-out losses when there are evaluations)."""
-    final = summary["final_loss"]
     metrics = {
-        "final_loss": float("nan") if final is None else final,
-        "useful_tokens_per_s": summary["useful_tokens_per_s"],
+        "final_loss": _or_nan(summary["final_loss"]),
+        "useful_tokens_per_s": _or_nan(summary["useful_tokens_per_s"]),
     }
     if summary["eval"]:
         metrics.update(eval_loss=summary["eval"]["loss"], best_eval_loss=summary["eval"]["best_loss"])

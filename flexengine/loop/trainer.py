@@ -124,6 +124,7 @@ class Trainer:
         self._last_sample_step = -1
         self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
         self._loop_start, self._loop_start_step = time.perf_counter(), 0
+        self._in_loop = False  # inside _loop: its running time is training time not yet added to train_s
         self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
         self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
         self._train_start: Optional[float] = None  # when train() began (its time joins wall_s)
@@ -345,6 +346,7 @@ class Trainer:
             else None
         )
         self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
+        self._in_loop = True
         window = progress.new_window()
         redirect = progress.tqdm_logging() if bar is not None else contextlib.nullcontext()
         with redirect:
@@ -378,7 +380,7 @@ class Trainer:
                     window["t"] += self._last_eval_s  # evaluation is not training time
                 if cfg.sample_prompts and self._sample_due(step) and not self._interrupted:
                     self.sample()
-        self.train_s += time.perf_counter() - self._loop_start - self._paused_s
+        self.train_s, self._in_loop = self.elapsed_train(), False
         self._paused_s = 0.0
         if profiler is not None:
             profiler.stop()
@@ -400,6 +402,12 @@ class Trainer:
         if every:
             return step % every == 0
         return bool(self.state.evals) and self.state.evals[-1]["step"] == step  # with every evaluation
+
+    def elapsed_train(self) -> float:
+        """train_s including the part of the loop still running: a checkpoint saved inside the loop (train.save_every
+        at the last step, then no final save) recorded 0 s for a first launch, and a resume divided its tokens by it."""
+        running = time.perf_counter() - self._loop_start - self._paused_s if self._in_loop else 0.0
+        return self.train_s + running
 
     def _elapsed_wall(self) -> float:
         """wall_s including the part of train() still running."""

@@ -81,3 +81,13 @@ def test_bad_values_name_the_key():
         HardwareConfig(memory_gb=0)
     with pytest.raises(UserError, match="hardware.device"):
         HardwareConfig(device="tpu")
+
+
+def test_the_hardware_line_gives_a_unit_only_to_a_number(caplog):
+    """Before: `peak unknown (no MFU) TFLOP/s` -- the unit followed the words that said there was no number."""
+    with caplog.at_level("INFO", logger="flexengine.core.hardware"):
+        resolve_hardware(HardwareConfig(), device=torch.device("cpu"))
+        resolve_hardware(HardwareConfig(peak_tflops=1.5), device=torch.device("cpu"))
+    unknown, given = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hardware:")]
+    assert unknown.endswith("peak unknown (no MFU)") and "TFLOP/s" not in unknown
+    assert given.endswith("peak 1.5 TFLOP/s")
