@@ -37,6 +37,7 @@ class PlanOptions:
     png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
     cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
     # each row); None = the job's parallel.cp
+    candidates: bool = False  # plan.format=json: also every candidate the search weighed (~380 KB at 7B)
 
 
 @dataclass
@@ -228,6 +229,7 @@ def build_plan(job: JobConfig) -> dict:
         "precision_table": fit.precision_table,
         "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
         "context": context_report(job, hf_config),
+        "cp": job.parallel.cp,  # ranks sharing each row
     }
     if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
         node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
@@ -236,6 +238,64 @@ def build_plan(job: JobConfig) -> dict:
             **{k: node.plan[k] for k in ("total_bytes", "budget_bytes", "fits", "policy", "recompute_flops_fraction")},
         }
     return plan
+
+
+# The HF config fields the plan reads (the model's shape and parameter count, its context and attention windows):
+# plan.format=json carries these, not the whole config (id2label, torch_dtype, token ids, ...)
+PLAN_HF_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "attention_bias",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "rope_parameters",
+    "rope_scaling",
+    "sliding_window",
+    "layer_types",
+)
+
+
+def plan_summary(plan: dict) -> dict:
+    """The plan's answer in a few fields a script reads first: the chosen precision, memory policy and batch shape,
+    the peak against the budget (and what the budget is made of), the estimated step time and tokens per second."""
+    from flexengine.planning.fit import format_fit_summary
+
+    fit, hardware = plan["fit"], plan["hardware"]
+    tokens = plan["seq_len"] * fit.micro_batch * fit.grad_accum * hardware["world_size"] // plan["cp"]
+    return {
+        "fits": plan["fits"],
+        "precision": fit.precision.name,
+        "policy": plan["policy"],
+        "memory": plan["memory"],
+        "micro_batch": fit.micro_batch,
+        "grad_accum": fit.grad_accum,
+        "seq_len": plan["seq_len"],
+        "hardware": hardware["name"],
+        "world_size": hardware["world_size"],
+        "params": plan["params"],
+        **{k: plan[k] for k in ("total_bytes", "budget_bytes", "card_bytes", "cuda_context_bytes", "margin_bytes")},
+        **{k: plan[k] for k in ("host_bytes", "host_budget_bytes")},
+        "step_s": plan["step_s"],  # an estimate: the planner's FLOPs at its assumed MFU plus exposed transfers
+        "tokens_per_step": tokens,  # row tokens of one optimizer step over all ranks (padding included)
+        "tokens_per_s": tokens / plan["step_s"] if plan["step_s"] else None,
+        "describe": format_fit_summary(fit).split("; runners-up")[0],
+    }
+
+
+def plan_json(plan: dict, candidates: bool = False) -> dict:
+    """plan.format=json: `summary` first, then the plan's fields with the HF config reduced to PLAN_HF_KEYS; the
+    candidate table (every policy x k x micro-batch weighed) only with candidates=True."""
+    out = {"summary": plan_summary(plan), **{k: v for k, v in plan.items() if k != "fit"}}
+    out["hf_config"] = {k: plan["hf_config"][k] for k in PLAN_HF_KEYS if plan["hf_config"].get(k) is not None}
+    if not candidates:
+        out["summary"]["candidates"] = f"{len(out.pop('candidates'))} weighed; plan.candidates=true lists them"
+    return out
 
 
 def plan_job_config(cfg: DictConfig) -> JobConfig:
@@ -316,8 +376,7 @@ def main(cfg: DictConfig) -> None:
     except UserError as e:
         fail(e)
     if fmt == "json":
-        plan.pop("fit")
-        print(json.dumps(plan, indent=1))
+        print(json.dumps(plan_json(plan, cfg.plan.candidates), indent=1))
     else:
         print(format_table(plan))
 

@@ -154,3 +154,32 @@ def test_max_seq_len_search_takes_any_data_seq_len_under_context_parallelism():
         plan_job_config(
             compose_config([*common, "plan.cp=8", "attn.block_size=64", "plan.max_seq_len=true"], PlanJobConfig)
         )
+
+
+def test_plan_json_leads_with_a_summary_and_stays_small():
+    """A script reads `summary` (the chosen precision, policy and batch shape, the peak against the budget and what
+    the budget is made of, the estimated step time and tokens/s); the HF config is reduced to what the plan reads,
+    and the candidate table (~390 KB at 7B) comes only with plan.candidates=true."""
+    proc = _plan("experiment=deepseek7b_6k_a100", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout) < 16_000  # was 392 KB
+    plan = json.loads(proc.stdout)
+    assert next(iter(plan)) == "summary"
+    s = plan["summary"]
+    assert s["fits"] and s["precision"] == next(
+        r["precision"] for r in plan["precision_table"] if r["verdict"] == "chosen"
+    )
+    assert (s["policy"], s["memory"], s["micro_batch"], s["grad_accum"]) == (
+        plan["policy"],
+        plan["memory"],
+        plan["micro_batch"],
+        plan["grad_accum"],
+    )
+    assert s["budget_bytes"] == s["card_bytes"] - s["cuda_context_bytes"] - s["margin_bytes"] == plan["budget_bytes"]
+    assert s["total_bytes"] == plan["total_bytes"] <= s["budget_bytes"]
+    assert s["tokens_per_step"] == 8192 * 1 * 8 and s["tokens_per_s"] == pytest.approx(65536 / plan["step_s"])
+    assert "id2label" not in plan["hf_config"] and plan["hf_config"]["rope_parameters"]["rope_type"] == "yarn"
+    assert "candidates" not in plan and s["candidates"].endswith("plan.candidates=true lists them")
+    full = _plan("experiment=deepseek7b_6k_a100", "plan.format=json", "plan.candidates=true")
+    candidates = json.loads(full.stdout)["candidates"]
+    assert len(candidates) == int(s["candidates"].split()[0]) and {"label", "total_bytes", "fits"} <= set(candidates[0])
