@@ -185,3 +185,26 @@ def flip_one_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def trained_optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW after one step on a tiny model (non-empty state), with a constant LambdaLR."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(input_ids=torch.randint(0, 256, (1, 8))).logits.sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return opt, sched
+
+
+def checkpoint_state(model: torch.nn.Module, step: int) -> dict:
+    """A trainer state of the shape the Checkpointer saves (counters, optimizer, schedule, data cursor, RNG)."""
+    from flexengine.loop.checkpointer import _rng_state
+
+    opt, sched = trained_optimizer(model)
+    return {
+        "train": {"step": step, "losses": [0.0] * step},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "data": {"epoch": 0, "cursor": step},
+        "rng": _rng_state(),
+    }

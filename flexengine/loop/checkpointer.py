@@ -15,13 +15,8 @@ import torch
 
 from flexengine.core.errors import UserError
 from flexengine.core.storage import CHECKPOINTS
-from flexengine.loop.checkpoint import (
-    load_checkpoint_state,
-    load_checkpoint_weights,
-    prune_checkpoints,
-    resolve_resume,
-    save_checkpoint,
-)
+from flexengine.loop.checkpoint.load import load_checkpoint_state, load_checkpoint_weights, resolve_resume
+from flexengine.loop.checkpoint.save import prune_checkpoints, save_checkpoint
 from flexengine.loop.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
 from flexengine.loop.optim import apply_knots, exported_weights, planned_update, resumed_knots
 

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from flexengine.core.storage import CHECKPOINTS
-from flexengine.loop.checkpoint import mark_best, step_dir
+from flexengine.loop.checkpoint.save import mark_best, step_dir
 from flexengine.loop.checkpointer import prune
 from flexengine.loop.evaluate import EvalProgress, eval_budget_warning, evaluate_loss, greedy_continue
 

@@ -9,7 +9,7 @@ import time
 from typing import Optional
 
 from flexengine.core.storage import CHECKPOINTS
-from flexengine.loop.checkpoint import step_dir
+from flexengine.loop.checkpoint.save import step_dir
 from flexengine.loop.eval_loop import saves_best
 from flexengine.loop.metrics import allocator_stats, peak_memory_bytes, utilization
 

@@ -259,7 +259,7 @@ def test_resume_auto_never_reloads_a_nonfinite_step(tmp_path):
     """A NaN checkpoint written before the save-time check (no `finite` in its manifest) is moved aside and the
     newest finite step resumes; an explicit train.resume of it is refused."""
     from flexengine.core.errors import UserError
-    from flexengine.loop.checkpoint import save_checkpoint
+    from flexengine.loop.checkpoint.save import save_checkpoint
 
     run_training(make_job(tmp_path, "train.max_steps=2", "train.save_every=1"), tmp_path)
     trainer = build_trainer(make_job(tmp_path, "train.max_steps=3"), tmp_path)
@@ -325,7 +325,7 @@ def test_second_signal_during_the_save_does_not_kill_it(tmp_path, monkeypatch, s
 
     from flexengine.loop import checkpointer
     from flexengine.loop import trainer as trainer_module
-    from flexengine.loop.checkpoint import verify_checkpoint
+    from flexengine.loop.checkpoint.load import verify_checkpoint
 
     signum = getattr(signal, sig)
     real_step, real_save = trainer_module.Trainer.train_step, checkpointer.save_checkpoint

@@ -1,17 +1,30 @@
-"""The run directory's advisory lock (flexengine/core/storage.py hold_output_dir), across real processes: a second run
-on a directory a live run holds is refused before it writes, checks or truncates anything."""
+"""core/storage.py: the run directory's advisory lock across real processes (a second run on a directory a live run
+holds is refused before it writes, checks or truncates anything), output-directory safety, stale temp dirs, atomic
+JSON, and filesystem errors as one paragraph naming the path."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from flexengine.core.errors import OutputDirTaken, UserError
-from flexengine.core.storage import RUN_LOCK, hold_output_dir
+from flexengine.core import storage
+from flexengine.core.errors import OutputDirTaken, UserError, os_error_message
+from flexengine.core.storage import (
+    RUN_LOCK,
+    check_output_dir,
+    clean_stale_temp_dirs,
+    hold_output_dir,
+    write_json_atomic,
+)
 
 HOLDER = textwrap.dedent(
     """
@@ -158,3 +171,76 @@ def test_any_other_lock_failure_still_raises(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", broken)
     with pytest.raises(OSError, match="I/O error"), hold_output_dir(tmp_path / "out", None):
         pass
+
+
+def test_write_json_atomic(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json_atomic(path, {"a": 1, "p": tmp_path})  # non-JSON values are written as strings
+    write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_stale_temp_dirs_of_dead_processes_are_removed(tmp_path, caplog):
+    """Before: a dir named with this process's pid was skipped (in a container the trainer is PID 1 on every
+    start, so it stayed forever) and another host's was never removed, even by a requeued resume=auto job."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".tmp_step_5_{host}_{dead.pid}"
+    alive = tmp_path / f".tmp_step_6_{host}_{os.getppid()}"
+    own = tmp_path / f".tmp_step_8_{host}_{os.getpid()}"  # an earlier process with our pid (nothing saved yet)
+    foreign = tmp_path / f".tmp_step_7_otherhost_{dead.pid}"
+    for d in (stale, alive, own, foreign):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    with caplog.at_level(logging.WARNING, logger="flexengine.core.storage"):
+        assert clean_stale_temp_dirs(tmp_path) == [stale, own]
+    assert alive.exists() and foreign.exists() and "left by host otherhost" in caplog.text
+    assert "held by unfinished saves (.tmp_step_6_" in storage.disk_full_message(tmp_path, 2**30, 0)
+    assert clean_stale_temp_dirs(tmp_path, owned=True) == [foreign]  # resume=auto: a requeue on another node
+    assert alive.exists()
+
+
+def test_output_dir_holding_a_run_is_refused_unless_resumed(tmp_path):
+    run = tmp_path / "out" / "checkpoints"  # two steps (the check reads the step directories' names)
+    for step in (1, 2):
+        (run / f"step_{step}").mkdir(parents=True)
+    out = run.parent
+    with pytest.raises(UserError, match="already holds a run .*train.resume=auto"):
+        check_output_dir(out, None)
+    check_output_dir(out, "auto")  # continuing that run is fine
+    with pytest.raises(UserError, match="later checkpoints \\(step_2\\)"):
+        check_output_dir(out, str(run / "step_1"))
+    check_output_dir(out.parent / "new", str(run / "step_1"))  # branching into a new directory is fine
+    (out.parent / "finished").mkdir()
+    (out.parent / "finished" / "summary.json").write_text("{}")
+    with pytest.raises(UserError, match="finished run without checkpoints"):
+        check_output_dir(out.parent / "finished", "auto")
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "out").write_text("")
+    with pytest.raises(UserError, match=f"{tmp_path / 'out'} is a file, not a directory"):
+        check_output_dir(tmp_path / "out", None)
+
+
+def test_read_only_output_dir_is_one_paragraph_naming_the_path(tmp_path, monkeypatch):
+    def read_only(self, data):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)  # root ignores chmod; a read-only mount is simulated
+    with pytest.raises(UserError) as err:
+        check_output_dir(tmp_path / "out", None)
+    message = str(err.value)
+    assert f"failed at {tmp_path / 'out'}/.write_test_" in message and "Read-only file system" in message
+    assert "\n" not in message
+
+
+def test_os_error_message_names_both_paths():
+    e = OSError(errno.EACCES, "Permission denied", "/a", None, "/b")
+    assert os_error_message(e, "renaming") == (
+        "renaming failed at /a -> /b: Permission denied; check its "
+        "permissions, or choose a directory you can write (e.g. "
+        "train.output_dir=...)."
+    )

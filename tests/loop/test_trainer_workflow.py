@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexengine.loop.checkpoint import prune_checkpoints
+from flexengine.loop.checkpoint.save import prune_checkpoints
 from flexengine.run import build_trainer, run_training
 from tests.helpers import DEBUG_FAST, make_job
 

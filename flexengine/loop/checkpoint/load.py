@@ -1,9 +1,9 @@
 """Reading a checkpoint back: verify it, pick the step to resume (train.resume), load its weights and trainer state.
 
-The layout and the guarantees are described in checkpoint.py (the save side). Trainer state is read with
+The layout and the guarantees are described in the package docstring. Trainer state is read with
 `torch.load(weights_only=True)`; resume verifies the manifest and falls back to the newest step that verifies,
 moving damaged ones aside. Every rank calls `resolve_resume` and `load_checkpoint`; rank 0 decides and reads the
-shared files, the others follow (rank_sync). Split out of checkpoint.py (issue 21).
+shared files, the others follow (rank_sync.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from flexengine.core.storage import (
     read_manifest,
     verify_manifest,
 )
-from flexengine.loop import rank_sync
+from flexengine.loop.checkpoint import rank_sync
+from flexengine.loop.checkpoint.rank_sync import on_every_rank, run_on_rank0
 from flexengine.loop.nonfinite import nonfinite_names
-from flexengine.loop.rank_sync import on_every_rank, run_on_rank0
 from flexengine.surgery.lora import adapter_to_model_keys, is_lora
 from flexengine.surgery.parallel import is_dtensor
 

@@ -2,7 +2,7 @@
 one (never a hang). All are no-ops around the call in a single process.
 
 The checkpoint save and load go through these on a CPU group with its own long timeout (COLLECTIVE_TIMEOUT_S):
-writing and hashing tens of GB can outlast NCCL's 10 minutes. Split out of checkpoint.py (issue 21).
+writing and hashing tens of GB can outlast NCCL's 10 minutes.
 """
 
 from __future__ import annotations
