@@ -38,6 +38,12 @@ class PlanOptions:
     cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
     # each row); None = the job's parallel.cp
     candidates: bool = False  # plan.format=json: also every candidate the search weighed (~380 KB at 7B)
+    # "how long will my corpus take" (flexengine/cli/plan_corpus.py): any of these adds the hours of the corpus for
+    # the plan and its alternatives (full fine-tune vs LoRA, 1 vs 8 GPUs)
+    epochs: Optional[float] = None  # passes over the corpus (None: train.epochs, else 1)
+    tokens: Optional[float] = None  # the corpus's token count, e.g. 120e6 (in full rows: no padding counted)
+    documents: Optional[int] = None  # the corpus's document count, with doc_tokens: packed as training packs
+    doc_tokens: Optional[int] = None  # tokens per document (plan.documents=20000 plan.doc_tokens=6000)
 
 
 @dataclass
@@ -298,6 +304,19 @@ def plan_json(plan: dict, candidates: bool = False) -> dict:
     return out
 
 
+def corpus_time(job: JobConfig, options: PlanOptions) -> dict:
+    """plan.epochs / plan.tokens / plan.documents: the corpus in packed rows and its hours for the plan and the
+    alternatives (flexengine.planning.corpus_time), as {"corpus": ..., "alternatives": [...]}."""
+    from flexengine.cli.plan_corpus import corpus_of
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.corpus_time import corpus_hours
+    from flexengine.surgery.model import build_hf_config
+
+    corpus = corpus_of(job, options)
+    rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), corpus)
+    return {"corpus": dataclasses.asdict(corpus), "alternatives": rows}
+
+
 def plan_job_config(cfg: DictConfig) -> JobConfig:
     """The job to plan, at plan.cp (default parallel.cp). plan.max_seq_len searches row lengths of its own
     (multiples of cp x 128), so there data.seq_len, which it never uses, need not split into cp x 128 blocks."""
@@ -355,6 +374,9 @@ FORMATS = ("table", "json", "resolved")
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
+    from flexengine.cli.plan_corpus import wants_corpus_time
+    from flexengine.planning.corpus_time import Corpus, format_corpus_hours
+
     plan_only = {}
     if cfg.model.path is None:
         plan_only["model.init"] = cfg.model.init = "random"  # the planner reads only the architecture
@@ -373,12 +395,17 @@ def main(cfg: DictConfig) -> None:
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
         plan = build_plan(job)
+        hours = corpus_time(job, cfg.plan) if wants_corpus_time(cfg.plan) else None
     except UserError as e:
         fail(e)
     if fmt == "json":
-        print(json.dumps(plan_json(plan, cfg.plan.candidates), indent=1))
+        print(
+            json.dumps({**plan_json(plan, cfg.plan.candidates), **({"corpus_time": hours} if hours else {})}, indent=1)
+        )
     else:
         print(format_table(plan))
+        if hours:
+            print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))
 
 
 def cli() -> None:

@@ -208,8 +208,13 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
 def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float) -> dict:
     """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
     traffic, the host optimizer and the gradient reduce-scatter not hidden by backward."""
-    blocks_flops = m.layers * sum(block_forward_flops(m, w, attended).values())
-    step_flops = 3 * (blocks_flops + 2 * w.tokens * m.hidden * m.vocab)  # forward + 2x backward
+    forward = block_forward_flops(m, w, attended)
+    matmuls = m.layers * sum(v for k, v in forward.items() if k != "attention_core") + 2 * w.tokens * m.hidden * m.vocab
+    # backward: an input gradient per matmul (1x its forward), a weight gradient only where weights train (1x more:
+    # LoRA's frozen base weights and lm_head get none, ~4N instead of 6N, as loop/flops.py counts), and the
+    # attention core's two (dQ, dK/dV: 2x)
+    weight_grads = 1 if x.trainable_fraction >= 1.0 else 0
+    step_flops = (2 + weight_grads) * matmuls + 3 * m.layers * forward["attention_core"]
     peak = x.hardware.peak_tflops or FALLBACK_PEAK_TFLOPS
     compute_s = step_flops / (peak * 1e12 * ASSUMED_MFU)
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds

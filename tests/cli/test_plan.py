@@ -183,3 +183,18 @@ def test_plan_json_leads_with_a_summary_and_stays_small():
     full = _plan("experiment=deepseek7b_6k_a100", "plan.format=json", "plan.candidates=true")
     candidates = json.loads(full.stdout)["candidates"]
     assert len(candidates) == int(s["candidates"].split()[0]) and {"label", "total_bytes", "fits"} <= set(candidates[0])
+
+
+def test_how_long_for_the_seed_workload():
+    """The seed question: 20,000 documents of ~6,000 tokens, one epoch, one A100-80G (and a node of eight, and
+    LoRA): hours printed as estimates, and the same numbers in the JSON."""
+    seed = ["experiment=deepseek7b_6k_a100", "plan.documents=20000", "plan.doc_tokens=6000", "plan.epochs=1"]
+    table = _plan(*seed)
+    assert table.returncode == 0, table.stderr
+    assert "how long: 20,000 documents of 6,000 tokens -> 20,000 rows of 8,192" in table.stdout
+    assert "estimates" in table.stdout and "LoRA r=16, 8 GPUs" in table.stdout
+    report = json.loads(_plan(*seed, "plan.format=json").stdout)["corpus_time"]
+    assert report["corpus"]["rows"] == 20_000 and report["corpus"]["useful_tokens"] == 120_000_000
+    first = report["alternatives"][0]
+    assert first["label"] == "as configured" and first["steps"] == 2_500
+    assert f"{first['hours']:7.1f}" in table.stdout

@@ -1,0 +1,53 @@
+"""How long the seed workload takes, as flexengine-plan estimates it: 20,000 documents of ~6,000 tokens, one epoch,
+DeepSeek-7B (experiment=deepseek7b_6k_a100) on one A100-80G and on eight, full fine-tune and LoRA r=16, at the
+experiment's 8,192-token rows and at 6,144 (one document fills a row: far less padding).
+
+Estimates, not measurements: the step time is the planner's (its FLOPs at 40 % MFU plus the transfers backward
+cannot hide). The same numbers as `python -m flexengine.plan experiment=deepseek7b_6k_a100 plan.documents=20000
+plan.doc_tokens=6000 plan.epochs=1`.
+
+    .venv/bin/python bench/corpus_time.py      # writes bench/results/corpus_time.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flexengine.cli.common import compose_job
+from flexengine.cli.plan import PlanOptions
+from flexengine.cli.plan_corpus import corpus_of
+from flexengine.core.hardware import assumed_hardware
+from flexengine.planning.corpus_time import corpus_hours, format_corpus_hours
+from flexengine.surgery.model import build_hf_config
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SEED = PlanOptions(documents=20_000, doc_tokens=6_000, epochs=1)
+ROWS = {"8192 (the experiment)": [], "6144": ["data.seq_len=6144"]}
+
+
+def main() -> None:
+    """Plan the seed corpus at both row lengths; print and save the tables."""
+    report, sections = [], []
+    for name, extra in ROWS.items():
+        job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", *extra])
+        corpus = corpus_of(job, SEED)
+        rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), corpus)
+        report.append({"seq_len": job.data.seq_len, "corpus": corpus.describe, "alternatives": rows})
+        sections.append(f"### rows of {name}\n\n```\n{format_corpus_hours(rows, corpus, job.hardware.name)}\n```")
+    intro = (
+        "`python bench/corpus_time.py` (= `python -m flexengine.plan experiment=deepseek7b_6k_a100 "
+        "plan.documents=20000 plan.doc_tokens=6000 plan.epochs=1`). Step times are the planner's (FLOPs at "
+        "40 % MFU plus exposed transfers), not measured; no GPU run of this workload is recorded yet. The 8-GPU "
+        "and LoRA rows keep the experiment's 8 rows per optimizer step."
+    )
+    title = "## How long: 20,000 documents of ~6,000 tokens, one epoch, DeepSeek-7B (estimates)"
+    text = "\n\n".join([title, intro, *sections])
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "corpus_time.json").write_text(json.dumps(report, indent=1))
+    (RESULTS / "corpus_time.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

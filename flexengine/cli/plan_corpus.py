@@ -1,0 +1,74 @@
+"""flexengine-plan's "how long will my corpus take": the corpus counted in packed rows, then the planner's hours.
+
+`python -m flexengine.plan experiment=deepseek7b_6k_a100 plan.documents=20000 plan.doc_tokens=6000 plan.epochs=1`
+The rows come from, in this order of preference:
+  plan.documents + plan.doc_tokens   that many documents of that length, packed as training packs them
+  plan.tokens                        a token count in full rows (no padding: an optimistic bound)
+  the job's data                     data.path (or the demo corpus) tokenized through the training cache and
+                                     packed by data.packing: the real lengths, so the real padding
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flexengine.core.config import JobConfig
+from flexengine.core.errors import UserError
+from flexengine.planning.corpus_time import Corpus
+
+
+def wants_corpus_time(options: Any) -> bool:
+    """Whether the plan was asked how long (plan.epochs, plan.tokens or plan.documents given)."""
+    return any(getattr(options, key) is not None for key in ("epochs", "tokens", "documents"))
+
+
+def corpus_of(job: JobConfig, options: Any) -> Corpus:
+    """The corpus flexengine-plan's options describe, in packed rows of data.seq_len (see the module docstring)."""
+    from flexengine.data.packing import plan_packing
+
+    epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
+    if epochs <= 0:
+        raise UserError(f"plan.epochs={epochs} must be positive.")
+    seq_len, data = job.data.seq_len, job.data
+    if options.documents is not None:
+        if not options.doc_tokens or options.documents <= 0 or options.doc_tokens <= 0:
+            raise UserError(
+                "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
+                "plan.doc_tokens=6000), both positive."
+            )
+        stats = plan_packing([options.doc_tokens] * options.documents, seq_len, data.packing, data.long_docs).stats
+        what = f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
+        return Corpus(stats.rows, stats.tokens, epochs, f"{what} -> {_rows(stats)}")
+    if options.tokens is not None:
+        if options.tokens <= 0:
+            raise UserError(f"plan.tokens={options.tokens} must be positive.")
+        rows = math.ceil(options.tokens / seq_len)
+        what = f"{options.tokens:,.0f} tokens in {rows:,} full rows of {seq_len:,}"
+        return Corpus(rows, int(options.tokens), epochs, f"{what} (no padding counted: an optimistic bound)")
+    return _corpus_of_data(job, epochs)
+
+
+def _corpus_of_data(job: JobConfig, epochs: float) -> Corpus:
+    """The job's own documents, tokenized (cached) and packed as a run would (held-out documents included)."""
+    from flexengine.data.corpus import build_corpus
+    from flexengine.data.packing import plan_packing
+    from flexengine.surgery.model import load_tokenizer
+
+    if job.data.source != "demo" and not (job.model.path or job.model.tokenizer):
+        raise UserError(
+            f"plan.epochs with data.path={job.data.path} counts its tokens with the model's tokenizer: give "
+            "model.path (or model.tokenizer), or the size instead: plan.tokens=N, or plan.documents=N "
+            "plan.doc_tokens=T."
+        )
+    lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
+    stats = plan_packing(lengths, job.data.seq_len, job.data.packing, job.data.long_docs).stats
+    where = job.data.path or "the demo corpus"
+    return Corpus(stats.rows, stats.tokens, epochs, f"{where}: {stats.documents:,} documents -> {_rows(stats)}")
+
+
+def _rows(stats) -> str:
+    return (
+        f"{stats.rows:,} rows of {stats.seq_len:,} ({stats.tokens:,} tokens, {stats.useful_token_fraction:.1%} of "
+        "slots useful)"
+    )

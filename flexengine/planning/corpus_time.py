@@ -1,0 +1,104 @@
+"""How long a corpus takes: the planner's step time times the optimizer steps the packed rows need, for the plan a
+run would take and for the alternatives a user weighs before renting hardware (full fine-tune vs LoRA, one card vs
+a node of them).
+
+Every number here is an estimate: the step time is the planner's (its FLOPs at an assumed MFU plus the transfers it
+cannot hide, flexengine/planning/costs.py), not a measurement. The rows come from the caller (the packed plan of the
+real documents, or of documents of one length), so packing's padding is counted, not assumed away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from flexengine.core.config import HardwareConfig, JobConfig
+from flexengine.planning.fit import plan_job
+
+LORA_RANK = 16  # the LoRA alternative's rank when the job has none (a common choice for 7B fine-tunes)
+NODE = 8  # the other card count weighed when the job plans one card: a node of them
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What is to be trained on, in packed rows: rows of one epoch, the tokens in them that are not padding, and
+    how many epochs."""
+
+    rows: int
+    useful_tokens: int
+    epochs: float = 1.0
+    describe: str = ""  # where the numbers come from (the data, or the lengths assumed)
+
+
+def corpus_hours(job: JobConfig, hf_config, hardware: HardwareConfig, corpus: Corpus) -> list[dict]:
+    """One row per alternative: the job as planned, then full fine-tune vs LoRA on 1 and NODE cards (each planned
+    for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours."""
+    rows = []
+    for label, variant, hw in _alternatives(job, hardware):
+        fit = plan_job(variant, hf_config, hw)
+        data_ranks = max(1, hw.world_size // variant.parallel.cp)
+        rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
+        steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
+        seconds = steps * fit.plan["step_s"]
+        rows.append(
+            {
+                "label": label,
+                "world_size": hw.world_size,
+                "lora_r": variant.model.lora.r,
+                "fits": fit.fits,
+                "precision": fit.precision.name,
+                "policy": fit.plan["policy"],
+                "micro_batch": fit.micro_batch,
+                "grad_accum": fit.grad_accum,
+                "rows_per_step": rows_per_step,
+                "steps": steps,
+                "step_s": fit.plan["step_s"],
+                "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
+                "hours": seconds / 3600,
+            }
+        )
+    return rows
+
+
+def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, JobConfig, HardwareConfig]]:
+    """(label, job, hardware): the job as configured first, then each of full / LoRA x 1 / NODE cards it is not.
+    On more cards the accumulation shrinks so the rows per optimizer step stay the job's where they divide (the
+    same optimization, done faster), as one would rerun it."""
+    lora_r = job.model.lora.r or LORA_RANK
+    counts = sorted({hardware.world_size, 1, NODE}) if hardware.device == "cuda" else [hardware.world_size]
+    out = [("as configured", job, hardware)]
+    for r in (0, lora_r):
+        for n in counts:
+            if (r, n) == (job.model.lora.r, hardware.world_size):
+                continue
+            accum = max(1, round(job.train.grad_accum * hardware.world_size / n))
+            variant = dataclasses.replace(
+                job,
+                model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r)),
+                train=dataclasses.replace(job.train, grad_accum=accum),
+            )
+            label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} GPU{'s' if n > 1 else ''}"
+            out.append((label, variant, dataclasses.replace(hardware, world_size=n)))
+    return out
+
+
+def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) -> str:
+    """The table flexengine-plan prints: one line per alternative, labelled as the estimate it is."""
+    head = (
+        f"how long: {corpus.describe}; {corpus.epochs:g} epoch(s) on {hardware_name} (estimates: the planner's step "
+        "time, not a measurement)"
+    )
+    columns = (
+        f"  {'':<26} {'GPUs':>4} {'precision':<16} {'policy':<24} {'rows/step':>9} {'steps':>7} {'s/step':>7} "
+        f"{'useful tok/s':>12} {'hours':>7}"
+    )
+    lines = [head, columns]
+    for r in rows:
+        fits = "" if r["fits"] else "  (does not fit)"
+        lines.append(
+            f"  {r['label']:<26} {r['world_size']:>4} {r['precision']:<16} {r['policy'][:24]:<24} "
+            f"{r['rows_per_step']:>9} {r['steps']:>7,} {r['step_s']:>7.2f} {r['useful_tokens_per_s'] or 0:>12,.0f} "
+            f"{r['hours']:>7.1f}{fits}"
+        )
+    return "\n".join(lines)
