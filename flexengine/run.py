@@ -35,6 +35,9 @@ from flexengine.core.storage import (
 )
 from flexengine.data.build import build_data
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
+from flexengine.loop.checkpointer import Checkpointer
+from flexengine.loop.evaluator import Evaluator
+from flexengine.loop.progress import Progress
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import activation_summary
@@ -163,13 +166,12 @@ def _apply_surgery(
     return model, memory_report
 
 
-def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
-    """What the run was built from, for resume, the summary and the doctor: the fit, the data and the memory
-    reports, and the fingerprint of the data stream (checked on resume)."""
-    job, loader, dist_info = trainer.job, trainer.loader, trainer.dist
-    trainer.plan = fit
-    trainer.data_report = data_report
-    trainer.data_plan = data_plan_fingerprint(
+def _components(
+    job: JobConfig, out_dir: Path, dist_info: DistInfo, loader: RowLoader, eval_data: Optional[HeldOut]
+) -> dict:
+    """The trainer's components, each owning its state: the Checkpointer (with the fingerprint of the data stream
+    a resume must match), the Evaluator (held-out set, samples) and Progress (the run clock, the step line)."""
+    data_plan = data_plan_fingerprint(
         loader.corpus,
         loader.plan,
         data=job.data,
@@ -178,6 +180,18 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
         cp=dist_info.cp,
         seed=job.train.seed,
     )
+    main = dist_info.is_main
+    return {
+        "checkpointer": Checkpointer(out_dir / CHECKPOINTS, data_plan=data_plan, is_main=main),
+        "evaluator": Evaluator(eval_data, job.train, is_main=main),
+        "progress": Progress(job.train, peak_tflops=job.hardware.peak_tflops, is_main=main),
+    }
+
+
+def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
+    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports."""
+    trainer.plan = fit
+    trainer.data_report = data_report
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     trainer.metrics.section(
@@ -236,9 +250,9 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         device=device,
         dist=dist_info,
         train_module=train_module,
-        eval_data=eval_data,
         precision=fit.precision,
         context_parallel=context_parallel,
+        **_components(job, out_dir, dist_info, loader, eval_data),
     )
     _attach_reports(trainer, fit, data_report, memory_report)
     return trainer

@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexengine.core.config import ParallelConfig
 from flexengine.core.distributed import init_distributed
 from flexengine.data.packing import pack_documents
-from flexengine.loop.evaluate import evaluate_loss, greedy_continue
+from flexengine.loop.evaluator import evaluate_loss, greedy_continue
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.compile import apply_compile
 from flexengine.surgery.context_parallel import build_context_parallel

@@ -36,7 +36,7 @@ def _used(trainer) -> dict:
         "optim.lr": trainer.scheduler.base_lrs[0],  # the peak the schedule scales
         "optim.weight_decay": trainer.optimizer.param_groups[0]["weight_decay"],  # the matrices' group
         "optim.name": type(trainer.optimizer).__name__.lower(),
-        "model.name": progress.hparams(trainer)["model"],
+        "model.name": progress.hparams(trainer.job, trainer.attn)["model"],
         "precision.mode": trainer.precision.name,
         "train.micro_batch": trainer.loader.micro_batch,
         "train.grad_accum": trainer.job.train.grad_accum,  # the loop's accumulation count

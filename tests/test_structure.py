@@ -311,3 +311,101 @@ def test_every_lazy_export_resolves(package):
     assert names
     for name in sorted(names):
         assert getattr(module, name) is not None, name
+
+
+# Components own their state: the trainer's private fields are written in loop/trainer.py only. A function elsewhere
+# that writes `trainer._x` is a method in exile: give the state to the component that owns it.
+TRAINER_MODULE = "loop/trainer.py"
+
+
+def _names_of_trainers(tree: ast.AST) -> set[str]:
+    """`trainer`, and every parameter annotated Trainer (`t: Trainer`, `t: "Trainer"`, `t: trainer.Trainer`)."""
+    names = {"trainer"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            note = node.annotation
+            text = note.value if isinstance(note, ast.Constant) and isinstance(note.value, str) else None
+            if text == "Trainer" or getattr(note, "id", None) == "Trainer" or getattr(note, "attr", None) == "Trainer":
+                names.add(node.arg)
+    return names
+
+
+def _is_trainer(node: ast.AST, names: set[str]) -> bool:
+    """A name bound to a trainer, or `<anything>.trainer` (a component holding one)."""
+    return (isinstance(node, ast.Name) and node.id in names) or (
+        isinstance(node, ast.Attribute) and node.attr == "trainer"
+    )
+
+
+def _assigned(node: ast.AST) -> list[ast.AST]:
+    """The targets one statement assigns, tuples and lists unpacked."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    out = []
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        else:
+            out.append(target)
+    return out
+
+
+def private_trainer_writes(package: Path) -> list[str]:
+    """Every write of a trainer's private field outside loop/trainer.py, as 'file:line trainer._x': assignments
+    (plain, augmented, annotated, unpacked) and setattr(trainer, "_x", ...)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package).as_posix()
+        if name == TRAINER_MODULE:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        trainers = _names_of_trainers(tree)
+        for node in ast.walk(tree):
+            for target in _assigned(node):
+                private = isinstance(target, ast.Attribute) and target.attr.startswith("_")
+                if private and _is_trainer(target.value, trainers):
+                    found.append(f"{name}:{node.lineno} {ast.unparse(target)}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) >= 2:
+                obj, attr = node.args[0], node.args[1]
+                if _is_trainer(obj, trainers) and isinstance(attr, ast.Constant) and str(attr.value).startswith("_"):
+                    found.append(f"{name}:{node.lineno} setattr({ast.unparse(obj)}, {attr.value!r})")
+    return found
+
+
+def test_only_the_trainer_writes_its_private_fields():
+    assert (PACKAGE / TRAINER_MODULE).is_file(), "the trainer moved: update TRAINER_MODULE"
+    writes = private_trainer_writes(PACKAGE)
+    assert not writes, (
+        "these modules write the trainer's private fields (a function that writes trainer._x is a method in exile: "
+        "move the state into the component that owns it, or the code into loop/trainer.py):\n" + "\n".join(writes)
+    )
+
+
+def test_private_write_check_sees_every_form(tmp_path):
+    package = _write_package(
+        tmp_path,
+        {
+            "loop/trainer.py": "class Trainer:\n    def f(self, trainer):\n        self._a = trainer._b = 1\n",
+            "loop/evaluator.py": (
+                "def f(trainer, t: 'Trainer', u: Trainer):\n"
+                "    trainer._a = 1\n"
+                "    t._b += 1\n"
+                "    x, (u._c, y) = 1, (2, 3)\n"
+                "    setattr(trainer, '_d', 1)\n"
+                "    trainer.public = trainer.state._inner = other._e = 1\n"
+            ),
+            "loop/component.py": "class C:\n    def f(self):\n        self.trainer._f: int = 1\n",
+        },
+    )
+    assert sorted(private_trainer_writes(package)) == [
+        "loop/component.py:3 self.trainer._f",
+        "loop/evaluator.py:2 trainer._a",
+        "loop/evaluator.py:3 t._b",
+        "loop/evaluator.py:4 u._c",
+        "loop/evaluator.py:5 setattr(trainer, '_d')",
+    ]

@@ -1,4 +1,10 @@
-"""The Trainer's save and resume: its state beside the weights, the finite check, pruning, an exact resume."""
+"""The trainer's checkpoint component: what its state is beside the weights, when a save happens (every step at
+most once, the best one kept), the finite check, pruning, and an exact resume.
+
+The format on disk is loop/checkpoint/'s; `Checkpointer` decides what goes in and restores it. It owns which step
+is on disk, which checkpoint the run resumed from, and the data plan a resume must match; the trainer hands
+itself to `save` and `resume` for its model, optimizer, schedule, data position and counters.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from flexengine.core.config import TrainConfig
 from flexengine.core.errors import UserError
-from flexengine.core.storage import CHECKPOINTS
 from flexengine.loop.checkpoint.load import load_checkpoint_state, load_checkpoint_weights, resolve_resume
-from flexengine.loop.checkpoint.save import prune_checkpoints, save_checkpoint
+from flexengine.loop.checkpoint.save import mark_best, prune_checkpoints, save_checkpoint, step_dir
 from flexengine.loop.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
 from flexengine.loop.optim import apply_knots, exported_weights, planned_update, resumed_knots
 
@@ -39,6 +45,15 @@ class TrainState:
     evals_since_best: int = 0  # for train.early_stop_patience
     model_flops: float = 0.0  # model FLOPs of the steps so far (MFU's numerator; flexengine.loop.flops)
     hardware_flops: float = 0.0  # FLOPs executed: padding, recompute, attention as the backend runs it
+
+    def restore(self, saved: dict) -> None:
+        """Take a checkpoint's counters, in place (the signal handler reads this object's step)."""
+        if "block_sparsity_sum" in saved:  # checkpoints written before the rename
+            saved = {**saved, "block_density_sum": saved["block_sparsity_sum"]}
+        known = {f.name for f in dataclasses.fields(TrainState)}
+        loaded = TrainState(**{k: v for k, v in saved.items() if k in known})  # absent fields: their defaults
+        for f in dataclasses.fields(TrainState):
+            setattr(self, f.name, getattr(loaded, f.name))
 
 
 def _rng_state() -> dict:
@@ -66,41 +81,100 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainer_state(trainer) -> dict:
-    """Everything besides the weights that an exact resume needs."""
-    return {
-        "train": asdict(trainer.state),
-        "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "data": trainer.loader.state_dict(),
-        "rng": _rng_state(),
-        "wall_s": trainer._elapsed_wall(),
-        "train_s": trainer.elapsed_train(),  # this launch's loop so far included
-        "max_steps": trainer.job.train.max_steps,  # the schedule's length: a resume with another one is told
-        "data_plan": dict(trainer.data_plan),
-    }
+class Checkpointer:
+    """Saves the run to <root>/step_<N> and resumes it (see the module docstring). Every rank calls `save` and
+    `resume` (the save is collective); rank 0 writes the weights, prunes and points best/ at the best step."""
+
+    def __init__(self, root: Path, *, data_plan: Optional[dict] = None, is_main: bool = True):
+        self.root, self.is_main = root, is_main
+        self.data_plan = dict(data_plan or {})  # what the data stream depends on; a resume must match it
+        self.saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
+        self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
+
+    def state_dict(self, trainer) -> dict:
+        """Everything besides the weights that an exact resume needs."""
+        return {
+            "train": asdict(trainer.state),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "data": trainer.loader.state_dict(),
+            "rng": _rng_state(),
+            "wall_s": trainer.progress.elapsed_wall(),
+            "train_s": trainer.progress.elapsed_train(),  # this launch's loop so far included
+            "max_steps": trainer.job.train.max_steps,  # the schedule's length: a resume with another one is told
+            "data_plan": dict(self.data_plan),
+        }
+
+    def save(self, trainer) -> Path:
+        """Checkpoint the trainer's current step (every rank calls this; rank 0 writes the weights)."""
+        job = trainer.job
+        merge = job.model.lora if job.model.lora.r > 0 and job.train.merge_lora_on_save else None
+        weights = exported_weights(trainer.optimizer, trainer.model)
+        check_finite(trainer, weights)
+        path = save_checkpoint(
+            self.root,
+            trainer.state.step,
+            trainer.model,
+            trainer.tokenizer,
+            self.state_dict(trainer),
+            merge_lora=merge,
+            weights=weights,
+            finite_checked=True,
+            base_dir=Path(job.model.path) if merge is not None and job.model.loads_weights else None,
+        )
+        self.saved_step = trainer.state.step
+        self.prune(job.train.keep_last)
+        return path
+
+    def keep_best(self, trainer) -> None:
+        """A new best eval loss at the trainer's step: with train.save_best, save it (once) and point best/ at it."""
+        if not saves_best(trainer.job.train):
+            return
+        step = trainer.state.step
+        path = trainer.save() if self.saved_step != step else step_dir(self.root, step)
+        if self.is_main:
+            mark_best(self.root, path)
+        self.prune(trainer.job.train.keep_last)  # the previous best may be past keep_last now
+
+    def best_checkpoint(self, train: TrainConfig, best_step: int) -> Optional[Path]:
+        """Where the best step's checkpoint is (None when train.save_best keeps none)."""
+        return step_dir(self.root, best_step) if saves_best(train) else None
+
+    def prune(self, keep_last: int) -> None:
+        """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
+        if self.is_main:
+            prune_checkpoints(self.root, keep_last, protect=(self.resumed_from,))
+
+    def resume(self, trainer, spec: str) -> Optional[Path]:
+        """train.resume: auto (newest verifying checkpoint under the root, if any) or a step_<N> dir."""
+        path = resolve_resume(spec, self.root, bool(trainer.job.train.output_dir))
+        if path is None:  # a requeued run that never saved starts again: its earlier records would repeat
+            trainer.metrics.truncate_after(0)
+            return None
+        state = load_checkpoint_state(path)
+        saved_plan = state.get("data_plan", {})
+        new_data = check_data_plan(self.data_plan, saved_plan, path, trainer.job.train.resume_new_data)  # cheap
+        load_checkpoint_weights(path, trainer.model)
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        resume_schedule(trainer, state)
+        if not new_data:
+            try:
+                trainer.loader.load_state_dict(state["data"])
+            except ValueError as e:
+                raise UserError(f"train.resume={spec}: {e}") from None
+        _set_rng_state(state["rng"])
+        trainer.state.restore(state["train"])
+        wall_s = state.get("wall_s", 0.0)
+        trainer.progress.restore(wall_s, state.get("train_s", wall_s))  # older checkpoints: wall_s was training
+        self.resumed_from, self.saved_step = path, trainer.state.step
+        trainer.metrics.truncate_after(trainer.state.step)  # the killed run's records past its checkpoint
+        log.info("resumed from %s at step %d", path, trainer.state.step)
+        return path
 
 
-def save(trainer) -> Path:
-    """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
-    lora = trainer.job.model.lora
-    merge = lora if lora.r > 0 and trainer.job.train.merge_lora_on_save else None
-    weights = exported_weights(trainer.optimizer, trainer.model)
-    check_finite(trainer, weights)
-    path = save_checkpoint(
-        trainer.out_dir / CHECKPOINTS,
-        trainer.state.step,
-        trainer.model,
-        trainer.tokenizer,
-        trainer_state(trainer),
-        merge_lora=merge,
-        weights=weights,
-        finite_checked=True,
-        base_dir=Path(trainer.job.model.path) if merge is not None and trainer.job.model.loads_weights else None,
-    )
-    trainer._saved_step = trainer.state.step
-    prune(trainer)
-    return path
+def saves_best(train: TrainConfig) -> bool:
+    """train.save_best, in a run that writes checkpoints at all (save_final or save_every)."""
+    return train.save_best and bool(train.save_final or train.save_every)
 
 
 def check_finite(trainer, weights: Optional[dict]) -> None:
@@ -116,43 +190,6 @@ def check_finite(trainer, weights: Optional[dict]) -> None:
         count = int(total.item())
     if count:
         raise UserError(nonfinite_message(trainer.state.step, bad, trainer.job.optim))
-
-
-def prune(trainer) -> None:
-    """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
-    if trainer.dist.is_main:
-        prune_checkpoints(trainer.out_dir / CHECKPOINTS, trainer.job.train.keep_last, protect=(trainer.resumed_from,))
-
-
-def resume(trainer, spec: str) -> Optional[Path]:
-    """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
-    path = resolve_resume(spec, trainer.out_dir / CHECKPOINTS, bool(trainer.job.train.output_dir))
-    if path is None:  # a requeued run that never saved starts again: its earlier records would repeat
-        trainer.metrics.truncate_after(0)
-        return None
-    state = load_checkpoint_state(path)
-    new_data = check_data_plan(trainer, state.get("data_plan", {}), path)  # before the weights: a cheap refusal
-    load_checkpoint_weights(path, trainer.model)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    resume_schedule(trainer, state)
-    if not new_data:
-        try:
-            trainer.loader.load_state_dict(state["data"])
-        except ValueError as e:
-            raise UserError(f"train.resume={spec}: {e}") from None
-    _set_rng_state(state["rng"])
-    known = {f.name for f in dataclasses.fields(TrainState)}
-    saved = state["train"]
-    if "block_sparsity_sum" in saved:  # checkpoints written before the rename
-        saved = {**saved, "block_density_sum": saved["block_sparsity_sum"]}
-    trainer.state = TrainState(**{k: v for k, v in saved.items() if k in known})
-    trainer.wall_s = state.get("wall_s", 0.0)
-    trainer.train_s = state.get("train_s", trainer.wall_s)  # older checkpoints: wall_s was training time only
-    trainer.resumed_from = path
-    trainer._saved_step = trainer.state.step
-    trainer.metrics.truncate_after(trainer.state.step)  # the killed run's records past its checkpoint
-    log.info("resumed from %s at step %d", path, trainer.state.step)
-    return path
 
 
 def resume_schedule(trainer, state: dict) -> None:
@@ -202,13 +239,13 @@ def warn_schedule_change(trainer, state: dict, saved_lr: float, finished: bool =
     log.warning("resume: %s.", what)
 
 
-def check_data_plan(trainer, saved: dict, path: Path) -> bool:
+def check_data_plan(data_plan: dict, saved: dict, path: Path, resume_new_data: bool) -> bool:
     """Refuse a resume onto a different data stream unless train.resume_new_data; True = start the new data
     from its first row."""
-    changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in trainer.data_plan.items() if saved.get(k) != v]
+    changed = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in data_plan.items() if saved.get(k) != v]
     if not changed:
         return False
-    if not trainer.job.train.resume_new_data:
+    if not resume_new_data:
         raise UserError(
             f"train.resume: {path} was trained on another data stream; changed: "
             + "; ".join(changed)

@@ -1,156 +1,223 @@
-"""What a run reports as it goes and at its end: the step line and its metrics, the ETA, the progress bar, the
-summary and the hyperparameters TensorBoard compares runs by."""
+"""What a run reports as it goes and at its end, and the clock it reports against.
+
+`Progress` is the trainer's run clock: the whole run's time and its training time (each adding up over resumes),
+the pauses inside the loop that are not training (evaluations, samples), where this launch's loop started; and
+what is reported against it: the counters between two log lines, the step line with its ETA, the bar. The
+functions below turn a finished run into summary.json and the hyperparameters TensorBoard compares runs by.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
-from flexengine.core.storage import CHECKPOINTS
-from flexengine.loop.checkpoint.save import step_dir
-from flexengine.loop.eval_loop import saves_best
-from flexengine.loop.metrics import allocator_stats, peak_memory_bytes, utilization
+import torch
+
+from flexengine.core.config import JobConfig, TrainConfig
+from flexengine.loop.metrics import MetricsWriter, allocator_stats, peak_memory_bytes, utilization
+from flexengine.surgery.attention import AttentionSpec
 
 log = logging.getLogger(__name__)
 
 
-def new_window() -> dict:
+@dataclass
+class _Window:
     """Counters between two log lines."""
-    return {"t": time.perf_counter(), "tokens": 0, "useful": 0, "model_flops": 0.0, "hardware_flops": 0.0}
+
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    useful: int = 0
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
 
 
-def log_step(trainer, m: dict, tokens_per_s: float, useful_per_s: float, flops_per_s: tuple) -> None:
-    """One logged step: its metrics (TensorBoard, metrics.jsonl) and, on rank 0, the step line with the ETA."""
-    peak = trainer.job.hardware.peak_tflops
-    trainer.metrics.scalars(
-        {
-            "loss": m["loss"],
-            "lr": m["lr"],
-            "grad_norm": m["grad_norm"],
-            "tokens_per_s": tokens_per_s,
-            "useful_tokens_per_s": useful_per_s,
-            "mfu": utilization(flops_per_s[0], 1.0, peak),
-            "hfu": utilization(flops_per_s[1], 1.0, peak),
-            "peak_memory_bytes": peak_memory_bytes(trainer.device),
-            **allocator_stats(trainer.device),  # None off CUDA: left out of TensorBoard and metrics.jsonl
-            "useful_token_fraction": m["useful_tokens"] / m["tokens"],
-            "block_density": m["block_density"],
-        },
-        trainer.state.step,
-    )
-    if trainer.dist.is_main:
-        log.info(
-            "%s", format_step_line(trainer.state.step, trainer.job.train.max_steps, m, useful_per_s, eta_s(trainer))
+class Progress:
+    """The run clock and the reports made against it (see the module docstring)."""
+
+    def __init__(self, train: TrainConfig, *, peak_tflops: Optional[float], is_main: bool = True):
+        self.train, self.peak_tflops, self.is_main = train, peak_tflops, is_main
+        self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
+        self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
+        self.loop_start_step = 0  # the step this launch's loop started from
+        self.last_pause_s = 0.0  # the latest evaluation's or sampling's time
+        self._run_start: Optional[float] = None  # when train() began (its time joins wall_s)
+        self._loop_start = time.perf_counter()
+        self._in_loop = False  # inside the loop: its running time is training time not yet added to train_s
+        self._paused_s = 0.0  # evaluation/sampling time inside this loop (not training)
+        self._window = _Window()
+
+    # -- the clock ------------------------------------------------------------------------------------------------
+    def start_run(self) -> None:
+        """train() begins: from here its time joins wall_s."""
+        self._run_start = time.perf_counter()
+
+    def start_loop(self, step: int) -> None:
+        """The loop begins at `step` (after a resume, the checkpoint's)."""
+        self._loop_start, self.loop_start_step, self._in_loop = time.perf_counter(), step, True
+        self._window = _Window()
+
+    def end_loop(self) -> None:
+        """The loop is done: its training time joins train_s."""
+        self.train_s, self._in_loop = self.elapsed_train(), False
+        self._paused_s = 0.0
+
+    def pause(self, seconds: float) -> None:
+        """An evaluation or sampling inside the loop took `seconds`: not training time."""
+        self._paused_s += seconds
+        self.last_pause_s = seconds
+
+    def exclude_last_pause(self) -> None:
+        """Leave the latest pause out of the log window's rates too (evaluations are not training)."""
+        self._window.start += self.last_pause_s
+
+    def elapsed_train(self) -> float:
+        """train_s including the part of the loop still running (a checkpoint saved inside the loop records it)."""
+        running = time.perf_counter() - self._loop_start - self._paused_s if self._in_loop else 0.0
+        return self.train_s + running
+
+    def elapsed_wall(self) -> float:
+        """wall_s including the part of train() still running."""
+        running = time.perf_counter() - self._run_start if self._run_start is not None else 0.0
+        return self.wall_s + running
+
+    def steps_run(self, step: int) -> int:
+        """Steps this launch's loop has run by `step` (0: it resumed at train.max_steps)."""
+        return step - self.loop_start_step
+
+    def mean_step_s(self, step: int) -> float:
+        """This launch's mean training step time so far (its pauses left out)."""
+        running = time.perf_counter() - self._loop_start - self._paused_s
+        return running / max(1, self.steps_run(step))
+
+    def restore(self, wall_s: float, train_s: float) -> None:
+        """A resumed run's times so far (this launch adds to them)."""
+        self.wall_s, self.train_s = wall_s, train_s
+
+    # -- what is reported as the run goes ---------------------------------------------------------------------------
+    def count(self, m: dict) -> None:
+        """Add one step's metrics to the log window."""
+        w = self._window
+        w.tokens += m["tokens"]
+        w.useful += m["useful_tokens"]
+        w.model_flops += m["model_flops"]
+        w.hardware_flops += m["hardware_flops"]
+
+    def log_step(self, metrics: MetricsWriter, m: dict, step: int, *, eta_s: float, device: torch.device) -> None:
+        """One logged step: the window's rates with the step's metrics (TensorBoard, metrics.jsonl) and, on rank 0,
+        the step line with the ETA; the next window starts."""
+        w = self._window
+        dt = time.perf_counter() - w.start
+        useful_per_s = w.useful / dt
+        metrics.scalars(
+            {
+                "loss": m["loss"],
+                "lr": m["lr"],
+                "grad_norm": m["grad_norm"],
+                "tokens_per_s": w.tokens / dt,
+                "useful_tokens_per_s": useful_per_s,
+                "mfu": utilization(w.model_flops / dt, 1.0, self.peak_tflops),
+                "hfu": utilization(w.hardware_flops / dt, 1.0, self.peak_tflops),
+                "peak_memory_bytes": peak_memory_bytes(device),
+                **allocator_stats(device),  # None off CUDA: left out of TensorBoard and metrics.jsonl
+                "useful_token_fraction": m["useful_tokens"] / m["tokens"],
+                "block_density": m["block_density"],
+            },
+            step,
         )
+        if self.is_main:
+            log.info("%s", format_step_line(step, self.train.max_steps, m, useful_per_s, eta_s))
+        self._window = _Window()
 
+    def bar(self, step: int):
+        """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""
+        if not self.train.progress or not self.is_main or not sys.stderr.isatty():
+            return None
+        from tqdm.auto import tqdm
 
-def eta_s(trainer) -> float:
-    """Seconds left: the remaining steps at this process's mean training step time, plus the evaluations still
-    due at the mean time of one so far (before the first: a forward-only guess, a third of a micro-batch step)."""
-    cfg = trainer.job.train
-    done = trainer.state.step - trainer._loop_start_step
-    step_s = (time.perf_counter() - trainer._loop_start - trainer._paused_s) / max(1, done)
-    eta = step_s * (cfg.max_steps - trainer.state.step)
-    if trainer.eval_data is None:
-        return eta
-    every = cfg.eval_every
-    # the step line is logged before its step's evaluation, so an evaluation at this very step is still due
-    in_loop = cfg.max_steps // every - (max(trainer.state.step, 1) - 1) // every if every else 0
-    final = not every or cfg.max_steps % every > 0  # the end of the run is always evaluated
-    due = in_loop + final
-    if trainer._eval_seconds:
-        one = sum(trainer._eval_seconds) / len(trainer._eval_seconds)
-    else:
-        one = trainer.eval_data.num_batches * step_s / cfg.grad_accum / 3
-    return eta + due * one
-
-
-def progress_bar(trainer):
-    """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""
-    if not trainer.job.train.progress or not trainer.dist.is_main or not sys.stderr.isatty():
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=trainer.job.train.max_steps, initial=trainer.state.step, desc="train", unit="step")
+        return tqdm(total=self.train.max_steps, initial=step, desc="train", unit="step")
 
 
 def summary(trainer) -> dict:
     """The numbers summary.json reports."""
-    s = trainer.state
-    wall = trainer.train_s  # rates are of training time (evaluations and saves are not steps)
+    s, clock = trainer.state, trainer.progress
+    wall = clock.train_s  # rates are of training time (evaluations and saves are not steps)
+    peak = trainer.job.hardware.peak_tflops
 
     def per_s(amount: float) -> Optional[float]:  # no training time (no step ran, ever): no rate, not amount/1e-9
         return amount / wall if wall > 0 else None
 
+    patched = trainer.attn is not None and trainer.attn.backend.patched
     return {
         "steps": s.step,
-        "steps_run": s.step - trainer._loop_start_step,  # by this launch (0: resumed at train.max_steps)
+        "steps_run": clock.steps_run(s.step),  # by this launch (0: resumed at train.max_steps)
         "tokens_seen": s.tokens_seen,
         "useful_tokens_seen": s.useful_tokens_seen,
         "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
         "tokens_per_s": per_s(s.tokens_seen),
         "useful_tokens_per_s": per_s(s.useful_tokens_seen),
         # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
-        "mfu": utilization(s.model_flops, wall, trainer.job.hardware.peak_tflops),
-        "hfu": utilization(s.hardware_flops, wall, trainer.job.hardware.peak_tflops),
+        "mfu": utilization(s.model_flops, wall, peak),
+        "hfu": utilization(s.hardware_flops, wall, peak),
         "model_flops": s.model_flops,
         "hardware_flops": s.hardware_flops,
         "initial_loss": s.losses[0] if s.losses else None,
         "final_loss": s.losses[-1] if s.losses else None,
         "losses": list(s.losses),
         "skipped_nonfinite_steps": s.skipped_nonfinite,
-        "block_density": s.block_density_sum / max(1, s.step) if trainer._patched_attention else None,
+        "block_density": s.block_density_sum / max(1, s.step) if patched else None,
         "attention": trainer.attn.as_dict() if trainer.attn is not None else None,
         "peak_memory_bytes": peak_memory_bytes(trainer.device),
         **allocator_stats(trainer.device),  # the run's allocator peaks and counters (null off CUDA)
-        "wall_s": trainer._elapsed_wall(),  # the whole run, evaluations included
-        "train_s": trainer.train_s,  # training steps only (tokens/s, MFU)
-        "eval_s": sum(trainer._eval_seconds),  # evaluations of this process
+        "wall_s": clock.elapsed_wall(),  # the whole run, evaluations included
+        "train_s": clock.train_s,  # training steps only (tokens/s, MFU)
+        "eval_s": sum(trainer.evaluator.eval_seconds),  # evaluations of this process
         "stopped_by_signal": trainer.signals.signal,
-        "status": "interrupted" if trainer._interrupted else "ok",
-        "stopped_early": trainer.stopped_early,
+        "status": "interrupted" if trainer.exit_code else "ok",
+        "stopped_early": trainer.evaluator.stopped_early,
         "eval": eval_summary(trainer),
         "exit_code": trainer.exit_code,
     }
 
 
 def eval_summary(trainer) -> Optional[dict]:
+    """The held-out results: the last evaluation, the best one and its checkpoint, the history (None: none ran)."""
     s = trainer.state
     if not s.evals:
         return None
-    best = step_dir(trainer.out_dir / CHECKPOINTS, s.best_step)
+    best = trainer.checkpointer.best_checkpoint(trainer.job.train, s.best_step)
     return {
         "loss": s.evals[-1]["loss"],
         "ppl": s.evals[-1]["ppl"],
         "best_loss": s.best_eval_loss,
         "best_step": s.best_step,
-        "best_checkpoint": str(best) if saves_best(trainer) else None,
+        "best_checkpoint": str(best) if best is not None else None,
         "history": list(s.evals),
     }
 
 
-def hparams(trainer) -> dict:
-    j = trainer.job
+def hparams(job: JobConfig, attn: Optional[AttentionSpec]) -> dict:
+    """The run's choices TensorBoard's HPARAMS tab lists beside its metrics."""
     return {
-        "model": j.model.name,
-        "attn": j.attn.mode,
-        "backend": trainer.attn.backend.value if trainer.attn is not None else "hf",
-        "memory": j.memory.policy,
-        "precision": j.precision.mode,
-        "optimizer": j.optim.name,
-        "seq_len": j.data.seq_len,
-        "packing": j.data.packing,
-        "micro_batch": j.train.micro_batch,
-        "grad_accum": j.train.grad_accum,
-        "lr": j.optim.lr,
-        "schedule": j.optim.schedule,
-        "warmup_steps": j.optim.warmup_for(j.train.max_steps),
-        "weight_decay": j.optim.weight_decay,
-        "max_steps": j.train.max_steps,
-        "lora_r": j.model.lora.r,  # 0 = full fine-tuning
-        "eval_fraction": j.data.eval_fraction,
+        "model": job.model.name,
+        "attn": job.attn.mode,
+        "backend": attn.backend.value if attn is not None else "hf",
+        "memory": job.memory.policy,
+        "precision": job.precision.mode,
+        "optimizer": job.optim.name,
+        "seq_len": job.data.seq_len,
+        "packing": job.data.packing,
+        "micro_batch": job.train.micro_batch,
+        "grad_accum": job.train.grad_accum,
+        "lr": job.optim.lr,
+        "schedule": job.optim.schedule,
+        "warmup_steps": job.optim.warmup_for(job.train.max_steps),
+        "weight_decay": job.optim.weight_decay,
+        "max_steps": job.train.max_steps,
+        "lora_r": job.model.lora.r,  # 0 = full fine-tuning
+        "eval_fraction": job.data.eval_fraction,
     }
 
 

@@ -17,10 +17,11 @@ from torch import nn
 from flexengine.core.config import JobConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.data.loader import HeldOut, RowLoader
+from flexengine.core.storage import CHECKPOINTS
+from flexengine.data.loader import RowLoader
 from flexengine.data.targets import count_valid_targets
-from flexengine.loop import checkpointer, eval_loop, progress
-from flexengine.loop.checkpointer import TrainState
+from flexengine.loop.checkpointer import Checkpointer, TrainState
+from flexengine.loop.evaluator import Evaluator
 from flexengine.loop.flops import TrainFlops, attended_pairs
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import MetricsWriter
@@ -34,6 +35,7 @@ from flexengine.loop.optim import (
     schedule_problem,
 )
 from flexengine.loop.profiling import start_profiler
+from flexengine.loop.progress import Progress, hparam_metrics, hparams, summary, tqdm_logging
 from flexengine.loop.signals import StopSignals
 from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention import MASK_KWARG, mask_kwargs
@@ -77,8 +79,10 @@ def _precision_of(job: JobConfig, model: nn.Module, given: Optional[PrecisionSpe
 
 
 class Trainer:
-    """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader; checkpoints, evaluations,
-    progress and stop signals are components it calls (checkpointer.py, eval_loop.py, progress.py, signals.py)."""
+    """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader. Its components own their own
+    state and are handed to it (run.py builds them; a Trainer built by hand gets defaults): the Checkpointer
+    (save, resume), the Evaluator (held-out evaluations, samples, early stopping), Progress (the run clock, the
+    step line) and StopSignals. Only this class writes its own fields."""
 
     def __init__(
         self,
@@ -91,9 +95,11 @@ class Trainer:
         device: torch.device,
         dist: Optional[DistInfo] = None,
         train_module: Optional[nn.Module] = None,
-        eval_data: Optional[HeldOut] = None,
         precision: Optional[PrecisionSpec] = None,
         context_parallel: Optional[ContextParallel] = None,
+        checkpointer: Optional[Checkpointer] = None,
+        evaluator: Optional[Evaluator] = None,
+        progress: Optional[Progress] = None,
     ):
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
         self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
@@ -107,7 +113,15 @@ class Trainer:
             log.info("optim: %s", describe_schedule(job.optim, job.train.max_steps))
         if schedule_problem(job.optim, job.train.max_steps) and self.dist.is_main:
             log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
-        self.eval_data = eval_data  # the held-out rows; None = no held-out set
+        main = self.dist.is_main
+        # a Trainer built by hand: no held-out set, no data plan to check on resume
+        if checkpointer is None:
+            checkpointer = Checkpointer(out_dir / CHECKPOINTS, is_main=main)
+        if evaluator is None:
+            evaluator = Evaluator(None, job.train, is_main=main)
+        if progress is None:
+            progress = Progress(job.train, peak_tflops=job.hardware.peak_tflops, is_main=main)
+        self.checkpointer, self.evaluator, self.progress = checkpointer, evaluator, progress
         self.state = TrainState()
         self.metrics = MetricsWriter(
             out_dir / "tb" if self.dist.is_main else None, out_dir / "metrics.jsonl" if self.dist.is_main else None
@@ -117,18 +131,6 @@ class Trainer:
         self.signals = StopSignals(device, lambda: self.state.step)  # SIGINT/SIGTERM: which, how many, agreed
         self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
         # that came after the last step, during the final save)
-        self._saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
-        self.data_plan: dict = {}  # what the data stream depends on (run.build_trainer); checked on resume
-        self.stopped_early = False  # train.early_stop_patience ran out
-        self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
-        self._last_sample_step = -1
-        self._paused_s = self._last_eval_s = 0.0  # evaluation/sampling time inside the loop (not training)
-        self._loop_start, self._loop_start_step = time.perf_counter(), 0
-        self._in_loop = False  # inside _loop: its running time is training time not yet added to train_s
-        self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
-        self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
-        self._train_start: Optional[float] = None  # when train() began (its time joins wall_s)
-        self._eval_seconds: list = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
 
     def add_hooks(self, hooks: StepHooks) -> None:
@@ -155,7 +157,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------------------
-    def _prepare(self, batch: dict) -> tuple[dict, dict]:
+    def prepare_batch(self, batch: dict) -> tuple[dict, dict]:
         """(the batch this rank computes, its mask kwargs): the attention mask is built once, here, so every layer
         shares it (and we can log its density); under context parallelism the rows are split over the cp ranks."""
         if self.context_parallel is not None:
@@ -170,10 +172,6 @@ class Trainer:
         """This rank's share of a count over its rows, for its FLOPs (all of it, unless context parallelism splits
         the rows)."""
         return count if self._cp == 1 else count / self._cp
-
-    @property
-    def _patched_attention(self) -> bool:
-        return self.attn is not None and self.attn.backend.patched
 
     def train_step(self) -> dict:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
@@ -252,7 +250,7 @@ class Trainer:
                 k: v.to(self.device, non_blocking=True) for k, v in host_batch.items() if isinstance(v, torch.Tensor)
             }
             with self._phase("mask"):
-                batch, mask_kwargs = self._prepare(batch)
+                batch, mask_kwargs = self.prepare_batch(batch)
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             loss_sum += self._forward_backward(batch, mask_kwargs, n_valid, last=i == len(micro_batches) - 1)
@@ -312,76 +310,61 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
-        cfg = self.job.train
-        self._train_start = time.perf_counter()
+        cfg, state = self.job.train, self.state
+        self.progress.start_run()
         with self.stop_on_signals():  # through the final save: a signal must not cut it short
             self._loop()
-            stopped = self._interrupted = self.signals.should_stop()
-            if stopped:
-                log.warning(
-                    "stopped by signal %s after step %d; saving",
-                    self.signals.signal or "(on another rank)",
-                    self.state.step,
-                )
-            elif self.eval_data is not None and not any(e["step"] == self.state.step for e in self.state.evals):
+            self._interrupted = self.signals.should_stop()
+            if self._interrupted:
+                by = self.signals.signal or "(on another rank)"
+                log.warning("stopped by signal %s after step %d; saving", by, state.step)
+            elif self.evaluator.due_at_end(state.step, state.evals):
                 self.evaluate()  # the end of the run is always evaluated
-            if self.job.train.sample_prompts and not self._interrupted and self._last_sample_step != self.state.step:
+            if not self._interrupted and self.evaluator.samples_at_end(state.step):
                 self.sample()
-            # a signal before step 1 leaves nothing trained to save (a resume starts fresh, the same thing); one that
-            # cut the final evaluation or sampling short (_interrupted) saves too: the requeue resumes from it
-            if (cfg.save_final or self._interrupted) and self._saved_step != self.state.step and self.state.step > 0:
+            # a signal that cut the final evaluation or sampling short ends the run interrupted too
+            self._interrupted = self._interrupted or self.evaluator.cut_short
+            # a signal before step 1 leaves nothing trained to save (a resume starts fresh, the same thing); an
+            # interrupted run saves even without save_final: the requeue resumes from it
+            unsaved = self.checkpointer.saved_step != state.step and state.step > 0
+            if (cfg.save_final or self._interrupted) and unsaved:
                 self.save()
-            summary = self.summary()
-            self.metrics.hparams(progress.hparams(self), progress.hparam_metrics(summary))
+            result = self.summary()
+            self.metrics.hparams(hparams(self.job, self.attn), hparam_metrics(result))
             self.metrics.close()
-        return summary
+        return result
 
     def _loop(self) -> None:
         cfg = self.job.train
-        bar = progress.progress_bar(self)
+        bar = self.progress.bar(self.state.step)
         self.model.train()
         profiler = (
             start_profiler(self.out_dir, cfg.max_steps - self.state.step, cfg.profile_steps, self.device)
             if cfg.profile
             else None
         )
-        self._loop_start, self._loop_start_step = time.perf_counter(), self.state.step
-        self._in_loop = True
-        window = progress.new_window()
-        redirect = progress.tqdm_logging() if bar is not None else contextlib.nullcontext()
-        with redirect:
+        self.progress.start_loop(self.state.step)
+        with tqdm_logging() if bar is not None else contextlib.nullcontext():
             while self.state.step < cfg.max_steps and not self.signals.should_stop() and not self.stopped_early:
                 m = self.train_step()
                 if profiler is not None:
                     profiler.step()
                 self._count(m)
-                window["tokens"] += m["tokens"]
-                window["useful"] += m["useful_tokens"]
-                window["model_flops"] += m["model_flops"]
-                window["hardware_flops"] += m["hardware_flops"]
+                self.progress.count(m)
                 step = self.state.step
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    dt = time.perf_counter() - window["t"]
-                    progress.log_step(
-                        self,
-                        m,
-                        window["tokens"] / dt,
-                        window["useful"] / dt,
-                        (window["model_flops"] / dt, window["hardware_flops"] / dt),
-                    )
-                    window = progress.new_window()
+                    self.progress.log_step(self.metrics, m, step, eta_s=self.eta_s(), device=self.device)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss']:.3f}")
                 if cfg.save_every and step % cfg.save_every == 0:
                     self.save()
-                if self.eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0:
+                if self.evaluator.should_evaluate(step):
                     self.evaluate()
-                    window["t"] += self._last_eval_s  # evaluation is not training time
-                if cfg.sample_prompts and self._sample_due(step) and not self._interrupted:
+                    self.progress.exclude_last_pause()  # evaluation is not training time
+                if self.evaluator.should_sample(step, self.state.evals):
                     self.sample()
-        self.train_s, self._in_loop = self.elapsed_train(), False
-        self._paused_s = 0.0
+        self.progress.end_loop()
         if profiler is not None:
             profiler.stop()
         if bar is not None:
@@ -397,60 +380,52 @@ class Trainer:
         s.model_flops += m["model_flops"]
         s.hardware_flops += m["hardware_flops"]
 
-    def _sample_due(self, step: int) -> bool:
-        every = self.job.train.sample_every
-        if every:
-            return step % every == 0
-        return bool(self.state.evals) and self.state.evals[-1]["step"] == step  # with every evaluation
+    @property
+    def stopped_early(self) -> bool:
+        """train.early_stop_patience ran out (the Evaluator's verdict)."""
+        return self.evaluator.stopped_early
 
-    def elapsed_train(self) -> float:
-        """train_s including the part of the loop still running: a checkpoint saved inside the loop (train.save_every
-        at the last step, then no final save) recorded 0 s for a first launch, and a resume divided its tokens by it."""
-        running = time.perf_counter() - self._loop_start - self._paused_s if self._in_loop else 0.0
-        return self.train_s + running
-
-    def _elapsed_wall(self) -> float:
-        """wall_s including the part of train() still running."""
-        running = time.perf_counter() - self._train_start if self._train_start is not None else 0.0
-        return self.wall_s + running
+    def eta_s(self) -> float:
+        """Seconds left: the remaining steps at this launch's mean training step time, plus the evaluations still
+        due (the Evaluator's estimate)."""
+        step_s = self.progress.mean_step_s(self.state.step)
+        steps_left = self.job.train.max_steps - self.state.step
+        return step_s * steps_left + self.evaluator.seconds_left(self.state.step, step_s)
 
     @property
     def exit_code(self) -> int:
         """0, or 128 + signal after a signal-stopped run (what schedulers read as preemption, not completion).
         A rank stopped because another rank had the signal reports SIGTERM, the usual preemption signal. A signal
-        during the final save leaves a complete run: 0; one that cuts the final evaluation short (eval_loop.cut_short)
+        during the final save leaves a complete run: 0; one that cuts the final evaluation short (Evaluator.cut_short)
         marks the run interrupted (its summary has no eval loss): 128 + signal."""
         if not self._interrupted:
             return 0
         return 128 + (self.signals.signal if self.signals.signal is not None else signal.SIGTERM)
 
-    # -- the components it calls: evaluations/samples, progress and summary, checkpoints, stop signals ----------
+    # -- the components: evaluations/samples, summary, checkpoints, stop signals -------------------------------
     def evaluate(self) -> Optional[dict]:
-        """Eval loss/perplexity on the held-out set (flexengine.loop.eval_loop.evaluate)."""
-        return eval_loop.evaluate(self)
+        """Eval loss/perplexity on the held-out set (Evaluator.evaluate)."""
+        return self.evaluator.evaluate(self)
 
     def sample(self) -> Optional[list[str]]:
-        """Greedy continuations of train.sample_prompts (flexengine.loop.eval_loop.sample)."""
-        return eval_loop.sample(self)
-
-    def _eta_s(self) -> float:
-        return progress.eta_s(self)
+        """Greedy continuations of train.sample_prompts (Evaluator.sample)."""
+        return self.evaluator.sample(self)
 
     def summary(self) -> dict:
         """The numbers summary.json reports (flexengine.loop.progress.summary)."""
-        return progress.summary(self)
+        return summary(self)
 
     def trainer_state(self) -> dict:
-        """Everything besides the weights that an exact resume needs."""
-        return checkpointer.trainer_state(self)
+        """Everything besides the weights that an exact resume needs (Checkpointer.state_dict)."""
+        return self.checkpointer.state_dict(self)
 
     def save(self) -> Path:
-        """Checkpoint to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
-        return checkpointer.save(self)
+        """Checkpoint this step to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
+        return self.checkpointer.save(self)
 
     def resume(self, spec: str) -> Optional[Path]:
         """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
-        return checkpointer.resume(self, spec)
+        return self.checkpointer.resume(self, spec)
 
     def stop_on_signals(self) -> contextlib.AbstractContextManager[None]:
         """SIGINT/SIGTERM finish the step, save and stop (flexengine.loop.signals.StopSignals.handle; it nests)."""

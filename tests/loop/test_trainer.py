@@ -142,13 +142,13 @@ def test_token_counts_count_each_row_once_under_context_parallelism():
 
 
 def test_the_trainers_components_log_under_their_own_names(caplog):
-    """checkpointer, eval_loop, progress and signals each log as their own module (a log line names its source),
+    """checkpointer, evaluator, progress and signals each log as their own module (a log line names its source),
     all under the package's logger, so `logger="flexengine"` filters still see them."""
     import logging
 
-    from flexengine.loop import checkpointer, eval_loop, progress, signals
+    from flexengine.loop import checkpointer, evaluator, progress, signals
 
-    for module in (checkpointer, eval_loop, progress, signals):
+    for module in (checkpointer, evaluator, progress, signals):
         assert module.log.name == module.__name__
     caplog.set_level(logging.INFO, logger="flexengine")
     progress.log.info("probe")

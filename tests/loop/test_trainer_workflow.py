@@ -86,7 +86,7 @@ def test_eval_loss_equals_hf_loss_per_held_out_document(tmp_path):
     ref_model.load_state_dict(trainer.model.state_dict())
     ref_model.eval()
     got = trainer.evaluate()
-    held = trainer.eval_data
+    held = trainer.evaluator.held_out
     total, count = 0.0, 0
     with torch.no_grad():
         for row in held.plan.rows:
@@ -220,16 +220,16 @@ def test_a_signal_during_evaluation_stops_it_at_the_next_batch_and_saves(tmp_pat
         make_job(tmp_path, *WORKFLOW, "train.max_steps=2", "data.eval_fraction=0.5", f"train.eval_every={eval_every}"),
         tmp_path,
     )
-    total = sum(1 for _ in trainer.eval_data.batches())
+    total = sum(1 for _ in trainer.evaluator.held_out.batches())
     assert total >= 4, total
-    fetched, batches = [], trainer.eval_data.batches
+    fetched, batches = [], trainer.evaluator.held_out.batches
 
     def batches_then_signal():
         for batch in batches():
             _signal_on(fetched, 1)
             yield batch
 
-    trainer.eval_data.batches = batches_then_signal
+    trainer.evaluator.held_out.batches = batches_then_signal
     summary = trainer.train()
     assert len(fetched) <= 2 < total  # the batch in hand, and at most the one fetched before the check
     assert summary["steps"] == 2 and summary["exit_code"] == 143 and summary["status"] == "interrupted"
@@ -269,9 +269,8 @@ def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, c
     """Each evaluation says it started; wall_s is the whole run (evaluations included), train_s the training
     alone (what tokens/s divides by); the ETA counts the evaluations still due; a dear first evaluation is
     told what train.eval_batches to set."""
-    import time
 
-    import flexengine.loop.evaluate as ev
+    import flexengine.loop.evaluator as ev
 
     monkeypatch.setattr(ev, "EVAL_BUDGET", 0.0)  # any evaluation is "too dear": the advice must appear
     caplog.set_level(logging.INFO, logger="flexengine")
@@ -289,7 +288,8 @@ def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, c
         make_job(tmp_path / "b", *WORKFLOW, "train.max_steps=6", "data.eval_fraction=0.2", "train.eval_every=2"),
         tmp_path / "b",
     )
-    trainer._loop_start, trainer._eval_seconds = time.perf_counter(), [50.0]
-    assert trainer._eta_s() >= 3 * 50.0
+    trainer.progress.start_loop(0)
+    trainer.evaluator.eval_seconds = [50.0]
+    assert trainer.eta_s() >= 3 * 50.0
     trainer.state.step = 6  # the last step's line comes before its evaluation: that one is still due
-    assert trainer._eta_s() >= 50.0
+    assert trainer.eta_s() >= 50.0

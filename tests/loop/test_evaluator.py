@@ -1,10 +1,11 @@
-"""Greedy samples (flexengine/loop/evaluate.py greedy_continue): one padded row width per call."""
+"""loop/evaluator.py: greedy samples (greedy_continue) use one padded row width per call; the Evaluator says when
+evaluations and samples are due and what the evaluations still due cost."""
 
 from __future__ import annotations
 
 import torch
 
-from flexengine.loop.evaluate import greedy_continue
+from flexengine.loop.evaluator import greedy_continue
 from tests.helpers import CharTokenizer
 
 
@@ -31,7 +32,7 @@ def test_evaluation_progress_lines_and_the_budget_advice(caplog, monkeypatch):
     training between two evaluations is told which train.eval_batches would fit."""
     import logging
 
-    import flexengine.loop.evaluate as ev
+    import flexengine.loop.evaluator as ev
 
     caplog.set_level(logging.INFO, logger="flexengine")
     ticks = iter([0.0, 10.0, 20.0, 25.0, 40.0])
@@ -50,3 +51,25 @@ def test_evaluation_progress_lines_and_the_budget_advice(caplog, monkeypatch):
     assert "the whole held-out set, 120 batches" in advice and "30%" in advice
     assert "train.eval_batches=40" in advice
     assert ev.eval_budget_warning(eval_s=15.0, batches=120, eval_every=20, step_s=10.0, eval_batches=0) is None
+
+
+class _HeldOut:
+    num_batches = 6
+
+
+def test_the_evaluator_says_when_evaluations_and_samples_are_due():
+    from flexengine.core.config import TrainConfig
+    from flexengine.loop.evaluator import Evaluator
+
+    train = TrainConfig(max_steps=7, eval_every=2, grad_accum=2, sample_prompts=["def "])
+    evaluator = Evaluator(_HeldOut(), train)
+    assert [s for s in range(1, 8) if evaluator.should_evaluate(s)] == [2, 4, 6]
+    assert evaluator.due_at_end(7, [{"step": 6}]) and not evaluator.due_at_end(6, [{"step": 6}])
+    assert evaluator.should_sample(4, [{"step": 4}]) and not evaluator.should_sample(5, [{"step": 4}])  # with evals
+    assert not Evaluator(None, train).should_evaluate(2) and not Evaluator(None, train).due_at_end(7, [])
+    # before any evaluation: a third of a micro-batch step per held-out batch, for each one still due (2, 4, 6, 7)
+    assert evaluator.seconds_left(1, step_s=3.0) == 4 * (6 * 3.0 / 2 / 3)
+    evaluator.eval_seconds = [10.0, 20.0]  # then the mean of those measured
+    assert evaluator.seconds_left(4, step_s=3.0) == 3 * 15.0  # 4 (its line comes before it), 6 and the end
+    evaluator.cut_short = True  # a signal cut one short: no more samples
+    assert not evaluator.should_sample(4, [{"step": 4}]) and not evaluator.samples_at_end(7)

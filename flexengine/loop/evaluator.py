@@ -1,0 +1,329 @@
+"""Held-out evaluations and greedy samples between training steps.
+
+`Evaluator` is the trainer's component for them: when one is due, running it (a stop signal cuts either short
+within one batch or token), the best step and early stopping, and their timings. The functions below it are the
+library calls it runs, usable alone.
+
+The eval loss is computed exactly like the training loss (same packed rows, masks and chunked CE through the
+same forward module), summed over every valid target of the held-out set on all ranks and divided once:
+sum(token CE) / valid targets, so it does not depend on how rows fall into batches or ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from flexengine.core.config import TrainConfig
+from flexengine.data.loader import HeldOut
+from flexengine.data.targets import batch_valid_targets
+
+log = logging.getLogger(__name__)
+
+EVAL_LOG_EVERY_S = 15.0  # a progress line this often during one evaluation
+EVAL_BUDGET = 0.10  # warn when one evaluation costs more than this fraction of the training between two
+
+
+class Evaluator:
+    """Evaluations of the held-out set (none without one) and greedy samples of train.sample_prompts, between steps.
+    Owns what they leave: their timings, the last sampled step, early stopping, and whether a signal cut one short.
+    The trainer hands itself to `evaluate` and `sample` for its model, forward and counters."""
+
+    def __init__(self, held_out: Optional[HeldOut], train: TrainConfig, *, is_main: bool = True):
+        self.held_out, self.train, self.is_main = held_out, train, is_main
+        self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
+        self.last_sample_step = -1
+        self.stopped_early = False  # train.early_stop_patience ran out
+        self.cut_short = False  # a stop signal ended an evaluation or a sampling early (the run ends interrupted)
+
+    # -- when ---------------------------------------------------------------------------------------------------
+    def should_evaluate(self, step: int) -> bool:
+        """Inside the loop: every train.eval_every steps, with a held-out set."""
+        every = self.train.eval_every
+        return self.held_out is not None and bool(every) and step % every == 0
+
+    def due_at_end(self, step: int, evals: list) -> bool:
+        """The end of the run is always evaluated (unless that step already was)."""
+        return self.held_out is not None and not any(e["step"] == step for e in evals)
+
+    def should_sample(self, step: int, evals: list) -> bool:
+        """Inside the loop: every train.sample_every steps, else with every evaluation; never after a cut."""
+        if not self.train.sample_prompts or self.cut_short:
+            return False
+        if self.train.sample_every:
+            return step % self.train.sample_every == 0
+        return bool(evals) and evals[-1]["step"] == step
+
+    def samples_at_end(self, step: int) -> bool:
+        """The end of the run is sampled too (unless that step already was, or a signal cut something short)."""
+        return bool(self.train.sample_prompts) and not self.cut_short and self.last_sample_step != step
+
+    def seconds_left(self, step: int, step_s: float) -> float:
+        """The evaluations still due after `step` at the mean time of one so far (before the first: a forward-only
+        guess, a third of a micro-batch step of `step_s`)."""
+        if self.held_out is None:
+            return 0.0
+        cfg = self.train
+        every = cfg.eval_every
+        # the step line is logged before its step's evaluation, so an evaluation at this very step is still due
+        in_loop = cfg.max_steps // every - (max(step, 1) - 1) // every if every else 0
+        final = not every or cfg.max_steps % every > 0  # the end of the run is always evaluated
+        if self.eval_seconds:
+            one = sum(self.eval_seconds) / len(self.eval_seconds)
+        else:
+            one = self.held_out.num_batches * step_s / cfg.grad_accum / 3
+        return (in_loop + final) * one
+
+    # -- running them -----------------------------------------------------------------------------------------------
+    def evaluate(self, trainer) -> Optional[dict]:
+        """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience.
+        None when a stop signal cut it short (within one eval batch)."""
+        start = time.perf_counter()
+        step = trainer.state.step
+        step_s = trainer.progress.mean_step_s(step)  # the training before this evaluation
+        trainer.model.eval()
+        with trainer.signals.pausing("evaluation"):
+            result = evaluate_loss(
+                trainer.train_module,
+                self.held_out.batches(),
+                trainer.device,
+                trainer.prepare_batch,
+                trainer.compute_context,
+                stop=trainer.signals.requested,
+                on_batch=EvalProgress(step, self.held_out.num_batches, enabled=self.is_main),
+            )
+        trainer.model.train()
+        if result is None:  # a stop signal: no eval record (a partial set is no loss to compare), on to the save
+            self._cut(trainer, "evaluation", start)
+            return None
+        self.eval_seconds.append(time.perf_counter() - start)
+        self._check_budget(trainer.progress.steps_run(step), step, step_s)
+        record = self._record(trainer, result)
+        trainer.progress.pause(time.perf_counter() - start)
+        return record
+
+    def _record(self, trainer, result: dict) -> dict:
+        """Keep an evaluation's result: the history, TensorBoard, the best step (and its checkpoint), patience."""
+        s = trainer.state
+        record = {"step": s.step, **result}
+        s.evals.append(record)
+        trainer.metrics.scalars({"loss": result["loss"], "ppl": result["ppl"]}, s.step, kind="eval")
+        improved = result["loss"] < s.best_eval_loss
+        if improved:
+            s.best_eval_loss, s.best_step, s.evals_since_best = result["loss"], s.step, 0
+        else:
+            s.evals_since_best += 1
+        log.info(
+            "eval step %d: loss %.4f | ppl %.2f | %d tokens | best %.4f (step %d)",
+            s.step,
+            result["loss"],
+            result["ppl"],
+            result["tokens"],
+            s.best_eval_loss,
+            s.best_step,
+        )
+        if improved:
+            trainer.checkpointer.keep_best(trainer)
+        patience = self.train.early_stop_patience
+        if patience and s.evals_since_best >= patience:
+            self.stopped_early = True
+            log.warning(
+                "early stop at step %d: no better eval loss in %d evaluations (best %.4f at step %d)",
+                s.step,
+                s.evals_since_best,
+                s.best_eval_loss,
+                s.best_step,
+            )
+        return record
+
+    def _check_budget(self, done: int, step: int, step_s: float) -> None:
+        """After the first in-loop evaluation: warn when one costs more than ~10 % of the training between two, and
+        say which train.eval_batches would fit."""
+        cfg = self.train
+        if len(self.eval_seconds) != 1 or not cfg.eval_every or not done or step >= cfg.max_steps:
+            return
+        warning = eval_budget_warning(
+            self.eval_seconds[-1], self.held_out.num_batches, cfg.eval_every, step_s, cfg.eval_batches
+        )
+        if warning and self.is_main:
+            log.warning("eval: %s", warning)
+
+    def sample(self, trainer) -> Optional[list[str]]:
+        """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>); None when a
+        stop signal cut it short (within one generated token)."""
+        start = time.perf_counter()
+        cfg = self.train
+        cp = trainer.context_parallel
+
+        def logits_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            # through the root module (FSDP2/DDP hooks run there): every rank calls it with the same row
+            batch = {"input_ids": input_ids, "position_ids": position_ids}
+            if cp is not None:  # the row split over the cp ranks, the logits put together
+                return cp.logits(trainer.train_module, trainer.model, batch)
+            return trainer.train_module(batch, logits=True)
+
+        trainer.model.eval()
+        with trainer.compute_context(), trainer.signals.pausing("sampling"):
+            # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
+            texts = greedy_continue(
+                logits_of,
+                trainer.tokenizer,
+                cfg.sample_prompts,
+                cfg.sample_tokens,
+                trainer.device,
+                pad_to=trainer.job.attn.block_size * (cp.degree if cp is not None else 1),
+                stop=trainer.signals.requested,
+            )
+        trainer.model.train()
+        if texts is None:
+            self._cut(trainer, "sampling", start)
+            return None
+        step = trainer.state.step
+        for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
+            trainer.metrics.text(f"samples/{i}", f"**{prompt}**{text}", step)
+            trainer.metrics.record({"type": "sample", "step": step, "prompt": prompt, "text": text})
+        self.last_sample_step = step
+        trainer.progress.pause(time.perf_counter() - start)
+        return texts
+
+    def _cut(self, trainer, activity: str, start: float) -> None:
+        """An evaluation or sampling a signal stopped: the run ends as interrupted (saved, 128 + signal), so a
+        requeue with train.resume=auto does what is left."""
+        self.cut_short = True
+        trainer.progress.pause(time.perf_counter() - start)
+        log.warning("signal: %s at step %d stopped; saving and exiting", activity, trainer.state.step)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    forward: nn.Module,
+    batches: Iterable[dict],
+    device: torch.device,
+    prepare: Callable[[dict], tuple[dict, dict]],
+    autocast: Callable,
+    *,
+    stop: Optional[Callable[[], bool]] = None,
+    on_batch: Optional[Callable[[int], None]] = None,
+) -> Optional[dict]:
+    """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced).
+    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer.prepare_batch).
+    stop: asked before each batch (the same answer on every rank); True ends the evaluation there: None, since
+    a part of the held-out set is no eval loss to compare or keep (a stop signal must not wait for hours of eval).
+    on_batch: called with the number of batches done after each one (progress lines)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [summed token CE, valid targets]
+    for done, batch in enumerate(batches, 1):
+        if stop is not None and stop():
+            return None
+        # tensors only: the loader's host-side facts (useful_tokens, document_lengths) stay on the host
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        batch, mask_kwargs = prepare(batch)
+        with autocast():
+            loss_sum = forward(batch, **mask_kwargs)
+        sums += torch.stack([loss_sum.double(), batch_valid_targets(batch).double()])
+        if on_batch is not None:
+            on_batch(done)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    total, tokens = sums.tolist()
+    loss = total / tokens if tokens else float("nan")
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": int(tokens)}
+
+
+class EvalProgress:
+    """on_batch callback: a line when an evaluation starts and then every `every_s` seconds (batches done of the
+    total, elapsed, estimated left), so a long evaluation is never silent."""
+
+    def __init__(self, step: int, total: int, enabled: bool = True, every_s: Optional[float] = None):
+        self.step, self.total, self.enabled = step, total, enabled
+        self.every_s = EVAL_LOG_EVERY_S if every_s is None else every_s
+        self.start = self.last = time.perf_counter()
+        if enabled:
+            log.info("eval step %d: %d batches", step, total)
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < self.every_s or done >= self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        log.info(
+            "eval step %d: batch %d/%d, %.0f s elapsed, ~%.0f s left",
+            self.step,
+            done,
+            self.total,
+            elapsed,
+            elapsed / done * (self.total - done),
+        )
+
+
+def eval_budget_warning(
+    eval_s: float, batches: int, eval_every: int, step_s: float, eval_batches: int
+) -> Optional[str]:
+    """Why one evaluation of eval_s seconds (over `batches` micro-batches) is too dear for a run training step_s
+    seconds per step and evaluating every eval_every steps (None if it costs at most EVAL_BUDGET of that), with
+    the train.eval_batches that would fit."""
+    between = eval_every * step_s
+    if between <= 0 or eval_s <= EVAL_BUDGET * between:
+        return None
+    fitting = max(1, int(EVAL_BUDGET * between / (eval_s / max(1, batches))))
+    whole = "the whole held-out set, " if eval_batches == 0 else ""
+    return (
+        f"one evaluation ({whole}{batches} batches) took {eval_s:.1f} s, {eval_s / between:.0%} of the "
+        f"{between:.1f} s of training between evaluations (train.eval_every={eval_every}): set "
+        f"train.eval_batches={fitting} (about {EVAL_BUDGET:.0%}; the same batches each time) or raise train.eval_every."
+    )
+
+
+def _padded_length(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@torch.no_grad()
+def greedy_continue(
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokenizer,
+    prompts: Sequence[str],
+    new_tokens: int,
+    device: torch.device,
+    *,
+    pad_to: int = 128,
+    stop: Optional[Callable[[], bool]] = None,
+) -> Optional[list[str]]:
+    """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations, or None
+    when `stop()` (asked before each token, the same answer on every rank) said to stop.
+
+    logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,
+    right-padded to one width for the whole call (the longest prompt plus `new_tokens`, rounded up to `pad_to`;
+    causal attention: padding after a position never changes its logits). So a compiled model, and torch's
+    compiled CP mask builder (which compiles a variant per shape, up to dynamo's recompile limit, then fails
+    the run), see one new shape per call, the same at every call, rather than one per prompt or per token.
+    Under torchrun every rank runs this in lockstep (sharded weights are gathered per forward) and takes rank
+    0's token, so a tie broken differently on another rank can never make the ranks run different numbers of
+    forwards.
+    """
+    distributed = torch.distributed.is_initialized()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    prompt_ids = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    width = _padded_length(max(map(len, prompt_ids), default=0) + new_tokens, pad_to)
+    outputs = []
+    for ids in prompt_ids:
+        start = len(ids)
+        for _ in range(new_tokens):
+            if stop is not None and stop():
+                return None
+            row = torch.full((1, width), pad_id, dtype=torch.long, device=device)
+            row[0, : len(ids)] = torch.tensor(ids, device=device)
+            positions = torch.arange(width, device=device)[None]
+            token = logits_of(row, positions)[0, len(ids) - 1].argmax()
+            if distributed:
+                torch.distributed.broadcast(token, src=0)
+            ids.append(int(token))
+            if ids[-1] == tokenizer.eos_token_id:
+                break
+        outputs.append(tokenizer.decode(ids[start:], skip_special_tokens=False))
+    return outputs
