@@ -2,14 +2,18 @@
 # Every GPU check of flexengine in one call, <= 7 minutes on the lent H200 image as it is (its python3: torch 2.11,
 # transformers 5.17; no Hydra, OmegaConf, antlr4 or torchao there, and no network). The missing packages travel
 # as wheels in .whl/ (scripts/prepare_gpu_wheels.sh) and are installed here with --no-index into a temp dir.
-# Checks run in order of what they decide (bench/gpu_check_list.py), one worker process for all of them so
-# compiles are shared; each appends its JSON line to $OUT/gpu_check.jsonl as it ends, so a cut-off run still
-# returns everything done. bench/README.md has the one command line for the device machine.
+# Checks run in order of what they decide (bench/gpu_check_list.py: the decisive ones first, among them the
+# README's plan at the A100's budget), one worker process for all of them so compiles are shared, one compile cache
+# for the whole call; each appends its JSON line to $OUT/gpu_check.jsonl as it ends, so a cut-off run still
+# returns everything done, and a check killed at its cap is `timed_out` with how far it got.
+# bench/README.md has the one command line for the device machine.
 #   bash bench/gpu_check.sh                     # all checks -> ${OUT:-bench/results}/gpu_check.{jsonl,json,md,log}
 #   bash bench/gpu_check.sh --only train doctor # checks whose name contains one of these words
 #   bash bench/gpu_check.sh --dry-run           # CPU: imports, every config, each check's CPU part
 #                                               #   -> bench/results/gpu_check_dryrun.{jsonl,json,md,log}
-# Exit status 0 only if no check failed (a check this torch cannot run says "skipped: torch X lacks Y").
+#   bash bench/gpu_check.sh --dry-run --fast    # the same without CPU training steps (the CI test's subset)
+# Exit status 0 when every decisive check passed and none failed (a check this torch cannot run says
+# "skipped: torch X lacks Y"; later checks the budget does not reach are listed as not_run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
