@@ -252,7 +252,7 @@ def bench_breakdown(seq_lens: list[int], micro_batch: int, n_batches: int) -> li
 
 
 def bench_other_options(seq_len: int, micro_batch: int) -> dict:
-    """The issue's other candidates: nested (jagged) tensors in SDPA, and compiled FlexAttention's forward (an
+    """The other candidates for packed rows: nested (jagged) tensors in SDPA, and compiled FlexAttention's forward (an
     inference-only path, FlexAttention has no CPU backward) against varlen's forward on one demo batch."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention

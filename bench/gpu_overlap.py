@@ -1,4 +1,4 @@
-"""Reading a profiler timeline: do activation-offload copies overlap compute? (issue #16; check `offload_overlap`)
+"""Reading a profiler timeline: do activation-offload copies overlap compute? (check `offload_overlap`)
 
 A step's chrome trace (torch.profiler) gives every kernel and memcpy with its stream and [ts, ts + dur]. The
 compute stream is the one with the most kernel time; offload copies are the memcpys on any other stream. The

@@ -53,15 +53,16 @@ MODEL = dict(
 SEQ_LEN, GRAD_ACCUM = 128, 2
 TIMED_CALLS = 3  # host steps timed on one thread after the measured training step (same gradients)
 GiB = 2**30
-# The planner's host bytes per parameter for this mode before issue 19: fp32 master + two fp32 states + an fp32
-# gradient copy (the pinned rounding on CUDA was not counted)
+# The planner's host bytes per parameter for this mode before the pinned host optimizer: fp32 master + two fp32
+# states + an fp32 gradient copy (the pinned rounding on CUDA was not counted)
 PLANNED_BEFORE_BYTES_PER_PARAM = 16
 
 
 class ForeachOffloadAdamW(torch.optim.AdamW):
-    """The CPUOffloadAdamW this bench compares against (before issue 19): fp32 masters, fp32 gradients copied to the
-    host each step (a new tensor per parameter), foreach AdamW (a full-size sqrt temporary), fp32 weights copied
-    back. On CUDA its masters were pinned through the caching host allocator (rounded to powers of two)."""
+    """The earlier host optimizer, CPUOffloadAdamW, this bench compares against: fp32 masters, fp32 gradients
+    copied to the host each step (a new tensor per parameter), foreach AdamW (a full-size sqrt temporary), fp32
+    weights copied back. On CUDA its masters were pinned through the caching host allocator (rounded to powers of
+    two)."""
 
     def __init__(self, params):
         self._pairs = [(p, nn.Parameter(p.detach().to("cpu", torch.float32, copy=True))) for p in params]
@@ -174,7 +175,7 @@ def run_variant(variant: str) -> dict:
         slots = sum(s.numel() * s.element_size() for s in trainer.optimizer._slots)
         out["pcie_bytes_per_step"] = 2 * slots  # each slot goes down (grad) and up (weights) once a step
     elif variant == "old":
-        out["pcie_bytes_per_step"] = 2 * 4 * n  # fp32 both ways (the issue's 55 GB at 6.9B)
+        out["pcie_bytes_per_step"] = 2 * 4 * n  # fp32 both ways (55 GB a step at 6.9B)
     return out
 
 

@@ -6,8 +6,8 @@ per-document masks (attn=packed_doc) and memory=full (the same recompute as the 
 Each trains from the same random init until it has seen the same number of useful (document) tokens; then all
 are scored on the same held-out documents. MFU counts model FLOPs (flexengine.loop.flops: useful tokens, attended
 pairs, LoRA-aware) against hardware.peak_tflops of conf/hardware/cpu.yaml; `mfu_old_formula` is what the
-formula before issue #16 (6 x non-embedding params + a full causal square of attention per useful token) gives
-for the same run. Writes bench/results/peer_hf.{json,md}.
+formula the engine used before it counted attended pairs (6 x non-embedding params + a full causal square of
+attention per useful token) gives for the same run. Writes bench/results/peer_hf.{json,md}.
 Usage: python bench/peer_hf.py [--tokens N]
 """
 
@@ -51,8 +51,8 @@ BASE = [
 
 
 def old_flops_per_token(model, seq_len: int) -> float:
-    """The MFU numerator per useful token before issue #16: 6 x (non-embedding params) + attention as a full
-    causal square (seq_len / 2 keys per query), whatever the documents."""
+    """The MFU numerator per useful token before attended pairs were counted: 6 x (non-embedding params) +
+    attention as a full causal square (seq_len / 2 keys per query), whatever the documents."""
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

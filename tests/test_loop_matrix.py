@@ -396,7 +396,7 @@ def test_a_refusal_explains_the_pairs_it_names_and_leaves_the_others_wanted():
 
 
 def test_only_the_allowed_values_may_refuse_on_their_own():
-    """Review 19 #7: a whole option refusing on CPU with a tidy UserError (naming only itself) explained all its
+    """A whole option refusing on CPU with a tidy UserError (naming only itself) explained all its
     pairs, so the matrix passed with that option never trained; only MAY_REFUSE_ALONE may do that."""
     dims = {"attn.backend": ["flex", "varlen"], "precision": ["fp32", "bf16_cpu_master"], "c": ["p", "q"]}
     every = _pairs_of_design(dims)

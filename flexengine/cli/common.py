@@ -134,8 +134,8 @@ def compose_job_record(overrides: Sequence[str], schema: type = JobConfig) -> tu
     return to_job_record(cfg, overrides, hydra_cfg)
 
 
-# Third-party lines that bury a run's first useful ones (issue 22 F-10): torchao's optional CUDA kernels its wheel
-# cannot load, torch's _pytree deprecation notes about torchao's enums, and HF's progress bars in job logs.
+# Third-party lines that bury a run's first useful ones: torchao's optional CUDA kernels its wheel cannot load,
+# torch's _pytree deprecation notes about torchao's enums, and HF's progress bars in job logs.
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 QUIET_ENV = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
 VERBOSE_ENV = "FLEXENGINE_VERBOSE"  # =1 keeps every library's own output

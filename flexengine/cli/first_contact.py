@@ -221,7 +221,7 @@ def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
 
 # keys that exclude each other (JobConfig refuses both set): the one typed on the command line wins over the other
 # coming from a config file. Every shipped 7B model/experiment config sets optim.warmup_steps, which made
-# optim.warmup_ratio=0.05 alone a refusal on exactly the models where it is wanted (review 22 #9).
+# optim.warmup_ratio=0.05 alone a refusal on exactly the models where it is wanted.
 EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-# The schemas and checks live in config_model / config_data / config_checks (issue 21: no file over 500 lines), but
+# The schemas and checks live in config_model / config_data / config_checks (each file one kind of thing), but
 # `from flexengine.core.config import X` stays the one import site for every config name (dozens of call sites in
 # the package and tests, and the documented public surface), so this module re-exports them.
 from flexengine.core.config_checks import (  # noqa: F401 (re-exported)

@@ -1,6 +1,7 @@
 """The value checks and choice lists the config schemas share: each raises `UserError` naming the key to change.
 
-Split out of `config.py` (issue 21) so the schemas read as fields; `config.py` re-exports every public name here.
+Kept apart from the schemas (config_model, config_data) so that those read as fields; `config.py` re-exports
+every public name here.
 """
 
 from __future__ import annotations

@@ -557,7 +557,7 @@ def _run_as_rank_1(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def test_a_torchrun_rank_above_0_writes_no_hydra_folder_log_or_config(tmp_path):
-    """F-9 (review 22 #10): each rank resolved ${now:...} itself, so a rank > 0 starting in another second made its
+    """Before: each rank resolved ${now:...} itself, so a rank > 0 starting in another second made its
     own <date>/<time>/ with .hydra/ and a train.log. RANK=1 without WORLD_SIZE runs one process (no process group)
     through the same entry point and Hydra overrides as a torchrun worker."""
     out = tmp_path / "out"

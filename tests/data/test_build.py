@@ -143,7 +143,7 @@ def _overlap_build(tmp_path, eval_docs, *overrides):
 
 
 def test_one_shared_short_record_is_dropped_from_the_eval_set_with_a_warning(tmp_path, caplog):
-    """Review 22 #2, before: any shared document refused the run, so a standard held-out split sharing one heading
+    """Before: any shared document refused the run, so a standard held-out split sharing one heading
     line with training (1 of 100 documents, <= 1 %) could not be trained on at all."""
     caplog.set_level(logging.WARNING, logger="flexengine")
     _, batches, report = _overlap_build(tmp_path, [*EVAL_DOCS, HEADING])

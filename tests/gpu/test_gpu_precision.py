@@ -1,4 +1,4 @@
-"""The precision proof on CUDA (issue #10): a 32-layer LLaMA of hidden 256 fine-tuned at lr 2e-5 under
+"""The precision proof on CUDA: a 32-layer LLaMA of hidden 256 fine-tuned at lr 2e-5 under
 precision=bf16_mixed (fp32 masters, bf16 autocast) follows precision=fp32 on the same batches, step by step, and
 precision=bf16_pure, whose updates round away against its bf16 weights, fails the same check. The CPU twin
 (tests/surgery/test_precision.py) runs bf16 autocast on the CPU; this one runs CUDA's bf16 kernels and fused AdamW."""

@@ -285,7 +285,7 @@ def test_hf_export_writes_the_fp32_masters_and_resume_stays_exact(tmp_path):
     for name, master in masters.items():
         assert torch.equal(exported[name], master), name
 
-    # review 19 #1: the checkpoint holds the masters themselves, no 4 B/param copy (25.7 GiB of host at 7B); the
+    # the checkpoint holds the masters themselves, no 4 B/param copy (25.7 GiB of host at 7B); the
     # step-2 save was synchronous, so the resume below would differ had a later step changed them first
     saved = run.trainer_state()["optimizer"]["fp32_masters"]
     assert [m.data_ptr() for m in saved] == [m.data_ptr() for _, m in run.optimizer._pairs]

@@ -309,7 +309,7 @@ def test_a_longer_resume_continues_the_schedule_from_where_it_was(schedule):
 
 
 def test_a_resume_inside_warmup_finishes_the_same_warmup_without_a_dip():
-    """The issue's case: a 6-step run wholly inside a 50-step warmup, resumed to 8 steps, went 2e-5, 1.75e-5, 2e-5
+    """Before: a 6-step run wholly inside a 50-step warmup, resumed to 8 steps, went 2e-5, 1.75e-5, 2e-5
     (the warmup was capped to the new length); continuing keeps climbing or holds, never dips."""
     before, after = _resumed_lrs(6, 6, 8, "continue", warmup_steps=50)
     assert before[-1] == pytest.approx(1.0)  # capped: the 6-step run warms up to the peak at its last step

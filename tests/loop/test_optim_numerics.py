@@ -71,7 +71,7 @@ def test_adamw_bf16_keeps_an_fp32_second_moment_through_save_and_load():
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
     assert all(s["exp_avg_sq"].dtype == torch.float32 for s in opt.state.values())
     _, fresh = stepped(1)
-    cast = []  # review 19 #10: torch's load casts each state to the param dtype: a transient bf16 exp_avg_sq
+    cast = []  # torch's load casts each state to the param dtype: a transient bf16 exp_avg_sq
     policy = torch.optim.Optimizer._process_value_according_to_param_policy
 
     def spy(param, value, param_id, param_groups, key=None):
@@ -112,7 +112,7 @@ def _within_one_bf16_ulp(x: torch.Tensor, y: torch.Tensor, floor: float = 0.0) -
 
 @pytest.mark.slow  # one inductor C++ build of torchao's step: ~15-40 s on a shared 2-core machine
 def test_compiled_adamw_bf16_step_matches_the_eager_one(tmp_path, monkeypatch):
-    """Review 19 #5: what the loop runs on the GPU -- torchao's torch.compile(single_param_adam) over a bf16
+    """What the loop runs on the GPU -- torchao's torch.compile(single_param_adam) over a bf16
     exp_avg, the fp32 exp_avg_sq and inductor's stochastic rounding -- against the same step run eagerly (what
     every other test runs). Built as the loop builds it (build_optimizer). Per step, from the same weights and
     gradients: the moments (deterministic) agree to fp32 rounding, the weights by at most one bf16 ulp (each path

@@ -201,7 +201,7 @@ def test_a_longer_resume_goes_on_from_the_saved_lr(tmp_path):
     assert resumed[-1] == pytest.approx(planned[-1], rel=0.05)
 
 
-# -- a stop signal during evaluation or sampling (issue 22 R-1) ------------------------------------------------------
+# -- a stop signal during evaluation or sampling ---------------------------------------------------------------------
 
 
 def _signal_on(counter: list, at: int) -> None:
@@ -215,7 +215,7 @@ def _signal_on(counter: list, at: int) -> None:
 
 @pytest.mark.parametrize("eval_every", [2, 0])  # in the loop, and the final evaluation at the end of the run
 def test_a_signal_during_evaluation_stops_it_at_the_next_batch_and_saves(tmp_path, eval_every):
-    """Before: the whole held-out set was evaluated first (452 s unanswered in the review)."""
+    """Before: the whole held-out set was evaluated first (452 s without an answer to the signal, measured)."""
     trainer = build_trainer(
         make_job(tmp_path, *WORKFLOW, "train.max_steps=2", "data.eval_fraction=0.5", f"train.eval_every={eval_every}"),
         tmp_path,

@@ -27,7 +27,7 @@ def test_defaults_are_auto():
 
 
 def test_explicit_policy_that_does_not_fit_lists_what_would():
-    # the issue's case: the old README command (memory=none, micro_batch 2) for Llama-2-7B at 8K on 80 GB
+    # a command the README once showed (memory=none, micro_batch 2) for Llama-2-7B at 8K on 80 GB: it does not fit
     with pytest.raises(UserError) as err:
         _fit(*SEVEN_B, "memory=none", "train.micro_batch=2")
     text = str(err.value)
@@ -82,7 +82,7 @@ def test_bf16_pure_is_only_taken_when_asked_and_warns_at_small_lr(caplog):
 
 @pytest.mark.parametrize("torchao_missing", [False, True], ids=["torchao", "no-torchao"])
 def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_correctly(torchao_missing, monkeypatch):
-    """Issue 19: on the README's deepseek7b_6k_a100 plan, precision=auto's step is within 5 % of the fastest
+    """On the README's deepseek7b_6k_a100 plan, precision=auto's step is within 5 % of the fastest
     fitting mode that passes the long-horizon numerics check and can be built here (it took bf16_cpu_master,
     planned 1.5x slower than bf16_sr), and the plan says for every other mode why it lost. Also without torchao
     (the lent GPU image): bf16_sr then cannot be built, so it is no rival."""
@@ -168,7 +168,7 @@ def test_cpu_plan_picks_fp32(ranks):
 
 
 def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
-    """Issue 16: offload's pinned-memory bound is the plan's per-rank host budget, less what the host optimizer
+    """Offload's pinned-memory bound is the plan's per-rank host budget, less what the host optimizer
     keeps there, and the plan says the figure."""
     _, mixed = _fit(
         *SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload", "hardware.host_memory_gb=100"

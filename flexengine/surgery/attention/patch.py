@@ -267,7 +267,8 @@ def mask_kwargs(model: nn.Module, document_ids_BS: Tensor, separate_documents: b
 
 
 def _check_flex_can_run(compile: bool) -> None:
-    """Refuse loudly rather than fall back: a silent slow path is the #1 cause of slow long-context runs."""
+    """Warn, naming the fix, where flex will run slowly or not train: on CPU (no backward) and uncompiled (the full
+    score matrix). A silent slow path is the most common cause of slow long-context runs."""
     if not torch.cuda.is_available():
         log.warning(
             "attention backend=flex on CPU: forward works but FlexAttention has no CPU backward; "

@@ -71,7 +71,7 @@ def making_host_copies() -> bool:
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # library use without a plan; a run takes the plan's per-rank host budget
-# (costs.pinned_bound_bytes): a 7B at 8K offloads ~51 GB per row, times the ranks of a node (issue #16)
+# (costs.pinned_bound_bytes): a 7B at 8K offloads ~51 GB per row, times the ranks of a node
 
 
 class _Group:
