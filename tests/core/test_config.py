@@ -40,13 +40,6 @@ def test_sane_optim_values_compose():
     assert job.optim.grad_clip == 0 and job.optim.betas == [0, 0.999]
 
 
-@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"])
-@pytest.mark.parametrize("value", [0, -4])
-def test_non_positive_model_sizes_fail_at_composition_naming_the_key(key, value):
-    with pytest.raises(UserError, match=rf"model\.arch\.{key}={value} must be a positive integer"):
-        compose_job([f"model.arch.{key}={value}"])
-
-
 def test_sample_tokens_is_bounded():
     with pytest.raises(UserError, match=rf"train.sample_tokens=100000 must be in 1..{MAX_SAMPLE_TOKENS}"):
         compose_job(["train.sample_tokens=100000"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flexengine.core import storage
-from flexengine.core.errors import OutputDirTaken, UserError, os_error_message
+from flexengine.core.errors import OutputDirTaken, UserError
 from flexengine.core.storage import (
     RUN_LOCK,
     check_output_dir,
@@ -116,7 +116,7 @@ def test_two_training_runs_started_together_one_is_refused(tmp_path):
     assert not (out / "error.json").exists()
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert steps == sorted(set(steps)), steps  # one run's records, not two interleaved
-    assert not (tmp_path / "outputs").exists()  # F-9: Hydra's files went to train.output_dir
+    assert not (tmp_path / "outputs").exists()  # Hydra's files went to train.output_dir
     launches = sorted(out.glob("*/*/.hydra/config.yaml"))  # <date>/<time>/ per launch: neither overwrote the other
     assert 1 <= len(launches) <= 2 and all((p.parent.parent / "train.log").is_file() for p in launches)
 
@@ -235,12 +235,3 @@ def test_read_only_output_dir_is_one_paragraph_naming_the_path(tmp_path, monkeyp
     message = str(err.value)
     assert f"failed at {tmp_path / 'out'}/.write_test_" in message and "Read-only file system" in message
     assert "\n" not in message
-
-
-def test_os_error_message_names_both_paths():
-    e = OSError(errno.EACCES, "Permission denied", "/a", None, "/b")
-    assert os_error_message(e, "renaming") == (
-        "renaming failed at /a -> /b: Permission denied; check its "
-        "permissions, or choose a directory you can write (e.g. "
-        "train.output_dir=...)."
-    )
