@@ -95,7 +95,7 @@ def to_job_record(
 def group_options(group: str) -> tuple[str, ...]:
     """The shipped options of a config group (conf/<group>/*.yaml names), sorted. precision.mode is checked
     against them at composition: surgery/precision.SPECS holds torch dtypes, and composing a job must not import
-    torch (tests/cli/test_cli.py); tests/surgery/test_precision.py keeps these names == {"auto", *SPECS}, and
+    torch (tests/cli/test_common.py); tests/surgery/test_precision.py keeps these names == {"auto", *SPECS}, and
     precision_spec checks SPECS itself for a hand-built job."""
     return tuple(sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
 

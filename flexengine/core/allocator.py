@@ -16,7 +16,7 @@ and, on ROCm, PYTORCH_HIP_ALLOC_CONF. Any of them set, even to "", is the user's
 second variable might override theirs, depending on the version's precedence. The default goes into
 PYTORCH_CUDA_ALLOC_CONF, the name every supported torch (>= 2.6) reads.
 
-Torch-free on purpose: composing a config must not import torch (tests/cli/test_cli.py).
+Torch-free on purpose: composing a config must not import torch (tests/cli/test_common.py).
 """
 
 from __future__ import annotations

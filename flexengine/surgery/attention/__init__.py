@@ -2,7 +2,7 @@
 
 The names below are imported on first use (PEP 562, as flexengine/__init__.py does): composing a job imports
 `job_rules` -> `masks` only, and importing this package must not pull in patch.py's transformers or
-block_mask.py's FlexAttention (tests/cli/test_cli.py checks that composing a job loads neither torch nor
+block_mask.py's FlexAttention (tests/cli/test_common.py checks that composing a job loads neither torch nor
 transformers). The function `mask_mode` is not among them: `from flexengine.surgery.attention.mask_mode import
 mask_mode` (the package attribute of that name is its submodule).
 """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, NamedTuple, Optional
 # torch is imported inside the few functions that compute: composing and checking a job reads MODES (which mode
 # packs documents, which takes a window: surgery/attention/job_rules.py), and a config error must not wait for
 # torch's import (a bad attn.mode: 0.4 s without it, 6-7 s with torch + transformers on a loaded 2-core machine).
-# tests/cli/test_cli.py checks that composing a job imports neither.
+# tests/cli/test_common.py checks that composing a job imports neither.
 if TYPE_CHECKING:
     from torch import Tensor
 

@@ -1,9 +1,9 @@
-"""The shared command-line layer: console scripts, dispatch, schema registration without import side effects,
-the short config line, --cfg job and the copy + --config-dir workflow."""
+"""The shared command-line layer (flexengine/cli/common.py): composing a job without import side effects or heavy
+imports, the short config line, copying a shipped config, and a bad override as one clear error. The `flexengine`
+command that dispatches to each tool is tested in tests/test_main.py."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -11,9 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import tomllib
 
-from flexengine.cli.common import compose_job, copy_config, format_job_short
+from flexengine.cli.common import compose_job, copy_config, format_job_short, group_options, write_job_error
 from flexengine.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,21 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
-def test_every_console_script_points_at_a_callable():
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert {
-        "flexengine",
-        "flexengine-train",
-        "flexengine-plan",
-        "flexengine-doctor",
-        "flexengine-stats",
-        "flexengine-sweep",
-    } <= set(scripts)
-    for target in scripts.values():
-        module, _, attr = target.partition(":")
-        assert callable(getattr(importlib.import_module(module), attr)), target
 
 
 def test_importing_the_entry_points_registers_nothing_and_loads_no_torch():
@@ -80,36 +64,6 @@ def test_composing_a_job_loads_neither_torch_nor_transformers():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_flexengine_command_dispatches_to_the_planner(tmp_path):
-    proc = _run("-m", "flexengine", "plan", "model=deepseek7b", "hardware=a100_80g", "plan.format=json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout)["hf_config"]["model_type"] == "llama"
-    bad = _run("-m", "flexengine", "nonsense", cwd=tmp_path)
-    assert bad.returncode == 2 and "flexengine train" in bad.stderr
-
-
-def test_copied_experiment_runs_from_config_dir(tmp_path):
-    proc = _run("-m", "flexengine", "copy", "experiment/cpu_compare", str(tmp_path / "my_conf"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "--config-dir" in proc.stdout
-    copied = tmp_path / "my_conf" / "experiment" / "cpu_compare.yaml"
-    mine = copied.with_name("mine.yaml")
-    mine.write_text(copied.read_text().replace("max_steps: 20", "max_steps: 7"))  # the user's edit
-    proc = _run(
-        "-m",
-        "flexengine.train",
-        "--config-dir",
-        str(tmp_path / "my_conf"),
-        "experiment=mine",
-        "--cfg",
-        "job",
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "max_steps: 7" in proc.stdout and "seq_len: 512" in proc.stdout
-    assert not list(tmp_path.glob("outputs"))  # --cfg job runs nothing
-
-
 def test_copy_refuses_unknown_names_and_overwrites(tmp_path):
     with pytest.raises(UserError, match="options of experiment: .*cpu_compare"):
         copy_config("experiment/nope", tmp_path)
@@ -130,3 +84,40 @@ def test_bad_override_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "flexengine: error: optim.schedule='poly' is not valid" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_group_options_are_the_shipped_yaml_names():
+    shipped = sorted(p.stem for p in (ROOT / "conf" / "precision").glob("*.yaml"))
+    assert group_options("precision") == tuple(shipped) and "auto" in shipped
+    assert group_options("no_such_group") == ()
+
+
+def test_copy_is_byte_identical_to_the_shipped_file(tmp_path):
+    target = copy_config("model/tiny.yaml", tmp_path)  # the .yaml suffix is optional
+    assert target == tmp_path / "model" / "tiny.yaml"
+    assert target.read_bytes() == (ROOT / "conf" / "model" / "tiny.yaml").read_bytes()
+    with pytest.raises(UserError, match="give <group>/<option> \\(groups: .*experiment"):
+        copy_config("nonsense", tmp_path)
+
+
+def test_short_config_shortens_floats_and_long_lists():
+    job = compose_job(["optim.lr=0.00025", "data.source=jsonl", f"data.path={'/d/' + 'x' * 60}.jsonl"])
+    text = format_job_short(job)
+    assert "lr=0.00025 " in text  # %g, not 0.00025000000000000006
+    path = f"/d/{'x' * 60}.jsonl"
+    assert f"path={path}" in text  # a string is shown whole; only lists and dicts are cut at 40 characters
+    job = compose_job(["train.sample_prompts=[" + ",".join(["abcdefghij"] * 6) + "]"])
+    shown = next(w for w in format_job_short(job).split() if w.startswith("sample_prompts="))
+    # the JSON is 1 + 6 x 12 + 5 + 1 = 79 characters: its first 37 ("[" + two items of 12 + two commas + '"abcdefghi')
+    assert shown == "sample_prompts=" + '["abcdefghij","abcdefghij","abcdefghi...'
+
+
+def test_a_failed_job_is_recorded_with_its_type_message_and_traceback(tmp_path):
+    try:
+        raise UserError("  data.path=/nope does not exist  ")
+    except UserError as e:
+        path = write_job_error(tmp_path / "job", e)
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "job" / "error.json"
+    assert record["type"] == "UserError" and record["message"] == "data.path=/nope does not exist"
+    assert record["traceback"].startswith("Traceback") and "test_a_failed_job_is_recorded" in record["traceback"]
