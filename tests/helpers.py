@@ -208,3 +208,20 @@ def checkpoint_state(model: torch.nn.Module, step: int) -> dict:
         "data": {"epoch": 0, "cursor": step},
         "rng": _rng_state(),
     }
+
+
+def random_row_loader(micro_batch: int, seq_len: int = 64, n_docs: int = 60):
+    """A RowLoader over `n_docs` random documents of 5-39 tokens (ids 1-255), packed bfd into rows of `seq_len`, in
+    order: a hand-built Trainer's data without tokenizing anything."""
+    import numpy as np
+
+    from flexengine.data.corpus import Corpus
+    from flexengine.data.loader import RowLoader
+    from flexengine.data.packing import flatten_documents, plan_packing
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 256, int(k)) for k in rng.integers(5, 40, n_docs)]
+    tokens, offsets = flatten_documents(docs)
+    corpus = Corpus(tokens=tokens, offsets=offsets)
+    plan = plan_packing(corpus.lengths, seq_len, "bfd")
+    return RowLoader(corpus, plan, seq_len=seq_len, micro_batch=micro_batch, pad_id=0, shuffle=False)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from flexengine.core.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
-from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
-from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.host_adamw import CPUOffloadAdamW
 from flexengine.loop.optim import build_optimizer, clip_gradients, last_backward
 from flexengine.loop.trainer import Trainer
@@ -22,7 +19,7 @@ from flexengine.planning.costs import host_optimizer_bytes, host_optimizer_secon
 from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
-from tests.helpers import make_llama
+from tests.helpers import make_llama, random_row_loader
 
 CPU = torch.device("cpu")
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, peak_tflops=312, host_memory_gb=128)
@@ -225,13 +222,7 @@ SEQ_LEN = 64
 
 
 def _loader(micro_batch: int) -> RowLoader:
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 256, int(k)) for k in rng.integers(5, 40, 60)]
-    tokens, offsets = flatten_documents(docs)
-    plan = plan_packing(Corpus(tokens=tokens, offsets=offsets).lengths, SEQ_LEN, "bfd")
-    return RowLoader(
-        Corpus(tokens=tokens, offsets=offsets), plan, seq_len=SEQ_LEN, micro_batch=micro_batch, pad_id=0, shuffle=False
-    )
+    return random_row_loader(micro_batch, SEQ_LEN)
 
 
 def _trainer(tmp_path, *, lr: float = 2e-5, max_steps: int = 4, save_every: int = 0) -> Trainer:

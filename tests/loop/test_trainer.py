@@ -6,30 +6,22 @@ the whole accumulation window) on an independent copy of the model, backward per
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from flexengine.core.config import JobConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
-from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
-from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.trainer import Trainer, rows_counted_once
 from flexengine.surgery.attention import patch_attention
-from tests.helpers import make_llama
+from tests.helpers import make_llama, random_row_loader
 
 SEQ_LEN = 64
 CPU = torch.device("cpu")
 
 
 def _loader(micro_batch: int, n_docs: int = 60) -> RowLoader:
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 256, int(k)) for k in rng.integers(5, 40, n_docs)]
-    tokens, offsets = flatten_documents(docs)
-    corpus = Corpus(tokens=tokens, offsets=offsets)
-    plan = plan_packing(corpus.lengths, SEQ_LEN, "bfd")
-    return RowLoader(corpus, plan, seq_len=SEQ_LEN, micro_batch=micro_batch, pad_id=0, shuffle=False)
+    return random_row_loader(micro_batch, SEQ_LEN, n_docs)
 
 
 def _trainer(tmp_path, model, *, micro_batch: int = 2, grad_accum: int = 2, **train) -> Trainer:
