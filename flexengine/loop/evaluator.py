@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flexengine.core.config import TrainConfig
+from flexengine.data.build import pad_token_id
 from flexengine.data.loader import HeldOut
 from flexengine.data.targets import batch_valid_targets
 
@@ -307,7 +308,7 @@ def greedy_continue(
     forwards.
     """
     distributed = torch.distributed.is_initialized()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad_id = pad_token_id(tokenizer)
     prompt_ids = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     width = _padded_length(max(map(len, prompt_ids), default=0) + new_tokens, pad_to)
     outputs = []
