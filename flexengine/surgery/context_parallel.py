@@ -30,7 +30,7 @@ from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.data.targets import shift_targets
-from flexengine.surgery.attention.block_mask import BatchMask, canonical_document_ids
+from flexengine.surgery.attention.block_mask import FlexMask, canonical_document_ids
 from flexengine.surgery.attention.masks import document_ids_from_position_ids
 from flexengine.surgery.attention.patch import CP_ATTENTION, MASK_KWARG, LayerMasks, _flex_fn, mask_kwargs
 from flexengine.surgery.family import family_of
@@ -154,7 +154,7 @@ class ContextParallel:
         return self.whole_rows(root(share, logits=True, **mask_kwargs), share["token_index"])
 
 
-def _local_mask(mask: BatchMask, cp_block_mask, degree: int) -> BatchMask:
+def _local_mask(mask: FlexMask, cp_block_mask, degree: int) -> FlexMask:
     computed = cp_block_mask.kv_num_blocks.sum()
     if cp_block_mask.full_kv_num_blocks is not None:
         computed = computed + cp_block_mask.full_kv_num_blocks.sum()

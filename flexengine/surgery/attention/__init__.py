@@ -14,6 +14,9 @@ _PACKAGE = "flexengine.surgery.attention"
 # the submodule is imported the package attribute `mask_mode` is the module, so take it from .mask_mode itself.
 _LAZY = {
     "BatchMask": "block_mask",
+    "DenseMask": "block_mask",
+    "FlexMask": "block_mask",
+    "VarlenMask": "block_mask",
     "build_batch_mask": "block_mask",
     "MaskMode": "mask_mode",
     "get_mask_mod": "mask_mode",

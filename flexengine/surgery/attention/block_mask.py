@@ -31,25 +31,19 @@ class DenseChunk:
 
 @dataclass
 class BatchMask:
-    """Everything the attention layers of one forward share: a BlockMask (flex) or dense chunks (dense)."""
+    """Everything the attention layers of one forward share, in the form one backend runs: a `FlexMask`,
+    `DenseMask` or `VarlenMask`. The attention function picks its kernel by the mask's type, and each type holds
+    only its own form, so no field is None for a backend that does not use it."""
 
-    mode: MaskMode  # the mask every form below was derived from
-    backend: AttnBackend  # FLEX, DENSE or VARLEN
-    block_mask: Optional[BlockMask] = None  # flex: [B, 1, S/block, S/block] block structure
-    dense_chunks: Optional[list[DenseChunk]] = None  # dense: query chunks covering the row, in order
-    varlen_ids: Optional[Tensor] = None  # varlen: [B, S] ids whose runs are the documents (attention/varlen.py)
-    computed_blocks: Optional[Tensor] = None  # 0-d tensor: attention blocks the mask touches (no host sync)
-    causal_blocks: int = 0  # blocks a plain causal mask of the same shape would touch
-    block_size: int = 128
+    mode: MaskMode  # the mask every form was derived from
+    computed_blocks: Tensor  # 0-d tensor: attention blocks the mask touches (no host sync)
+    causal_blocks: float  # blocks a plain causal mask of the same shape would touch (a share of them under CP)
+    block_size: int
 
     @property
     def executed_pairs(self):
-        """(query, key) pairs the backend computes per layer and head, summed over rows: flex runs whole
-        blocks (a 0-d tensor: no host sync), the dense backend each chunk's query x key rectangle (an int)."""
-        if self.dense_chunks is not None:
-            return sum(
-                c.mask_B1QK.shape[0] * (c.q_end - c.q_start) * (c.kv_end - c.kv_start) for c in self.dense_chunks
-            )
+        """(query, key) pairs the backend computes per layer and head, summed over rows: here, whole blocks (a 0-d
+        tensor: no host sync); the dense backend counts its chunks instead."""
         return self.computed_blocks * self.block_size**2
 
     @property
@@ -57,6 +51,32 @@ class BatchMask:
         """Fraction of a causal mask's blocks actually computed (1.0 = no saving; FlexAttention calls 1 minus
         the fraction of all blocks computed its sparsity); call .item() when logging."""
         return self.computed_blocks / self.causal_blocks
+
+
+@dataclass
+class FlexMask(BatchMask):
+    """attn.backend=flex: FlexAttention's block structure."""
+
+    block_mask: BlockMask  # [B, 1, S/block, S/block]
+
+
+@dataclass
+class DenseMask(BatchMask):
+    """attn.backend=dense: one SDPA call per query chunk, over only the keys that chunk may see."""
+
+    dense_chunks: list[DenseChunk]  # query chunks covering the row, in order
+
+    @property
+    def executed_pairs(self) -> int:
+        """Each chunk's query x key rectangle, summed (an int)."""
+        return sum(c.mask_B1QK.shape[0] * (c.q_end - c.q_start) * (c.kv_end - c.kv_start) for c in self.dense_chunks)
+
+
+@dataclass
+class VarlenMask(BatchMask):
+    """attn.backend=varlen: ids whose runs are the documents (attention/varlen.py), its calls planned on the host."""
+
+    varlen_ids: Tensor  # [B, S]
 
 
 _compiled_create_block_mask = None
@@ -137,14 +157,13 @@ def build_batch_mask(
     mode = mode or band_mode(documents, window)
     B, S = document_ids_BS.shape
     document_ids_BS = canonical_document_ids(document_ids_BS)
-    made = {"mode": mode, "backend": backend, "block_size": block_size}
-    made["causal_blocks"] = _causal_block_count(B, S, block_size)
+    made = {"mode": mode, "block_size": block_size, "causal_blocks": _causal_block_count(B, S, block_size)}
     if backend is AttnBackend.FLEX:
         block_mask = build_block_mask(mode, document_ids_BS, block_size)
         computed = block_mask.kv_num_blocks.sum()
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()
-        return BatchMask(**made, block_mask=block_mask, computed_blocks=computed)
+        return FlexMask(**made, block_mask=block_mask, computed_blocks=computed)
     if backend not in (AttnBackend.VARLEN, AttnBackend.DENSE):
         raise ValueError(f"unknown mask backend {backend!r}")
     # these visit no blocks: the density metric counts what a block-sparse kernel would compute
@@ -152,8 +171,8 @@ def build_batch_mask(
     if backend is AttnBackend.VARLEN:
         ids = mode.row_ids(document_ids_BS)
         plan_calls(ids, mode.varlen_window)  # planned now, on the host, once per batch (every layer finds it)
-        return BatchMask(**made, varlen_ids=ids)
-    return BatchMask(**made, dense_chunks=_dense_chunks(mode, document_ids_BS, dense_chunk))
+        return VarlenMask(**made, varlen_ids=ids)
+    return DenseMask(**made, dense_chunks=_dense_chunks(mode, document_ids_BS, dense_chunk))
 
 
 def _dense_chunks(mode: MaskMode, document_ids_BS: Tensor, chunk: int) -> list[DenseChunk]:
@@ -179,4 +198,13 @@ def dense_mask_from_mod(mask_mod, B: int, q_range: range, kv_range: range, devic
     return mask_mod(b, h, q, kv).expand(B, 1, len(q_range), len(kv_range))
 
 
-__all__ = ["BatchMask", "DenseChunk", "build_batch_mask", "build_block_mask", "canonical_document_ids"]
+__all__ = [
+    "BatchMask",
+    "DenseChunk",
+    "DenseMask",
+    "FlexMask",
+    "VarlenMask",
+    "build_batch_mask",
+    "build_block_mask",
+    "canonical_document_ids",
+]

@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 
 from flexengine.core.config import AttnConfig
 from flexengine.surgery.applied import applied, attention_spec
-from flexengine.surgery.attention.block_mask import BatchMask, build_batch_mask
+from flexengine.surgery.attention.block_mask import BatchMask, FlexMask, VarlenMask, build_batch_mask
 from flexengine.surgery.attention.masks import document_ids_from_position_ids, position_ids_from_document_ids
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
 from flexengine.surgery.attention.varlen import varlen_attention
@@ -100,20 +100,20 @@ def flexengine_attention(
             raise NotImplementedError(f"flexengine attention does not implement {unsupported!r} (this model uses it)")
     mask = masks.for_layer(kwargs.get("sliding_window"))
     gqa = query.shape[1] != key.shape[1]
-    if mask.block_mask is not None:  # flex
+    if isinstance(mask, FlexMask):
         if dropout:
             raise NotImplementedError("FlexAttention has no attention dropout; set the model's attention_dropout=0")
         flex = getattr(module, CP_ATTENTION, None)
         flex = _flex_fn(masks.spec.compile) if flex is None else flex
         out_BHSD = flex(query, key, value, block_mask=mask.block_mask, scale=scaling, enable_gqa=gqa)
-    elif mask.varlen_ids is not None:
+    elif isinstance(mask, VarlenMask):
         if dropout:
             raise NotImplementedError(
                 "attn.backend=varlen has no attention dropout; use attn.backend=dense "
                 "or set the model's attention_dropout=0"
             )
         return varlen_attention(query, key, value, mask.varlen_ids, mask.mode.varlen_window, scaling), None
-    else:
+    else:  # DenseMask
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, c.q_start : c.q_end],

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flexengine.surgery.attention.block_mask import build_batch_mask
+from flexengine.surgery.attention.block_mask import DenseMask, FlexMask, VarlenMask, build_batch_mask
 from flexengine.surgery.attention.mask_mode import mask_mode
 from flexengine.surgery.attention.spec import AttnBackend
 
@@ -60,3 +60,25 @@ def test_block_level_builder_equals_torch_create_block_mask(mode):
     assert torch.equal(ours.to_dense(), torch_built.to_dense())
     # "full" blocks skip the mask_mod: they must be exactly torch's (a wrong full block would leak attention)
     assert torch.equal(ours.full_kv_num_blocks, torch_built.full_kv_num_blocks)
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind", "form"),
+    [("flex", FlexMask, "block_mask"), ("dense", DenseMask, "dense_chunks"), ("varlen", VarlenMask, "varlen_ids")],
+)
+def test_each_backend_gets_a_mask_of_its_own_type_holding_only_its_form(backend, kind, form):
+    doc = _layout(256, [100, 156])[None]
+    mask = _mask(doc, "packed_doc", backend)
+    assert type(mask) is kind and getattr(mask, form) is not None
+    others = {"block_mask", "dense_chunks", "varlen_ids"} - {form}
+    assert not any(hasattr(mask, f) for f in others)  # no optional field of another backend to leave None
+
+
+def test_dense_counts_its_chunks_and_flex_its_blocks():
+    doc = _layout(256, [100, 156])[None]
+    dense = _mask(doc, "packed_doc", "dense")
+    # one 512-query chunk covers the 256-token row; its keys run from the first document start to the last query
+    assert dense.executed_pairs == 1 * 256 * 256
+    flex = _mask(doc, "packed_doc", "flex", block_size=128)
+    # query block 0 sees key block 0; query block 1 (document 1 began at token 100) sees key blocks 0 and 1
+    assert int(flex.executed_pairs) == 3 * 128 * 128
