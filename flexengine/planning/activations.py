@@ -3,20 +3,27 @@
 Activations per decoder block: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", eq. 2) count `sbh(34 + 5as/h)` bytes per layer for a 16-bit GPT block. Adapted to a LLaMA block
 (RMSNorm, RoPE, GQA, SwiGLU, no dropout) with fused flash/flex attention, with T = micro_batch x seq_len tokens,
-h hidden, a query heads, k kv heads, d head_dim, f intermediate, p bytes per activation element:
+h hidden, a query heads, k kv heads, d head_dim, f intermediate, p bytes per activation element, r bytes per
+residual-stream element (4 under autocast over fp32 weights, where the embedding's output and every residual add
+stay fp32; else p):
 
-    per block = T x [ 2 x ((4 + 2p) h + 4)    two RMSNorms: fp32 input copy, normalised, scaled output, rsqrt
+    per block = T x [ 2 x ((4 + r) h + 4)      two RMSNorms: fp32 input (or its fp32 copy), normalised, rsqrt
+                    + p h (c_attn + c_mlp)     the norms' outputs the projections read: one each, or under
+                                               autocast one bf16 cast per projection (q, k, v: 3; gate, up: 2)
                     + p (2ad + 2kd)            q and k after RoPE, v, attention output
                     + 4a                       attention log-sum-exp (fp32)
                     + 4p f ]                   SwiGLU: gate, silu(gate), up, silu(gate) * up
-              (+ T x p ad                      flex: o_proj's contiguous copy of the attention output)
               (+ B S^2 p                       dense backend only: SDPA's float copy of the boolean mask)
 
-RoPE's products save only the shared cos/sin tables (they do not require grad). No [S, S] term: flash/flex
-attention keeps O(S) per head, where the published formula's 5as/h term is the S^2 score/softmax/dropout.
-Per batch, outside the blocks: rotary cos/sin (2 T d p), the final norm ((4 + p) T h), the loss inputs
-(T h p + 16 T) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S] bool mask
-(held by checkpoint closures) once per batch. Validated against flexengine.surgery.memory.meter in tests/memory.
+RoPE's products save only the shared cos/sin tables (they do not require grad). Flex returns its output in q's
+stride order, so o_proj's input is a view of it (the dense backend's concatenated chunks are copied: + T p ad).
+No [S, S] term: flash/flex attention keeps O(S) per head, where the published formula's 5as/h term is the S^2
+score/softmax/dropout. Per batch, outside the blocks: rotary cos/sin (2 T d r), the final norm ((4 + r) T h), the
+loss inputs (T h r + 16 T) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S]
+bool mask (held by checkpoint closures) once per batch. Validated against flexengine.surgery.memory.meter
+(tests/planning/test_planner.py, fp32 on CPU) and against PyTorch's MemTracker over a deepseek-7B-wide bf16 step
+(bench/planner_vs_memtracker.py; tests/planning/test_planner_vs_memtracker.py). Eager blocks: a compiled block's
+partitioner may keep less (cheap pointwise outputs recomputed), never more.
 
 Recompute costs FLOPs plus the bytes its pointwise ops move: SAC keeps every matmul but still re-runs norms, RoPE
 and SwiGLU. Which parts and ops each recompute re-runs is defined beside the enum (surgery/memory/spec.py:
@@ -39,11 +46,19 @@ from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
 
 def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
     """Bytes one block (policy none) holds for backward, by sub-layer and tensor (see the module formula)."""
-    T, p, h = w.tokens, w.act_bytes, m.hidden
+    T, p, h, r = w.tokens, w.act_bytes, m.hidden, w.residual_bytes
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
 
-    def norm() -> dict[str, int]:
-        return {"input_fp32": 4 * T * h, "normalised": p * T * h, "scaled_output": p * T * h, "rsqrt": 4 * T}
+    def norm(readers: int) -> dict[str, int]:
+        # the fp32 input (the block's residual, or its fp32 copy), x * rsqrt as weight * saves it (cast back to
+        # the residual's dtype first), and the output the projections read: shared, or one bf16 copy per
+        # projection when autocast casts it for each
+        return {
+            "input_fp32": 4 * T * h,
+            "normalised": r * T * h,
+            "scaled_output": p * T * h * (readers if w.autocast else 1),
+            "rsqrt": 4 * T,
+        }
 
     # flex saves its K and V inputs: under context parallelism the whole row's, all-gathered (cp x T tokens)
     attention = {
@@ -53,20 +68,19 @@ def block_inventory(m: ModelShape, w: Workload) -> dict[str, dict[str, int]]:
         "attn_out": p * T * ad,
         "logsumexp": 4 * T * m.heads,
     }
-    if w.backend is AttnBackend.FLEX:
-        attention["o_proj_input"] = p * T * ad  # CPU flash returns [B, S, H, D] already; flex's copy assumed
-    elif w.backend is AttnBackend.DENSE:
+    # flex returns its output in q's stride order ([B, S, H, D] memory, as HF's q is a transposed view), so
+    # o_proj's input (out.transpose(1, 2).contiguous()) is a view of attn_out; so is varlen's output
+    if w.backend is AttnBackend.DENSE:
         attention["float_mask"] = p * w.dense_mask_elements  # SDPA's float copy of each chunk's bool mask
         if w.seq_len > w.dense_chunk:  # the chunks' outputs are concatenated [B, H, S, D]: o_proj gets a copy
             attention["o_proj_input"] = p * T * ad
-    # varlen: its output is already [B, S, H, D], so o_proj's input is a view of attn_out: nothing more
     mlp = {
         "gate": p * T * m.intermediate,
         "silu": p * T * m.intermediate,
         "up": p * T * m.intermediate,
         "down_input": p * T * m.intermediate,
     }
-    return {"norm1": norm(), "attention": attention, "norm2": norm(), "mlp": mlp}
+    return {"norm1": norm(m.attention_inputs), "attention": attention, "norm2": norm(m.mlp_inputs), "mlp": mlp}
 
 
 def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
@@ -74,7 +88,7 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     T, p, h = w.tokens, w.act_bytes, m.hidden
     ad, kd = m.heads * m.head_dim, m.kv_heads * m.head_dim
     return {
-        "block_input": p * T * h,
+        "block_input": w.residual_bytes * T * h,
         "q": p * T * ad,
         "k": p * T * kd,
         "v": p * T * kd,
@@ -87,8 +101,8 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     }
 
 
-# The sub-layer of `block_inventory` a sub-module checkpoint re-runs (it keeps only its normalised input)
-_RECOMPUTED_PART = {Recompute.ATTENTION: "attention", Recompute.MLP: "mlp"}
+# The sub-layer of `block_inventory` a sub-module checkpoint re-runs, and the norm whose output is its input
+_RECOMPUTED_PART = {Recompute.ATTENTION: ("attention", "norm1"), Recompute.MLP: ("mlp", "norm2")}
 
 
 def block_bytes(m: ModelShape, w: Workload, spec: MemorySpec) -> tuple[int, int]:
@@ -101,22 +115,38 @@ def block_bytes(m: ModelShape, w: Workload, spec: MemorySpec) -> tuple[int, int]
     if spec.recompute is Recompute.NONE:
         held = sum(sum(part.values()) for part in inv.values())
     elif spec.recompute is Recompute.BLOCK:
-        held = w.act_bytes * w.tokens * m.hidden  # the checkpoint's input
+        held = w.residual_bytes * w.tokens * m.hidden  # the checkpoint's input
     elif spec.recompute is Recompute.OPS:
         held = sum(sac_inventory(m, w).values())
-    else:  # attention | mlp: that sub-layer keeps only its (already counted) normalised input
-        held = sum(sum(part.values()) for name, part in inv.items() if name != _RECOMPUTED_PART[spec.recompute])
+    else:  # attention | mlp: that sub-layer keeps only its input, the norm's output (autocast's casts are re-run)
+        part, norm = _RECOMPUTED_PART[spec.recompute]
+        inv[norm]["scaled_output"] = w.residual_bytes * w.tokens * m.hidden
+        held = sum(sum(values.values()) for name, values in inv.items() if name != part)
     return (0, held) if spec.offload else (held, 0)
 
 
-def block_working_bytes(m: ModelShape, w: Workload) -> int:
-    """Bytes of one block's tensors re-materialised at once in backward (its recompute, or the activation
-    gradients of its size): the whole inventory, whose MLP part also has two gradients of [tokens, intermediate]
-    in flight (measured: ~6 such tensors at the MLP's backward peak) -- for one tile when the MLP is tiled."""
+def block_working_bytes(m: ModelShape, w: Workload, recompute: Recompute = Recompute.BLOCK) -> int:
+    """Bytes one block's backward makes at once beside what the forward holds: the gradient coming down the
+    residual stream, and by what the block recomputes (measured with MemTracker, bench/planner_vs_memtracker.py):
+    BLOCK (and ATTENTION / MLP, at most as much) its whole inventory re-run, whose MLP part also has two gradients
+    of [tokens, intermediate] in flight (~6 such tensors at the MLP's backward peak); OPS the same less what SAC's
+    cache holds (v, attention output and log-sum-exp, gate and up); NONE (it kept its activations) the MLP's
+    gradients only (4 such tensors). The MLP's for one tile when it is tiled."""
+    T = w.tokens
+    incoming = w.residual_bytes * T * m.hidden
     inv = block_inventory(m, w)
-    mlp = sum(inv.pop("mlp").values()) * 6 // 4
-    tiled = mlp * min(w.mlp_tile, w.tokens) // w.tokens if w.mlp_tiled else mlp
-    return sum(sum(part.values()) for part in inv.values()) + tiled
+    mlp_parts = inv.pop("mlp")
+    if recompute is Recompute.NONE:
+        mlp = 4 * w.act_bytes * T * m.intermediate
+        inv = {}
+    else:
+        mlp = sum(mlp_parts.values()) * 6 // 4
+    if recompute is Recompute.OPS:  # read from SAC's cache, not made again
+        mlp -= mlp_parts["gate"] + mlp_parts["up"]
+        for name in ("v", "attn_out", "logsumexp"):
+            inv["attention"].pop(name)
+    tiled = mlp * min(w.mlp_tile, T) // T if w.mlp_tiled else mlp
+    return incoming + sum(sum(part.values()) for part in inv.values()) + tiled
 
 
 def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0.5) -> dict[str, float]:
@@ -179,12 +209,12 @@ def recompute_flops_per_block(
 
 def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, int]:
     """Bytes held once per micro-batch outside the blocks (saved for backward)."""
-    T, p = w.tokens, w.act_bytes
+    T, r = w.tokens, w.residual_bytes
     n = w.micro_batch * (w.seq_len - 1)  # next-token targets (all valid: the worst case)
     out = {
-        "rotary_cos_sin": 2 * T * m.head_dim * p,
-        "final_norm": (4 + p) * T * m.hidden + 4 * T,
-        "loss_inputs": n * m.hidden * p + 16 * n,
+        "rotary_cos_sin": 2 * T * m.head_dim * r,  # HF casts cos/sin to the embeddings' dtype
+        "final_norm": (4 + r) * T * m.hidden + 4 * T,
+        "loss_inputs": n * m.hidden * r + 16 * n,
     }  # hidden rows (lm_head's input), int64 row index
     # (index_select's backward) and int64 targets (cross-entropy's backward); the positions come from the loader
     if w.chunk_size <= 0 or n <= w.chunk_size:
@@ -194,11 +224,34 @@ def constant_bytes(m: ModelShape, w: Workload, checkpointed: bool) -> dict[str, 
     return out
 
 
-def loss_transient_bytes(m: ModelShape, w: Workload) -> int:
-    """Peak extra bytes of lm_head + CE: logits (p), fp32 log-probs and their gradient, for one chunk."""
+def loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
+    """Peak bytes lm_head + CE add to what the forward holds (`constant_bytes`) and to the static terms, at the
+    forward's end ("forward") and in backward ("backward").
+
+    In one piece (loss.chunk_size=0 or a single chunk): the logits (p), their fp32 log-probs and gradient.
+    Chunked, each chunk a checkpoint re-run in backward: autograd sums lm_head's weight gradient over the chunks
+    (V x h in the compute dtype) out of place, and so the loss inputs' gradient (each chunk's slice backward is a
+    whole [n, h] tensor). Forward: one chunk's logits, fp32 logits and log-probs. Backward, the larger of a chunk's
+    CE backward (the weight-gradient sum so far, the log-probs, their gradient and the logits' gradient, fp32, and
+    the inputs' gradient) and the adding of a chunk's weight gradient to the sum (sum, new and result: 3 x V x h,
+    and the inputs' gradient) -- by then the chunk's autocast copy of lm_head's weight, which the static terms
+    count, is freed. Measured with MemTracker (bench/planner_vs_memtracker.py)."""
     n = w.micro_batch * (w.seq_len - 1)
-    rows = n if w.chunk_size <= 0 else min(n, w.chunk_size)
-    return rows * m.vocab * (w.act_bytes + 4 + 4)
+    p, V = w.act_bytes, m.vocab
+    if w.chunk_size <= 0 or n <= w.chunk_size:
+        return {"forward": n * V * (p + 4 + 4), "backward": n * V * (p + 4 + 4)}
+    rows = w.chunk_size
+    weight_grad = V * m.hidden * p
+    inputs_grad = n * m.hidden * w.residual_bytes
+    autocast_copy = weight_grad if w.autocast else 0
+    ce_backward = weight_grad + 3 * 4 * rows * V + inputs_grad
+    accumulate = 3 * weight_grad - autocast_copy + inputs_grad
+    return {"forward": rows * V * (p + 4 + 4), "backward": max(ce_backward, accumulate)}
+
+
+def loss_transient_bytes(m: ModelShape, w: Workload) -> int:
+    """Peak bytes lm_head + CE add to what the forward holds and to the static terms (`loss_moments`)."""
+    return max(loss_moments(m, w).values())
 
 
 @dataclass
@@ -212,6 +265,9 @@ class ActivationEstimate:
     recompute_flops: float  # extra forward FLOPs per micro-batch (attention core at the given attended fraction)
     recompute_pointwise_bytes: int = 0  # bytes the re-run pointwise ops move per micro-batch (memory-bound)
     offloaded_per_block: list[int] = field(default_factory=list)  # host bytes of each block (0: not offloaded)
+    working: Recompute = Recompute.BLOCK  # the recompute whose backward makes the most (block_working_bytes): BLOCK
+    # if a block is checkpointed whole, by sub-module or in MLP tiles, else OPS if one is op by op, else NONE
+    recomputed_blocks: int = 0  # blocks checkpointed whole or op by op: nothing of theirs is saved by autograd
 
 
 def estimate_activations(
@@ -235,7 +291,13 @@ def estimate_activations(
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = any(spec.recompute.wraps_attention for spec in specs)
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
-    return ActivationEstimate(sum(per_block) + other, per_block, other, sum(offloaded), flops, pointwise, offloaded)
+    kinds = {Recompute.BLOCK if spec.tiles_mlp(w.tokens) else spec.recompute for spec in specs}
+    working = next((k for k in (Recompute.BLOCK, Recompute.ATTENTION, Recompute.MLP) if k in kinds), None)
+    working = Recompute.BLOCK if working else (Recompute.OPS if Recompute.OPS in kinds else Recompute.NONE)
+    whole = sum(spec.recompute in (Recompute.BLOCK, Recompute.OPS) for spec in specs)
+    return ActivationEstimate(
+        sum(per_block) + other, per_block, other, sum(offloaded), flops, pointwise, offloaded, working, whole
+    )
 
 
 def resolve_tiles(memory: MemoryConfig, m: ModelShape) -> MemoryConfig:

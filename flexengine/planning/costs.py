@@ -50,12 +50,11 @@ def static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     weight = x.weight_bytes if x.weight_bytes is not None else x.dtype_bytes
     grad = x.grad_bytes if x.grad_bytes is not None else weight
     state = x.optimizer_state_bytes if x.optimizer_state_bytes is not None else weight
-    copied = m.params  # parameters autocast keeps a bf16 copy of
+    copied = sum(autocast_copies(m, x).values())
     if x.frozen_weight_bytes is not None and x.trainable_fraction < 1.0:
         # LoRA: base matrices frozen in the compute dtype; norm weights and adapters in the master dtype
         frozen = m.params - m.norm_params
         weights = frozen * x.frozen_weight_bytes + (m.norm_params + trainable) * weight
-        copied = trainable
     else:
         weights = m.params * weight
     out = {"weights_bytes": int(weights / world), "grads_bytes": int(trainable * grad / world)}
@@ -68,6 +67,17 @@ def static_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     if x.compute_copy_bytes:
         out["compute_copy_bytes"] = int(copied * x.compute_copy_bytes / world)
     return out
+
+
+def autocast_copies(m: ModelShape, x: PlanInputs) -> dict[str, int]:
+    """Parameters autocast casts to bf16 and caches through the forward, by holder: "blocks" (all of them) and
+    "lm_head". What its matmuls read: every matrix but the input embedding (a lookup; with tied embeddings lm_head
+    reads it), not the norm weights (RMSNorm multiplies in fp32); under LoRA only the adapters (the frozen base is
+    stored in bf16 already). Elements, unsharded."""
+    if x.frozen_weight_bytes is not None and x.trainable_fraction < 1.0:
+        return {"blocks": int(m.params * x.trainable_fraction), "lm_head": 0}
+    lm_head = m.vocab * m.hidden
+    return {"blocks": m.params - m.norm_params - lm_head * (1 if m.tied else 2), "lm_head": lm_head}
 
 
 def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:

@@ -23,6 +23,7 @@ from flexengine.planning.activations import (
     constant_bytes,
     estimate_activations,
     gathered_kv_bytes,
+    loss_moments,
     loss_transient_bytes,
     memory_specs,
     resolve_tiles,
@@ -33,6 +34,7 @@ from flexengine.planning.costs import (
     FALLBACK_PEAK_TFLOPS,
     HOST_STEP_NS_PER_PARAM,
     assumptions,
+    autocast_copies,
     eager_pointwise_s,
     fsdp_bytes,
     hbm_gb_s,
@@ -168,8 +170,7 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
 def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict) -> dict:
     """Device bytes by term, host bytes, the budgets and whether the step fits them."""
     on_gpu = x.hardware.device != "cpu"
-    # Backward re-materialises one block at a time (recompute, or activation grads of its size), plus the loss.
-    backward = max(block_working_bytes(m, w) + gathered_kv_bytes(m, x), loss_transient_bytes(m, w))
+    backward = _workspace_bytes(m, x, w, act)
     offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
     terms = {
         **static,
@@ -203,6 +204,22 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
         "fits": fits,
         "terms": terms,
     }
+
+
+def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate) -> int:
+    """Bytes beyond the held activations and the static terms at the step's peak: the loss at the forward's end,
+    and in backward the loss or one block (its recompute, or its activations' gradients). Autocast's weight copies
+    (a static term: all cached at the forward's end) are gone in backward for blocks recomputed whole or op by op,
+    whose autograd saves none; a recomputing block casts its own weights again, and lm_head's copy lives only in
+    the loss (one process; sharded, FSDP's gathers are counted apart: no copy is subtracted)."""
+    copies = autocast_copies(m, x) if x.hardware.world_size <= 1 else {"blocks": 0, "lm_head": 0}
+    one_block = int(copies["blocks"] * x.compute_copy_bytes) // m.layers
+    released = act.recomputed_blocks * one_block
+    lm_head = int(copies["lm_head"] * x.compute_copy_bytes)
+    block = block_working_bytes(m, w, act.working) + gathered_kv_bytes(m, x)
+    block += one_block if act.working is not Recompute.NONE else 0
+    loss = loss_moments(m, w)
+    return max(loss["forward"], loss["backward"] - released, block - released - lm_head)
 
 
 def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float) -> dict:

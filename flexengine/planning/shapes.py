@@ -24,6 +24,10 @@ class ModelShape:
     vocab: int
     params: int
     tied: bool = False  # lm_head shares the input embedding
+    # projections reading each sub-layer's normalised input (Family.attention/mlp.inputs): under autocast each
+    # casts that input to bf16 on its own and keeps its copy for backward
+    attention_inputs: int = 3  # q, k, v
+    mlp_inputs: int = 2  # gate, up
 
     @property
     def embedding_params(self) -> int:
@@ -57,7 +61,9 @@ class ModelShape:
             per_layer += a * d + 2 * k * d + h
         tied = bool(getattr(cfg, "tie_word_embeddings", False))
         embeddings = V * h * (1 if tied else 2)
-        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied)
+        family = resolve_family(cfg)
+        inputs = len(family.attention.inputs), len(family.mlp.inputs)
+        return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied, *inputs)
 
     def lora_params(self, r: int, target_modules: list[str], family: Family) -> int:
         """Adapter parameters of rank r on the targeted projections: r x (in + out) per adapted Linear."""
@@ -88,11 +94,20 @@ class Workload:
     dense_chunk: int = 512  # dense backend: attn.dense_chunk, queries per SDPA call
     cp: int = 1  # context parallelism: seq_len is this rank's share of a row of cp x seq_len tokens, whose K and V
     # attention gathers whole (torch's flex CP path) and holds for its backward
+    autocast: bool = False  # forward under autocast over fp32 weights (bf16_mixed on one device): the residual
+    # stream stays fp32 and every projection casts its own input (PlanInputs.autocast)
 
     @property
     def tokens(self) -> int:
         """T = B x S."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream, the norms' outputs and the loss inputs: the fp32 masters'
+        dtype under autocast (the embedding's output and every residual add stay fp32; apply_precision keeps them
+        so under LoRA too), else the activation dtype."""
+        return 4 if self.autocast else self.act_bytes
 
     @property
     def dense_mask_elements(self) -> int:
@@ -142,6 +157,8 @@ class PlanInputs:
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
     reduce_every: str = "window"  # FSDP gradient reduce-scatter: window (once per step; every block's unsharded
     # gradient lives through the accumulation window) | micro_batch (each backward) | auto (plan_memory weighs both)
+    autocast: bool = False  # the forward runs under autocast over fp32 weights (PrecisionSpec.compute_context:
+    # bf16_mixed unless FSDP2 casts): activations follow it (Workload.autocast)
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
@@ -155,6 +172,7 @@ def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) 
         x.chunk_size,
         mlp_tile,
         cp=x.cp,
+        autocast=x.autocast,
     )
 
 
@@ -211,6 +229,7 @@ def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = N
         fsdp_reduce_bytes=reduce.itemsize,
         precision=spec.name,
         cp=job.parallel.cp,
+        autocast=spec.autocast and not fsdp_casts,
         # DDP keeps full gradients either way: reducing per micro-batch would only add traffic
         reduce_every="window"
         if job.parallel.strategy == "ddp" and job.parallel.reduce_every == "auto"

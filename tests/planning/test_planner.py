@@ -86,7 +86,10 @@ def test_meter_sees_sac_cache_and_checkpoint_closures(small):
 
 @pytest.mark.parametrize("name", ["llama2_7b", "deepseek7b"])
 def test_7b_none_matches_published_formula_adapted(name):
-    """Korthikanti et al. per-layer bytes adapted to RMSNorm/SwiGLU/RoPE/GQA with flex attention (bf16)."""
+    """Korthikanti et al. per-layer bytes adapted to RMSNorm/SwiGLU/RoPE/GQA with flex attention (bf16). Flex returns
+    its output in q's stride order, so o_proj's input is a view of it: no copy (bench/memtracker_standins.py's test).
+    Under autocast over fp32 weights the residual stream and the normalised inputs stay fp32 and each of the five
+    input projections keeps its own bf16 cast of its norm's output (MemTracker, bench/planner_vs_memtracker.py)."""
     import yaml
 
     from flexengine.core.config import conf_dir
@@ -96,9 +99,11 @@ def test_7b_none_matches_published_formula_adapted(name):
     m = ModelShape.from_hf_config(cfg)
     s, b, h, a, k, f, p = 6144, 1, 4096, 32, 32, 11008, 2
     d = h // a
-    formula = s * b * (2 * ((4 + 2 * p) * h + 4) + p * (3 * a * d + 2 * k * d) + 4 * a + 4 * p * f)
+    formula = s * b * (2 * ((4 + 2 * p) * h + 4) + p * (2 * a * d + 2 * k * d) + 4 * a + 4 * p * f)
     assert block_bytes(m, Workload(b, s, p, AttnBackend.FLEX), MemorySpec())[0] == formula
-    assert formula == pytest.approx(s * b * h * 47.5, rel=0.01)  # ~47.5 sbh vs 34 sbh for a GELU GPT block
+    assert formula == pytest.approx(s * b * h * 45.5, rel=0.01)  # ~45.5 sbh vs 34 sbh for a GELU GPT block
+    autocast = s * b * (2 * (8 * h + 4) + p * h * (3 + 2) + p * (2 * a * d + 2 * k * d) + 4 * a + 4 * p * f)
+    assert block_bytes(m, Workload(b, s, p, AttnBackend.FLEX, autocast=True), MemorySpec())[0] == autocast
     # no S^2 term: doubling the sequence exactly doubles the block's bytes
     assert block_bytes(m, Workload(b, 2 * s, p, AttnBackend.FLEX), MemorySpec())[0] == 2 * formula
     assert m.params == pytest.approx({"llama2_7b": 6.74e9, "deepseek7b": 6.91e9}[name], rel=0.01)

@@ -87,8 +87,8 @@ def test_host_computed_positions_give_the_same_loss():
 @pytest.mark.slow
 def test_chunked_loss_bounds_memory_at_128k_tokens():
     """131,072 tokens, vocab 4096: whole fp32 logits would be 2 GiB (and their gradient as much again); chunks of
-    1024 keep the working set within the planner's estimate (hidden rows + one chunk's logits, log-probs and
-    gradient), and the value equals plain CE summed over slices."""
+    1024 keep the working set at the planner's estimate (hidden rows + one chunk's log-probs and gradients, the
+    chunks' summed weight and input gradients: loss_moments), and the value equals plain CE summed over slices."""
     from flexengine.planning.activations import constant_bytes, loss_transient_bytes
     from flexengine.planning.shapes import ModelShape, Workload
     from flexengine.surgery.attention.spec import AttnBackend
@@ -106,10 +106,11 @@ def test_chunked_loss_bounds_memory_at_128k_tokens():
     shape = ModelShape(hidden=H, heads=1, kv_heads=1, head_dim=H, intermediate=H, layers=0, vocab=V, params=0)
     w = Workload(1, S, 4, AttnBackend.FLEX, chunk)
     planned = constant_bytes(shape, w, False)["loss_inputs"] + loss_transient_bytes(shape, w)
-    planned += 2 * S * H * 4 + V * H * 4  # the gradients of hidden and lm_head, which backward returns
+    # the .grad of hidden and lm_head, which backward leaves (the chunks' sums before them are in the transient)
+    planned += S * H * 4 + V * H * 4
     assert "log_probs" not in constant_bytes(shape, w, False)  # chunked: no whole-sequence log-probs
     assert peak < 4 * S * V / 8  # an eighth of the whole logits, for scale
-    assert peak == pytest.approx(planned, rel=0.25)
+    assert peak == pytest.approx(planned, rel=0.05)
     with torch.no_grad():
         ends = [(i, min(i + 8192, S - 1)) for i in range(0, S - 1, 8192)]
         want = sum(
