@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class _Window:
     """Counters between two log lines."""
 
-    start: float = field(default_factory=time.perf_counter)
+    start: float  # time.perf_counter() when it began
     tokens: int = 0
     useful: int = 0
     model_flops: float = 0.0
@@ -47,7 +47,7 @@ class Progress:
         self._loop_start = time.perf_counter()
         self._in_loop = False  # inside the loop: its running time is training time not yet added to train_s
         self._paused_s = 0.0  # evaluation/sampling time inside this loop (not training)
-        self._window = _Window()
+        self._window = _Window(time.perf_counter())
 
     # -- the clock ------------------------------------------------------------------------------------------------
     def start_run(self) -> None:
@@ -57,7 +57,7 @@ class Progress:
     def start_loop(self, step: int) -> None:
         """The loop begins at `step` (after a resume, the checkpoint's)."""
         self._loop_start, self.loop_start_step, self._in_loop = time.perf_counter(), step, True
-        self._window = _Window()
+        self._window = _Window(time.perf_counter())
 
     def end_loop(self) -> None:
         """The loop is done: its training time joins train_s."""
@@ -129,7 +129,7 @@ class Progress:
         )
         if self.is_main:
             log.info("%s", format_step_line(step, self.train.max_steps, m, useful_per_s, eta_s))
-        self._window = _Window()
+        self._window = _Window(time.perf_counter())
 
     def bar(self, step: int):
         """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""

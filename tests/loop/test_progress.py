@@ -42,3 +42,39 @@ def test_no_training_time_means_no_rate(tmp_path, monkeypatch):
         progress.hparam_metrics(summary)["useful_tokens_per_s"]
         != progress.hparam_metrics(summary)["useful_tokens_per_s"]
     )  # NaN for TensorBoard's HPARAMS
+
+
+def test_the_run_clock_leaves_pauses_out_of_training_time(monkeypatch):
+    """Progress's clock on a fake timer: evaluations and samples inside the loop are not training time (train_s, the
+    mean step time behind the ETA), an evaluation is left out of the log window's rates too, wall_s counts it all,
+    and a resumed run's times carry on."""
+    import torch
+
+    from flexengine.core.config import TrainConfig
+    from flexengine.loop import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Progress(TrainConfig(max_steps=10), peak_tflops=None)
+    clock.restore(wall_s=50.0, train_s=40.0)  # the first launch's
+    clock.start_run()
+    clock.start_loop(step=4)
+    now[0] += 6.0  # two steps of 3 s
+    clock.pause(4.0)  # then a 4 s evaluation
+    now[0] += 4.0
+    clock.exclude_last_pause()
+    assert clock.mean_step_s(6) == 3.0 and clock.steps_run(6) == 2
+    assert clock.elapsed_train() == 40.0 + 6.0 and clock.elapsed_wall() == 50.0 + 10.0
+    logged = {}
+
+    class Metrics:
+        def scalars(self, values, step):
+            logged.update(values)
+
+    clock.count({"tokens": 60, "useful_tokens": 30, "model_flops": 0.0, "hardware_flops": 0.0})
+    m = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 30, "useful_tokens": 15, "block_density": None}
+    clock.log_step(Metrics(), m, 6, eta_s=0.0, device=torch.device("cpu"))
+    assert logged["tokens_per_s"] == 60 / 6.0  # the window's rates divide by the training seconds only
+    clock.end_loop()
+    now[0] += 5.0  # the final save: wall time, not training
+    assert clock.train_s == 46.0 and clock.elapsed_train() == 46.0 and clock.elapsed_wall() == 65.0
