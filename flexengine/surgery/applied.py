@@ -6,7 +6,7 @@ instead of probing loose attributes or re-parsing the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
@@ -31,7 +31,6 @@ class Applied:
     fsdp_policy: Any = None  # apply_fsdp: the MixedPrecisionPolicy it sharded with (None: no cast by FSDP)
     mask_hook: Any = None  # the decoder's forward pre-hook that builds a batch's masks (RemovableHandle)
     offload: Any = None  # the OffloadManager shared by offloaded blocks (one side stream per model)
-    notes: dict = field(default_factory=dict)  # anything else a step wants to report (e.g. layer counts)
 
 
 def applied(model: nn.Module) -> Applied:
