@@ -111,8 +111,8 @@ def _build_checked_data(
 ) -> tuple[JobConfig, RowLoader, Optional[HeldOut], dict]:
     """build_data with its longest piece checked against the model's context; train.epochs becomes max_steps:
     (job, training loader, held-out batches or None, data report)."""
-    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=flex)
-    loader.pin_memory = device.type == "cuda"  # pinned batches: the trainer's non_blocking copies really are
+    # pinned batches on CUDA: the trainer's non_blocking copies really are asynchronous
+    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=flex, pin_memory=device.type == "cuda")
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
     check_context(
         longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs, job.model.allow_long_context

@@ -122,10 +122,11 @@ def _held_out(
 
 
 def build_data(
-    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False
+    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False, pin_memory: bool = False
 ) -> tuple[RowLoader, Optional[HeldOut], dict]:
     """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
-    flex: the attention backend is FlexAttention (rows keep their full length, see below)."""
+    flex: the attention backend is FlexAttention (rows keep their full length, see below). pin_memory: the
+    training batches go to a CUDA device (pinned, its copies are asynchronous)."""
     if job.data.packing == "auto":
         raise UserError(
             "data.packing=auto is decided by attn.mode (bfd when the mode packs documents, else none): resolve the "
@@ -150,6 +151,7 @@ def build_data(
             trim_padding=trim,
             rank=dist_info.data_rank,
             world_size=dist_info.data_world_size,
+            pin_memory=pin_memory,
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None

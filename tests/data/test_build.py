@@ -187,6 +187,14 @@ def test_a_hand_built_job_packs_once_its_attention_rules_are_resolved(tmp_path, 
     assert job.data.packing == packing and loader.batches_per_epoch > 0
 
 
+def test_the_loader_is_built_pinned_when_asked(tmp_path):
+    """run.py asks for pinned batches on CUDA at construction (no attribute set on a built loader afterwards)."""
+    job = compose_job(["debug=fast", "data.seq_len=64", "data.num_workers=0", f"data.cache_dir={tmp_path / 'c'}"])
+    tokenizer = load_tokenizer(job.model)
+    assert build_data(job, tokenizer, DistInfo(), pin_memory=True)[0].pin_memory is True
+    assert build_data(job, tokenizer, DistInfo())[0].pin_memory is False
+
+
 class _Tokenizer:
     def __init__(self, pad: int | None, eos: int | None):
         self.pad_token_id, self.eos_token_id = pad, eos
