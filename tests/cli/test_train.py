@@ -132,7 +132,7 @@ BAD_INPUTS = {
     "flex_cannot_train_on_cpu": (["debug=fast", "attn.backend=flex"], "attn.backend=flex"),
     "sliding_window_without_window": (["debug=fast", "attn=sliding_window", "attn.window=null"], "needs a window"),
     "output_dir_is_a_file": (["debug=fast", "train.output_dir={empty}"], "is a file, not a directory"),
-    "malformed_model_config_json": (["model=deepseek7b", "model.path={badmodel}"], "not a valid JSON file"),
+    "malformed_model_config_json": (["model=deepseek7b", "model.path={badmodel}"], "config.json is not valid JSON"),
 }
 
 
