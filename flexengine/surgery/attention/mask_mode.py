@@ -9,7 +9,7 @@ One object per mode answers all five questions that used to be re-derived in fiv
   - `attended_pairs(lengths)`: the (query, key) pairs the mask allows (model FLOPs, MFU).
 The document wrapper follows attention-gym's `generate_doc_mask_mod`: a pair attends iff both tokens share a
 document and the inner mask allows their document-local positions. Without document separation the whole row
-is one document, so the same derivations serve both (tests/surgery/attention/test_mask_modes.py checks them all
+is one document, so the same derivations serve both (tests/surgery/attention/test_mask_mode.py checks them all
 against `mask_mod` evaluated densely).
 
 Document ids must be canonical (`canonical_document_ids`: runs numbered 0, 1, 2, ... along each row).

@@ -7,7 +7,7 @@ each backend needs. Besides the predicate an inner mask states the contiguous ke
 query sees; block occupancy, the dense backend's key ranges and the attended-pair count follow from it.
 
 A new attention pattern is one `InnerMask` subclass here plus one `MODES` entry (and conf/attn/<name>.yaml);
-tests/surgery/attention/test_mask_modes.py checks every derived form of every entry against the predicate.
+tests/surgery/attention/test_mask_mode.py checks every derived form of every entry against the predicate.
 """
 
 from __future__ import annotations
