@@ -256,7 +256,7 @@ def test_the_budget_leaves_the_cuda_context_and_a_named_margin():
 
 
 def test_adamw_8bit_counts_fp32_embedding_states():
-    """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding (issue #16)."""
+    """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding."""
     from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
 
     cfg, x = _deepseek_inputs(optimizer_state_bytes=1.0)
