@@ -300,19 +300,6 @@ def test_size_check_sees_a_long_file_and_a_long_method(tmp_path):
     assert sorted(oversized(package)) == ["long.py: 501 lines", "method.py:2 f: 62 lines"]
 
 
-@pytest.mark.parametrize("package", ["flexengine", "flexengine.surgery.attention"])
-def test_every_lazy_export_resolves(package):
-    """The packages that import their names on first use (PEP 562): a typo in the name -> module table would only
-    show at a user's first access."""
-    import importlib
-
-    module = importlib.import_module(package)
-    names = set(module.__all__) | set(getattr(module, "_LAZY", {}))
-    assert names
-    for name in sorted(names):
-        assert getattr(module, name) is not None, name
-
-
 # Components own their state: the trainer's private fields are written in loop/trainer.py only. A function elsewhere
 # that writes `trainer._x` is a method in exile: give the state to the component that owns it.
 TRAINER_MODULE = "loop/trainer.py"
