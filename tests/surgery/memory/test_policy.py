@@ -85,28 +85,6 @@ def test_policy_keeps_state_dict_keys(base):
 
 
 @pytest.mark.parametrize(
-    "spec,expected",
-    [
-        ("all", [0, 1, 2, 3, 4, 5]),
-        ("every_2", [1, 3, 5]),
-        ("every_4", [3]),
-        ("first_2", [0, 1]),
-        ("last_2", [4, 5]),
-        ("5,0,3", [0, 3, 5]),
-        ("none", []),
-    ],
-)
-def test_select_layers(spec, expected):
-    assert select_layers(spec, 6) == expected
-
-
-@pytest.mark.parametrize("spec", ["every_x", "7", "0,-1", "some"])
-def test_select_layers_rejects_bad_specs(spec):
-    with pytest.raises(UserError, match="memory.layers"):
-        select_layers(spec, 6)
-
-
-@pytest.mark.parametrize(
     "kwargs,match",
     [
         ({"policy": "sometimes"}, "memory.policy"),
