@@ -19,7 +19,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
-from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord
+from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord, from_config_file
 from flexengine.core.errors import UserError
 
 CONFIG_PATH = "pkg://flexengine.conf"  # Hydra finds the shipped configs through the package, wherever it lives
@@ -51,25 +51,26 @@ def to_job_record(
     cfg: Any, overrides: Optional[Sequence[str]] = None, hydra_cfg: Any = None
 ) -> tuple[JobConfig, ConfigRecord]:
     """The composed DictConfig as a validated JobConfig (cross-field rules raise UserError), with fine-tuning
-    defaults when model.path holds pretrained weights and no model group is named, and a command-line key winning
-    over a config file's key it excludes (flexengine.cli.first_contact; overrides: the command line's, kept as
+    defaults when model.path holds pretrained weights and no model group is named, and of two keys that exclude
+    each other the later-set one winning (flexengine.cli.first_contact; overrides: the command line's, kept as
     given; None = Hydra's record of them inside a Hydra app); and the record of where each of its values came from
     (hydra_cfg: Hydra's own node, for the group options chosen; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.config_sources import composed_sources, hydra_runtime, value_from_files
+    from flexengine.cli.config_sources import composed_sources, hydra_runtime, last_file_setting, value_from_files
     from flexengine.cli.first_contact import (
         apply_pretrained_defaults,
         command_line_keys,
-        command_line_wins,
         given_overrides,
         keep_rows_per_step,
+        later_setting_wins,
     )
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
 
     given = given_overrides(overrides)
     check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
-    overruled = command_line_wins(cfg, given)
+    runtime = hydra_runtime(hydra_cfg)
+    overruled = later_setting_wins(cfg, given, lambda key: last_file_setting(key, runtime))
     try:
         job = OmegaConf.to_object(cfg)
     except UserError:
@@ -80,10 +81,10 @@ def to_job_record(
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    runtime = hydra_runtime(hydra_cfg)
     record = ConfigRecord(job, composed_sources(job, command_line_keys(given), runtime))
-    for key, winner in overruled.items():
-        record.set(key, None, f"{FROM_COMMAND_LINE} ({winner} typed there excludes it)")
+    for key, (winner, file) in overruled.items():
+        where = FROM_COMMAND_LINE if file is None else from_config_file(file)
+        record.set(key, None, f"{where} ({winner} {'typed' if file is None else 'set'} there excludes it)")
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
     job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))

@@ -85,12 +85,20 @@ def _keys_set_by_files(
 def value_from_files(key: str, runtime: Optional[Any]) -> Optional[tuple[Any, str]]:
     """(value, file) of the last chosen config file that sets the dotted `key`, before the command line; None when
     no file sets it (or outside Hydra)."""
+    found = last_file_setting(key, runtime)
+    return None if found is None else found[1:]
+
+
+def last_file_setting(key: str, runtime: Optional[Any]) -> Optional[tuple[int, Any, str]]:
+    """(position in composition order, value, file) of the last chosen config file that sets the dotted `key`: of
+    two files, the one at the higher position composed later and its value stands. None when no file sets it (or
+    outside Hydra)."""
     if runtime is None:
         return None
     found = None
-    for label, values in _chosen_files(dict(runtime.choices), _search_dirs(runtime)):
+    for position, (label, values) in enumerate(_chosen_files(dict(runtime.choices), _search_dirs(runtime))):
         if key in values:
-            found = values[key], label
+            found = position, values[key], label
     return found
 
 

@@ -8,8 +8,9 @@ accumulation when the checkpoint's parameter count says it is that size. Anythin
 on the command line, or that a config of theirs changed from the schema's default, is kept; each default taken is
 logged with the file it came from, and the run is named after the checkpoint directory, never "tiny".
 
-Also the command line's word against a config file's: of two keys that exclude each other (optim.warmup_ratio and
-optim.warmup_steps), the one typed wins over the other set by a model or experiment config (command_line_wins).
+Also two keys that exclude each other (optim.warmup_ratio and optim.warmup_steps), set by different sources: the
+later one wins (later_setting_wins): a typed key over a config file's, debug=fast's warmup_steps over a 7B model
+config's warmup_ratio.
 """
 
 from __future__ import annotations
@@ -219,30 +220,49 @@ def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
         return []
 
 
-# keys that exclude each other (JobConfig refuses both set): the one typed on the command line wins over the other
-# coming from a config file. Every shipped 7B model/experiment config sets optim.warmup_steps, which made
-# optim.warmup_ratio=0.05 alone a refusal on exactly the models where it is wanted.
+# keys that exclude each other (JobConfig refuses both set): of two set by different sources, the later one wins
+# (a 7B model config warms up by optim.warmup_ratio, debug=fast and a user's older experiment by optim.warmup_steps)
 EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
 
 
-def command_line_wins(cfg: Any, given: Iterable[str]) -> dict[str, str]:
-    """Null, in the composed DictConfig cfg, a config file's key that a command-line key excludes (logged); both
-    typed on the command line stay JobConfig's error. Returns {nulled key: the typed key that excluded it}."""
+def later_setting_wins(
+    cfg: Any, given: Iterable[str], set_by_file: Callable[[str], Optional[tuple[int, Any, str]]]
+) -> dict[str, tuple[str, Optional[str]]]:
+    """Null, in the composed DictConfig cfg, the earlier-set key of two that exclude each other, both set (logged):
+    the command line's over any config file's, a later file's in the defaults order over an earlier one's. Both
+    typed, or both from one file, stay JobConfig's error. set_by_file(key): (position, value, file) of the last
+    config file that sets key, or None. Returns {nulled key: (the key that excluded it, its file or None: typed)}."""
     from omegaconf import OmegaConf, read_write
 
     explicit = command_line_keys(given)
     overruled = {}
     for pair in EXCLUSIVE_KEYS:
-        for mine, theirs in (pair, pair[::-1]):
-            if mine not in explicit or theirs in explicit:
-                continue
-            mine_value, theirs_value = OmegaConf.select(cfg, mine), OmegaConf.select(cfg, theirs)
-            if mine_value is None or theirs_value is None:
-                continue
-            log.info(
-                "%s=%s (command line) wins over %s=%s (from a config file)", mine, mine_value, theirs, theirs_value
-            )
-            with read_write(cfg):
-                OmegaConf.update(cfg, theirs, None)
-            overruled[theirs] = mine
+        if any(OmegaConf.select(cfg, key) is None for key in pair):
+            continue
+        when = {key: _set_when(key, explicit, set_by_file) for key in pair}
+        if None in when.values() or when[pair[0]] == when[pair[1]]:
+            continue  # both typed, both from one file, or a value no file explains: JobConfig names the pair
+        later, earlier = sorted(pair, key=lambda key: when[key][0], reverse=True)  # type: ignore[index]
+        log.info(
+            "%s=%s (%s) wins over %s=%s (%s, composed before it)",
+            later,
+            OmegaConf.select(cfg, later),
+            when[later][1],  # type: ignore[index]
+            earlier,
+            OmegaConf.select(cfg, earlier),
+            when[earlier][1],  # type: ignore[index]
+        )
+        with read_write(cfg):
+            OmegaConf.update(cfg, earlier, None)
+        overruled[earlier] = (later, None if later in explicit else when[later][1])  # type: ignore[index]
     return overruled
+
+
+def _set_when(
+    key: str, explicit: set[str], set_by_file: Callable[[str], Optional[tuple[int, Any, str]]]
+) -> Optional[tuple[float, str]]:
+    """(when key was set in composition order, by what): the command line last of all, else its last file."""
+    if key in explicit:
+        return math.inf, "command line"
+    found = set_by_file(key)
+    return None if found is None else (found[0], found[2])

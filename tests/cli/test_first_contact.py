@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flexengine.cli.common import compose_job
+from flexengine.cli.common import compose_job, compose_job_record
 from flexengine.cli.first_contact import GENERIC_FINETUNE
 from flexengine.core.config import conf_dir
 from flexengine.core.errors import UserError
@@ -19,6 +19,11 @@ from tests.helpers import TINY_LLAMA
 
 # the 7B fine-tuning defaults every shipped 7B model config carries (read, not restated)
 SHIPPED = yaml.safe_load((conf_dir() / "model" / "llama2_7b.yaml").read_text())
+FAST_OPTIM = yaml.safe_load((conf_dir() / "debug" / "fast.yaml").read_text())["optim"]
+WARMUP_KEYS = ("warmup_steps", "warmup_ratio")
+MODELS_AND_EXPERIMENTS = [
+    f"{group}={path.stem}" for group in ("model", "experiment") for path in sorted((conf_dir() / group).glob("*.yaml"))
+]
 
 
 @pytest.fixture
@@ -152,3 +157,19 @@ def test_a_typed_warmup_steps_wins_over_a_config_files_warmup_ratio(group, caplo
     assert compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05"]).optim.warmup_for(400) == 20
     with pytest.raises(UserError, match="are both set"):
         compose_job([*group, "model.init=random", "optim.warmup_ratio=0.05", "optim.warmup_steps=7"])
+
+
+@pytest.mark.parametrize("choice", MODELS_AND_EXPERIMENTS)
+def test_every_shipped_model_and_experiment_composes_with_debug_fast(choice):
+    """debug=fast warms up for a step count, the 7B configs for a ratio of the run: of the two, the file composed
+    later wins (a model group composes before debug, an experiment after it) and the other is nulled, its source
+    saying which file excluded it; both set used to refuse debug=fast with every 7B model and experiment."""
+    job, record = compose_job_record([choice, "debug=fast", "model.init=random", "data.source=demo"])
+    group, option = choice.split("=")
+    own = (yaml.safe_load((conf_dir() / group / f"{option}.yaml").read_text()) or {}).get("optim", {})
+    last = own if group == "experiment" and any(key in own for key in WARMUP_KEYS) else FAST_OPTIM
+    assert (job.optim.warmup_steps, job.optim.warmup_ratio) == (last.get("warmup_steps"), last.get("warmup_ratio"))
+    if group == "model" and own.get("warmup_ratio") is not None:
+        assert record.sources["optim.warmup_ratio"] == (
+            "config: conf/debug/fast.yaml (optim.warmup_steps set there excludes it)"
+        )
