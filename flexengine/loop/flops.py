@@ -25,6 +25,7 @@ from torch import nn
 
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.mask_mode import band_mode
+from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.family import family_of
 from flexengine.surgery.memory.spec import BlockFlops
 
@@ -205,5 +206,15 @@ class TrainFlops:
 
 def attended_pairs(lengths: list[int], window: Optional[int] = None) -> int:
     """(query, key) pairs a causal mask allows within documents of these lengths (window: keys per query at
-    most, HF sliding_window semantics): the mask mode's own count (per layer: `AttentionSpec.attended_pairs`)."""
+    most, HF sliding_window semantics). Only for a model whose attention carries no AttentionSpec; otherwise
+    `layer_attended_pairs` asks each layer's own mask mode."""
     return band_mode(True, window).attended_pairs(lengths)
+
+
+def layer_attended_pairs(attn: Optional[AttentionSpec], lengths: list[int], n_layers: int) -> list[int]:
+    """Per decoder layer, the (query, key) pairs its mask allows within documents of these lengths: the mask
+    mode's own count (`AttentionSpec.attended_pairs`, any mode and window); without a spec (HF's attention,
+    untouched) the causal count on every layer."""
+    if attn is None:
+        return [attended_pairs(lengths)] * n_layers
+    return attn.attended_pairs(lengths)

@@ -22,7 +22,7 @@ from flexengine.data.loader import RowLoader
 from flexengine.data.targets import count_valid_targets
 from flexengine.loop.checkpointer import Checkpointer, TrainState
 from flexengine.loop.evaluator import Evaluator
-from flexengine.loop.flops import TrainFlops, attended_pairs
+from flexengine.loop.flops import TrainFlops, layer_attended_pairs
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import MetricsWriter
 from flexengine.loop.nonfinite import suspect_settings
@@ -295,9 +295,8 @@ class Trainer:
         """(model, hardware) FLOPs of one micro-batch; hardware is a device tensor under flex (no host sync)."""
         B, S = host_batch["input_ids"].shape
         predicting = len(host_batch["predicting_index"])
-        windows = self.attn.layer_windows if self.attn is not None else (None,) * len(self.flops.blocks)
-        pairs = {w: attended_pairs(host_batch["document_lengths"], w) for w in set(windows)}
-        model = self.flops.model_flops(host_batch["useful_tokens"], predicting, [pairs[w] for w in windows])
+        pairs = layer_attended_pairs(self.attn, host_batch["document_lengths"], len(self.flops.blocks))
+        model = self.flops.model_flops(host_batch["useful_tokens"], predicting, pairs)
         # HF's own attention has no masks of ours: its causal kernel computes the causal square of each row
         # (under context parallelism: this rank's mask, its share of the tokens)
         executed = mask_kwargs[MASK_KWARG].executed_pairs if mask_kwargs else B * S * (S + 1) // 2

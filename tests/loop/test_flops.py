@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from flexengine.core.config import LoraConfig, MemoryConfig
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.data.targets import predicting_positions
-from flexengine.loop.flops import TrainFlops, attended_pairs
+from flexengine.loop.flops import TrainFlops, attended_pairs, layer_attended_pairs
 from flexengine.surgery.attention import MASK_KWARG, mask_kwargs, patch_attention
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.loss import forward_loss_sum
@@ -225,3 +225,25 @@ def test_sliding_window_pairs():
     assert attended_pairs([5], window=None) == 15
     assert attended_pairs([5], window=2) == 1 + 2 + 2 + 2 + 2
     assert attended_pairs([3, 4], window=8) == 6 + 10
+
+
+def test_model_flops_follow_a_new_mask_modes_own_pair_count(base, monkeypatch):
+    """A per-document prefix-LM added to MODES alone: MFU's pairs are that mode's count (its prefix sees itself both
+    ways, so more pairs than causal), checked against its dense mask, and the model FLOPs' attention term follows."""
+    from flexengine.core.config import AttnConfig
+    from flexengine.surgery.attention import masks
+    from flexengine.surgery.attention.spec import resolve_attention_spec
+    from tests.surgery.attention.test_mask_mode import PrefixLM
+
+    monkeypatch.setitem(masks.MODES, "packed_prefix_lm", masks.ModeEntry(True, False, lambda window: PrefixLM(16)))
+    model = _model(base, dense_chunk=32)
+    spec = resolve_attention_spec(AttnConfig(mode="packed_prefix_lm", backend="dense"), model.config)
+    lengths = PACKED[0] + PACKED[1]
+    q = torch.arange(max(lengths))[:, None]  # a document's own positions: keys kv <= q, or both in the prefix
+    reference = sum(int(((q.T[:, :n] <= q[:n]) | ((q[:n] < 16) & (q.T[:, :n] < 16))).sum()) for n in lengths)
+    pairs = layer_attended_pairs(spec, lengths, len(model.model.layers))
+    assert pairs == [reference] * len(model.model.layers) and reference > attended_pairs(lengths)
+    flops = TrainFlops(model, 0)
+    extra = flops.model_flops(1, 1, pairs) - flops.model_flops(1, 1, attended_pairs(lengths))
+    causal_attention = flops.model_flops(1, 1, attended_pairs(lengths)) - flops.model_flops(1, 1, 0)
+    assert extra == pytest.approx(causal_attention * (reference / attended_pairs(lengths) - 1))

@@ -153,12 +153,15 @@ def test_no_attention_mode_string_is_compared_outside_the_spec():
 
 def test_each_layer_counts_the_pairs_of_its_own_mask():
     """MFU's attended pairs come from each layer's MaskMode: windowed layers count the band, full layers the
-    triangle; HF's own attention (backend sdpa) keeps the model's window on its windowed layers."""
-    from flexengine.loop.flops import attended_pairs
+    triangle; HF's own attention (backend sdpa) keeps the model's window on its windowed layers. Reference: a
+    query at position i of a document sees min(i + 1, window) keys, counted one query at a time."""
+
+    def band(lengths: list[int], window) -> int:
+        return sum(min(i + 1, window or n) for n in lengths for i in range(n))
 
     lengths = [5, 30, 12]
     spec = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), _qwen_mixed().config)
-    assert spec.attended_pairs(lengths) == [attended_pairs(lengths, w) for w in spec.layer_windows]
+    assert spec.attended_pairs(lengths) == [band(lengths, w) for w in spec.layer_windows]
     assert spec.attended_pairs(lengths)[0] != spec.attended_pairs(lengths)[-1]  # the layers differ
     hf_own = resolve_attention_spec(AttnConfig(mode="causal", backend="sdpa"), _qwen_mixed().config)
-    assert hf_own.attended_pairs(lengths) == [attended_pairs(lengths, w) for w in hf_own.layer_windows]
+    assert hf_own.attended_pairs(lengths) == [band(lengths, w) for w in hf_own.layer_windows]
