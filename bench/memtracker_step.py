@@ -3,14 +3,15 @@ the same step: an independent second opinion on flexengine.planning (bench/plann
 tests/planning/test_planner_vs_memtracker.py).
 
 The step is the trainer's (loop/trainer.py): forward under the precision's compute context with the chunked loss,
-backward, optimizer step, with the gradients already allocated (the middle of an accumulation window: a warm-up
-step made them and the optimizer states). The model is stock HF LLaMA blocks with the engine's surgery, built as
-run.py builds it: load_model in the precision's parameter dtype, apply_precision, the flexengine attention patch
-(flex backend, as on CUDA), apply_memory_policy; the precision's optimizer (optim.build_optimizer, CUDA's choice).
-`torch.distributed._tools.mem_tracker.MemTracker` watches it over `FakeTensorMode`: fake tensors carry shapes and
-dtypes but no bytes, so a 7B-wide model at 8K rows costs nothing. Fake CPU tensors stand for CUDA ones (a
-CPU-only torch refuses fake CUDA): no allocator rounding, the tracker counts tensor bytes as the planner does;
-CPU autocast makes the same casts as CUDA's for this model's ops. The other stand-ins: bench/memtracker_standins.py.
+backward, optimizer step, with the gradients already allocated (the middle of an accumulation window: gradients of
+the parameters' shapes and dtypes, and the optimizer states one step made). The model is stock HF LLaMA blocks with
+the engine's surgery, built as run.py builds it: load_model in the precision's parameter dtype, apply_precision, the
+flexengine attention patch (flex backend, as on CUDA), apply_memory_policy; the precision's optimizer
+(optim.build_optimizer, CUDA's choice). `torch.distributed._tools.mem_tracker.MemTracker` watches it over
+`FakeTensorMode`: fake tensors carry shapes and dtypes but no bytes, so a 7B-wide model at 8K rows costs nothing.
+Fake CPU tensors stand for CUDA ones (a CPU-only torch refuses fake CUDA): no allocator rounding, the tracker counts
+tensor bytes as the planner does; CPU autocast makes the same casts as CUDA's for this model's ops. The other
+stand-ins: bench/memtracker_standins.py.
 
 Blocks run eagerly: a dispatch mode makes dynamo skip compiled frames. So op-level SAC here keeps its cache
 outside autograd's saved tensors, where offload's hooks never see it (`ops+offload` offloads only the checkpoint
@@ -262,8 +263,9 @@ def tracked_step(case: Case, fake: bool = True) -> dict:
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with functional_loss(), eager_step(), fake_safe_offload():
         built = build(case, mode)
-        with mode:  # warm-up: gradients and optimizer states exist, as in the middle of a window
-            forward(built).backward()
+        with mode:  # the middle of a window: gradients allocated (as a backward leaves them) and optimizer states
+            for param in built.model.parameters():
+                param.grad = torch.zeros_like(param) if param.requires_grad else None
             built.optimizer.step()
         tracker = PeakTracker({id(p) for p in built.model.parameters()})
         tracker.track_external(built.model, *([built.optimizer] if built.device_optimizer else []))

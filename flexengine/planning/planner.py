@@ -208,16 +208,20 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
 
 def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate) -> int:
     """Bytes beyond the held activations and the static terms at the step's peak: the loss at the forward's end,
-    and in backward the loss or one block (its recompute, or its activations' gradients). Autocast's weight copies
-    (a static term: all cached at the forward's end) are gone in backward for blocks recomputed whole or op by op,
-    whose autograd saves none; a recomputing block casts its own weights again, and lm_head's copy lives only in
-    the loss (one process; sharded, FSDP's gathers are counted apart: no copy is subtracted)."""
+    and in backward the loss or one block (its recompute, or its activations' gradients; by then the loss's and the
+    final norm's saved tensors are freed). Autocast's weight copies (a static term: all cached at the forward's
+    end) are gone in backward for blocks recomputed whole or op by op, whose autograd saves none; a recomputing
+    block casts its own weights again, and lm_head's copy lives only in the loss (one process; sharded, FSDP's
+    gathers are counted apart: no copy is subtracted). Measured with MemTracker: bench/planner_vs_memtracker.py."""
     copies = autocast_copies(m, x) if x.hardware.world_size <= 1 else {"blocks": 0, "lm_head": 0}
     one_block = int(copies["blocks"] * x.compute_copy_bytes) // m.layers
     released = act.recomputed_blocks * one_block
     lm_head = int(copies["lm_head"] * x.compute_copy_bytes)
     block = block_working_bytes(m, w, act.working) + gathered_kv_bytes(m, x)
     block += one_block if act.working is not Recompute.NONE else 0
+    # the loss's and the final norm's saved tensors are freed before backward reaches the blocks
+    loss_side = constant_bytes(m, w, checkpointed=False)
+    block -= sum(loss_side.get(name, 0) for name in ("final_norm", "loss_inputs", "log_probs"))
     loss = loss_moments(m, w)
     return max(loss["forward"], loss["backward"] - released, block - released - lm_head)
 
