@@ -169,6 +169,10 @@ def run_hydra_app(app: Callable[[], Any], schema: type = JobConfig) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    try:
+        check_keys_before_hydra(sys.argv[1:], schema)
+    except UserError as e:
+        fail(e)
     users_choice = os.environ.get(FULL_ERROR_ENV)
     os.environ[FULL_ERROR_ENV] = "1"
     try:
@@ -184,6 +188,48 @@ def run_hydra_app(app: Callable[[], Any], schema: type = JobConfig) -> Any:
             os.environ.pop(FULL_ERROR_ENV, None)
         else:
             os.environ[FULL_ERROR_ENV] = users_choice
+
+
+def check_keys_before_hydra(argv: Sequence[str], schema: type = JobConfig) -> None:
+    """Refuse (UserError) a key the schema lacks before Hydra launches a sweep (-m) or prints a config (--cfg),
+    where an added `+key` slips past the task's own check: each job of the sweep fails alone (or none runs it),
+    and --cfg prints the key as if it were valid. Composes the sweep's first combination, as the first job would;
+    a command line this cannot mirror (--config-path, a glob sweep) is left to Hydra."""
+    overrides = _first_combination(argv)
+    if overrides is None:
+        return
+    from flexengine.cli.first_contact import command_line_keys
+
+    check_known_keys(compose_config(overrides, schema), command_line_keys(overrides))
+
+
+def _first_combination(argv: Sequence[str]) -> Optional[list[str]]:
+    """The overrides of a sweep's first job, or of the config --cfg prints (with --config-dir as hydra.searchpath,
+    which Hydra places the same way: after the shipped configs); None for a plain run (its task checks the keys)
+    or a command line composed otherwise."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        args = get_args_parser().parse_args(list(argv))
+    except SystemExit:  # argparse's own error: Hydra reports it
+        return None
+    if not (args.multirun or args.cfg) or args.config_path or args.config_name not in (None, "config"):
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        first = [
+            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else o.input_line
+            for o in parsed
+        ]
+    except (HydraException, StopIteration):  # an override Hydra cannot parse, a sweep it expands itself (glob)
+        return None
+    if args.config_dir:
+        if any(o.get_key_element() == "hydra.searchpath" for o in parsed):
+            return None
+        first.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    return first
 
 
 def fail(error: UserError) -> NoReturn:

@@ -7,7 +7,8 @@ and a comparison plot in the sweep directory.
 When the sweep ends, each job's TensorBoard events move to `<sweep_dir>/tb/<overrides that vary between jobs>`, so
 `tensorboard --logdir <sweep_dir>` shows one run per job (and its HPARAMS row) named by what was swept, not by job
 number; while the sweep runs they are in each job's own tb/.
-A failed job is a row with its error: train.py writes error.json (`write_job_error`) instead of ending the sweep.
+A failed job is a row with its error: train.py writes error.json (`write_job_error`) instead of ending the sweep;
+a sweep whose every job failed exits 1.
 """
 
 from __future__ import annotations
@@ -290,6 +291,11 @@ class SweepSummary(Callback):
         rows = summarize_sweep(Path(config.hydra.sweep.dir))
         if rows:
             print((Path(config.hydra.sweep.dir) / "sweep_summary.md").read_text())
+        if rows and all(r["status"] == "failed" for r in rows):
+            # a job's failure is a row (the sweep goes on), but a sweep of nothing but failures is not a success
+            # for the script or scheduler that launched it; SystemExit passes Hydra's callback guard
+            log.error("every job of the sweep failed (%d of %d): see the error column above", len(rows), len(rows))
+            sys.exit(1)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

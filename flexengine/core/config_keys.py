@@ -145,6 +145,7 @@ def unknown_key_message(unknown: dict[str, str], schema: type) -> str:
     takes = f"{', '.join(open_ended)} take{'s' if len(open_ended) == 1 else ''}" if open_ended else "no key takes"
     return (
         f"unknown config key{'s' if len(parts) > 1 else ''} {'; '.join(parts)}. Only the schema's keys take effect, "
-        f"whether set, added with + or ++, or written in a config file ({takes} keys of your choosing); "
-        "`--cfg job` shows every key."
+        f"whether set, added with + or ++, or written in a config file ({takes} keys of your choosing). Every "
+        "key, as a run of your overrides would use it: flexengine-plan <the same overrides, this one corrected> "
+        "plan.format=resolved."
     )

@@ -38,6 +38,31 @@ def test_added_key_stops_the_real_run_naming_the_nearest_key(tmp_path):
     assert not list(tmp_path.glob("outputs/**/checkpoints"))  # nothing trained
 
 
+@pytest.mark.parametrize(
+    "sweep", [["+train.batch_size=4", "optim.lr=1e-3,2e-3"], ["+train.batch_size=4,8"], ["train.batch_size=4,8"]]
+)
+def test_a_sweep_with_an_unknown_key_stops_once_before_any_job(tmp_path, sweep):
+    """Each job used to fail alone (a failed row each) and the sweep exited 0; now the sweep's first combination is
+    composed and checked before Hydra launches anything."""
+    message = _one_paragraph_error(_train("-m", *sweep, f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path))
+    assert "train.batch_size (from the command line: did you mean train.micro_batch?)" in message
+    assert not (tmp_path / "sweep").exists()  # no job launched
+
+
+@pytest.mark.parametrize("flag", [["--cfg", "job"], ["-c", "job"], ["--cfg=all"]])
+def test_printing_the_config_refuses_an_unknown_key_instead_of_showing_it_as_valid(tmp_path, flag):
+    proc = _train("+train.batch_size=4", *flag, cwd=tmp_path)
+    assert "did you mean train.micro_batch?" in _one_paragraph_error(proc)
+    assert "batch_size" not in proc.stdout
+
+
+def test_the_unknown_key_message_points_to_a_command_that_checks_keys(tmp_path):
+    """`--cfg job` printed the typo as a valid key; the message names plan.format=resolved, which checks them."""
+    message = _one_paragraph_error(_train("+train.batch_size=4", cwd=tmp_path))
+    assert "--cfg" not in message and "flexengine-plan <the same overrides" in message
+    assert "plan.format=resolved" in message
+
+
 def test_top_level_typo_points_at_the_nested_key(tmp_path):
     message = _one_paragraph_error(_train("++lr=2e-5", cwd=tmp_path))
     assert "lr (from the command line: did you mean optim.lr?)" in message

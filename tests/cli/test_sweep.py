@@ -126,6 +126,30 @@ def test_multirun_summarises_and_survives_a_failing_job(tmp_path):
     assert hparams["schedule"] == "cosine" and hparams["warmup_steps"] == 1 and hparams["lora_r"] == 0
 
 
+def test_a_sweep_whose_every_job_failed_exits_1(tmp_path):
+    """Both jobs set optim.warmup_steps and optim.warmup_ratio on the command line (refused inside each job, not at
+    composition): the sweep runs both, summarises them, and exits 1 instead of 0."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.train",
+            "-m",
+            "optim.warmup_steps=1",
+            "optim.warmup_ratio=0.1,0.2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [r["status"] for r in _read_csv(sweep / "sweep_summary.csv")] == ["failed", "failed"]
+    assert "every job of the sweep failed (2 of 2)" in proc.stdout + proc.stderr
+
+
 def _tensorboard_runs(logdir: Path) -> list[str]:
     """The runs `tensorboard --logdir logdir` lists (it follows symlinks: a linked directory is a second run)."""
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
