@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexengine.core.config import MemoryConfig
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory.meter import ActivationReport, measure_activations, measure_peak_bytes
+from flexengine.surgery.memory.policy import apply_memory_policy
+from tests.helpers import clone_model, make_llama
 
 N = 1000  # floats per tensor: 4,000 bytes
 
@@ -77,3 +82,31 @@ def test_peak_is_the_most_bytes_alive_at_once_and_ignores_what_existed_before():
         return before.sum()  # 4 bytes, and `before` itself is not the fn's
 
     assert measure_peak_bytes(work) == 16 * N
+
+
+def test_meter_sees_sac_cache_and_checkpoint_closures():
+    """A saved-tensor-hooks count would report ~0 for SAC (its cache is not autograd-saved)."""
+    small = make_llama(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    B, S = 1, 256
+    ids = torch.randint(0, 512, (B, S))
+    batch = {"input_ids": ids, "position_ids": torch.arange(S).expand(B, S), "labels": ids}
+    per_block = {}
+    for label, memory in [
+        ("none", MemoryConfig()),
+        ("ops", MemoryConfig(policy="selective", granularity="ops")),
+        ("full", MemoryConfig(policy="full")),
+    ]:
+        model = clone_model(small)
+        patch_attention(model, mode="packed_doc", backend="dense")
+        apply_memory_policy(model, memory)
+        report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch))
+        per_block[label] = report.per_block[1]
+    assert per_block["full"] < per_block["ops"] < per_block["none"]
+    assert per_block["full"] == B * S * 128 * 4  # the block's input, fp32
