@@ -56,12 +56,14 @@ class ModelShape:
         k = getattr(cfg, "num_key_value_heads", None) or a
         d = getattr(cfg, "head_dim", None) or h // a
         f, L, V = cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+        family = resolve_family(cfg)
         per_layer = h * (a * d + 2 * k * d) + a * d * h + 3 * h * f + 2 * h
-        if getattr(cfg, "attention_bias", False):
+        if getattr(cfg, "attention_bias", False):  # q, k, v and o
             per_layer += a * d + 2 * k * d + h
+        elif family.input_biases:  # q, k and v only
+            per_layer += a * d + 2 * k * d
         tied = bool(getattr(cfg, "tie_word_embeddings", False))
         embeddings = V * h * (1 if tied else 2)
-        family = resolve_family(cfg)
         inputs = len(family.attention.inputs), len(family.mlp.inputs)
         return cls(h, a, k, d, f, L, V, L * per_layer + embeddings + h, tied, *inputs)
 

@@ -51,6 +51,8 @@ class Family:
     mlp: Sublayer
     layers: str = "layers"  # get_decoder().<layers>: the ModuleList of decoder blocks
     final_norm: str = "norm"  # get_decoder().<final_norm>: the norm before the LM head
+    input_biases: bool = False  # the attention's input projections always carry biases (Qwen2's q/k/v), whatever
+    # config.attention_bias says (LLaMA's switch for q/k/v and o together)
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -76,20 +78,21 @@ class Family:
         return getattr(model.get_decoder(), self.final_norm, None)
 
 
-def _llama_named(name: str, *model_types: str) -> Family:
+def _llama_named(name: str, *model_types: str, input_biases: bool = False) -> Family:
     """A family that uses LLaMA's module names (HF copies them into Mistral, Qwen2 and many more)."""
     return Family(
         name=name,
         model_types=model_types or (name,),
         attention=Sublayer("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
         mlp=Sublayer("post_attention_layernorm", "mlp", ("gate_proj", "up_proj"), "down_proj"),
+        input_biases=input_biases,
     )
 
 
 # One entry per family the tests run (attention against HF eager, FLOPs against FlopCounterMode, the planner).
 LLAMA = _llama_named("llama")  # LLaMA 1-3 and DeepSeek-LLM (its config says model_type=llama)
 MISTRAL = _llama_named("mistral")  # one sliding_window for every layer
-QWEN2 = _llama_named("qwen2")  # q/k/v biases; per-layer windows from layer_types (full vs sliding_attention)
+QWEN2 = _llama_named("qwen2", input_biases=True)  # per-layer windows from layer_types (full vs sliding_attention)
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
