@@ -20,6 +20,7 @@ from flexengine.core.config_record import (
     AUTO_HARDWARE,
     AUTO_PLANNER,
     FROM_CALLER,
+    FROM_MODEL_PATH,
     RESOLVED_CONFIG_FILE,
     ConfigRecord,
 )
@@ -48,6 +49,7 @@ from flexengine.surgery.context_parallel import ContextParallel, build_context_p
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
+from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.parallel import apply_parallel, loads_weights
 from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
@@ -230,6 +232,8 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     record.update(job, AUTO_EPOCHS)
     if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
         record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
+    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
+        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left

@@ -14,7 +14,6 @@ import yaml
 
 from flexengine.cli.common import compose_job_record
 from flexengine.core.config import MemoryConfig
-from flexengine.loop import progress
 from flexengine.run import build_trainer
 from flexengine.surgery.applied import applied
 from flexengine.surgery.memory.spec import block_memory_specs
@@ -30,31 +29,53 @@ def checkpoint(tmp_path) -> Path:
     return save_pretrained_llama(tmp_path / "my-small-llama")
 
 
-def _used(trainer) -> dict:
-    """What the built trainer really runs with, read from the objects that do the work."""
+def _steps_accumulation(trainer) -> int:
+    """How many micro-batches the trainer draws for one optimizer step, counted while it takes one."""
+    drawn = []
+    next_batch = trainer.loader.next_batch
+    trainer.loader.next_batch = lambda: drawn.append(1) or next_batch()
+    try:
+        trainer.train_step()
+    finally:
+        del trainer.loader.next_batch
+    return len(drawn)
+
+
+def _used(trainer, recorded_arch: dict) -> dict:
+    """What the built trainer really runs with, read from the objects that do the work (never from trainer.job,
+    the job the record is built from): the model's HF config, the optimizer's groups, the loader, one step."""
+    built = trainer.model.config.to_dict()
+    groups = trainer.optimizer.param_groups
     return {
-        "optim.lr": trainer.scheduler.base_lrs[0],  # the peak the schedule scales
-        "optim.weight_decay": trainer.optimizer.param_groups[0]["weight_decay"],  # the matrices' group
+        "model.arch": {key: built.get(key, "absent from the built model's config") for key in recorded_arch},
+        "optim.lr": groups[0]["initial_lr"],  # the peak the schedule scales (each group's lr = it x the schedule)
+        "optim.weight_decay": groups[0]["weight_decay"],  # the matrices' group
         "optim.name": type(trainer.optimizer).__name__.lower(),
-        "model.name": progress.hparams(trainer.job, trainer.attn)["model"],
         "precision.mode": trainer.precision.name,
         "train.micro_batch": trainer.loader.micro_batch,
-        "train.grad_accum": trainer.job.train.grad_accum,  # the loop's accumulation count
         "attn.backend": trainer.attn.backend.value,
+        "train.grad_accum": _steps_accumulation(trainer),  # last: it takes a step
     }
 
 
 def test_the_record_is_what_the_trainer_used(checkpoint, tmp_path):
     job, record = compose_job_record([f"model.path={checkpoint}", *OVERRIDES])
     trainer = build_trainer(job, tmp_path / "run", record)
-    used = _used(trainer)
+    used = _used(trainer, record.values["model.arch"])
     assert {key: record.values[key] for key in used} == used
+    assert len({group["initial_lr"] for group in trainer.optimizer.param_groups}) == 1
+    # the architecture is the checkpoint's config.json (2 layers of 64), not conf/model/tiny.yaml's (4 of 256)
+    on_disk = json.loads((checkpoint / "config.json").read_text())
+    arch = record.values["model.arch"]
+    assert (arch["hidden_size"], arch["num_hidden_layers"]) == (on_disk["hidden_size"], on_disk["num_hidden_layers"])
+    assert (arch["hidden_size"], arch["num_hidden_layers"]) != (job.model.arch["hidden_size"], 4)
+    assert record.sources["model.arch"] == "model.path: config.json" and "transformers_version" not in arch
     # the memory policy: the specs on the model's blocks are the ones the recorded memory.* values make
     memory = MemoryConfig(**{k.split(".")[1]: v for k, v in record.values.items() if k.startswith("memory.")})
     assert applied(trainer.model).memory == block_memory_specs(memory, len(applied(trainer.model).memory))
     # and these are the run's values, not the composed ones: first-contact's lr, weight decay and name, the
     # planner's micro-batch (4 typed, 2 planned) and precision
-    assert (used["optim.lr"], used["optim.weight_decay"], used["model.name"]) == (2e-5, 0.0, "my-small-llama")
+    assert (used["optim.lr"], used["optim.weight_decay"], record.values["model.name"]) == (2e-5, 0.0, "my-small-llama")
     assert (used["train.micro_batch"], used["train.grad_accum"]) == (2, 2)
     kinds = record.kinds()
     assert kinds["optim.lr"] == kinds["optim.weight_decay"] == kinds["model.name"] == "first-contact"

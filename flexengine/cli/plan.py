@@ -22,7 +22,13 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.core.config import JobConfig, check_context_parallel
-from flexengine.core.config_record import AUTO_ATTENTION_BACKEND, AUTO_HARDWARE, AUTO_PLANNER, ConfigRecord
+from flexengine.core.config_record import (
+    AUTO_ATTENTION_BACKEND,
+    AUTO_HARDWARE,
+    AUTO_PLANNER,
+    FROM_MODEL_PATH,
+    ConfigRecord,
+)
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 
@@ -352,6 +358,7 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     from flexengine.planning.fit import plan_job, resolved_job
     from flexengine.surgery.attention import resolve_attention_spec
     from flexengine.surgery.model import build_hf_config
+    from flexengine.surgery.model_files import architecture_of
 
     job, record = to_job_record(cfg)
     record.drop("plan")  # this command's own options
@@ -365,6 +372,8 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     if job.attn.backend == "auto":
         spec = resolve_attention_spec(job.attn, hf_config, device=torch.device(hardware.device))
         record.set("attn.backend", spec.backend.value, AUTO_ATTENTION_BACKEND)
+    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
+        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
     return record
 
 

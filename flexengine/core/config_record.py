@@ -27,7 +27,9 @@ AUTO_HARDWARE = "auto: hardware found at start-up"
 AUTO_PLANNER = "auto: planner (flexengine-plan shows why)"
 AUTO_EPOCHS = "auto: train.epochs over this data"
 AUTO_ATTENTION_BACKEND = "auto: attention backend for this device and mode"
-SOURCE_KINDS = ("yours", "config", "default", "first-contact", "auto", "given")
+# model.arch of a model.path run: config.json's fields are what trains (model.arch is not read with a path)
+FROM_MODEL_PATH = "model.path: config.json"
+SOURCE_KINDS = ("yours", "config", "default", "first-contact", "auto", "given", "model.path")
 
 RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 
@@ -108,7 +110,7 @@ class ConfigRecord:
             del self.values[key], self.sources[key]
 
     def kinds(self) -> dict[str, str]:
-        """Dotted key -> the kind of its source (yours, config, default, first-contact, auto, given)."""
+        """Dotted key -> the kind of its source (yours, config, default, first-contact, auto, given, model.path)."""
         return {k: s.split(":")[0] for k, s in self.sources.items()}
 
     def as_config(self) -> dict[str, Any]:
@@ -125,7 +127,8 @@ class ConfigRecord:
             "# defaults, the attention rules, the hardware found, the planner's choices and train.epochs. The comment",
             "# on each value says where it came from: yours (the command line), config (that file), default (the",
             "# schema's), first-contact (model.path holds pretrained weights, no model group named), auto (resolved",
-            "# by the run). To run it again: copy it to <dir>/experiment/rerun.yaml and run",
+            "# by the run), model.path (model.arch: the architecture in model.path's config.json, which trains). To",
+            "# run it again: copy it to <dir>/experiment/rerun.yaml and run",
             "#   flexengine-train --config-dir <dir> experiment=rerun",
         ]
         lines += _yaml_lines(self.as_config(), nest(self.sources), indent=0)

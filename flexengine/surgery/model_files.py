@@ -188,6 +188,18 @@ def read_config_json(directory: Path) -> dict:
     return config
 
 
+# config.json keys that describe the file rather than the network: transformers' bookkeeping, the storage dtype
+# (precision.* decides the training one), the cache switch (training turns it off), classification labels
+NOT_ARCHITECTURE = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache")
+NOT_ARCHITECTURE += ("id2label", "label2id")
+
+
+def architecture_of(directory: Path) -> dict:
+    """The architecture fields of directory/config.json (what trains when model.path is set, in place of
+    model.arch): every key but NOT_ARCHITECTURE, as the file gives it."""
+    return {k: v for k, v in read_config_json(Path(directory)).items() if k not in NOT_ARCHITECTURE}
+
+
 # A tokenizer's vocabulary: fast (tokenizers' tokenizer.json) or one of the slow formats transformers converts
 VOCAB_FILES = (
     "tokenizer.json",

@@ -17,7 +17,7 @@ from flexengine.core.config import ModelConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_manifest
 from flexengine.surgery.model import build_hf_config, load_model, load_tokenizer
-from flexengine.surgery.model_files import stored_tensors
+from flexengine.surgery.model_files import NOT_ARCHITECTURE, architecture_of, stored_tensors
 from tests.helpers import FAST, flip_one_byte, make_llama
 
 CPU = torch.device("cpu")
@@ -158,6 +158,14 @@ def test_checkpoint_used_as_model_path_is_checked_against_its_manifest(copy_of):
     flip_one_byte(directory / "model.safetensors")  # inside the tensor data: every header still parses
     with pytest.raises(UserError, match=r"model\.safetensors does not match the checksum .*manifest\.json"):
         load_model(ModelConfig(path=str(directory)), CPU)
+
+
+def test_the_architecture_of_a_model_path_is_its_config_json_without_bookkeeping(saved):
+    on_disk = json.loads((saved["single"] / "config.json").read_text())
+    arch = architecture_of(saved["single"])
+    assert arch == {k: v for k, v in on_disk.items() if k not in NOT_ARCHITECTURE}
+    assert arch["hidden_size"] == build_hf_config(ModelConfig(path=str(saved["single"]))).hidden_size
+    assert "transformers_version" in on_disk and "transformers_version" not in arch
 
 
 def test_config_json_that_is_not_json(copy_of):
