@@ -46,7 +46,7 @@ def grid(layers: int) -> list[step.Case]:
 
 
 def depth_cases(layers: int) -> list[step.Case]:
-    """The depth table's rows: none and full, bf16_mixed (the issue's table) and bf16_sr (the README's choice)."""
+    """The depth table's rows: none and full, bf16_mixed and bf16_sr (the README's choice)."""
     return [
         step.Case(n, p, prec)
         for prec in ("bf16_mixed", "bf16_sr")
