@@ -33,7 +33,7 @@ import flexengine.surgery.memory.offload as engine_offload
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.patch import CP_ATTENTION
 from flexengine.surgery.family import family_of
-from flexengine.surgery.memory import policy as memory_policy
+from flexengine.surgery.memory import sac as memory_sac
 from flexengine.surgery.memory.offload import CudaStreams
 
 
@@ -82,7 +82,7 @@ def install_flex_stand_in(model: nn.Module) -> None:
     family = family_of(model)
     for layer in family.decoder_layers(model):
         setattr(getattr(layer, family.attention.module), CP_ATTENTION, FlexStandIn())
-    memory_policy._SAVED_OPS.add(FLEX_STAND_IN)
+    memory_sac._SAVED_OPS.add(FLEX_STAND_IN)
 
 
 def functional_chunk_loss_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Module) -> Tensor:

@@ -26,9 +26,9 @@ bool mask (held by checkpoint closures) once per batch. Validated against flexen
 partitioner may keep less (cheap pointwise outputs recomputed), never more.
 
 Recompute costs FLOPs plus the bytes its pointwise ops move: SAC keeps every matmul but still re-runs norms, RoPE
-and SwiGLU. Which parts and ops each recompute re-runs is defined beside the enum (surgery/memory/spec.py:
-`Recompute.flops`, `MemorySpec.recompute_flops`, `pointwise_ops`), shared with loop/flops.py; this module prices
-the parts (`block_recompute_parts`, `pointwise_bytes`).
+and SwiGLU. Which parts and ops each recompute re-runs, and which bytes it keeps, is its kind's (surgery/memory/
+kinds.py: `flops`, `pointwise_ops`, `held_bytes`, `working`; `MemorySpec.recompute_flops`), shared with
+loop/flops.py; this module prices the parts and inventories (`block_recompute_parts`, `pointwise_bytes`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.spec import BlockFlops, MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
 
@@ -101,31 +102,18 @@ def sac_inventory(m: ModelShape, w: Workload) -> dict[str, int]:
     }
 
 
-# The sub-layer of `block_inventory` a sub-module checkpoint re-runs, and the norm whose output is its input
-_RECOMPUTED_PART = {Recompute.ATTENTION: ("attention", "norm1"), Recompute.MLP: ("mlp", "norm2")}
-
-
 def block_bytes(m: ModelShape, w: Workload, spec: MemorySpec) -> tuple[int, int]:
-    """(device bytes, host bytes) one block holds under its MemorySpec."""
+    """(device bytes, host bytes) one block holds under its MemorySpec (its recompute kind's `held_bytes`)."""
     inv = block_inventory(m, w)
-    if spec.tiles_mlp(w.tokens) and spec.recompute is not Recompute.OPS:
+    if spec.tiles_mlp(w.tokens) and not spec.recompute.keeps_tile_outputs:
         # per-tile checkpoints keep only views of the MLP input (norm2's output, already counted). Under SAC the
         # tiles' matmul outputs still land in its cache: measured unchanged.
         inv["mlp"] = {}
-    if spec.recompute is Recompute.NONE:
-        held = sum(sum(part.values()) for part in inv.values())
-    elif spec.recompute is Recompute.BLOCK:
-        held = w.residual_bytes * w.tokens * m.hidden  # the checkpoint's input
-    elif spec.recompute is Recompute.OPS:
-        held = sum(sac_inventory(m, w).values())
-    else:  # attention | mlp: that sub-layer keeps only its input, the norm's output (autocast's casts are re-run)
-        part, norm = _RECOMPUTED_PART[spec.recompute]
-        inv[norm]["scaled_output"] = w.residual_bytes * w.tokens * m.hidden
-        held = sum(sum(values.values()) for name, values in inv.items() if name != part)
+    held = spec.recompute.held_bytes(inv, sac_inventory(m, w), w.residual_bytes * w.tokens * m.hidden)
     return (0, held) if spec.offload else (held, 0)
 
 
-def block_working_bytes(m: ModelShape, w: Workload, recompute: Recompute = Recompute.BLOCK) -> int:
+def block_working_bytes(m: ModelShape, w: Workload, recompute: RecomputeKind = Recompute.BLOCK) -> int:
     """Bytes one block's backward makes at once beside what the forward holds: the gradient coming down the
     residual stream, and by what the block recomputes (measured with MemTracker, bench/planner_vs_memtracker.py):
     BLOCK (and ATTENTION / MLP, at most as much) its whole inventory re-run, whose MLP part also has two gradients
@@ -136,15 +124,7 @@ def block_working_bytes(m: ModelShape, w: Workload, recompute: Recompute = Recom
     incoming = w.residual_bytes * T * m.hidden
     inv = block_inventory(m, w)
     mlp_parts = inv.pop("mlp")
-    if recompute is Recompute.NONE:
-        mlp = 4 * w.act_bytes * T * m.intermediate
-        inv = {}
-    else:
-        mlp = sum(mlp_parts.values()) * 6 // 4
-    if recompute is Recompute.OPS:  # read from SAC's cache, not made again
-        mlp -= mlp_parts["gate"] + mlp_parts["up"]
-        for name in ("v", "attn_out", "logsumexp"):
-            inv["attention"].pop(name)
+    inv, mlp = recompute.working(inv, mlp_parts, 4 * w.act_bytes * T * m.intermediate)
     tiled = mlp * min(w.mlp_tile, T) // T if w.mlp_tiled else mlp
     return incoming + sum(sum(part.values()) for part in inv.values()) + tiled
 
@@ -199,11 +179,11 @@ def block_recompute_parts(
 def recompute_flops_per_block(
     m: ModelShape,
     w: Workload,
-    granularity: Recompute,
+    granularity: RecomputeKind,
     attended_fraction: float = 0.5,
     count_attention_core: bool = True,
 ) -> float:
-    """Extra forward FLOPs backward spends re-running one block checkpointed at `granularity` (`Recompute.flops`)."""
+    """Extra forward FLOPs backward spends re-running one block checkpointed at `granularity` (its kind's `flops`)."""
     return granularity.flops(block_recompute_parts(m, w, attended_fraction, count_attention_core))
 
 
@@ -265,7 +245,7 @@ class ActivationEstimate:
     recompute_flops: float  # extra forward FLOPs per micro-batch (attention core at the given attended fraction)
     recompute_pointwise_bytes: int = 0  # bytes the re-run pointwise ops move per micro-batch (memory-bound)
     offloaded_per_block: list[int] = field(default_factory=list)  # host bytes of each block (0: not offloaded)
-    working: Recompute = Recompute.BLOCK  # the recompute whose backward makes the most (block_working_bytes): BLOCK
+    working: RecomputeKind = Recompute.BLOCK  # the recompute whose backward makes the most (block_working_bytes): BLOCK
     # if a block is checkpointed whole, by sub-module or in MLP tiles, else OPS if one is op by op, else NONE
     recomputed_blocks: int = 0  # blocks checkpointed whole or op by op: nothing of theirs is saved by autograd
 
@@ -291,10 +271,9 @@ def estimate_activations(
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.
     holds_mask = any(spec.recompute.wraps_attention for spec in specs)
     other = sum(constant_bytes(m, w, checkpointed=holds_mask).values())
-    kinds = {Recompute.BLOCK if spec.tiles_mlp(w.tokens) else spec.recompute for spec in specs}
-    working = next((k for k in (Recompute.BLOCK, Recompute.ATTENTION, Recompute.MLP) if k in kinds), None)
-    working = Recompute.BLOCK if working else (Recompute.OPS if Recompute.OPS in kinds else Recompute.NONE)
-    whole = sum(spec.recompute in (Recompute.BLOCK, Recompute.OPS) for spec in specs)
+    kinds = [Recompute.BLOCK if spec.tiles_mlp(w.tokens) else spec.recompute for spec in specs]
+    working = max(kinds, key=lambda k: k.working_rank, default=Recompute.NONE)
+    whole = sum(spec.recompute.whole_block for spec in specs)
     return ActivationEstimate(
         sum(per_block) + other, per_block, other, sum(offloaded), flops, pointwise, offloaded, working, whole
     )

@@ -46,6 +46,7 @@ from flexengine.planning.costs import (
     static_bytes,
 )
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
+from flexengine.surgery.memory.kinds import RecomputeKind, granularities
 from flexengine.surgery.memory.layers import select_layers
 from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
@@ -70,9 +71,6 @@ CANDIDATES: list[tuple[str, MemoryConfig]] = [
 ]
 
 
-GRANULARITIES = ("block", "attention", "mlp", "ops")  # what a checkpointed block recomputes
-
-
 def spread_layers(k: int, n_layers: int) -> str:
     """memory.layers for k checkpointed blocks of n spread evenly (select_layers' spread_<k>)."""
     return "all" if k >= n_layers else f"spread_{k}"
@@ -80,7 +78,7 @@ def spread_layers(k: int, n_layers: int) -> str:
 
 def chosen_blocks(specs: Sequence[MemorySpec]) -> list[MemorySpec]:
     """The blocks memory.layers selected: those that recompute or offload (a tiled MLP alone is every block's)."""
-    return [spec for spec in specs if spec.recompute is not Recompute.NONE or spec.offload]
+    return [spec for spec in specs if spec.recompute.recomputes or spec.offload]
 
 
 def offloads(specs: Sequence[MemorySpec]) -> bool:
@@ -88,14 +86,14 @@ def offloads(specs: Sequence[MemorySpec]) -> bool:
     return any(spec.offload for spec in specs)
 
 
-def policy_family(specs: Sequence[MemorySpec]) -> tuple[Recompute, bool]:
+def policy_family(specs: Sequence[MemorySpec]) -> tuple[RecomputeKind, bool]:
     """What the chosen blocks recompute and whether they offload: (NONE, False) is policy none, (NONE, True)
     plain offload; k, the number of chosen blocks, is what varies within a family."""
     chosen = chosen_blocks(specs)
     return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
 
 
-def row_family(row: dict, n_layers: int) -> tuple[Recompute, bool]:
+def row_family(row: dict, n_layers: int) -> tuple[RecomputeKind, bool]:
     """`policy_family` of a plan row (its `memory` is a concrete policy, tiles resolved)."""
     return policy_family(block_memory_specs(MemoryConfig(**row["memory"]), n_layers))
 
@@ -105,9 +103,9 @@ def describe(specs: Sequence[MemorySpec]) -> str:
     tiled = " + tiled MLP" if any(spec.mlp_tile for spec in specs) else ""
     recompute, offload = policy_family(specs)
     k = f"k={len(chosen_blocks(specs))}/{len(specs)}"
-    if recompute is Recompute.NONE:
+    if not recompute.recomputes:
         return (f"offload {k}" if offload else "none") + tiled
-    return f"{recompute.value} {k}" + (" + offload" if offload else "") + tiled
+    return f"{recompute.name} {k}" + (" + offload" if offload else "") + tiled
 
 
 def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
@@ -122,7 +120,7 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
             return [dataclasses.replace(given, tiled_mlp=0), given]
         return [given]
     ks = [len(select_layers(given.layers, n_layers))] if given.layers is not None else range(n_layers + 1)
-    grans = [given.granularity] if given.granularity is not None else GRANULARITIES
+    grans = [given.granularity] if given.granularity is not None else granularities()
     offloads = [given.offload] if given.offload is not None else [False, True]
     out = [MemoryConfig(policy="none")] if (given.offload is not True and given.layers is None) else []
     for k in ks:
@@ -218,7 +216,7 @@ def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationE
     released = act.recomputed_blocks * one_block
     lm_head = int(copies["lm_head"] * x.compute_copy_bytes)
     block = block_working_bytes(m, w, act.working) + gathered_kv_bytes(m, x)
-    block += one_block if act.working is not Recompute.NONE else 0
+    block += one_block if act.working.recomputes else 0
     # the loss's and the final norm's saved tensors are freed before backward reaches the blocks
     loss_side = constant_bytes(m, w, checkpointed=False)
     block -= sum(loss_side.get(name, 0) for name in ("final_norm", "loss_inputs", "log_probs"))
@@ -302,11 +300,6 @@ def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[t
     return out
 
 
-# Tie-break order of what the chosen blocks recompute, coarsest first. Nothing recomputed (no policy, plain offload)
-# ranks with whole blocks: both then keep their order in search_space.
-_COARSENESS = {Recompute.NONE: 0, Recompute.BLOCK: 0, Recompute.ATTENTION: 1, Recompute.MLP: 2, Recompute.OPS: 3}
-
-
 def _rank(candidate: tuple[dict, Sequence[MemorySpec]]) -> tuple:
     """Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, no MLP tiles,
     fewer checkpointed blocks, the larger micro-batch, the coarser recompute and one reduction per window. The
@@ -318,7 +311,7 @@ def _rank(candidate: tuple[dict, Sequence[MemorySpec]]) -> tuple:
         any(spec.mlp_tile for spec in specs),
         len(chosen_blocks(specs)),
         -row["micro_batch"],
-        _COARSENESS[policy_family(specs)[0]],
+        policy_family(specs)[0].coarseness,
         row["reduce_every"] != "window",
     )
 

@@ -6,6 +6,7 @@ graph whatever the policy -- a per-block class would make each block its own gra
 (`FailOnRecompileLimitHit` at 9+ layers under fullgraph). Every policy is non-reentrant, so it composes with
 keyword arguments (rotary embeddings, masks), with `torch.compile(fullgraph=True)` on the block, and with
 activation offload:
+What each kind does is its entry in memory/kinds.py's `KINDS`; the shipped ones:
 - Recompute.BLOCK: the whole block is recomputed (saves only its input hidden state);
 - Recompute.ATTENTION / MLP: only that sub-module is recomputed (saves its normalised input);
 - Recompute.OPS: op-level SAC -- matmul and attention outputs are kept, pointwise ops are recomputed; with
@@ -20,52 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 from flexengine.surgery.applied import applied
 from flexengine.surgery.family import Family, family_of
+from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.surgery.memory.offload import DEFAULT_MAX_PINNED_BYTES, OffloadManager
 from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import tiled_mlp_forward
 
 log = logging.getLogger(__name__)
-
-
-def _saved_ops() -> set:
-    """Ops whose outputs op-level SAC keeps: matmuls and fused attention (expensive to recompute, cheap to hold
-    relative to the pointwise ops around them)."""
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    ):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
-    ops.add(torch.ops.higher_order.flex_attention)  # torchtitan #1631: flex must be saved, not recomputed
-    return ops
-
-
-def save_matmuls_and_attention(ctx: Any, func: Any, *args, **kwargs) -> CheckpointPolicy:
-    """SAC policy: keep matmul/attention outputs, recompute everything else (norms, RoPE, SiLU, adds)."""
-    return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED_OPS = _saved_ops()
-
-
-def _sac_context():
-    return create_selective_checkpoint_contexts(save_matmuls_and_attention)
 
 
 class MemoryBlock(nn.Module):
@@ -81,12 +52,7 @@ class MemoryBlock(nn.Module):
     def forward(self, *args, **kwargs):
         if self.memory_spec.mlp_tile:  # on the block's `mlp` (apply_block_spec): hidden states in, per token
             return tiled_mlp_forward(super().forward, *args, tile_tokens=self.memory_spec.mlp_tile, **kwargs)
-        recompute = self.memory_spec.recompute
-        if recompute is Recompute.BLOCK:  # non-reentrant: works with kwargs, compile and offload hooks
-            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
-        if recompute is Recompute.OPS:
-            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_sac_context, **kwargs)
-        return super().forward(*args, **kwargs)  # ATTENTION / MLP: the sub-module recomputes itself
+        return self.memory_spec.recompute.checkpoint_forward(super().forward, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         # Outside the compiled region (nn.Module.compile compiles _call_impl, which __call__ calls) and outside
@@ -110,11 +76,11 @@ def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Option
     module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
 
 
-def _submodule(layer: nn.Module, name: str, recompute: Recompute) -> nn.Module:
+def _submodule(layer: nn.Module, name: str, recompute: RecomputeKind) -> nn.Module:
     sub = getattr(layer, name, None)
     if not isinstance(sub, nn.Module):
         raise UserError(
-            f"memory.granularity={recompute.value}: {type(layer).__name__} has no `{name}` sub-module; "
+            f"memory.granularity={recompute.name}: {type(layer).__name__} has no `{name}` sub-module; "
             "use memory.granularity=block"
         )
     return sub
@@ -126,7 +92,7 @@ def apply_block_spec(
     """Apply one block's MemorySpec in place (a block whose spec changes nothing is left as it is)."""
     if not spec.changes_block and not isinstance(layer, MemoryBlock):
         return
-    sub = {Recompute.ATTENTION: family.attention, Recompute.MLP: family.mlp}.get(spec.recompute)
+    sub = spec.recompute.submodule(family)
     if sub is not None:
         wrap_module(_submodule(layer, sub.module, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
     if spec.mlp_tile:

@@ -1,87 +1,36 @@
 """`MemorySpec`: what one decoder block does with its activations, resolved once from `memory.*`, and what its
-recompute costs (`Recompute.flops`, `MemorySpec.recompute_flops`): the one definition that both the planner
-(planning/activations.py, per micro-batch from the model's shape) and the FLOP counter (loop/flops.py, per token
-from the model's own Linear layers) price their block parts with."""
+recompute costs (its kind's `flops`, memory/kinds.py; `MemorySpec.recompute_flops`): the one definition that both
+the planner (planning/activations.py, per micro-batch from the model's shape) and the FLOP counter (loop/flops.py,
+per token from the model's own Linear layers) price their block parts with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
+from flexengine.surgery.memory.kinds import KINDS, BlockFlops, RecomputeKind, kind
 
 
-@dataclass(frozen=True)
-class BlockFlops:
-    """Forward FLOPs of the parts of one decoder block a recompute can re-run, in the caller's unit (per token, or
-    per micro-batch). Non-reentrant checkpointing stops re-running once the last tensor backward needs exists, so a
-    checkpointed region's final projection (o_proj / down_proj, whose output nothing saves: a residual add follows)
-    re-runs only in part, when a trainable LoRA factor after it saves lora_A's output: the `*_end` fields."""
+class Recompute:
+    """Short names for the shipped kinds of `KINDS` (memory/kinds.py), and `Recompute(name)` -> the table's kind
+    (also a kind added to the table later)."""
 
-    attention_inputs: float  # q, k and v projections
-    attention_core: float  # QK^T and PV (0 where the caller counts the core per layer itself: loop/flops.py)
-    attention_output: float  # o_proj whole: re-run inside a whole-block checkpoint, where the MLP follows it
-    mlp_inputs: float  # gate and up projections
-    attention_output_end: float = 0.0  # o_proj where the checkpoint ends with it (0 without trainable LoRA)
-    mlp_output_end: float = 0.0  # down_proj, always where its checkpoint ends (0 without trainable LoRA)
+    NONE = KINDS["none"]  # keep everything
+    BLOCK = KINDS["block"]  # the whole block (keeps only its input)
+    ATTENTION = KINDS["attention"]  # the self-attention sub-module
+    MLP = KINDS["mlp"]  # the MLP sub-module
+    OPS = KINDS["ops"]  # op-level SAC: matmul and attention outputs kept, pointwise ops recomputed
 
-
-class Recompute(Enum):
-    """Which part of a block backward re-runs (the rest keeps its activations)."""
-
-    NONE = "none"  # keep everything
-    BLOCK = "block"  # the whole block (keeps only its input)
-    ATTENTION = "attention"  # the self-attention sub-module
-    MLP = "mlp"  # the MLP sub-module
-    OPS = "ops"  # op-level SAC: matmul and attention outputs kept, pointwise ops recomputed
-
-    @property
-    def wraps_attention(self) -> bool:
-        """Whether the checkpointed region holds the attention call, so its closure keeps the attention kwargs
-        (the dense backend's mask) alive until backward."""
-        return self in (Recompute.BLOCK, Recompute.ATTENTION, Recompute.OPS)
-
-    @property
-    def reruns_attention_core(self) -> bool:
-        """Whether backward re-runs the attention core (op-level SAC keeps its output)."""
-        return self in (Recompute.BLOCK, Recompute.ATTENTION)
-
-    def flops(self, f: BlockFlops) -> float:
-        """Forward FLOPs backward re-runs in one block checkpointed at this granularity. ops (SAC) keeps every matmul
-        and the attention output: 0 FLOPs (its cost is the pointwise ops' memory traffic: `pointwise_ops`)."""
-        attention = f.attention_inputs + f.attention_core
-        mlp = f.mlp_inputs + f.mlp_output_end
-        if self is Recompute.BLOCK:
-            return attention + f.attention_output + mlp
-        if self is Recompute.ATTENTION:
-            return attention + f.attention_output_end
-        if self is Recompute.MLP:
-            return mlp
-        return 0.0
-
-    @property
-    def pointwise_ops(self) -> tuple[str, ...]:
-        """The pointwise ops of a LLaMA block (planning.activations.pointwise_bytes' names) this re-runs: a checkpoint
-        around self_attn / mlp leaves the norms and residual adds outside; op-level SAC re-runs every one."""
-        return _POINTWISE_OPS[self]
-
-
-_EVERY_POINTWISE_OP = ("norm1", "rope", "norm2", "swiglu", "residual")
-_POINTWISE_OPS = {
-    Recompute.NONE: (),
-    Recompute.BLOCK: _EVERY_POINTWISE_OP,
-    Recompute.OPS: _EVERY_POINTWISE_OP,
-    Recompute.ATTENTION: ("rope",),
-    Recompute.MLP: ("swiglu",),
-}
+    def __new__(cls, name: str) -> RecomputeKind:  # type: ignore[misc]
+        return kind(name)
 
 
 @dataclass(frozen=True)
 class MemorySpec:
     """One decoder block's policy."""
 
-    recompute: Recompute = Recompute.NONE
+    recompute: RecomputeKind = KINDS["none"]
     offload: bool = False  # saved tensors (under recompute: the checkpoint's inputs) live in host memory
     mlp_tile: int = 0  # the MLP runs over tiles of this many tokens, each recomputed in backward (0 = whole)
 
@@ -105,12 +54,12 @@ class MemorySpec:
     @property
     def changes_block(self) -> bool:
         """Whether the block is wrapped at all."""
-        return self.recompute is not Recompute.NONE or self.offload or self.mlp_tile > 0
+        return self.recompute.recomputes or self.offload or self.mlp_tile > 0
 
     def describe(self) -> str:
         """Short label for logs: e.g. 'ops', 'block+offload+mlp_tile4096', 'none'."""
         return (
-            self.recompute.value
+            self.recompute.name
             + ("+offload" if self.offload else "")
             + (f"+mlp_tile{self.mlp_tile}" if self.mlp_tile else "")
         )

@@ -1,0 +1,101 @@
+"""The recompute kinds table: each shipped kind's own answers, and a test-only kind added as one entry of `KINDS`
+that the planner weighs (its rows appear) and that wraps a tiny model's blocks and trains through the Trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
+from flexengine.core.errors import UserError
+from flexengine.loop.trainer import Trainer
+from flexengine.planning.planner import plan_memory
+from flexengine.planning.shapes import PlanInputs
+from flexengine.surgery.attention import patch_attention
+from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory.kinds import KINDS, WholeBlock, granularities, kind
+from flexengine.surgery.model import build_hf_config
+from tests.helpers import make_llama, random_row_loader
+
+SEQ_LEN = 64
+SEVEN_B = dict(  # a LLaMA-2-7B-shaped architecture
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
+
+
+@dataclass(frozen=True)
+class FinestWholeBlock(WholeBlock):
+    """A whole-block checkpoint that the planner's tie-break ranks after every shipped kind."""
+
+    name: str = "finest_block"
+    coarseness: int = 9
+
+
+@pytest.fixture
+def new_kind(monkeypatch):
+    """The test-only kind as one table entry. core's config check still lists memory.granularity's names on its
+    own (core cannot import surgery), so the test widens that list too."""
+    added = FinestWholeBlock()
+    monkeypatch.setitem(KINDS, added.name, added)
+    monkeypatch.setattr("flexengine.core.config.MEMORY_GRANULARITIES", granularities())
+    return added
+
+
+def test_table_names_match_core_config_choices():
+    from flexengine.core.config_checks import MEMORY_GRANULARITIES
+
+    assert granularities() == MEMORY_GRANULARITIES
+    assert [kind(n).coarseness for n in ("none", "block", "attention", "mlp", "ops")] == [0, 0, 1, 2, 3]
+
+
+def test_unknown_kind_is_refused_with_the_choices():
+    with pytest.raises(UserError, match=r"memory.granularity='heads'[\s\S]*block"):
+        kind("heads")
+
+
+def _family(memory: dict) -> tuple:
+    return memory["granularity"], memory["layers"], memory["offload"], memory["tiled_mlp"]
+
+
+def test_new_kind_is_planned_like_the_kind_it_extends(new_kind):
+    cfg = build_hf_config(ModelConfig(init="random", arch=SEVEN_B))
+    plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=A100))
+    rows = {_family(r["memory"]): r for r in plan["candidates"] if r["memory"]["policy"] in ("full", "selective")}
+    new = {key: r for key, r in rows.items() if key[0] == new_kind.name}
+    assert len(new) >= cfg.num_hidden_layers  # one per k at least
+    for (_, *rest), row in new.items():
+        block = rows[("block", *rest)]
+        assert row["total_bytes"] == block["total_bytes"] and row["step_s"] == block["step_s"]
+    assert plan["memory"]["granularity"] != new_kind.name  # ties go to the coarser shipped kind
+
+
+def _train_losses(memory: MemoryConfig, tmp_path) -> tuple[list[int], list[str], list[float]]:
+    """Blocks changed, their classes, and two steps' losses of a tiny model trained under `memory`."""
+    model = patch_attention(make_llama(0), mode="packed_doc", backend="dense")
+    changed = apply_memory_policy(model, memory)
+    job = JobConfig(
+        optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.0),
+        train=TrainConfig(micro_batch=2, grad_accum=1, max_steps=2, progress=False, save_final=False),
+    )
+    job.data.seq_len = SEQ_LEN
+    trainer = Trainer(job, model, None, random_row_loader(2, SEQ_LEN, 60), out_dir=tmp_path, device=torch.device("cpu"))
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    return changed, [type(layer).__name__ for layer in model.model.layers], losses
+
+
+def test_new_kind_wraps_blocks_and_trains_two_steps_like_no_recompute(new_kind, tmp_path):
+    changed, classes, losses = _train_losses(
+        MemoryConfig(policy="selective", granularity=new_kind.name), tmp_path / "a"
+    )
+    _, _, plain = _train_losses(MemoryConfig(), tmp_path / "b")
+    assert changed == list(range(len(classes))) and all(name.startswith("Memory") for name in classes)
+    assert losses == pytest.approx(plain, rel=1e-5) and losses[1] != losses[0]
