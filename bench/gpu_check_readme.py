@@ -34,7 +34,6 @@ from gpu_check_width import (
     TIMED_STEPS,
     allocator_mark,
     allocator_since,
-    planned_allocated_bytes,
     progress,
     release_device_memory,
     reserved_verdict,
@@ -131,7 +130,7 @@ def plan_summary(fit) -> dict:
         "grad_accum": fit.grad_accum,
         "terms_gib": gib,
         "total_gib": p["total_bytes"] / GiB,
-        "allocated_gib": planned_allocated_bytes(p) / GiB,
+        "allocated_gib": p["total_bytes"] / GiB,
         "budget_gib": budget,
         "step_s": p["step_s"],
         "offload_gb_per_step": p["offload_bytes_per_step"] / 1e9,
@@ -142,14 +141,11 @@ def plan_summary(fit) -> dict:
 
 def allocator_cap(plan: dict, total_memory: int) -> dict:
     """What an A100's caching allocator can reserve under this plan, as a fraction of this device's memory."""
-    if plan.get("card_bytes") is not None and plan.get("cuda_context_bytes") is not None:
-        cap = plan["card_bytes"] - plan["cuda_context_bytes"]
-        basis = "card_bytes - cuda_context_bytes (= budget_bytes + margin_bytes): the A100 card less its context"
-    else:
-        cap, basis = plan["budget_bytes"], "budget_bytes: this planner names no context (the card as named)"
+    cap = plan["card_bytes"] - plan["cuda_context_bytes"]
+    basis = "card_bytes - cuda_context_bytes (= budget_bytes + margin_bytes): the A100 card less its context"
     if not 0 < cap <= total_memory:
         raise ValueError(f"cap {cap / GiB:.2f} GiB does not fit this device's {total_memory / GiB:.2f} GiB")
-    allocated = planned_allocated_bytes(plan)
+    allocated = plan["total_bytes"]
     return {
         "cap_bytes": cap,
         "cap_gib": cap / GiB,

@@ -123,7 +123,7 @@ def plan_for_gpu(overrides: list[str]) -> dict:
     return {
         "precision": fit.precision.name,
         "policy": plan["policy"] if "policy" in plan else plan["memory"]["policy"],
-        "device_gib": planned_allocated_bytes(plan) / 2**30,
+        "device_gib": plan["total_bytes"] / 2**30,
         "activation_gib": plan["activation_bytes"] / 2**30,
         "host_gib": plan["host_bytes"] / 2**30,
         "step_s": plan["step_s"],
@@ -250,8 +250,8 @@ def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
         "mfu": sum(m["model_flops"] for m in timed) / seconds / (peak_tflops * 1e12),
         "mfu_peak_tflops": peak_tflops,
         "planned_terms": plan["terms"],
-        "planned_device_bytes": planned_allocated_bytes(plan),
-        "planned_margin_bytes": planned_margin_bytes(plan),
+        "planned_device_bytes": plan["total_bytes"],
+        "planned_margin_bytes": plan["margin_bytes"],
         "planned_host_bytes": plan["host_bytes"],
     }
 
@@ -263,20 +263,6 @@ def device_peak_tflops() -> float | None:
     from flexengine.core.hardware import lookup_peak_tflops
 
     return lookup_peak_tflops(torch.cuda.get_device_name())
-
-
-def planned_allocated_bytes(plan: dict) -> int:
-    """What the plan says the allocator will hold at its peak: every term but a flat CUDA reserve (planners
-    without a named budget counted the context and workspaces as such a term; the allocator never sees it)."""
-    return plan["total_bytes"] - plan["terms"].get("cuda_reserve_bytes", 0)
-
-
-def planned_margin_bytes(plan: dict) -> int:
-    """What the plan leaves on the card for fragmentation and workspaces beyond its tensors: its named margin,
-    or (a planner without one) its flat CUDA reserve."""
-    if plan.get("margin_bytes") is not None:
-        return plan["margin_bytes"]
-    return plan["terms"].get("cuda_reserve_bytes", 0)
 
 
 def measured_memory(trainer, mark: dict) -> dict:
@@ -321,9 +307,9 @@ def cpu_step_bytes(trainer) -> int:
 
 
 def memory_verdict(planned_terms: dict, measured: int, rtol: float = MEMORY_RTOL) -> dict:
-    """The planner's device bytes (its CUDA reserve left out: the allocator never sees it) against a measurement;
-    also what halving the activation term would do, so the check states whether it could catch that."""
-    planned = sum(v for k, v in planned_terms.items() if k != "cuda_reserve_bytes")
+    """The planner's device bytes against a measurement; also what halving the activation term would do, so the
+    check states whether it could catch that."""
+    planned = sum(planned_terms.values())
     activations = planned_terms["activation_bytes"]
     rel = (planned - measured) / measured
     halved = (planned - activations / 2 - measured) / measured
@@ -345,7 +331,9 @@ def reserved_verdict(r: dict) -> dict:
     reserved, allocated = r["max_reserved_bytes"], r["max_allocated_bytes"]
     if reserved is None:
         return {"judged": False, "problems": []}
-    limit = r["planned_device_bytes"] + r["planned_margin_bytes"]
+    from flexengine.planning.budget import reserved_limit_bytes  # the doctor's rule
+
+    limit = reserved_limit_bytes(r["planned_device_bytes"], r["planned_margin_bytes"])
     problems = []
     if reserved > limit:
         problems.append(
@@ -421,7 +409,7 @@ def check_planner_vs_allocator(dry: bool) -> dict:
     sensitivity = {}
     for layers, seq_len in ((2, 8192), (8, 8192), (8, ALLOCATOR_SEQ_LEN)):  # where a halved term shows
         terms = plan_for_gpu(width_overrides(layers, seq_len, "precision.mode=bf16_mixed", "memory=none"))["terms"]
-        planned = sum(v for k, v in terms.items() if k != "cuda_reserve_bytes")
+        planned = sum(terms.values())
         sensitivity[f"{layers}_layers_{seq_len}"] = {
             "activation_share": terms["activation_bytes"] / planned,
             "halving_moves_total_by": terms["activation_bytes"] / 2 / planned,

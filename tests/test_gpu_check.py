@@ -105,7 +105,7 @@ def test_the_allocator_check_shape_lets_a_halved_activation_term_show():
     shape must move the total by twice the tolerance (2 layers at 8K moves it by barely more than the tolerance)."""
     overrides = width.width_overrides(8, width.ALLOCATOR_SEQ_LEN, "precision.mode=bf16_mixed", "memory=none")
     terms = width.plan_for_gpu(overrides)["terms"]
-    planned = sum(v for k, v in terms.items() if k != "cuda_reserve_bytes")
+    planned = sum(terms.values())
     assert terms["activation_bytes"] / 2 / planned > 2 * width.MEMORY_RTOL, terms
     assert width.plan_for_gpu(width.job_overrides()["planner_vs_allocator/none"])["fits"]
 
@@ -177,15 +177,13 @@ def test_the_a100_cap_comes_from_the_plan_never_past_the_device():
         "terms": {},
     }
     assert readme.allocator_cap(plan, 200)["cap_bytes"] == 90  # the card less its context: budget + margin
-    old = {"budget_bytes": 80, "total_bytes": 70, "terms": {"cuda_reserve_bytes": 5}}  # a planner with no context
-    assert readme.allocator_cap(old, 200)["cap_bytes"] == 80
     with pytest.raises(ValueError, match="does not fit"):
         readme.allocator_cap(plan, 50)
 
 
 def test_memory_verdict_passes_the_planner_and_fails_it_with_the_activation_term_halved():
-    terms = {"weights_bytes": 40, "grads_bytes": 40, "activation_bytes": 100, "cuda_reserve_bytes": 1000}
-    good = width.memory_verdict(terms, measured=185)  # within 10 % of 180 (the reserve is left out)
+    terms = {"weights_bytes": 40, "grads_bytes": 40, "activation_bytes": 100}
+    good = width.memory_verdict(terms, measured=185)  # within 10 % of 180
     halved = width.memory_verdict(dict(terms, activation_bytes=50), measured=185)
     assert good["ok"] and good["halved_activation_caught"]
     assert not halved["ok"]

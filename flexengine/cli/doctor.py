@@ -30,6 +30,7 @@ from flexengine.core.units import GiB
 from flexengine.loop.hooks import PHASES as STEP_PHASES
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import allocator_stats, utilization
+from flexengine.planning.budget import reserved_limit_bytes
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.applied import applied
@@ -85,6 +86,7 @@ def memory_report(trainer, allocator: dict) -> dict:
         "n_layers": len(specs),
         "planned_total_bytes": now["total_bytes"],
         "budget_bytes": now["budget_bytes"],
+        "margin_bytes": now["margin_bytes"],
         "fits": now["fits"],
         "recompute_flops_fraction": now["recompute_flops_fraction"],
         "cost": now["cost"],
@@ -362,14 +364,16 @@ def _allocator_fixes(job: JobConfig, mem: dict) -> str:
 
 def allocator_check(job: JobConfig, n: dict) -> dict:
     """What the CUDA caching allocator really held: out-of-memory errors, cudaMalloc retries (each one frees the
-    cache and synchronises the device: a stall), or a reserved peak past the plan's budget (the margin is eaten)."""
+    cache and synchronises the device: a stall), or a reserved peak past the planned peak plus the plan's margin
+    (the margin was too small: planning.budget.reserved_limit_bytes)."""
     mem = n["memory"]
     a = mem["allocator"]
     if a["max_memory_reserved_bytes"] is None:
         return _check("allocator", "info", "n/a (no CUDA caching allocator on CPU)")
-    reserved, budget = a["max_memory_reserved_bytes"], mem["budget_bytes"]
+    reserved = a["max_memory_reserved_bytes"]
+    limit = reserved_limit_bytes(mem["planned_total_bytes"], mem["margin_bytes"])
     value = (
-        f"{reserved / GiB:.3g} GiB reserved of {budget / GiB:.3g} GiB budget (allocated "
+        f"{reserved / GiB:.3g} GiB reserved of {limit / GiB:.3g} GiB (planned peak + margin; allocated "
         f"{a['max_memory_allocated_bytes'] / GiB:.3g}, overhead {a['allocator_overhead_bytes'] / GiB:.3g}), "
         f"{a['num_alloc_retries']} retries, {a['num_ooms']} OOMs"
     )
@@ -378,13 +382,13 @@ def allocator_check(job: JobConfig, n: dict) -> dict:
         problems.append(f"the allocator ran out of memory {a['num_ooms']} time(s)")
     if a["num_alloc_retries"]:
         problems.append(f"cudaMalloc failed and was retried after freeing the cache {a['num_alloc_retries']} time(s)")
-    if reserved > budget:
+    if reserved > limit:
         problems.append(
-            f"the allocator reserved {(reserved - budget) / GiB:.2f} GiB beyond the plan's budget: "
-            "fragmentation is eating the plan's margin"
+            f"the allocator reserved {(reserved - limit) / GiB:.2f} GiB beyond the planned peak plus the plan's "
+            "margin: fragmentation and workspaces outgrew the margin"
         )
     if not problems:
-        return _check("allocator", "ok", value, "reserved peak within the plan's budget, no retries")
+        return _check("allocator", "ok", value, "reserved peak within the planned peak plus margin, no retries")
     verdict = "bad" if a["num_ooms"] else "warn"
     return _check(
         "allocator", verdict, value, "; ".join(problems), "leave the allocator room: " + _allocator_fixes(job, mem)

@@ -7,8 +7,9 @@ full card, less with expandable segments, which every entry point turns on), cuB
 Inductor's buffers, and the planner's own error (its worst case against the project's meter and against
 PyTorch's MemTracker: bench/results/memory.md, bench/results/planner_vs_memtracker.md). DeepSpeed's estimators
 multiply by 1.5 instead; a fixed share is enough here because each term is itself measured. A plan compares its
-allocated peak with `usable_bytes`; a run compares the allocator's `max_memory_reserved` with the same budget
-(the doctor) -- reserved beyond it means the margin is being eaten.
+allocated peak with `usable_bytes`; a run compares the allocator's `max_memory_reserved` with the planned peak
+plus the margin (`reserved_limit_bytes`: the doctor, the GPU check) -- reserved beyond it means the margin was
+too small.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def default_margin_bytes(card_bytes: int) -> int:
 def device_budget(hardware: HardwareConfig) -> DeviceBudget:
     """The budget of a resolved HardwareConfig (memory_gb set). On a CPU the device is host memory: no CUDA
     context, and the OS returns freed pages, so no margin unless one is given."""
+    if hardware.memory_gb is None:
+        raise ValueError("device_budget needs a resolved HardwareConfig (memory_gb set): call resolve_hardware first")
     card = int(hardware.memory_gb * GiB)
     on_gpu = hardware.device != "cpu"
     if hardware.cuda_context_gb is not None:
@@ -68,6 +71,13 @@ def device_budget(hardware: HardwareConfig) -> DeviceBudget:
     else:
         margin = default_margin_bytes(card) if on_gpu else 0
     return DeviceBudget(card, context, margin)
+
+
+def reserved_limit_bytes(planned_bytes: int, margin_bytes: int) -> int:
+    """The most the caching allocator should reserve for a step planned at `planned_bytes` (allocated): the
+    planned peak plus the margin left for what allocated excludes (fragmentation, block rounding, workspaces).
+    A reserved peak past it means the margin was too small for this run. The doctor and the GPU check judge by it."""
+    return planned_bytes + margin_bytes
 
 
 def plan_budget(plan: dict) -> DeviceBudget:
