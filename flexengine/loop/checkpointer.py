@@ -197,44 +197,51 @@ def resume_schedule(trainer, state: dict) -> None:
     rederive, see optim.resumed_knots)."""
     scheduler, train = trainer.scheduler, trainer.job.train
     scheduler.load_state_dict(state["scheduler"])
-    saved_lr = float(trainer.optimizer.param_groups[0]["lr"])
+    saved_lr = float(trainer.optimizer.param_groups[0]["lr"])  # what the saved schedule had for the next step
     saved_max = state.get("max_steps") or train.max_steps
     # checkpoints from before the knots were saved ran the plain schedule over their max_steps
     knots = state["scheduler"].get("knots") or [[0, 0], [saved_max, saved_max]]
     done = scheduler.last_epoch
+    apply_knots(scheduler, trainer.job.optim, knots)  # the saved run's schedule, for the lr its last step ran at
+    last_lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](done - 1) if done > 0 else saved_lr
     apply_knots(scheduler, trainer.job.optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
-    warn_schedule_change(trainer, state, saved_lr, finished=planned_update(done, knots) >= knots[-1][1])
+    warn_schedule_change(trainer, state, saved_lr, last_lr, finished=planned_update(done, knots) >= knots[-1][1])
 
 
-def warn_schedule_change(trainer, state: dict, saved_lr: float, finished: bool = False) -> None:
-    """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does."""
+def warn_schedule_change(trainer, state: dict, saved_lr: float, last_lr: float, finished: bool = False) -> None:
+    """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does, in
+    the lrs the loop logs -- the last trained step's (last_lr) and the first resumed step's. saved_lr: the lr the
+    saved schedule had for that first resumed step."""
     lr = float(trainer.optimizer.param_groups[0]["lr"])
     before, train = state.get("max_steps"), trainer.job.train
     if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, train.max_steps):
         return
     step = state["train"]["step"] + 1
+    left = train.max_steps - step + 1
     if before in (None, train.max_steps):  # optim.* changed: the schedule itself is another one
         what = (
-            f"the lr schedule changed (optim.*): the lr of step {step} is {lr:.3g} (the saved run's was {saved_lr:.3g})"
+            f"the lr schedule changed (optim.*): step {step}, the first resumed, runs at lr {lr:.3g} (the saved "
+            f"run's schedule had {saved_lr:.3g} for it)"
         )
     elif train.resume_schedule == "rederive":
         what = (
             f"train.max_steps {before} -> {train.max_steps}, train.resume_schedule=rederive: the schedule is planned "
-            f"over {train.max_steps} steps from step 0, so the lr of step {step} is {lr:.3g} (the saved run's was "
-            f"{saved_lr:.3g}); train.resume_schedule=continue goes on from the saved lr instead"
+            f"over {train.max_steps} steps from step 0, so step {step}, the first resumed, runs at lr {lr:.3g}, where "
+            f"step {step - 1}, the last trained, ran at {last_lr:.3g}; train.resume_schedule=continue goes on from "
+            "there instead"
         )
     elif finished:
         what = (
             f"train.max_steps {before} -> {train.max_steps}: the saved run had finished its schedule, so "
-            f"(train.resume_schedule=continue) its {train.max_steps - step + 1} new steps keep the lr of its last "
-            f"step, {lr:.3g}; train.resume_schedule=rederive plans a schedule over {train.max_steps} steps instead"
+            f"(train.resume_schedule=continue) its {left} new steps keep the lr its last step, {step - 1}, ran at: "
+            f"{lr:.3g}; train.resume_schedule=rederive plans a schedule over {train.max_steps} steps instead"
         )
     else:
         what = (
-            f"train.max_steps {before} -> {train.max_steps}, train.resume_schedule=continue: the lr goes on from "
-            f"the saved run's {saved_lr:.3g}, with the rest of its warmup and decay stretched over the "
-            f"{train.max_steps - step + 1} steps left; train.resume_schedule=rederive plans the schedule over "
-            f"{train.max_steps} steps from step 0 instead (the lr jumps)"
+            f"train.max_steps {before} -> {train.max_steps}, train.resume_schedule=continue: step {step - 1}, the "
+            f"last trained, ran at lr {last_lr:.3g}; step {step}, the first resumed, runs at {lr:.3g}, the rest of "
+            f"the saved run's warmup and decay stretched over the {left} steps left; train.resume_schedule=rederive "
+            f"plans the schedule over {train.max_steps} steps from step 0 instead (the lr jumps)"
         )
     log.warning("resume: %s.", what)
 

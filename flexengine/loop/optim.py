@@ -206,6 +206,20 @@ def describe_schedule(optim: OptimConfig, max_steps: int) -> str:
     return f"optim.schedule={optim.schedule} over {max_steps} steps at peak lr {optim.lr:g}, warmup {warmup} ({why})"
 
 
+def describe_resumed_schedule(
+    optim: OptimConfig, max_steps: int, knots: list[list[float]], done: int, lr: float
+) -> str:
+    """describe_schedule for a run resumed after `done` updates onto the schedule planned through `knots`: the
+    schedule as planned, where the run resumed and the lr its first resumed step runs at."""
+    planned = int(knots[-1][1])
+    line = f"{describe_schedule(optim, planned)}; resumed after step {done}: step {done + 1} runs at lr {lr:.3g}"
+    if planned == max_steps:
+        return line
+    if planned_update(done, knots) >= planned:
+        return f"{line} (the {planned}-step schedule had finished: its last lr holds to train.max_steps={max_steps})"
+    return f"{line} (the rest of the {planned}-step schedule stretched to train.max_steps={max_steps})"
+
+
 # schedules that decay after warmup (constant and constant_with_warmup stay at the peak)
 _DECAYING = ("cosine", "linear", "warmup_stable_decay")
 

@@ -30,6 +30,7 @@ from flexengine.loop.optim import (
     build_optimizer,
     build_scheduler,
     clip_gradients,
+    describe_resumed_schedule,
     describe_schedule,
     last_backward,
     schedule_problem,
@@ -109,8 +110,6 @@ class Trainer:
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
         self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
-        if self.dist.is_main:
-            log.info("optim: %s", describe_schedule(job.optim, job.train.max_steps))
         if schedule_problem(job.optim, job.train.max_steps) and self.dist.is_main:
             log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
         main = self.dist.is_main
@@ -310,6 +309,8 @@ class Trainer:
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
         cfg, state = self.job.train, self.state
+        if self.dist.is_main:  # here, not at construction: a resume has fitted the schedule by now
+            log.info("optim: %s", self._schedule_line())
         self.progress.start_run()
         with self.stop_on_signals():  # through the final save: a signal must not cut it short
             self._loop()
@@ -332,6 +333,14 @@ class Trainer:
             self.metrics.hparams(hparams(self.job, self.attn), hparam_metrics(result))
             self.metrics.close()
         return result
+
+    def _schedule_line(self) -> str:
+        """The schedule in words; a resumed run's says where it resumed and the lr it goes on at."""
+        if self.checkpointer.resumed_from is None:
+            return describe_schedule(self.job.optim, self.job.train.max_steps)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        done = self.scheduler.last_epoch
+        return describe_resumed_schedule(self.job.optim, self.job.train.max_steps, self.scheduler.knots, done, lr)
 
     def _loop(self) -> None:
         cfg = self.job.train

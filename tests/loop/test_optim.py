@@ -10,7 +10,7 @@ import torch
 
 from flexengine.core.config import OptimConfig
 from flexengine.core.errors import UserError
-from flexengine.loop.optim import CPUOffloadAdamW, build_optimizer, build_scheduler
+from flexengine.loop.optim import CPUOffloadAdamW, build_optimizer, build_scheduler, describe_resumed_schedule
 from flexengine.surgery.precision import optimizer_state_bytes_per_param
 from tests.helpers import clone_model
 
@@ -318,3 +318,13 @@ def test_a_resume_inside_warmup_finishes_the_same_warmup_without_a_dip():
     assert all(a <= b + 1e-12 for a, b in itertools.pairwise(before + after))  # still warming up, stretched
     _, dip = _resumed_lrs(6, 6, 8, "rederive", warmup_steps=50)
     assert dip == pytest.approx([7 / 8, 1.0])  # what rederive means: the schedule of 8 steps
+
+
+def test_a_resumed_schedule_is_described_as_planned_and_where_it_resumed():
+    optim = OptimConfig(lr=1e-3, warmup_steps=1)
+    same = describe_resumed_schedule(optim, 6, [[0, 0], [6, 6]], 3, 4.5e-4)
+    assert same.startswith("optim.schedule=cosine over 6 steps") and same.endswith("step 4 runs at lr 0.00045")
+    stretched = describe_resumed_schedule(optim, 12, [[0, 0], [3, 3], [12, 6]], 3, 5.8e-4)
+    assert stretched.endswith("(the rest of the 6-step schedule stretched to train.max_steps=12)")
+    held = describe_resumed_schedule(optim, 30, [[0, 0], [3, 3]], 3, 1e-4)
+    assert held.endswith("(the 3-step schedule had finished: its last lr holds to train.max_steps=30)")

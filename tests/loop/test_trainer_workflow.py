@@ -293,3 +293,33 @@ def test_evaluation_is_logged_timed_and_counted_in_eta_and_wall_time(tmp_path, c
     assert trainer.eta_s() >= 3 * 50.0
     trainer.state.step = 6  # the last step's line comes before its evaluation: that one is still due
     assert trainer.eta_s() >= 50.0
+
+
+def test_the_resume_messages_quote_the_lrs_the_loop_logs(tmp_path, caplog):
+    """Resuming step 3 of a 6-step run with train.max_steps=12: the warning quoted the saved schedule's lr for step 4
+    (0.00045) as where the lr 'goes on from', while step 4 ran at another one and step 3 had run at a third. It now
+    names the last trained step's lr and the first resumed step's, each as metrics.jsonl logs it, and the schedule
+    line says the run resumed (it described a fresh 12-step cosine)."""
+    caplog.set_level(logging.INFO, logger="flexengine")
+    first = (*WORKFLOW, "optim.warmup_steps=1", "train.max_steps=6", "train.save_every=3")
+    run_training(make_job(tmp_path / "a", *first), tmp_path / "a")
+    step_3 = _logged_lrs(tmp_path / "a")[2]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "resumed" not in next(m for m in messages if m.startswith("optim: optim.schedule"))
+    resume = f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_3'}"
+    for how, lr_at in (("continue", ("lr ", "")), ("rederive", ("", "lr "))):
+        caplog.clear()
+        again = (*WORKFLOW, "optim.warmup_steps=1", "train.max_steps=12", resume, f"train.resume_schedule={how}")
+        run_training(make_job(tmp_path / how, *again), tmp_path / how)
+        step_4 = _logged_lrs(tmp_path / how)[0]
+        assert not math.isclose(step_4, step_3)
+        messages = [r.getMessage() for r in caplog.records]
+        warning = next(m for m in messages if m.startswith("resume: train.max_steps"))
+        assert f"step 3, the last trained, ran at {lr_at[0]}{step_3:.3g}" in warning
+        assert f"step 4, the first resumed, runs at {lr_at[1]}{step_4:.3g}" in warning
+        schedule = next(m for m in messages if m.startswith("optim: optim.schedule"))
+        assert f"; resumed after step 3: step 4 runs at lr {step_4:.3g}" in schedule
+        planned = 6 if how == "continue" else 12  # continue: the saved 6-step schedule, its rest stretched
+        assert schedule.startswith(f"optim: optim.schedule=cosine over {planned} steps")
+        stretched = "(the rest of the 6-step schedule stretched to train.max_steps=12)"
+        assert (stretched in schedule) == (how == "continue")
