@@ -19,7 +19,6 @@ from torch import nn
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.memory.layers import decoder_layers
-from flexengine.surgery.memory.spec import Recompute
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +45,12 @@ def needs_compiled_blocks(model: nn.Module) -> Optional[str]:
     attention = record.attention
     if attention is None or attention.backend is not AttnBackend.FLEX:
         return None
-    if any(spec.recompute is Recompute.OPS for spec in record.memory):
-        return "op-level SAC (memory.granularity=ops) with flex attention: SAC sees flex only inside a compiled block"
+    kinds = [spec.recompute for spec in record.memory if spec.recompute.needs_flex_in_block_graph]
+    if kinds:
+        return (
+            f"op-level SAC (memory.granularity={kinds[0].name}) with flex attention: SAC sees flex only inside a "
+            "compiled block"
+        )
     return None
 
 

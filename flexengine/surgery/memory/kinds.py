@@ -47,6 +47,7 @@ class RecomputeKind:
     whole_block: bool = False  # checkpointed whole or op by op: autograd saves nothing of the block itself
     working_rank: int = 0  # how much backward re-materialises: 0 kept (none) < 1 op-level < 2 re-run sub-layers
     keeps_tile_outputs: bool = False  # MLP tiles' matmul outputs still land in this kind's cache (SAC)
+    needs_flex_in_block_graph: bool = False  # flex must be compiled inside the block for this kind to save it
 
     @property
     def value(self) -> str:
@@ -118,12 +119,6 @@ class SubModule(WholeBlock):
     norm: str = "norm1"  # the norm whose output is its input
     whole_block: bool = False
 
-    def flops(self, f: BlockFlops) -> float:
-        """attention: q/k/v, the core and o_proj where it ends the checkpoint; mlp: gate/up and down's end."""
-        if self.part == "attention":
-            return f.attention_inputs + f.attention_core + f.attention_output_end
-        return f.mlp_inputs + f.mlp_output_end
-
     def held_bytes(self, inv: Inventory, sac: dict[str, int], input_bytes: int) -> int:
         """Everything but that sub-layer, whose input is the norm's scaled output (autocast's casts re-run)."""
         inv[self.norm]["scaled_output"] = input_bytes
@@ -139,6 +134,36 @@ class SubModule(WholeBlock):
 
 
 @dataclass(frozen=True)
+class AttentionModule(SubModule):
+    """The self-attention sub-module re-runs."""
+
+    name: str = "attention"
+    coarseness: int = 1
+    pointwise_ops: tuple[str, ...] = ("rope",)
+
+    def flops(self, f: BlockFlops) -> float:
+        """q/k/v, the core, and o_proj only where it ends the checkpoint (a LoRA factor after it saves)."""
+        return f.attention_inputs + f.attention_core + f.attention_output_end
+
+
+@dataclass(frozen=True)
+class MlpModule(SubModule):
+    """The MLP sub-module re-runs (also what each MLP tile re-runs)."""
+
+    name: str = "mlp"
+    coarseness: int = 2
+    wraps_attention: bool = False
+    reruns_attention_core: bool = False
+    pointwise_ops: tuple[str, ...] = ("swiglu",)
+    part: str = "mlp"
+    norm: str = "norm2"
+
+    def flops(self, f: BlockFlops) -> float:
+        """gate/up, and down_proj's end where a LoRA factor after it saves."""
+        return f.mlp_inputs + f.mlp_output_end
+
+
+@dataclass(frozen=True)
 class OpLevel(WholeBlock):
     """Op-level SAC: matmul and attention outputs are kept, pointwise ops re-run (0 FLOPs: memory-bound)."""
 
@@ -147,6 +172,7 @@ class OpLevel(WholeBlock):
     reruns_attention_core: bool = False
     working_rank: int = 1
     keeps_tile_outputs: bool = True
+    needs_flex_in_block_graph: bool = True  # SAC sees the flex op only inside the block's compiled graph
 
     def flops(self, f: BlockFlops) -> float:
         """Every matmul and the attention output are kept: nothing compute-bound re-runs."""
@@ -176,16 +202,8 @@ KINDS: dict[str, RecomputeKind] = {
     for kind in (
         RecomputeKind(),
         WholeBlock(),
-        SubModule(name="attention", coarseness=1, pointwise_ops=("rope",)),
-        SubModule(
-            name="mlp",
-            coarseness=2,
-            reruns_attention_core=False,
-            wraps_attention=False,
-            pointwise_ops=("swiglu",),
-            part="mlp",
-            norm="norm2",
-        ),
+        AttentionModule(),
+        MlpModule(),
         OpLevel(),
     )
 }
