@@ -131,3 +131,15 @@ def test_sac_with_flex_compiles_the_blocks_even_without_train_compile():
     dense = patch_attention(make_llama(), mode="packed_doc", backend="dense")
     apply_memory_policy(dense, MemoryConfig(policy="selective", granularity="ops"))
     assert needs_compiled_blocks(dense) is None  # SAC sees the dense backend's SDPA op in eager code
+
+
+def test_sac_with_offload_compiles_the_blocks_so_offload_sees_what_sac_keeps():
+    """Eager SAC keeps its op outputs outside autograd's saved tensors, where offload's hooks never reach: only the
+    checkpoint's input would go to the host. Compiled, the kept outputs are saved tensors and are offloaded."""
+    for backend in ("dense", "flex"):
+        model = patch_attention(make_llama(), mode="packed_doc", backend=backend)
+        apply_memory_policy(model, MemoryConfig(policy="selective", granularity="ops", offload=True))
+        assert "offload" in needs_compiled_blocks(model)
+    plain = patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    apply_memory_policy(plain, MemoryConfig(policy="full", offload=True))
+    assert needs_compiled_blocks(plain) is None  # a whole-block checkpoint's input is a saved tensor

@@ -48,6 +48,9 @@ class RecomputeKind:
     working_rank: int = 0  # how much backward re-materialises: 0 kept (none) < 1 op-level < 2 re-run sub-layers
     keeps_tile_outputs: bool = False  # MLP tiles' matmul outputs still land in this kind's cache (SAC)
     needs_flex_in_block_graph: bool = False  # flex must be compiled inside the block for this kind to save it
+    # eager, what it keeps lives in its own cache, not in autograd's saved tensors: offload's saved-tensor hooks
+    # never see it (compiled, it is the block graph's saved tensors and goes to the host)
+    cache_outside_autograd: bool = False
 
     @property
     def value(self) -> str:
@@ -173,6 +176,7 @@ class OpLevel(WholeBlock):
     working_rank: int = 1
     keeps_tile_outputs: bool = True
     needs_flex_in_block_graph: bool = True  # SAC sees the flex op only inside the block's compiled graph
+    cache_outside_autograd: bool = True  # SAC's cache of kept op outputs
 
     def flops(self, f: BlockFlops) -> float:
         """Every matmul and the attention output are kept: nothing compute-bound re-runs."""
