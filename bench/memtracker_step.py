@@ -23,24 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from memtracker_cases import Case, planner_step
 from memtracker_standins import eager_step, fake_safe_offload, functional_loss, host_on_meta, install_flex_stand_in
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import flexengine.surgery.loss as engine_loss
-from flexengine.cli.common import compose_job
-from flexengine.core.config import MemoryConfig
 from flexengine.loop.optim import build_optimizer
-from flexengine.planning.planner import evaluate, spread_layers
-from flexengine.planning.shapes import ModelShape, plan_inputs
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.patch import apply_attention, mask_kwargs
 from flexengine.surgery.attention.spec import resolve_attention_spec
@@ -48,11 +44,7 @@ from flexengine.surgery.memory import apply_memory_policy
 from flexengine.surgery.model import build_hf_config, load_model
 from flexengine.surgery.precision import apply_precision, precision_spec
 
-EXPERIMENT = "experiment=deepseek7b_6k_a100"  # the README's headline job: deepseek-7B width, 8K rows, A100-80G
-GiB = 2**30
 
-
-# -- the tracker: MemTracker's peak, and where each byte alive at it came from -----------------------------------
 @dataclass(frozen=True)
 class Origin:
     """Where a storage was made: phase (forward | backward | recompute | optimizer | before), the innermost module,
@@ -146,63 +138,6 @@ class PeakTracker(MemTracker):
 
 
 # -- the cases -----------------------------------------------------------------------------------------------------
-def sac_blocks(layers: int) -> int:
-    """k of op-level SAC: three blocks in four, as the README's plan (23 of 30)."""
-    return math.ceil(3 * layers / 4)
-
-
-def policy_config(policy: str, layers: int) -> MemoryConfig:
-    """memory.* of a bench policy: none | full | ops (SAC on k spread blocks) | offload | ops+offload."""
-    ops = dict(policy="selective", granularity="ops", layers=spread_layers(sac_blocks(layers), layers))
-    return {
-        "none": MemoryConfig(),
-        "full": MemoryConfig(policy="full"),
-        "ops": MemoryConfig(**ops),
-        "offload": MemoryConfig(policy="offload"),
-        "ops+offload": MemoryConfig(**ops, offload=True),
-    }[policy]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One step: the README's job at this depth, policy, precision mode and micro-batch."""
-
-    layers: int
-    policy: str = "none"
-    precision: str = "bf16_mixed"
-    micro_batch: int = 1
-    seq_len: int = 8192
-    arch: tuple = ()  # (key, value) overrides of model.arch (a small model for the fake-vs-real test)
-    chunk_size: Optional[int] = None  # loss.chunk_size (None: the experiment's 1024)
-
-    @property
-    def memory(self) -> MemoryConfig:
-        """The memory.* this case applies."""
-        return policy_config(self.policy, self.layers)
-
-    @property
-    def label(self) -> str:
-        """e.g. 'L30 ops k=23 bf16_sr mb1'."""
-        k = f" k={sac_blocks(self.layers)}" if self.policy.startswith("ops") else ""
-        return f"L{self.layers} {self.policy}{k} {self.precision} mb{self.micro_batch}"
-
-    def job(self):
-        """The composed JobConfig (as `flexengine.plan` composes it), random weights at this depth."""
-        return compose_job(
-            [
-                EXPERIMENT,
-                "model.init=random",
-                "data.source=demo",  # as `flexengine.plan` does without data.path: only data.seq_len matters
-                f"model.arch.num_hidden_layers={self.layers}",
-                f"train.micro_batch={self.micro_batch}",
-                f"data.seq_len={self.seq_len}",
-                f"precision={self.precision}",
-                *(f"model.arch.{key}={value}" for key, value in self.arch),
-                *([f"loss.chunk_size={self.chunk_size}"] if self.chunk_size is not None else []),
-            ]
-        )
-
-
 CUDA = torch.device("cuda")  # what the planner plans for and the engine resolves its choices on
 
 
@@ -308,8 +243,9 @@ def part_of(reftype: str, origin: Origin, offloading: frozenset = frozenset()) -
         return "compute_copy"
     if origin.phase == "forward":
         block = _BLOCK.search(origin.module)
-        if block is None:
-            return "outside_blocks"
+        if block is None:  # the embeddings' output is block 0's input: its checkpoint input, when it offloads
+            first = origin.module.endswith("embed_tokens") and 0 in offloading
+            return "offload_in_flight" if first else "outside_blocks"
         return "offload_in_flight" if int(block.group(1)) in offloading else "blocks"
     return {"optimizer": "optimizer_step"}.get(origin.phase, "backward")
 
@@ -331,29 +267,6 @@ def origins(live: list[tuple[str, int, Origin]], top: int = 80) -> list[tuple[st
         module = _BLOCK.sub("layers.*", origin.module)
         out[f"{part_of(reftype, origin)} | {origin.phase} | {module} | {origin.op}"] += nbytes
     return sorted(out.items(), key=lambda kv: -kv[1])[:top]
-
-
-# -- the planner's terms for the same step -------------------------------------------------------------------------
-# The planner's device terms a tensor tracker can see (not the CUDA reserve or a margin: no tensor holds them)
-PLANNER_TERMS = {
-    "weights": ("weights_bytes",),
-    "grads": ("grads_bytes",),
-    "optimizer": ("optimizer_bytes", "embedding_optimizer_bytes"),
-    "compute_copy": ("compute_copy_bytes",),
-    "activations": ("activation_bytes",),
-    "workspace": ("backward_workspace_bytes", "offload_in_flight_bytes"),
-}
-
-
-def planner_step(case: Case) -> dict:
-    """The planner's terms for `case` as `flexengine.plan` computes them (plan_inputs of the composed job on
-    its CUDA hardware; `evaluate` of the case's memory policy), plus its host bytes."""
-    job = case.job()
-    spec = precision_spec(job.precision.mode)
-    m = ModelShape.from_hf_config(build_hf_config(job.model))
-    row = evaluate(m, plan_inputs(job, job.hardware, spec, on_cuda=True), case.memory)
-    terms = {part: sum(row["terms"].get(key, 0) for key in keys) for part, keys in PLANNER_TERMS.items()}
-    return {"terms": terms, "total": sum(terms.values()), "host_bytes": row["host_bytes"], "row": row}
 
 
 # The planner holds when its total is within -2 % / +5 % of the tracker's peak (an estimate short of the peak risks

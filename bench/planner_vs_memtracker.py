@@ -30,6 +30,7 @@ from pathlib import Path
 
 import compiled_block
 import memtracker_step as step
+from memtracker_cases import PLANNER_TERMS, Case
 
 from flexengine.core.config import MemoryConfig
 
@@ -40,23 +41,26 @@ DEPTHS = (2, 4, 8, 30)
 GiB = 2**30
 
 
-def grid(layers: int) -> list[step.Case]:
+def grid(layers: int) -> list[Case]:
     """Every policy x precision x micro-batch at `layers`."""
-    return [step.Case(layers, p, prec, mb) for prec in PRECISIONS for mb in (1, 2) for p in POLICIES]
+    return [Case(layers, p, prec, mb) for prec in PRECISIONS for mb in (1, 2) for p in POLICIES]
 
 
-def depth_cases(layers: int) -> list[step.Case]:
+def depth_cases(layers: int) -> list[Case]:
     """The depth table's rows: none and full, bf16_mixed and bf16_sr (the README's choice)."""
     return [
-        step.Case(n, p, prec)
-        for prec in ("bf16_mixed", "bf16_sr")
-        for p in ("none", "full")
-        for n in DEPTHS
-        if n <= layers
+        Case(n, p, prec) for prec in ("bf16_mixed", "bf16_sr") for p in ("none", "full") for n in DEPTHS if n <= layers
     ]
 
 
-def run_case(case: step.Case) -> dict:
+def shipped_plans(layers: int) -> list[Case]:
+    """mistral7b_32k_h100's chosen plan at full depth (block k=32/32 + offload + tiled MLP, 32K rows): the shipped
+    plan the eager tracker can check (the SAC + offload plans of the other two are EAGER_ONLY)."""
+    mistral = "experiment=mistral7b_32k_h100"
+    return [Case(min(layers, 32), "full+offload+tiled", "bf16_sr", seq_len=32768, experiment=mistral)]
+
+
+def run_case(case: Case) -> dict:
     """compare(case) in JSON-ready form, with its wall time."""
     start = time.time()
     result = step.compare(case)
@@ -65,7 +69,7 @@ def run_case(case: step.Case) -> dict:
     return result
 
 
-def baseline_totals(rev: str, cases: list[step.Case]) -> dict[str, int]:
+def baseline_totals(rev: str, cases: list[Case]) -> dict[str, int]:
     """The planner total of each case at git revision `rev` (its flexengine/ and conf/ exported and imported first
     in a subprocess, this bench's planner_step on top)."""
     repo = Path(__file__).resolve().parents[1]
@@ -77,9 +81,9 @@ def baseline_totals(rev: str, cases: list[step.Case]) -> dict[str, int]:
         Path(tmp, "conf").rename(Path(tmp, "flexengine", "conf"))  # the installed-wheel layout (core.config.conf_dir)
         script = (
             "import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-            "import memtracker_step as step\n"
-            "cases = [step.Case(**c) for c in json.loads(sys.argv[3])]\n"
-            "print(json.dumps({c.label: step.planner_step(c)['total'] for c in cases}))\n"
+            "from memtracker_cases import Case, planner_step\n"
+            "cases = [Case(**c) for c in json.loads(sys.argv[3])]\n"
+            "print(json.dumps({c.label: planner_step(c)['total'] for c in cases}))\n"
         )
         args = [sys.executable, "-c", script, tmp, str(Path(__file__).parent)]
         args.append(json.dumps([dataclasses.asdict(c) for c in cases]))
@@ -104,7 +108,7 @@ def compiled_rows() -> list[dict]:
 def row_line(r: dict) -> str:
     """One table row: planner vs tracker per term (GiB) and the total's error."""
     p, t = r["planner"]["terms"], r["tracker"]["terms"]
-    cells = " | ".join(f"{p[k] / GiB:.2f} / {t[k] / GiB:.2f}" for k in step.PLANNER_TERMS)
+    cells = " | ".join(f"{p[k] / GiB:.2f} / {t[k] / GiB:.2f}" for k in PLANNER_TERMS)
     verdict = "holds" if not r["failures"] else "; ".join(r["failures"])
     if not r["held_to_tolerance"]:
         verdict = "eager SAC cache stays on device (not held)"
@@ -117,7 +121,7 @@ def row_line(r: dict) -> str:
     )
 
 
-TERMS_HEADER = " | ".join(f"{k} P / T" for k in step.PLANNER_TERMS)
+TERMS_HEADER = " | ".join(f"{k} P / T" for k in PLANNER_TERMS)
 
 
 def markdown(report: dict) -> str:
@@ -136,8 +140,14 @@ def markdown(report: dict) -> str:
         ),
         "",
         f"| case | planner | tracker | error | {TERMS_HEADER} | host P / T | opt | verdict |",
-        "|" + "---|" * (8 + len(step.PLANNER_TERMS)),
+        "|" + "---|" * (8 + len(PLANNER_TERMS)),
         *(row_line(r) for r in report["grid"]),
+        "",
+        "## A shipped plan at full depth: mistral7b_32k_h100 (block k=32/32 + offload + tiled MLP, 32K rows)",
+        "",
+        f"| case | planner | tracker | error | {TERMS_HEADER} | host P / T | opt | verdict |",
+        "|" + "---|" * (8 + len(PLANNER_TERMS)),
+        *(row_line(r) for r in report["shipped"]),
         "",
         "## Depth: planner (before the fix, after) vs tracker, total GiB",
         "",
@@ -222,11 +232,14 @@ def main() -> None:
         "grid": [],
         "depth": [],
         "compiled": [],
+        "shipped": [],
         "baseline": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    done: dict[step.Case, dict] = {}
-    for key, cases in (("depth", depth_cases(args.layers)), ("grid", grid(args.layers))):
+    done: dict[Case, dict] = {}
+    layers = args.layers
+    sections = (("depth", depth_cases(layers)), ("grid", grid(layers)), ("shipped", shipped_plans(layers)))
+    for key, cases in sections:
         for case in cases:
             if case not in done:
                 done[case] = run_case(case)

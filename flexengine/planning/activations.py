@@ -119,14 +119,21 @@ def block_working_bytes(m: ModelShape, w: Workload, recompute: RecomputeKind = R
     BLOCK (and ATTENTION / MLP, at most as much) its whole inventory re-run, whose MLP part also has two gradients
     of [tokens, intermediate] in flight (~6 such tensors at the MLP's backward peak); OPS the same less what SAC's
     cache holds (v, attention output and log-sum-exp, gate and up); NONE (it kept its activations) the MLP's
-    gradients only (4 such tensors). The MLP's for one tile when it is tiled."""
+    gradients only (4 such tensors). The MLP's for one tile when it is tiled; or the second norm's backward, if
+    larger."""
     T = w.tokens
     incoming = w.residual_bytes * T * m.hidden
     inv = block_inventory(m, w)
     mlp_parts = inv.pop("mlp")
     inv, mlp = recompute.working(inv, mlp_parts, 4 * w.act_bytes * T * m.intermediate)
     tiled = mlp * min(w.mlp_tile, T) // T if w.mlp_tiled else mlp
-    return incoming + sum(sum(part.values()) for part in inv.values()) + tiled
+    remade = sum(sum(part.values()) for part in inv.values())
+    # The second norm's backward comes after the MLP's, whose tensors (and the norm's output) are freed by then;
+    # RMSNorm's backward works in fp32: 5 [tokens, hidden] fp32 tensors at once (MemTracker, mistral-7B at 32K).
+    # It outgrows the MLP's moment when the MLP is tiled.
+    norm2 = inv.get("norm2", {})
+    norm = remade - norm2.get("scaled_output", 0) - norm2.get("normalised", 0) + 5 * 4 * T * m.hidden
+    return incoming + max(remade + tiled, norm)
 
 
 def block_forward_flops(m: ModelShape, w: Workload, attended_fraction: float = 0.5) -> dict[str, float]:

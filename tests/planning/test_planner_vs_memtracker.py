@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import compiled_block
 import memtracker_standins as standins
 import memtracker_step as step
+from memtracker_cases import Case
 
 
 def _saved(fn) -> list[tuple]:
@@ -159,7 +160,7 @@ TINY = (("hidden_size", 256), ("intermediate_size", 688), ("num_attention_heads"
 
 def test_fake_and_real_steps_track_alike():
     """The same small step over real CPU tensors and over fake ones: the same peak, term by term."""
-    case = step.Case(2, "full", "bf16_mixed", seq_len=512, arch=(*TINY, ("vocab_size", 2048)), chunk_size=128)
+    case = Case(2, "full", "bf16_mixed", seq_len=512, arch=(*TINY, ("vocab_size", 2048)), chunk_size=128)
     fake, real = step.tracked_step(case, fake=True), step.tracked_step(case, fake=False)
     assert fake["peak_bytes"] == real["peak_bytes"] > 0
     assert fake["at_peak"] == real["at_peak"] and fake["after_forward"] == real["after_forward"]
@@ -167,20 +168,22 @@ def test_fake_and_real_steps_track_alike():
 
 # -- the planner against the tracker: 2-4 layers of deepseek-7B width, 8K rows (bench/planner_vs_memtracker.py: 30)
 CI_CASES = [
-    step.Case(2, "none", "bf16_sr"),
-    step.Case(2, "full", "bf16_sr"),
-    step.Case(2, "ops", "bf16_sr"),
-    step.Case(4, "ops", "bf16_sr"),  # SAC on 3 of 4 blocks: one block keeps everything
-    step.Case(2, "offload", "bf16_sr"),
-    step.Case(2, "none", "bf16_sr", micro_batch=2),
-    step.Case(2, "none", "bf16_mixed"),
-    step.Case(2, "full", "bf16_mixed"),
-    step.Case(2, "none", "bf16_cpu_master"),
+    Case(2, "none", "bf16_sr"),
+    Case(2, "full", "bf16_sr"),
+    Case(2, "ops", "bf16_sr"),
+    Case(4, "ops", "bf16_sr"),  # SAC on 3 of 4 blocks: one block keeps everything
+    Case(2, "offload", "bf16_sr"),
+    Case(2, "none", "bf16_sr", micro_batch=2),
+    Case(2, "none", "bf16_mixed"),
+    Case(2, "full", "bf16_mixed"),
+    Case(2, "none", "bf16_cpu_master"),
+    # mistral7b_32k_h100's plan: whole blocks recomputed with MLP tiles, their inputs offloaded, 32K rows
+    Case(2, "full+offload+tiled", "bf16_sr", seq_len=32768, experiment="experiment=mistral7b_32k_h100"),
 ]
 _TRACKED: dict = {}
 
 
-def _tracked(case: step.Case) -> dict:
+def _tracked(case: Case) -> dict:
     """tracked_step(case), once per test session."""
     if case not in _TRACKED:
         _TRACKED[case] = step.tracked_step(case)
