@@ -145,17 +145,29 @@ def apply_pretrained_defaults(
 def _rows_kept(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
     """train.micro_batch typed alone on a model of a shipped config's size: its grad_accum follows, so that the
     config's rows per optimizer step stay (the effective batch is what a fine-tuning recipe means)."""
-    if "train.micro_batch" not in explicit or "train.grad_accum" in explicit or "train.micro_batch" not in defaults:
+    if not micro_batch_typed_alone(explicit) or "train.micro_batch" not in defaults:
         return {}
-    rows = defaults["train.micro_batch"] * defaults.get("train.grad_accum", 1)
-    accum = max(1, round(rows / job.train.micro_batch))
+    micro = job.train.micro_batch
+    accum, rows = accumulation_keeping_rows(defaults["train.micro_batch"], defaults.get("train.grad_accum", 1), micro)
     notes.append(
-        f"train.grad_accum={accum} (keeps {source}'s {rows} rows per optimizer step at your "
-        f"train.micro_batch={job.train.micro_batch}"
-        + ("" if accum * job.train.micro_batch == rows else f": {accum * job.train.micro_batch}, the nearest")
+        f"train.grad_accum={accum} (keeps {source}'s {rows} rows per optimizer step at your train.micro_batch={micro}"
+        + ("" if accum * micro == rows else f": {accum * micro}, the nearest")
         + "; type train.grad_accum to choose)"
     )
     return {"train.grad_accum": accum}
+
+
+def micro_batch_typed_alone(explicit: set[str]) -> bool:
+    """train.micro_batch typed without train.grad_accum: the user changed the micro-batch, not the effective batch
+    (typing both keeps both as typed)."""
+    return "train.micro_batch" in explicit and "train.grad_accum" not in explicit
+
+
+def accumulation_keeping_rows(micro_batch: int, grad_accum: int, micro: int) -> tuple[int, int]:
+    """(the grad_accum that keeps a config's micro_batch x grad_accum rows per optimizer step at micro-batch
+    `micro` -- the nearest when micro does not divide them --, those rows)."""
+    rows = micro_batch * grad_accum
+    return max(1, round(rows / micro)), rows
 
 
 def _taken_defaults(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
@@ -181,15 +193,15 @@ def keep_rows_per_step(
     """train.micro_batch typed alone, over a config file's micro_batch x grad_accum (a 7B experiment's 1 x 8): the
     accumulation follows, so the file's rows per optimizer step stay (logged; typing train.grad_accum too keeps
     both as typed). from_files(key): (value, file) as the config files set key, or None."""
-    if "train.micro_batch" not in explicit or "train.grad_accum" in explicit:
+    if not micro_batch_typed_alone(explicit):
         return job
     accum_from = from_files("train.grad_accum")
     if accum_from is None:
         return job
     micro_from = from_files("train.micro_batch")
     file_micro = micro_from[0] if micro_from else _schema_default("train", "micro_batch")
-    rows, micro = file_micro * accum_from[0], job.train.micro_batch
-    accum = max(1, round(rows / micro))
+    micro = job.train.micro_batch
+    accum, rows = accumulation_keeping_rows(file_micro, accum_from[0], micro)
     if accum == job.train.grad_accum and accum * micro == rows:
         return job
     log.warning(

@@ -92,17 +92,6 @@ def _n_params(lm: torch.nn.Module) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
-def _checkpoint_tensor_count(path: Path) -> int:
-    """Tensors stored in a directory's *.safetensors files (read from their headers only)."""
-    from safetensors import safe_open
-
-    count = 0
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            count += len(list(f.keys()))
-    return count
-
-
 def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`."""
     config = build_hf_config(model)
@@ -126,7 +115,7 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
-    lm, info = _from_pretrained(model, config, dtype)
+    lm, info, stored = _from_pretrained(model, config, dtype)
     missing = sorted(info.get("missing_keys") or [])
     if missing:  # HF would initialise them at random and only warn
         raise UserError(
@@ -134,7 +123,8 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
             f"checkpoint (e.g. {missing[:3]}); it is not a complete {config.model_type} checkpoint."
         )
     unexpected = len(info.get("unexpected_keys") or [])
-    stored = _checkpoint_tensor_count(path) or len(lm.state_dict())  # *.bin only: no header to count from
+    # the tensors of the files transformers read (their headers, read once before it); *.bin only: no header
+    stored = len(stored) if stored is not None else len(lm.state_dict())
     lm = lm.to(device)
     log.info(
         "model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s",
@@ -152,7 +142,8 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
 
 def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.dtype) -> tuple:
     """transformers' from_pretrained after checking the files it will read: each weight file's header, a
-    checkpoint's manifest, and every stored tensor's shape against config.json's architecture."""
+    checkpoint's manifest, and every stored tensor's shape against config.json's architecture. Returns the model,
+    its loading info and the stored tensors (None: *.bin weights, no header to read)."""
     path = Path(model.path)
     stored = stored_tensors(path)
     if stored is not None:
@@ -160,7 +151,7 @@ def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.
         meta = build_meta_model(config, dtype, model.trust_remote_code)
         check_shapes(stored, {k: tuple(v.shape) for k, v in meta.state_dict().items()}, path / "config.json")
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        lm, info = AutoModelForCausalLM.from_pretrained(
             base_name_or_path(model),
             config=config,
             dtype=dtype,
@@ -168,6 +159,7 @@ def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.
             use_safetensors=None,
             output_loading_info=True,
         )
+        return lm, info, stored
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise

@@ -26,6 +26,7 @@ from flexengine.core.storage import MANIFEST, read_manifest, sha256_file
 
 SAFE_WEIGHTS = "model.safetensors"  # what transformers reads first; the index only when it is absent
 SAFE_INDEX = "model.safetensors.index.json"
+# bytes per element of each safetensors dtype name (a header's "dtype"): the one table of them
 DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,

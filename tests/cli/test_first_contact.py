@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.common import compose_job, compose_job_record
-from flexengine.cli.first_contact import GENERIC_FINETUNE
+from flexengine.cli.first_contact import GENERIC_FINETUNE, accumulation_keeping_rows
 from flexengine.core.config import conf_dir
 from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
@@ -173,3 +173,13 @@ def test_every_shipped_model_and_experiment_composes_with_debug_fast(choice):
         assert record.sources["optim.warmup_ratio"] == (
             "config: conf/debug/fast.yaml (optim.warmup_steps set there excludes it)"
         )
+
+
+@pytest.mark.parametrize(
+    ("config", "micro", "expected"),
+    [((1, 8), 4, (2, 8)), ((1, 8), 3, (3, 8)), ((2, 4), 16, (1, 8)), ((2, 1), 2, (1, 2))],
+)
+def test_one_rule_keeps_a_configs_rows_per_step(config, micro, expected):
+    """Both routes (first-contact's shipped config, a model/experiment file) use it: rows = micro_batch x
+    grad_accum, the accumulation at the typed micro-batch the nearest, never below 1."""
+    assert accumulation_keeping_rows(*config, micro) == expected

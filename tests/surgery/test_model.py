@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from flexengine.core.config import ModelConfig
 from flexengine.core.errors import UserError
@@ -38,6 +38,16 @@ def test_model_path_alone_loads_its_architecture_and_weights(rigged_dir, caplog)
     n_params = sum(p.numel() for p in lm.parameters())
     text = caplog.text
     assert str(rigged_dir) in text and f"loaded {len(saved)} tensors" in text and f"{n_params / 1e6:.1f}M" in text
+
+
+def test_the_loaded_count_is_of_the_files_transformers_reads(rigged_dir, caplog):
+    """A stray *.safetensors beside model.safetensors (an adapter, an old export) is not loaded, and the count no
+    longer includes it (it reopened every *.safetensors in the directory)."""
+    save_file({f"stray.{i}": torch.zeros(2) for i in range(5)}, str(rigged_dir / "adapter_model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="flexengine.surgery.model"):
+        load_model(ModelConfig(path=str(rigged_dir)), CPU)
+    saved = load_file(str(rigged_dir / "model.safetensors"))
+    assert f"loaded {len(saved)} tensors" in caplog.text
 
 
 def test_random_init_only_when_asked_and_said_loudly(rigged_dir, caplog):

@@ -17,7 +17,13 @@ from flexengine.core.config import ModelConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_manifest
 from flexengine.surgery.model import build_hf_config, load_model, load_tokenizer
-from flexengine.surgery.model_files import NOT_ARCHITECTURE, architecture_of, stored_tensors
+from flexengine.surgery.model_files import (
+    DTYPE_BYTES,
+    NOT_ARCHITECTURE,
+    architecture_of,
+    safetensors_tensors,
+    stored_tensors,
+)
 from tests.helpers import FAST, flip_one_byte, make_llama
 
 CPU = torch.device("cpu")
@@ -166,6 +172,18 @@ def test_the_architecture_of_a_model_path_is_its_config_json_without_bookkeeping
     assert arch == {k: v for k, v in on_disk.items() if k not in NOT_ARCHITECTURE}
     assert arch["hidden_size"] == build_hf_config(ModelConfig(path=str(saved["single"]))).hidden_size
     assert "transformers_version" in on_disk and "transformers_version" not in arch
+
+
+def test_the_dtype_width_table_agrees_with_what_safetensors_writes(tmp_path):
+    """DTYPE_BYTES (the one table: header checks here, the LoRA merge's wider-base test in loop/checkpoint/save.py)
+    against the header safetensors writes for each torch dtype."""
+    from safetensors.torch import save_file
+
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8]
+    dtypes += [torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+    save_file({str(d): torch.zeros(3, dtype=d) for d in dtypes}, str(tmp_path / "all.safetensors"))
+    for name, tensor in safetensors_tensors(tmp_path / "all.safetensors").items():
+        assert DTYPE_BYTES[tensor.dtype] == getattr(torch, name.removeprefix("torch.")).itemsize, name
 
 
 def test_config_json_that_is_not_json(copy_of):

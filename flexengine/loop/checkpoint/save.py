@@ -31,6 +31,7 @@ from flexengine.loop.checkpoint import rank_sync
 from flexengine.loop.checkpoint.load import RANK_FILE, RANK_STATE, TRAINER_STATE, first_line, is_sharded, weight_files
 from flexengine.loop.checkpoint.rank_sync import on_every_rank, run_on_rank0
 from flexengine.surgery.lora import hf_key, is_lora, merge_lora_state_dict
+from flexengine.surgery.model_files import DTYPE_BYTES
 from flexengine.surgery.parallel import is_dtensor
 
 log = logging.getLogger(__name__)
@@ -126,9 +127,6 @@ def _enable_kv_cache(directory: Path) -> None:
             path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # HF's own layout
 
 
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-
-
 def exact_base(directory: Optional[Path], state: dict) -> Optional[Callable[[str], Optional[torch.Tensor]]]:
     """For the LoRA merge: hf key -> the frozen tensor as `directory` (model.path) stores it, where it stores it
     wider than `state` holds it (an fp32 checkpoint whose base a bf16 mode keeps in bf16), else None. Tensors are
@@ -142,7 +140,7 @@ def exact_base(directory: Optional[Path], state: dict) -> Optional[Callable[[str
     for f in weight_files(directory):
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                if key in held and _SAFETENSORS_BYTES.get(handle.get_slice(key).get_dtype(), 0) > held[key]:
+                if key in held and DTYPE_BYTES.get(handle.get_slice(key).get_dtype(), 0) > held[key]:
                     where[key] = f
 
     def read(key: str) -> Optional[torch.Tensor]:
