@@ -36,6 +36,11 @@ FINETUNE_KEYS = ("optim.lr", "optim.warmup_ratio", "optim.weight_decay")
 # LLaMA family (lr 2e-5, no weight decay, 3 % of the steps warming up), as the shipped 7B configs carry them
 GENERIC_FINETUNE = {"optim.lr": 2e-5, "optim.warmup_ratio": 0.03, "optim.weight_decay": 0.0}
 GENERIC_SOURCE = "flexengine's generic fine-tuning defaults, first_contact.GENERIC_FINETUNE"
+# a LoRA run (model.lora.r > 0) trains only its low-rank adapters, which start at zero and need a larger step than a
+# full fine-tune's 2e-5: QLoRA (Dettmers et al. 2023, appendix hyperparameters) trained 7B/13B adapters at 2e-4 and
+# 33B/65B at 1e-4, and TRL's LoRA SFT examples use 2e-4; 1e-4 is the cautious end of that range for any size
+LORA_LR = 1e-4
+LORA_SOURCE = "the usual LoRA rate, first_contact.LORA_LR (model.lora.r > 0 trains the adapters only)"
 # keys that depend on the model's size: taken only when the checkpoint is within SAME_SIZE of that config's
 # (loss.chunk_size is not one: conf/loss/default.yaml already chunks the cross-entropy for any vocabulary)
 SIZE_KEYS = ("train.micro_batch", "train.grad_accum")
@@ -118,7 +123,10 @@ def apply_pretrained_defaults(
         )
         defaults, source = dict(GENERIC_FINETUNE), GENERIC_SOURCE
     others = {k: v for k, v in defaults.items() if k not in rows_kept}
-    changes = {**_taken_defaults(job, explicit, others, source, notes), **rows_kept}
+    sources = dict.fromkeys(others, source)
+    if model.lora.r > 0 and "optim.lr" in others:  # adapters from zero: a full fine-tune's lr barely moves them
+        others["optim.lr"], sources["optim.lr"] = LORA_LR, LORA_SOURCE
+    changes = {**_taken_defaults(job, explicit, others, sources, notes), **rows_kept}
     notes.append(_step_count_note(job, explicit))
     log.warning(
         "model.path=%s holds pretrained weights (%s parameters) and no model group is named, so the demo's "
@@ -137,7 +145,7 @@ def apply_pretrained_defaults(
     replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in groups.items()}
     job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **replaced)
     if record is not None:
-        labels = dict.fromkeys(changes, f"first-contact: from {source}")
+        labels = {key: f"first-contact: from {sources.get(key, source)}" for key in changes}
         record.update(job, {**labels, "model.name": "first-contact: model.path's directory name"})
     return job
 
@@ -170,9 +178,12 @@ def accumulation_keeping_rows(micro_batch: int, grad_accum: int, micro: int) -> 
     return max(1, round(rows / micro)), rows
 
 
-def _taken_defaults(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
-    """Of the defaults, those the job takes: not a key the user set (typed, or changed from the schema's default
-    by a config of theirs), nor a warmup ratio where a warmup step count is set. Each one noted."""
+def _taken_defaults(
+    job: JobConfig, explicit: set[str], defaults: dict, sources: dict[str, str], notes: list[str]
+) -> dict:
+    """Of the defaults (sources: where each comes from), those the job takes: not a key the user set (typed, or
+    changed from the schema's default by a config of theirs), nor a warmup ratio where a warmup step count is
+    set. Each one noted."""
     changes = {}
     for key, value in defaults.items():
         group, field = key.split(".")
@@ -183,7 +194,7 @@ def _taken_defaults(job: JobConfig, explicit: set[str], defaults: dict, source: 
             notes.append(f"optim.warmup_steps={job.optim.warmup_steps} (yours)")
         else:
             changes[key] = value
-            notes.append(f"{key}={value} (from {source})")
+            notes.append(f"{key}={value} (from {sources[key]})")
     return changes
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.cli.common import compose_job, compose_job_record
-from flexengine.cli.first_contact import GENERIC_FINETUNE, accumulation_keeping_rows
+from flexengine.cli.first_contact import GENERIC_FINETUNE, LORA_LR, accumulation_keeping_rows
 from flexengine.core.config import conf_dir
 from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
@@ -183,3 +183,17 @@ def test_one_rule_keeps_a_configs_rows_per_step(config, micro, expected):
     """Both routes (first-contact's shipped config, a model/experiment file) use it: rows = micro_batch x
     grad_accum, the accumulation at the typed micro-batch the nearest, never below 1."""
     assert accumulation_keeping_rows(*config, micro) == expected
+
+
+def test_a_lora_run_gets_a_lora_learning_rate(checkpoint, tmp_path, caplog):
+    """LoRA trains adapters that start at zero: the full fine-tune's 2e-5 (generic, or a 7B config's) barely moves
+    them. model.lora.r > 0 takes LORA_LR instead, logged and recorded with its source; a typed lr stays."""
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job, record = compose_job_record([f"model.path={checkpoint}", "model.lora.r=8"])
+    assert job.optim.lr == LORA_LR == 1e-4 and job.optim.weight_decay == GENERIC_FINETUNE["optim.weight_decay"]
+    assert "optim.lr=0.0001 (from the usual LoRA rate, first_contact.LORA_LR" in caplog.text
+    assert record.sources["optim.lr"].startswith("first-contact: from the usual LoRA rate")
+    seven = _checkpoint_of(tmp_path, "Llama-2-7b-hf")
+    assert compose_job([f"model.path={seven}", "model.lora.r=16"]).optim.lr == LORA_LR  # not llama2_7b.yaml's 2e-5
+    assert compose_job([f"model.path={seven}"]).optim.lr == SHIPPED["optim"]["lr"]  # a full fine-tune keeps it
+    assert compose_job([f"model.path={checkpoint}", "model.lora.r=8", "optim.lr=3e-4"]).optim.lr == 3e-4
