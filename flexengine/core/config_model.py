@@ -76,7 +76,8 @@ class ModelConfig:
     init: str = "auto"  # auto: load `path`'s weights when given, else random | pretrained: `path` required |
     # random: random weights (architecture from `path` or `arch`), said loudly in the log
     arch: Dict[str, Any] = field(default_factory=dict)  # HF config fields used when `path` is None (needs model_type);
-    # open-ended: any key of the HF config class is accepted as written (the one group of keys of your choosing)
+    # open-ended for the schema (the one group of keys of your choosing): any field of the family's HF config
+    # class, as written; a key that class lacks is refused when the config is built (surgery.model.check_arch_fields)
     tokenizer: Optional[str] = None  # tokenizer directory; None = `path`, or the offline demo tokenizer without one
     trust_remote_code: bool = False  # only for model directories that ship their own modelling code
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0) instead of full fine-tune

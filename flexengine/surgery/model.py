@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import pickle
@@ -67,12 +68,37 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
                 f"model.arch.model_type={model_type!r} is not a model family transformers knows "
                 "(e.g. llama, mistral, qwen2)."
             ) from None
+        check_arch_fields(arch, config)
     # A KV cache is useless in training, and with it on HF skips packed-sequence handling
     # (docs/architecture.md, "Facts").
     config.use_cache = False
     resolve_family(config)  # a family flexengine does not know fails here, before any tokenizing or allocating
     apply_rope_scaling(config, model.rope_scaling.as_hf())
     return config
+
+
+def check_arch_fields(arch: dict, config: PretrainedConfig) -> None:
+    """Refuse model.arch keys the family's HF config class does not know (UserError naming the nearest field):
+    transformers keeps such a key as a plain attribute that no layer reads, so `num_hiden_layers=2` built the
+    unchanged model without a word. Known: the class's own fields (its default to_dict()) and the keys it folds into
+    others (rope_theta into rope_parameters: absent from the built config's to_dict())."""
+    try:
+        fields = set(type(config)().to_dict())
+    except Exception:  # a family whose config class needs arguments: its fields cannot be listed, nothing checked
+        return
+    built = config.to_dict()
+    unknown = [key for key in arch if key not in fields and key in built]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
+        parts.append(f"model.arch.{key}" + (f" (did you mean model.arch.{near[0]}?)" if near else ""))
+    raise UserError(
+        f"{', '.join(parts)}: not a field of transformers' {type(config).__name__} (model_type "
+        f"{config.model_type}), so no layer would read it and the model would be built without it. Use the "
+        f"config's field names ({type(config).__name__}().to_dict() lists them)."
+    )
 
 
 def base_name_or_path(model: ModelConfig) -> str:

@@ -63,6 +63,13 @@ def test_the_unknown_key_message_points_to_a_command_that_checks_keys(tmp_path):
     assert "plan.format=resolved" in message
 
 
+def test_a_model_arch_key_the_hf_config_lacks_stops_the_run(tmp_path):
+    """model.arch is open-ended for the schema (any HF field), but a key the family's config class lacks is a typo:
+    it used to train the unchanged model."""
+    message = _one_paragraph_error(_train("debug=fast", "+model.arch.num_hiden_layers=2", cwd=tmp_path))
+    assert "model.arch.num_hiden_layers (did you mean model.arch.num_hidden_layers?)" in message
+
+
 def test_top_level_typo_points_at_the_nested_key(tmp_path):
     message = _one_paragraph_error(_train("++lr=2e-5", cwd=tmp_path))
     assert "lr (from the command line: did you mean optim.lr?)" in message

@@ -6,9 +6,10 @@ import logging
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
-from flexengine.core.config import ModelConfig
+from flexengine.core.config import ModelConfig, conf_dir
 from flexengine.core.errors import UserError
 from flexengine.surgery.model import build_hf_config, build_meta_model, load_model
 from tests.helpers import make_llama
@@ -108,3 +109,22 @@ def test_training_config_with_model_path_trains_those_weights(tmp_path):
     assert trainer.job.model.init == "auto" and trainer.job.model.loads_weights
     assert len(trainer.model.model.layers) == 3
     torch.testing.assert_close(trainer.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+
+
+def test_an_arch_key_the_config_class_lacks_is_refused_naming_the_nearest_field():
+    """transformers kept `num_hiden_layers` as an attribute no layer reads: the 4-layer model was built unchanged."""
+    arch = {"model_type": "llama", "num_hidden_layers": 4, "num_hiden_layers": 2, "hidden_sizee": 64}
+    with pytest.raises(UserError) as e:
+        build_hf_config(ModelConfig(init="random", arch=arch))
+    text = str(e.value)
+    assert "model.arch.num_hiden_layers (did you mean model.arch.num_hidden_layers?)" in text
+    assert "model.arch.hidden_sizee (did you mean model.arch.hidden_size?)" in text and "LlamaConfig" in text
+
+
+@pytest.mark.parametrize("path", sorted((conf_dir() / "model").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_arch_key_is_a_field_its_config_class_knows(path):
+    """rope_theta, which transformers folds into rope_parameters, included."""
+    raw = yaml.safe_load(path.read_text())
+    arch = (raw.get("model") or raw)["arch"]
+    config = build_hf_config(ModelConfig(init="random", arch=arch))
+    assert config.num_hidden_layers == arch["num_hidden_layers"]
