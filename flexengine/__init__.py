@@ -45,6 +45,7 @@ def _import_checkout_conf() -> None:
     spec = importlib.util.spec_from_file_location(
         "flexengine.conf", checkout_conf / "__init__.py", submodule_search_locations=[str(checkout_conf)]
     )
+    assert spec is not None and spec.loader is not None  # a .py file's location always gives a loader
     module = importlib.util.module_from_spec(spec)
     sys.modules["flexengine.conf"] = module
     spec.loader.exec_module(module)

@@ -61,10 +61,10 @@ def _field_types(schema: type) -> dict[str, Any]:
 
 def _dataclass_in(tp: Any) -> Optional[type]:
     """The dataclass a field holds (itself, or inside Optional[...]), else None."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     for arg in typing.get_args(tp):
-        if arg is not type(None) and dataclasses.is_dataclass(arg):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):  # NoneType is no dataclass
             return arg
     return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Optional
 
 
 class UserError(Exception):
@@ -15,7 +16,7 @@ class OutputDirTaken(UserError):
     error record."""
 
 
-_ADVICE = {
+_ADVICE: dict[Optional[int], str] = {  # by OSError.errno (None: not set)
     errno.EACCES: "check its permissions, or choose a directory you can write (e.g. train.output_dir=...)",
     errno.EPERM: "check its permissions, or choose a directory you can write (e.g. train.output_dir=...)",
     errno.EROFS: "the file system is read-only; choose a writable directory (e.g. train.output_dir=...)",

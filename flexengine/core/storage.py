@@ -331,7 +331,7 @@ def _warn_unlocked(out_dir: Path, e: OSError) -> None:
         "output dir %s: its filesystem has no locks (flock: %s), so two runs on it are not prevented; "
         "this run goes on unlocked (do not start a second run, or a requeue, there while it lives)",
         out_dir,
-        os.strerror(e.errno),
+        os.strerror(e.errno) if e.errno is not None else str(e),
     )
 
 

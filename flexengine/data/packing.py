@@ -90,8 +90,11 @@ class PackPlan:
         return h.hexdigest()
 
 
+Lengths = Union[Sequence[int], np.ndarray]  # tokens per document: a list, or the corpus's int array
+
+
 def _pieces(
-    lengths: Sequence[int], seq_len: int, long_docs: str, stats: PackStats, documents: Sequence[int]
+    lengths: Lengths, seq_len: int, long_docs: str, stats: PackStats, documents: Sequence[int]
 ) -> list[Segment]:
     pieces: list[Segment] = []
     for doc in documents:
@@ -157,7 +160,7 @@ def _greedy(pieces: list[Segment], seq_len: int) -> list[list[Segment]]:
 
 
 def plan_packing(
-    lengths: Sequence[int],
+    lengths: Lengths,
     seq_len: int,
     strategy: str = "bfd",
     long_docs: str = "split",

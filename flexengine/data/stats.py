@@ -116,7 +116,7 @@ def plot_length_histogram(lengths: np.ndarray, seq_len: int, path: Path) -> None
     lengths = np.asarray(lengths)
     fig, ax = plt.subplots(figsize=(7, 4))
     bins = np.logspace(np.log10(max(1, lengths.min())), np.log10(lengths.max() + 1), 50)
-    ax.hist(lengths, bins=bins, color="tab:blue")
+    ax.hist(lengths, bins=bins.tolist(), color="tab:blue")
     ax.axvline(seq_len, color="tab:red", linestyle="--", label=f"seq_len={seq_len}")
     ax.set_xscale("log")
     ax.set_xlabel("document length (tokens)")

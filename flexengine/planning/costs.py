@@ -167,7 +167,7 @@ def hbm_gb_s(hardware: HardwareConfig) -> float:
     return next((v for key, v in HBM_GB_S.items() if key in name), DEFAULT_HBM_GB_S)
 
 
-def assumptions(hardware: HardwareConfig) -> dict[str, float]:
+def assumptions(hardware: HardwareConfig) -> dict[str, Optional[float]]:
     """The constants a plan rests on (sources in the comments above their definitions; the budget's in
     planning/budget.py)."""
     budget = device_budget(hardware)
