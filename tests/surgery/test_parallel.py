@@ -1,11 +1,14 @@
-"""FSDP2/DDP over `torchrun --nproc_per_node 2` (gloo, CPU) against a single process on the same global batch."""
+"""FSDP2/DDP over `torchrun --nproc_per_node 2` (gloo, CPU) against a single process on the same global batch; and
+two torchrun agents ("nodes") meeting through a c10d rendezvous, as a multi-node launch does."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,6 +113,53 @@ def test_fsdp_two_ranks_match_one_process_then_resume_on_two_ranks(single, tmp_p
     again = _train(resumed, "train.micro_batch=2", f"train.resume={fsdp / 'checkpoints' / 'step_2'}", ranks=2)
     torch.testing.assert_close(again["losses"], summary["losses"], rtol=1e-6, atol=0)
     _assert_same_weights(_weights(resumed / "checkpoints" / "step_4"), _weights(final), atol=1e-6)
+
+
+def _two_nodes(out: Path, *overrides: str) -> tuple[dict, list[str]]:
+    """One training run as two torchrun agents of one process each (two "nodes" on this host) that meet through a
+    c10d rendezvous, as the README's multi-node launch; returns summary.json and each agent's console output."""
+    port = 33500 + os.getpid() % 1000
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], [out.parent / f"node{node}.log" for node in (0, 1)]
+    for node, log_file in enumerate(logs):
+        agent = [
+            *("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"),
+            f"--rdzv_id=flexengine-test-{os.getpid()}",
+            f"--rdzv_conf=is_host={int(node == 0)}",  # one agent serves the rendezvous store, the other joins it
+            "--local_addr=127.0.0.1",  # the workers' process group: this host's loopback, not its hostname
+        ]
+        train = ["-m", "flexengine.train", *RUN, f"train.output_dir={out}", f"hydra.run.dir={out}", *overrides]
+        with open(log_file, "w") as sink:  # a file, not a pipe: a full pipe would stall one node and hang both
+            cmd = [sys.executable, "-m", "torch.distributed.run", *agent, *train]
+            procs.append(subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=out.parent))
+    try:
+        for proc in procs:
+            proc.wait(timeout=600)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    texts = [log_file.read_text() for log_file in logs]
+    for proc, text in zip(procs, texts):
+        assert proc.returncode == 0, text[-4000:]
+    return json.loads((out / "summary.json").read_text()), texts
+
+
+@pytest.mark.slow
+def test_two_nodes_through_a_c10d_rendezvous_train_what_one_process_trains(single, tmp_path):
+    """`torchrun --nnodes=2 --rdzv_backend=c10d` on one host, one process per node, FSDP over both: the same losses
+    and final weights as one process on the same rows per step; each node ran one worker (local rank 0) of a world
+    of 2, and rank 1's optimizer shard joined rank 0's checkpoint in the shared output directory."""
+    out = tmp_path / "nodes" / "run"
+    summary, texts = _two_nodes(out, "train.micro_batch=2", "parallel=fsdp")
+    ranks = sorted(m.group(1) for text in texts for m in re.finditer(r"distributed: rank (\d)/2 \(local 0\)", text))
+    assert ranks == ["0", "1"]
+    reference = json.loads((single / "summary.json").read_text())
+    torch.testing.assert_close(summary["losses"], reference["losses"], rtol=1e-5, atol=0)
+    final = out / "checkpoints" / "step_4"
+    _assert_same_weights(_weights(final), _weights(single / "checkpoints" / "step_4"))
+    assert (final / "trainer_state.rank1.pt").is_file()
 
 
 @pytest.mark.slow
