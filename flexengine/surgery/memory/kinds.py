@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from flexengine.core.errors import UserError
 
 if TYPE_CHECKING:
-    from flexengine.surgery.family import Family, Part
+    from flexengine.surgery.family import Family, Sublayer
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class RecomputeKind:
         re-runs, only the MLP's gradients are in flight."""
         return {}, kept_gradients
 
-    def submodule(self, family: Family) -> Optional[Part]:
+    def submodule(self, family: Family) -> Optional[Sublayer]:
         """The family's sub-module this kind checkpoints alone (None: the block's own forward does the work)."""
         return None
 
@@ -127,7 +127,7 @@ class SubModule(WholeBlock):
         inv[self.norm]["scaled_output"] = input_bytes
         return sum(sum(values.values()) for name, values in inv.items() if name != self.part)
 
-    def submodule(self, family: Family) -> Optional[Part]:
+    def submodule(self, family: Family) -> Optional[Sublayer]:
         """The family's attention or MLP module."""
         return getattr(family, self.part)
 
