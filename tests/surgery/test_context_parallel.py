@@ -295,8 +295,9 @@ def test_config_refuses_what_context_parallel_cannot_do(overrides, message):
     ],
 )
 def test_checkpoint_with_position_dependent_rope_is_refused_under_context_parallel(tmp_path, monkeypatch, rope):
-    """A checkpoint whose config.json carries dynamic or longrope RoPE (no model.rope_scaling in the job): refused
-    from the model's own config, before the process group exists."""
+    """A checkpoint whose config.json carries dynamic or longrope RoPE (no model.rope_scaling in the job), with rows
+    past its trained context (within it the pretrained frequencies stay): refused from the model's own config,
+    before the process group exists."""
     from transformers import LlamaConfig
 
     from flexengine.run import build_trainer
@@ -310,7 +311,7 @@ def test_checkpoint_with_position_dependent_rope_is_refused_under_context_parall
     job = compose_job(
         [
             "attn=packed_doc",
-            "data.seq_len=512",
+            "data.seq_len=2048",  # past TINY_LLAMA's 1,024 trained positions
             "parallel.cp=2",
             f"model.path={tmp_path / 'model'}",
             f"train.output_dir={tmp_path / 'out'}",
