@@ -89,7 +89,8 @@ PLANNER_TERMS = {
     "optimizer": ("optimizer_bytes", "embedding_optimizer_bytes"),
     "compute_copy": ("compute_copy_bytes",),
     "activations": ("activation_bytes",),
-    "workspace": ("backward_workspace_bytes", "offload_in_flight_bytes"),
+    "offload_in_flight": ("offload_in_flight_bytes",),
+    "workspace": ("backward_workspace_bytes",),
 }
 
 

@@ -57,7 +57,7 @@ def shipped_plans(layers: int) -> list[Case]:
     """mistral7b_32k_h100's chosen plan at full depth (block k=32/32 + offload + tiled MLP, 32K rows): the shipped
     plan the eager tracker can check (the SAC + offload plans of the other two are EAGER_ONLY)."""
     mistral = "experiment=mistral7b_32k_h100"
-    return [Case(min(layers, 32), "full+offload+tiled", "bf16_sr", seq_len=32768, experiment=mistral)]
+    return [Case(32 if layers >= 30 else layers, "full+offload+tiled", "bf16_sr", seq_len=32768, experiment=mistral)]
 
 
 def run_case(case: Case) -> dict:
@@ -133,7 +133,7 @@ def markdown(report: dict) -> str:
             f"`{report['command']}` -- torch {report['torch']}, {report['when']}. Fake CPU tensors (no bytes), eager "
             "blocks, stand-ins as stated in bench/memtracker_standins.py. P = planner, T = tracker, GiB; the "
             "tracker's total is forward's and backward's device peak, the planner's its device terms (no margin, no "
-            "CUDA context). `workspace` = the rest of the peak (backward workspace, offload in flight). Host: planner "
+            "CUDA context). `workspace` = the rest of the peak (the backward's workspace). Host: planner "
             "host bytes / tracker's offload copies (meta device) + the host optimizer's tensors. opt: the optimizer "
             "phase's own peak (torchao's eager step here: its temporaries fuse away when compiled on a GPU). "
             f"Tolerance (memtracker_step.TOLERANCE): {report['tolerance']}."
