@@ -15,6 +15,7 @@ and conf/ exported to a temporary directory, run in a subprocess).
     .venv/bin/python bench/planner_vs_memtracker.py                     # bench/results/planner_vs_memtracker.*
     .venv/bin/python bench/planner_vs_memtracker.py --baseline d349f14~1  # with the planner before the fix
     .venv/bin/python bench/planner_vs_memtracker.py --layers 2 --out /tmp/x  # a quick look
+    .venv/bin/python bench/planner_vs_memtracker.py --report                # .md/.png again from the .json
 """
 
 from __future__ import annotations
@@ -208,7 +209,10 @@ def plot(report: dict, path: Path) -> None:
             depth_ax.plot(xs, [r["tracker"]["total"] / GiB for r in pts], marker, color=color, mfc="none")
             label = f"{precision} {policy}: planner (line), tracker (marker)"
             depth_ax.plot(xs, [r["planner"]["total"] / GiB for r in pts], "-", color=color, label=label)
-    depth_ax.set_xlabel("layers (7B width, 8K rows)")
+            before = [report["baseline"].get(r["label"]) for r in pts]
+            if all(before):
+                depth_ax.plot(xs, [b / GiB for b in before], ":", color=color, lw=1)
+    depth_ax.set_xlabel("layers (7B width, 8K rows); dotted: the planner before the fix")
     depth_ax.set_ylabel("GiB")
     depth_ax.legend(fontsize=7)
     fig.tight_layout()
@@ -220,7 +224,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="depth of the grid (the depth table stops there)")
     parser.add_argument("--baseline", default="", help="a git revision whose planner joins the depth table")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the .json/.md/.png")
+    parser.add_argument("--report", action="store_true", help="only rewrite the .md/.png from the saved .json")
     args = parser.parse_args()
+    if args.report:
+        report = json.loads((args.out / "planner_vs_memtracker.json").read_text())
+        (args.out / "planner_vs_memtracker.md").write_text(markdown(report))
+        plot(report, args.out / "planner_vs_memtracker.png")
+        return
     import torch
 
     report = {
