@@ -21,7 +21,7 @@ No [S, S] term: flash/flex attention keeps O(S) per head, where the published fo
 score/softmax/dropout. Per batch, outside the blocks: rotary cos/sin (2 T d r), the final norm ((4 + r) T h), the
 loss inputs (T h r + 16 T) and, unchunked, the fp32 log-probabilities (T V 4); the dense backend's [B, 1, S, S]
 bool mask (held by checkpoint closures) once per batch. Validated against flexengine.surgery.memory.meter
-(tests/planning/test_planner.py, fp32 on CPU) and against PyTorch's MemTracker over a deepseek-7B-wide bf16 step
+(tests/planning/test_activations.py, fp32 on CPU) and against PyTorch's MemTracker over a deepseek-7B-wide bf16 step
 (bench/planner_vs_memtracker.py; tests/planning/test_planner_vs_memtracker.py). Eager blocks: a compiled block's
 partitioner may keep less (cheap pointwise outputs recomputed), never more.
 
