@@ -124,6 +124,8 @@ def _shrunk(job, fit) -> list[str]:
             f"memory.granularity={fit.memory.granularity}",
             f"memory.offload={str(fit.memory.offload).lower()}",
         ]
+    if fit.memory.tiled_mlp:  # the plan's tile, in tokens (a shrunk row may be shorter than one tile)
+        out.append(f"memory.tiled_mlp={fit.memory.tiled_mlp}")
     if arch.get("sliding_window"):
         out.append(f"model.arch.sliding_window={max(16, int(arch['sliding_window'] * scale))}")
     if job.attn.window:
