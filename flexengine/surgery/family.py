@@ -94,17 +94,16 @@ LLAMA = _llama_named("llama")  # LLaMA 1-3 and DeepSeek-LLM (its config says mod
 MISTRAL = _llama_named("mistral")  # one sliding_window for every layer
 QWEN2 = _llama_named("qwen2", input_biases=True)  # per-layer windows from layer_types (full vs sliding_attention)
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2)
-_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
 
 def resolve_family(hf_config) -> Family:
     """The family of an HF config, from its model_type; a UserError for a family flexengine does not know."""
     model_type = getattr(hf_config, "model_type", None)
-    family = _BY_MODEL_TYPE.get(model_type)
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)  # FAMILIES is the only table
     if family is None:
+        supported = sorted(t for f in FAMILIES for t in f.model_types)
         raise UserError(
-            f"model_type={model_type!r} is not a model family flexengine supports "
-            f"({', '.join(sorted(_BY_MODEL_TYPE))}). "
+            f"model_type={model_type!r} is not a model family flexengine supports ({', '.join(supported)}). "
             "Use a model of one of these families, or add an entry for it to FAMILIES in flexengine/surgery/family.py "
             "(where its attention, MLP, projections and norms are named) and run tests/surgery/test_family.py."
         )

@@ -136,3 +136,75 @@ def test_no_module_but_family_names_an_hf_module():
         if path.name != "family.py" and (names := hf_names_in(path.read_text()))
     }
     assert offenders == {}, f"read these names from flexengine.surgery.family instead: {offenders}"
+
+
+# -- the walkthrough of docs/architecture.md, "A new model family": one FAMILIES entry, really added ---------------
+
+# Kyutai's Helium: LLaMA's module names, its own HF classes. Its config defaults head_dim to 128 while its o_proj is
+# hidden x hidden, so only head_dim = hidden / heads builds a model that runs; the planner's count caught it.
+HELIUM_ARCH = dict(
+    TINY_LLAMA, model_type="helium", head_dim=TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+)
+
+
+@pytest.fixture
+def helium(monkeypatch):
+    """Helium added as one entry of FAMILIES and nothing else (the family table is the only list of families)."""
+    import flexengine.surgery.family as family_table
+
+    entry = family_table._llama_named("helium")
+    monkeypatch.setattr(family_table, "FAMILIES", (*family_table.FAMILIES, entry))
+    return entry
+
+
+def _tiny_helium(seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = build_hf_config(ModelConfig(init="random", arch=HELIUM_ARCH))
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_a_family_missing_from_the_table_is_refused():
+    with pytest.raises(UserError, match="model_type='helium'"):
+        build_hf_config(ModelConfig(init="random", arch=HELIUM_ARCH))
+
+
+def test_new_family_entry_names_its_modules_and_the_planner_counts_its_parameters(helium):
+    model = _tiny_helium()
+    assert type(model).__name__ == "HeliumForCausalLM" and family_of(model) is helium
+    assert len(helium.decoder_layers(model)) == model.config.num_hidden_layers
+    assert ModelShape.from_hf_config(model.config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_new_family_packed_documents_equal_each_document_alone(helium):
+    """The patched Helium on packed rows == each document through the unpatched HF Helium (eager)."""
+    from flexengine import pack_documents, patch_attention
+    from tests.helpers import clone_model
+
+    reference = _tiny_helium()
+    patched = patch_attention(clone_model(reference), mode="packed_doc", backend="dense")
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (37, 5, 60, 20)]
+    batch = pack_documents(docs, seq_len=128, strategy="greedy")  # greedy keeps the order: documents back to back
+    with torch.no_grad():
+        packed = patched(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        starts = (batch["position_ids"] == 0).nonzero().tolist()
+        for doc, (row, start) in zip(docs, starts):
+            alone = reference(input_ids=torch.tensor([doc])).logits[0]
+            assert (packed[row, start : start + len(doc)] - alone).abs().max().item() <= 1e-5
+
+
+def test_new_family_plans_and_trains_through_the_loop(helium, tmp_path):
+    """`python -m flexengine.train debug=fast model.arch.model_type=helium +model.arch.head_dim=32` once the entry
+    exists: planned, surgery applied, two steps that move the loss."""
+    import math
+
+    from flexengine.cli.common import compose_job
+    from flexengine.run import run_training
+
+    overrides = ["model.arch.model_type=helium", "+model.arch.head_dim=32"]  # tiny.yaml: 256 hidden / 8 heads
+    job = compose_job(["debug=fast", *overrides, "train.max_steps=2", f"train.output_dir={tmp_path}"])
+    summary = run_training(job, tmp_path)
+    assert summary["steps"] == 2 and all(math.isfinite(loss) for loss in summary["losses"])
+    assert summary["losses"][0] != summary["losses"][1]
