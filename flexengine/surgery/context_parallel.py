@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.data.targets import shift_targets
+from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.block_mask import FlexMask, canonical_document_ids
 from flexengine.surgery.attention.masks import document_ids_from_position_ids
 from flexengine.surgery.attention.patch import CP_ATTENTION, MASK_KWARG, LayerMasks, _flex_fn, mask_kwargs
@@ -68,7 +69,9 @@ class ContextParallel:
         from torch.distributed.tensor.experimental._context_parallel import _ContextParallel
         from torch.distributed.tensor.parallel import parallelize_module
 
-        spec = model.flexengine.attention
+        spec = attention_spec(model)
+        if spec is None:
+            raise UserError("parallel.cp: apply_attention (attn.backend=flex) must come before context parallelism")
         style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
         family = family_of(model)
         for i, layer in enumerate(family.decoder_layers(model)):
@@ -111,7 +114,8 @@ class ContextParallel:
         shards = _context_parallel_shard(
             self.mesh["cp"], [*tensors, *block_masks], [1] * (len(tensors) + len(block_masks)), load_balancer=balancer
         )
-        input_ids, position_ids, targets, token_index = shards[: len(tensors)]
+        # torch returns each buffer as the type it was given: the tensors first, then the BlockMasks
+        input_ids, position_ids, targets, token_index = (cast(Tensor, t) for t in shards[: len(tensors)])
         local = {
             key: _local_mask(m, cp_mask, self.degree)
             for (key, m), cp_mask in zip(distinct.items(), shards[len(tensors) :])

@@ -18,11 +18,35 @@ deliberate step that says the family was checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, cast
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from flexengine.core.errors import UserError
+
+
+class HFCausalLM(Protocol):
+    """The methods of an HF causal LM that flexengine calls: transformers' PreTrainedModel has them, and peft's
+    PeftModel (not a PreTrainedModel) forwards them to the model it wraps. tests/surgery/test_family.py checks that
+    every family's model, and its peft wrapper, gives these types."""
+
+    config: PretrainedConfig
+
+    def get_decoder(self) -> nn.Module: ...
+
+    def get_input_embeddings(self) -> nn.Embedding: ...  # PreTrainedModel says nn.Module: every family's is this
+
+    def get_output_embeddings(self) -> nn.Module: ...
+
+    def set_attn_implementation(self, attn_implementation: str) -> None: ...
+
+
+def hf_causal_lm(model: nn.Module) -> HFCausalLM:
+    """`model` typed as the HF causal LM (or peft wrapper of one) it is. torch types an nn.Module's other attributes
+    as Tensor | Module, so `model.get_decoder()` does not type-check; this names the methods instead. A static
+    view only (no check at run time: peft's forwarding is attribute lookup, which a Protocol check need not see)."""
+    return cast(HFCausalLM, model)
 
 
 @dataclass(frozen=True)
@@ -65,17 +89,18 @@ class Family:
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """The model's list of decoder blocks."""
-        layers = getattr(model.get_decoder(), self.layers, None)
+        lm = hf_causal_lm(model)
+        layers = getattr(lm.get_decoder(), self.layers, None)
         if not isinstance(layers, nn.ModuleList):
             raise UserError(
                 f"{type(model).__name__}: cannot find its decoder blocks (the {self.name} family keeps them at "
-                f"get_decoder().{self.layers}); is model_type={model.config.model_type!r} really this family?"
+                f"get_decoder().{self.layers}); is model_type={lm.config.model_type!r} really this family?"
             )
         return layers
 
     def final_norm_of(self, model: nn.Module) -> Optional[nn.Module]:
         """The decoder's final norm (None if the model has none)."""
-        return getattr(model.get_decoder(), self.final_norm, None)
+        return getattr(hf_causal_lm(model).get_decoder(), self.final_norm, None)
 
 
 def _llama_named(name: str, *model_types: str, input_biases: bool = False) -> Family:
@@ -96,7 +121,7 @@ QWEN2 = _llama_named("qwen2", input_biases=True)  # per-layer windows from layer
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2)
 
 
-def resolve_family(hf_config) -> Family:
+def resolve_family(hf_config: PretrainedConfig) -> Family:
     """The family of an HF config, from its model_type; a UserError for a family flexengine does not know."""
     model_type = getattr(hf_config, "model_type", None)
     family = next((f for f in FAMILIES if model_type in f.model_types), None)  # FAMILIES is the only table
@@ -112,4 +137,4 @@ def resolve_family(hf_config) -> Family:
 
 def family_of(model: nn.Module) -> Family:
     """The family of an HF model (peft-wrapped or not), from its config."""
-    return resolve_family(model.config)
+    return resolve_family(hf_causal_lm(model).config)

@@ -38,7 +38,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     # plain LoRA only: merge_lora_state_dict folds W + (alpha / r) B A into Linear weights, nothing else
     config = PeftLoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        # peft annotates lora_alpha as int, but only divides by it (scaling = alpha / r): a float alpha works
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from flexengine.data.targets import IGNORE_INDEX, predicting_positions
+from flexengine.surgery.family import hf_causal_lm
 
 
 def _chunk_loss_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Module) -> Tensor:
@@ -69,16 +70,17 @@ def _selected_loss_sum(
 
 def forward_loss_sum(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = 0, **mask_kwargs) -> Tensor:
     """Run the decoder on a batch and return the summed token loss (no logits tensor for the whole batch)."""
-    decoder = model.get_decoder()
+    lm = hf_causal_lm(model)
+    decoder = lm.get_decoder()
     out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
     if "targets" in batch:  # a context-parallel shard: this rank's tokens, each with its own target
         return shifted_loss_sum(
             out.last_hidden_state,
             batch["targets"],
-            model.get_output_embeddings(),
+            lm.get_output_embeddings(),
             chunk_size,
             batch.get("predicting_index"),
         )
     return causal_lm_loss_sum(
-        out.last_hidden_state, batch["labels"], model.get_output_embeddings(), chunk_size, batch.get("predicting_index")
+        out.last_hidden_state, batch["labels"], lm.get_output_embeddings(), chunk_size, batch.get("predicting_index")
     )

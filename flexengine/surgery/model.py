@@ -7,7 +7,7 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from safetensors import SafetensorError
@@ -16,8 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from flexengine.core.config import ModelConfig
 from flexengine.core.errors import UserError
 from flexengine.data.demo import load_demo_tokenizer
-from flexengine.surgery.family import resolve_family
+from flexengine.surgery.family import hf_causal_lm, resolve_family
 from flexengine.surgery.model_files import (
+    StoredTensor,
     check_against_manifest,
     check_shapes,
     read_config_json,
@@ -105,6 +106,8 @@ def base_name_or_path(model: ModelConfig) -> str:
     """model.path as an absolute path: what the loaded model's `name_or_path` says, which peft records as a LoRA
     adapter's base_model_name_or_path. The path as typed was relative to wherever the run was launched, so the
     adapter could not find its base from anywhere else. (Symlinks are kept: they are the user's names.)"""
+    if model.path is None:
+        raise ValueError(f"model={model.name} has no model.path (built from model.arch): it has no directory to name")
     return os.path.abspath(model.path)
 
 
@@ -138,6 +141,7 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
             "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
         )
         return lm
+    assert model.path is not None  # loads_weights: weights come from model.path
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise UserError(f"model.path={model.path!r} holds no *.safetensors weights (use model.init=random for none).")
@@ -150,12 +154,12 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
         )
     unexpected = len(info.get("unexpected_keys") or [])
     # the tensors of the files transformers read (their headers, read once before it); *.bin only: no header
-    stored = len(stored) if stored is not None else len(lm.state_dict())
+    n_stored = len(stored) if stored is not None else len(lm.state_dict())
     lm = lm.to(device)
     log.info(
         "model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s",
         model.name,
-        stored - unexpected,
+        n_stored - unexpected,
         path,
         config.model_type,
         _n_params(lm) / 1e6,
@@ -166,10 +170,13 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
     return lm
 
 
-def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.dtype) -> tuple:
+def _from_pretrained(
+    model: ModelConfig, config: PretrainedConfig, dtype: torch.dtype
+) -> tuple[torch.nn.Module, dict, Optional[dict[str, StoredTensor]]]:
     """transformers' from_pretrained after checking the files it will read: each weight file's header, a
     checkpoint's manifest, and every stored tensor's shape against config.json's architecture. Returns the model,
     its loading info and the stored tensors (None: *.bin weights, no header to read)."""
+    assert model.path is not None  # only called to load weights, which come from model.path
     path = Path(model.path)
     stored = stored_tensors(path)
     if stored is not None:
@@ -177,13 +184,17 @@ def _from_pretrained(model: ModelConfig, config: PretrainedConfig, dtype: torch.
         meta = build_meta_model(config, dtype, model.trust_remote_code)
         check_shapes(stored, {k: tuple(v.shape) for k, v in meta.state_dict().items()}, path / "config.json")
     try:
-        lm, info = AutoModelForCausalLM.from_pretrained(
-            base_name_or_path(model),
-            config=config,
-            dtype=dtype,
-            trust_remote_code=model.trust_remote_code,
-            use_safetensors=None,
-            output_loading_info=True,
+        # output_loading_info=True returns (model, info); transformers' annotation knows only the model
+        lm, info = cast(
+            tuple[torch.nn.Module, dict],
+            AutoModelForCausalLM.from_pretrained(
+                base_name_or_path(model),
+                config=config,
+                dtype=dtype,
+                trust_remote_code=model.trust_remote_code,
+                use_safetensors=None,
+                output_loading_info=True,
+            ),
         )
         return lm, info, stored
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
@@ -208,7 +219,7 @@ def load_tokenizer(model: ModelConfig, cache_dir: Optional[Path] = None):
 
 def check_vocab(lm: torch.nn.Module, tokenizer) -> None:
     """Fail early if the tokenizer can emit ids the embedding does not have."""
-    vocab = lm.get_input_embeddings().num_embeddings
+    vocab = hf_causal_lm(lm).get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {vocab}; "

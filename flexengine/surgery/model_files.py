@@ -191,8 +191,8 @@ def read_config_json(directory: Path) -> dict:
 
 # config.json keys that describe the file rather than the network: transformers' bookkeeping, the storage dtype
 # (precision.* decides the training one), the cache switch (training turns it off), classification labels
-NOT_ARCHITECTURE = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache")
-NOT_ARCHITECTURE += ("id2label", "label2id")
+NOT_ARCHITECTURE: tuple[str, ...] = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype")
+NOT_ARCHITECTURE += ("use_cache", "id2label", "label2id")
 
 
 def architecture_of(directory: Path) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,12 @@ from flexengine.surgery.memory import decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether `t` is a DTensor (an FSDP2 shard): numel() is then global, its data the local shard. Duck-typed, so
     callers need no torch.distributed.tensor import and a plain-process run never loads it."""
     return hasattr(t, "to_local")

@@ -32,6 +32,7 @@ import torch
 from flexengine.core.config import OPTIM_NAMES
 from flexengine.core.errors import UserError
 from flexengine.surgery.applied import applied
+from flexengine.surgery.family import hf_causal_lm
 
 if TYPE_CHECKING:  # types only: FSDP is imported when a policy is built
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -278,7 +279,7 @@ def apply_precision(model: torch.nn.Module, spec: PrecisionSpec) -> int:
         if not p.requires_grad and p.ndim >= 2 and p.is_floating_point() and p.dtype != spec.frozen_dtype:
             p.data = p.data.to(spec.frozen_dtype)
             cast += p.numel()
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding = hf_causal_lm(model).get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if cast and embedding is not None and embedding.weight.dtype != spec.param_dtype:
         # only under autocast: with FSDP2's MixedPrecisionPolicy (no autocast) everything runs in bf16 anyway, and an
         # fp32 copy of the embeddings would be held through the whole forward

@@ -16,6 +16,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PretrainedConfig,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -24,7 +25,16 @@ import flexengine
 from flexengine.core.config import LoraConfig, ModelConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.shapes import ModelShape
-from flexengine.surgery.family import FAMILIES, LLAMA, MISTRAL, QWEN2, family_of, resolve_family
+from flexengine.surgery.family import (
+    FAMILIES,
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    HFCausalLM,
+    family_of,
+    hf_causal_lm,
+    resolve_family,
+)
 from flexengine.surgery.model import build_hf_config
 from tests.helpers import QWEN_MIXED, TINY_LLAMA
 
@@ -74,6 +84,33 @@ def test_default_lora_targets_every_projection_and_the_planner_sizes_them(name):
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     shape = ModelShape.from_hf_config(peft_model.config)
     assert shape.lora_params(r, list(family.lora_targets), family) == trainable
+
+
+# what each HFCausalLM method returns (None: returns nothing worth checking, called for its effect)
+_HF_METHODS = {
+    "get_decoder": nn.Module,
+    "get_input_embeddings": nn.Embedding,
+    "get_output_embeddings": nn.Module,
+    "set_attn_implementation": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_family_and_its_peft_wrapper_have_what_hf_causal_lm_types(name):
+    """`hf_causal_lm` is a static view only: the members it declares exist, with the declared types, on every
+    family's model and on peft's wrapper of it (which forwards them)."""
+    from flexengine.surgery.lora import apply_lora
+
+    members = {n for n in vars(HFCausalLM) if not n.startswith("_")} | set(HFCausalLM.__annotations__)
+    assert members == {"config", *_HF_METHODS}
+    _, build = CASES[name]
+    for model in (build(), apply_lora(build(), LoraConfig(r=2))):
+        lm = hf_causal_lm(model)
+        assert isinstance(lm.config, PretrainedConfig)
+        for method, returns in _HF_METHODS.items():
+            assert callable(getattr(lm, method)), method
+            if returns is not None:
+                assert isinstance(getattr(lm, method)(), returns), method
 
 
 def test_unknown_family_is_refused_naming_model_type_and_the_supported_list():

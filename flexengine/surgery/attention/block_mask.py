@@ -7,7 +7,7 @@ each backend consumes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 from torch import Tensor
@@ -77,6 +77,14 @@ class VarlenMask(BatchMask):
     """attn.backend=varlen: ids whose runs are the documents (attention/varlen.py), its calls planned on the host."""
 
     varlen_ids: Tensor  # [B, S]
+
+
+class _CommonFields(TypedDict):
+    """The BatchMask fields every backend's mask of one batch has alike (`computed_blocks` differs)."""
+
+    mode: MaskMode
+    causal_blocks: float
+    block_size: int
 
 
 _compiled_create_block_mask = None
@@ -157,22 +165,22 @@ def build_batch_mask(
     mode = mode or band_mode(documents, window)
     B, S = document_ids_BS.shape
     document_ids_BS = canonical_document_ids(document_ids_BS)
-    made = {"mode": mode, "block_size": block_size, "causal_blocks": _causal_block_count(B, S, block_size)}
+    common = _CommonFields(mode=mode, causal_blocks=_causal_block_count(B, S, block_size), block_size=block_size)
     if backend is AttnBackend.FLEX:
         block_mask = build_block_mask(mode, document_ids_BS, block_size)
         computed = block_mask.kv_num_blocks.sum()
         if block_mask.full_kv_num_blocks is not None:
             computed = computed + block_mask.full_kv_num_blocks.sum()
-        return FlexMask(**made, block_mask=block_mask, computed_blocks=computed)
+        return FlexMask(**common, computed_blocks=computed, block_mask=block_mask)
     if backend not in (AttnBackend.VARLEN, AttnBackend.DENSE):
         raise ValueError(f"unknown mask backend {backend!r}")
     # these visit no blocks: the density metric counts what a block-sparse kernel would compute
-    made["computed_blocks"] = mode.block_occupancy(document_ids_BS, block_size)[0].sum()
+    computed = mode.block_occupancy(document_ids_BS, block_size)[0].sum()
     if backend is AttnBackend.VARLEN:
         ids = mode.row_ids(document_ids_BS)
         plan_calls(ids, mode.varlen_window)  # planned now, on the host, once per batch (every layer finds it)
-        return VarlenMask(**made, varlen_ids=ids)
-    return DenseMask(**made, dense_chunks=_dense_chunks(mode, document_ids_BS, dense_chunk))
+        return VarlenMask(**common, computed_blocks=computed, varlen_ids=ids)
+    return DenseMask(**common, computed_blocks=computed, dense_chunks=_dense_chunks(mode, document_ids_BS, dense_chunk))
 
 
 def _dense_chunks(mode: MaskMode, document_ids_BS: Tensor, chunk: int) -> list[DenseChunk]:

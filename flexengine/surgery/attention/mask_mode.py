@@ -67,14 +67,17 @@ class MaskMode:
         return torch.zeros(document_ids_BS.shape, dtype=torch.int32, device=document_ids_BS.device)
 
     # -- the predicate -----------------------------------------------------------------------------------------
-    def mask_mod(self, document_ids_BS: Tensor) -> MaskMod:
-        """FlexAttention mask_mod over rows of these (canonical) document ids; ignored when not packed."""
+    def mask_mod(self, document_ids_BS: Optional[Tensor]) -> MaskMod:
+        """FlexAttention mask_mod over rows of these (canonical) document ids; ignored (may be None) when not
+        packed."""
         inner = self.inner
         if not self.documents:  # one document per row: local positions are the row's
 
             def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return inner.allowed(q_idx, kv_idx)
 
+        elif document_ids_BS is None:
+            raise ValueError(f"mask mode {self.name!r} separates documents: its mask_mod needs the document ids")
         elif inner.shift_invariant:  # q - kv is the same in local and row coordinates: skip the offsets
             doc = document_ids_BS
 

@@ -20,10 +20,11 @@ from transformers import AttentionInterface
 
 from flexengine.core.config import AttnConfig
 from flexengine.surgery.applied import applied, attention_spec
-from flexengine.surgery.attention.block_mask import BatchMask, FlexMask, VarlenMask, build_batch_mask
+from flexengine.surgery.attention.block_mask import BatchMask, DenseMask, FlexMask, VarlenMask, build_batch_mask
 from flexengine.surgery.attention.masks import document_ids_from_position_ids, position_ids_from_document_ids
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
 from flexengine.surgery.attention.varlen import varlen_attention
+from flexengine.surgery.family import hf_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ def flexengine_attention(
                 "or set the model's attention_dropout=0"
             )
         return varlen_attention(query, key, value, mask.varlen_ids, mask.mode.varlen_window, scaling), None
-    else:  # DenseMask
+    else:
+        assert isinstance(mask, DenseMask)  # build_batch_mask makes only these three kinds
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, c.q_start : c.q_end],
@@ -140,10 +142,11 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
     document (or pass `document_ids=` [B, S]); an HF `attention_mask` [B, S] of 1/0 makes padding its own
     segment (`fold_padding`). Recorded in `model.flexengine.attention`.
     """
-    if len(spec.layer_windows) != model.config.num_hidden_layers:
+    lm = hf_causal_lm(model)
+    if len(spec.layer_windows) != lm.config.num_hidden_layers:
         raise ValueError(
             f"the spec has {len(spec.layer_windows)} layer windows, the model "
-            f"{model.config.num_hidden_layers} layers: resolve it from this model's config"
+            f"{lm.config.num_hidden_layers} layers: resolve it from this model's config"
         )
     record = applied(model)
     if record.mask_hook is not None:
@@ -151,13 +154,13 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
         record.mask_hook = None
     record.attention = spec
     if not spec.backend.patched:
-        model.set_attn_implementation("sdpa")
+        lm.set_attn_implementation("sdpa")
         log.info("attention: %s (HF's own, one document per row)", spec.describe())
         return model
     if spec.backend is AttnBackend.FLEX:
         _check_flex_can_run(spec.compile)
         _flex_fn(spec.compile)  # created here: made lazily inside a traced checkpoint it is a side effect
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    lm.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     def build_mask_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get(MASK_KWARG) is not None:  # the caller built it already (e.g. the trainer, ahead of time)
@@ -186,7 +189,7 @@ def apply_attention(model: nn.Module, spec: AttentionSpec) -> nn.Module:
         return args, kwargs
 
     # On the decoder (not the LM head wrapper) so that calls to the decoder alone (chunked loss) also get masks.
-    record.mask_hook = model.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
+    record.mask_hook = lm.get_decoder().register_forward_pre_hook(build_mask_hook, with_kwargs=True)
     log.info("attention: %s", spec.describe())
     return model
 
@@ -211,7 +214,7 @@ def patch_attention(
     attn = AttnConfig(
         mode=mode, backend=backend, window=window, block_size=block_size, compile=compile, dense_chunk=dense_chunk
     )
-    return apply_attention(model, resolve_attention_spec(attn, model.config, device=device))
+    return apply_attention(model, resolve_attention_spec(attn, hf_causal_lm(model).config, device=device))
 
 
 def fold_padding(document_ids_BS: Tensor, attention_mask_BS: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ input is the [B, S] document ids (a new layout is new data, not a recompile). Th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -122,10 +122,11 @@ def _put(dst_BHSD: Tensor, src: Tensor, where: list[tuple[int, int]], width: int
     if _consecutive(where):
         r0, s0 = where[0]
         views = [dst_BHSD[r0 : r0 + len(where), :, s0 : s0 + width]]
-        src = [src]
+        parts: Iterable[Tensor] = [src]  # one view takes all of src
     else:
         views = [dst_BHSD[r, :, s : s + width] for r, s in where]
-    for view, part in zip(views, src):
+        parts = src  # span i gets src[i]
+    for view, part in zip(views, parts):
         view.add_(part) if accumulate else view.copy_(part)
 
 
@@ -162,7 +163,7 @@ def _call_shapes(kind: int, q_len: int, window: int) -> tuple[int, int, bool]:
     return -(window - 1), q_len + window - 1, False
 
 
-def plan_mask(plan: Tensor, B: int, S: int, window: int) -> Tensor:
+def plan_mask(plan: Tensor, B: int, S: int, window: int) -> tuple[Tensor, Tensor]:
     """[B, S, S] bool: the (query, key) pairs the plan's kernel calls attend, and [B, S] int: how many spans
     cover each query (tests check both against the mask_mod: exactly once, and the same pairs)."""
     pairs = torch.zeros(B, S, S, dtype=torch.bool)
@@ -232,7 +233,7 @@ def _varlen_backward(
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_BHSD, q, k, v, out_BHSD, lse_BHS1[..., 0], 0.0, True, scale=scale
         )
-        return tuple(_like(g, x) for g, x in zip(grads, (q, k, v)))
+        return _like(grads[0], q), _like(grads[1], k), _like(grads[2], v)
     overlap = any(kind == BAND for kind, _, _ in calls)  # windowed chunks share keys: accumulate
     dq = torch.empty_like(q)  # the spans partition the queries: every element is written once
     dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if overlap else (torch.empty_like(k), torch.empty_like(v))

@@ -119,6 +119,11 @@ class _Handle:
         self.unwaited = weakref.finalize(self, streams.compute_waits, copy_done)
         self.unwaited.atexit = False  # no CUDA calls at interpreter exit
 
+    def host_copy(self) -> Tensor:
+        """The host bytes (None only inside `_to_host`, between making the handle and its host buffer)."""
+        assert self.host is not None, "an offload handle read before its host buffer was made"
+        return self.host
+
     def compute_waited(self) -> None:
         """Compute has waited on the event of the copy that touched the held tensor: freeing it is safe."""
         if self.unwaited is not None:
@@ -247,7 +252,7 @@ class OffloadManager:
         holding = [g for g in self._holding if g.holds_saved_tensors()]
         while len(holding) >= self.blocks_in_flight:
             oldest = holding.pop(0)
-            self._streams.compute_waits(oldest.copied)
+            self._cuda().compute_waits(oldest.copied)
             for handle in oldest.live_handles():
                 handle.release_saved()
         self._holding = holding
@@ -278,6 +283,11 @@ class OffloadManager:
             self._streams = CudaStreams(t.device)
         return self._streams
 
+    def _cuda(self) -> CudaStreams:
+        """The streams: only the CUDA path holds saved tensors and copy events, and it makes the streams first."""
+        assert self._streams is not None, "activation offload: a CUDA copy without CUDA streams"
+        return self._streams
+
     def _pinned(self, nbytes: int, handle: _Handle) -> bool:
         """Reserve pinned bytes for a handle within the bound (released when the handle dies)."""
         if self.pinned_bytes + nbytes > self.max_pinned_bytes:
@@ -302,10 +312,10 @@ class OffloadManager:
             if streams is None:  # CPU: same path, no pinning, no stream (exact grads)
                 return _Handle(group, torch.empty_like(t).copy_(t), t.device)
             handle = _Handle(group, None, t.device)
-            handle.host = streams.host_buffer(t, pinned=self._pinned(t.numel() * t.element_size(), handle))
+            handle.host = host = streams.host_buffer(t, pinned=self._pinned(t.numel() * t.element_size(), handle))
             streams.side_waits_for_compute()
             with streams.on_side():
-                handle.host.copy_(t, non_blocking=True)
+                host.copy_(t, non_blocking=True)
             handle.offloaded = group.copied = streams.record()
             handle.saved = t  # until the bound releases it, or backward uses it in place
             handle.guard(handle.offloaded, streams)
@@ -323,30 +333,31 @@ class OffloadManager:
         return _as_view(self._fetch(packed.handle), packed.view)
 
     def _prefetch(self, group: _Group) -> None:
-        streams = self._streams
         todo = [h for h in group.live_handles() if h.offloaded is not None and h.saved is None and h.on_device is None]
-        if not todo:
+        if not todo:  # always so on CPU (no copy events)
             return
+        streams = self._cuda()
         # On the compute stream: its pool, which the block's backward frees them back to. The side stream starts
         # after the compute queued so far, the last user of whatever memory the allocator just handed out.
-        buffers = [streams.device_buffer(h.host, h.device) for h in todo]
+        buffers = [streams.device_buffer(h.host_copy(), h.device) for h in todo]
         streams.side_waits_for_compute()
         for handle, buffer in zip(todo, buffers):
             with streams.on_side():  # after the block's own device -> host copies, in stream order
-                buffer.copy_(handle.host, non_blocking=True)
+                buffer.copy_(handle.host_copy(), non_blocking=True)
             handle.on_device, handle.prefetched = buffer, streams.record()
             handle.guard(handle.prefetched, streams)
 
     def _fetch(self, handle: _Handle) -> Tensor:
         if handle.offloaded is None:  # CPU
-            return handle.host
+            return handle.host_copy()
         if handle.saved is not None:  # one of the forward's last blocks, still on the device: used in place (a
             return handle.saved  # read needs no wait; the guard waits on its copy to host before it is freed)
         if handle.on_device is None:  # released and not prefetched: copy back on the compute stream, now
-            self._streams.compute_waits(handle.offloaded)
-            handle.on_device = self._streams.device_buffer(handle.host, handle.device)
-            handle.on_device.copy_(handle.host, non_blocking=True)
+            streams, host = self._cuda(), handle.host_copy()
+            streams.compute_waits(handle.offloaded)
+            handle.on_device = streams.device_buffer(host, handle.device)
+            handle.on_device.copy_(host, non_blocking=True)
         elif handle.unwaited is not None:
-            self._streams.compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
+            self._cuda().compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
             handle.compute_waited()
         return handle.on_device

@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
-def _saved_ops() -> set:
+def _saved_ops() -> set[Callable[..., Any]]:
     """Ops whose outputs op-level SAC keeps: matmuls and fused attention (expensive to recompute, cheap to hold
     relative to the pointwise ops around them)."""
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    ops: set[Callable[..., Any]] = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
     for name in (
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",

@@ -77,6 +77,13 @@ def block_memory_specs(memory: MemoryConfig, n_layers: int) -> tuple[MemorySpec,
     tile = int(memory.tiled_mlp)  # every block's MLP, whichever blocks memory.layers selects
     if memory.policy == "none":
         return (MemorySpec(mlp_tile=tile),) * n_layers
+    if memory.layers is None or memory.granularity is None or memory.offload is None:
+        # MemoryConfig.__post_init__ fills all three under a concrete policy: a None is a config changed after it
+        raise ValueError(
+            f"memory.layers={memory.layers}, memory.granularity={memory.granularity}, memory.offload="
+            f"{memory.offload}: under memory.policy={memory.policy} none may be null; build the config with "
+            "MemoryConfig(...) or dataclasses.replace so that its defaults are filled in"
+        )
     chosen = set(select_layers(memory.layers, n_layers))
     recompute = Recompute(memory.granularity) if memory.policy in ("full", "selective") else Recompute.NONE
     selected = MemorySpec(recompute, offload=memory.policy == "offload" or memory.offload, mlp_tile=tile)
