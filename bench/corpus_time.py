@@ -15,11 +15,8 @@ import json
 from pathlib import Path
 
 from flexengine.cli.common import compose_job
-from flexengine.cli.plan import PlanOptions
-from flexengine.cli.plan_corpus import corpus_of
-from flexengine.core.hardware import assumed_hardware
-from flexengine.planning.corpus_time import corpus_hours, format_corpus_hours
-from flexengine.surgery.model import build_hf_config
+from flexengine.cli.plan import PlanOptions, plan_with_corpus
+from flexengine.planning.corpus_time import Corpus, format_corpus_hours
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED = PlanOptions(documents=20_000, doc_tokens=6_000, epochs=1)
@@ -31,15 +28,20 @@ def main() -> None:
     report, sections = [], []
     for name, extra in ROWS.items():
         job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", *extra])
-        corpus = corpus_of(job, SEED)
-        rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), corpus)
-        report.append({"seq_len": job.data.seq_len, "corpus": corpus.describe, "alternatives": rows})
+        plan, hours = plan_with_corpus(job, SEED)  # the plan command's path: the packed rows' attended pairs too
+        assert hours is not None
+        corpus, rows = Corpus(**hours["corpus"]), hours["alternatives"]
+        pairs = plan["attention_pairs"]["fraction_of_row_squared"]
+        report.append(
+            {"seq_len": job.data.seq_len, "corpus": corpus.describe, "attended_fraction": pairs, "alternatives": rows}
+        )
         sections.append(f"### rows of {name}\n\n```\n{format_corpus_hours(rows, corpus, job.hardware.name)}\n```")
     intro = (
         "`python bench/corpus_time.py` (= `python -m flexengine.plan experiment=deepseek7b_6k_a100 "
         "plan.documents=20000 plan.doc_tokens=6000 plan.epochs=1`). Step times are the planner's (FLOPs at "
-        "40 % MFU plus exposed transfers), not measured; no GPU run of this workload is recorded yet. The 8-GPU "
-        "and LoRA rows keep the experiment's 8 rows per optimizer step."
+        "40 % MFU plus exposed transfers), not measured; no GPU run of this workload is recorded yet. The attention "
+        "core counts the pairs each packed row's mask allows (its document's and its padding's, each causal), not "
+        "the whole row's causal half. The 8-GPU and LoRA rows keep the experiment's 8 rows per optimizer step."
     )
     title = "## How long: 20,000 documents of ~6,000 tokens, one epoch, DeepSeek-7B (estimates)"
     text = "\n\n".join([title, intro, *sections])

@@ -11,7 +11,8 @@ from typing import Optional
 from flexengine.cli.common import compose_job
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.planner import evaluate, spread_layers
-from flexengine.planning.shapes import ModelShape, plan_inputs
+from flexengine.planning.shapes import ModelShape
+from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.model import build_hf_config
 from flexengine.surgery.precision import precision_spec
 
@@ -99,7 +100,9 @@ def planner_step(case: Case) -> dict:
     its CUDA hardware; `evaluate` of the case's memory policy), plus its host bytes."""
     job = case.job()
     spec = precision_spec(job.precision.mode)
-    m = ModelShape.from_hf_config(build_hf_config(job.model))
-    row = evaluate(m, plan_inputs(job, job.hardware, spec, on_cuda=True), case.memory)
+    hf_config = build_hf_config(job.model)
+    m = ModelShape.from_hf_config(hf_config)
+    specs = plan_specs(job, hf_config, planned_attention(job, hf_config, job.hardware))
+    row = evaluate(m, plan_inputs(specs, job.hardware, spec, on_cuda=True), case.memory)
     terms = {part: sum(row["terms"].get(key, 0) for key in keys) for part, keys in PLANNER_TERMS.items()}
     return {"terms": terms, "total": sum(terms.values()), "host_bytes": row["host_bytes"], "row": row}

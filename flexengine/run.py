@@ -27,6 +27,7 @@ from flexengine.core.config_record import (
 from flexengine.core.distributed import DistInfo, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
+from flexengine.core.parallel_spec import resolve_parallel
 from flexengine.core.storage import (
     CHECKPOINTS,
     check_output_dir,
@@ -223,7 +224,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     hardware = _run_hardware(job, device, dist_info)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
-    job, fit = fit_job(job, hf_config, hardware)
+    job, fit = fit_job(job, hf_config, hardware, attention)  # the spec resolved above: planned as it runs
     record.update(job, AUTO_PLANNER)
     tokenizer = load_tokenizer(job.model)
     job, loader, eval_data, data_report = _build_checked_data(
@@ -236,9 +237,10 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
+    parallel = resolve_parallel(job.parallel)  # parallel.* as enums, reduce_every as the fit chose it
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
         model,
-        job.parallel,
+        parallel,
         dist_info,
         device,
         job.loss.chunk_size,
@@ -255,6 +257,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         dist=dist_info,
         train_module=train_module,
         precision=fit.precision,
+        parallel=parallel,
         context_parallel=context_parallel,
         **_components(job, out_dir, dist_info, loader, eval_data),
     )

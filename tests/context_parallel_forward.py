@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexengine.core.config import ParallelConfig
 from flexengine.core.distributed import init_distributed
+from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.data.packing import pack_documents
 from flexengine.loop.evaluator import evaluate_loss, greedy_continue
 from flexengine.surgery.attention import patch_attention
@@ -84,9 +85,7 @@ def main(out: str) -> None:
     cp.apply(model)
     if dp == 1:
         apply_compile(model, "aot_eager")  # fullgraph per block, as training compiles: the CP hook must trace
-    root = apply_parallel(
-        model, ParallelConfig(cp=CP), info, torch.device("cpu"), chunk_size=100, fsdp_mesh=cp.fsdp_mesh
-    )
+    root = apply_parallel(model, ParallelSpec(cp=CP), info, torch.device("cpu"), chunk_size=100, fsdp_mesh=cp.fsdp_mesh)
     sharded = {n: p.to_local().shape[0] for n, p in model.named_parameters()}  # each rank's first-dim shard
     results = {}
     with torch.no_grad():

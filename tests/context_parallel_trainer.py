@@ -24,6 +24,7 @@ def main(out: Path, overrides: list[str]) -> None:
 
     from flexengine.cli.doctor import compose_job
     from flexengine.core.distributed import init_distributed
+    from flexengine.core.parallel_spec import resolve_parallel
     from flexengine.data.build import build_data
     from flexengine.loop.trainer import Trainer
     from flexengine.surgery.attention import apply_attention, resolve_attention_spec
@@ -51,7 +52,9 @@ def main(out: Path, overrides: list[str]) -> None:
     cp.apply(model)
     for layer in decoder_layers(model):
         getattr(layer.self_attn, CP_ATTENTION).flex = sdpa_on_block_mask
-    root = apply_parallel(model, job.parallel, info, device, job.loss.chunk_size, fsdp_mesh=cp.fsdp_mesh)
+    root = apply_parallel(
+        model, resolve_parallel(job.parallel), info, device, job.loss.chunk_size, fsdp_mesh=cp.fsdp_mesh
+    )
     trainer = Trainer(
         job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root, context_parallel=cp
     )

@@ -15,7 +15,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import hydra
 from omegaconf import DictConfig
@@ -31,6 +31,10 @@ from flexengine.core.config_record import (
 )
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
+
+if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
+    from flexengine.planning.shapes import AttendedPairs
+    from flexengine.surgery.attention.spec import AttentionSpec
 
 
 @dataclass
@@ -147,13 +151,15 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     from flexengine.planning.budget import device_budget
     from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
-    from flexengine.planning.shapes import plan_inputs
+    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.rope import context_limits
 
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
-    x = plan_inputs(job, hardware, plan_job(job, hf_config, hardware).precision)  # x.cp: parallel.cp
+    attention = planned_attention(job, hf_config, hardware)
+    precision = plan_job(job, hf_config, hardware, attention=attention).precision
+    x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
     cp = x.cp
     tiled = job.memory.tiled_mlp or "auto"
     rows = max_seq_len_table(hf_config, x, tiled)
@@ -223,16 +229,21 @@ def format_max_seq_len(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build_plan(job: JobConfig) -> dict:
-    """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed)."""
+def build_plan(
+    job: JobConfig, attention: Optional[AttentionSpec] = None, pairs: Optional[AttendedPairs] = None
+) -> dict:
+    """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed). attention: attn.*
+    resolved for that hardware (None: here); pairs: the attended pairs of a known corpus's packed rows."""
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
     from flexengine.planning.shapes import ModelShape
+    from flexengine.planning.specs import planned_attention
     from flexengine.surgery.model import build_hf_config
 
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
-    fit = plan_job(job, hf_config, hardware)
+    attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
+    fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
     plan = {
         **fit.plan,
         "fit": fit,
@@ -244,7 +255,7 @@ def build_plan(job: JobConfig) -> dict:
         "cp": job.parallel.cp,  # ranks sharing each row
     }
     if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
-        node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8))
+        node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8), attention=attention, pairs=pairs)
         plan["node_of_8"] = {
             "precision": node.precision.name,
             **{k: node.plan[k] for k in ("total_bytes", "budget_bytes", "fits", "policy", "recompute_flops_fraction")},
@@ -310,17 +321,26 @@ def plan_json(plan: dict, candidates: bool = False) -> dict:
     return out
 
 
-def corpus_time(job: JobConfig, options: PlanOptions) -> dict:
-    """plan.epochs / plan.tokens / plan.documents: the corpus in packed rows and its hours for the plan and the
-    alternatives (flexengine.planning.corpus_time), as {"corpus": ..., "alternatives": [...]}."""
-    from flexengine.cli.plan_corpus import corpus_of
+def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[dict, Optional[dict]]:
+    """The plan, and with plan.epochs / plan.tokens / plan.documents the corpus in packed rows and its hours for
+    the plan and the alternatives (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}.
+    Rows of known documents give both the attention pairs their masks allow (else whole-row causal)."""
+    from flexengine.cli.plan_corpus import corpus_rows, wants_corpus_time
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.corpus_time import corpus_hours
+    from flexengine.planning.specs import packed_pairs, planned_attention
     from flexengine.surgery.model import build_hf_config
 
-    corpus = corpus_of(job, options)
-    rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), corpus)
-    return {"corpus": dataclasses.asdict(corpus), "alternatives": rows}
+    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    attention = planned_attention(job, hf_config, hardware)  # once, for the plan and every alternative
+    if not wants_corpus_time(options):
+        return build_plan(job, attention), None
+    corpus, rows = corpus_rows(job, options)
+    pairs = None
+    if rows:
+        pairs = packed_pairs(attention, rows, job.data.seq_len, f"the mask of the packed rows of {corpus.describe}")
+    hours = corpus_hours(job, hf_config, hardware, corpus, attention=attention, pairs=pairs)
+    return build_plan(job, attention, pairs), {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
 
 
 def plan_job_config(cfg: DictConfig) -> JobConfig:
@@ -352,11 +372,9 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
     the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
     as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
-    import torch
-
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job, resolved_job
-    from flexengine.surgery.attention import resolve_attention_spec
+    from flexengine.planning.specs import planned_attention
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.model_files import architecture_of
 
@@ -367,11 +385,11 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
-    job = resolved_job(job, plan_job(job, hf_config, hardware))
+    attention = planned_attention(job, hf_config, hardware)  # as the run resolves it on that device
+    job = resolved_job(job, plan_job(job, hf_config, hardware, attention=attention))
     record.update(job, AUTO_PLANNER)
     if job.attn.backend == "auto":
-        spec = resolve_attention_spec(job.attn, hf_config, device=torch.device(hardware.device))
-        record.set("attn.backend", spec.backend.value, AUTO_ATTENTION_BACKEND)
+        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
     if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
         record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
     return record
@@ -383,7 +401,6 @@ FORMATS = ("table", "json", "resolved")
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
-    from flexengine.cli.plan_corpus import wants_corpus_time
     from flexengine.planning.corpus_time import Corpus, format_corpus_hours
 
     plan_only = {}
@@ -403,8 +420,7 @@ def main(cfg: DictConfig) -> None:
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
-        plan = build_plan(job)
-        hours = corpus_time(job, cfg.plan) if wants_corpus_time(cfg.plan) else None
+        plan, hours = plan_with_corpus(job, cfg.plan)
     except UserError as e:
         fail(e)
     if fmt == "json":

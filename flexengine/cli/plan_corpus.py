@@ -11,7 +11,7 @@ The rows come from, in this order of preference:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from flexengine.core.config import JobConfig
 from flexengine.core.errors import UserError
@@ -25,6 +25,12 @@ def wants_corpus_time(options: Any) -> bool:
 
 def corpus_of(job: JobConfig, options: Any) -> Corpus:
     """The corpus flexengine-plan's options describe, in packed rows of data.seq_len (see the module docstring)."""
+    return corpus_rows(job, options)[0]
+
+
+def corpus_rows(job: JobConfig, options: Any) -> tuple[Corpus, Optional[list[list[int]]]]:
+    """`corpus_of`, and its packed rows as their document pieces' lengths (None for plan.tokens: full rows of
+    unknown documents)."""
     from flexengine.data.packing import plan_packing
 
     epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
@@ -37,19 +43,20 @@ def corpus_of(job: JobConfig, options: Any) -> Corpus:
                 "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
                 "plan.doc_tokens=6000), both positive."
             )
-        stats = plan_packing([options.doc_tokens] * options.documents, seq_len, data.packing, data.long_docs).stats
+        packed = plan_packing([options.doc_tokens] * options.documents, seq_len, data.packing, data.long_docs)
+        stats = packed.stats
         what = f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
-        return Corpus(stats.rows, stats.tokens, epochs, f"{what} -> {_rows(stats)}")
+        return Corpus(stats.rows, stats.tokens, epochs, f"{what} -> {_rows(stats)}"), _piece_lengths(packed)
     if options.tokens is not None:
         if options.tokens <= 0:
             raise UserError(f"plan.tokens={options.tokens} must be positive.")
         rows = math.ceil(options.tokens / seq_len)
         what = f"{options.tokens:,.0f} tokens in {rows:,} full rows of {seq_len:,}"
-        return Corpus(rows, int(options.tokens), epochs, f"{what} (no padding counted: an optimistic bound)")
+        return Corpus(rows, int(options.tokens), epochs, f"{what} (no padding counted: an optimistic bound)"), None
     return _corpus_of_data(job, epochs)
 
 
-def _corpus_of_data(job: JobConfig, epochs: float) -> Corpus:
+def _corpus_of_data(job: JobConfig, epochs: float) -> tuple[Corpus, list[list[int]]]:
     """The job's own documents, tokenized (cached) and packed as a run would (held-out documents included)."""
     from flexengine.data.corpus import build_corpus
     from flexengine.data.packing import plan_packing
@@ -62,9 +69,15 @@ def _corpus_of_data(job: JobConfig, epochs: float) -> Corpus:
             "plan.doc_tokens=T."
         )
     lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
-    stats = plan_packing(lengths, job.data.seq_len, job.data.packing, job.data.long_docs).stats
-    where = job.data.path or "the demo corpus"
-    return Corpus(stats.rows, stats.tokens, epochs, f"{where}: {stats.documents:,} documents -> {_rows(stats)}")
+    packed = plan_packing(lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
+    stats, where = packed.stats, job.data.path or "the demo corpus"
+    corpus = Corpus(stats.rows, stats.tokens, epochs, f"{where}: {stats.documents:,} documents -> {_rows(stats)}")
+    return corpus, _piece_lengths(packed)
+
+
+def _piece_lengths(packed) -> list[list[int]]:
+    """Each packed row as its document pieces' lengths (what the mask separates)."""
+    return [[length for _doc, _start, length in row] for row in packed.rows]
 
 
 def _rows(stats) -> str:

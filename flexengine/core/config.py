@@ -29,6 +29,7 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
     MODEL_INITS,
     OPTIM_NAMES,
     PACKING_STRATEGIES,
+    PARALLEL_STRATEGIES,
     POSITION_DEPENDENT_ROPE,
     REDUCE_EVERY,
     ROPE_SCALING_TYPES,
@@ -229,6 +230,16 @@ class HardwareConfig:
     # reduce-scatter achieves) for FSDP's gradient reduction time; None = by hardware.name (NVLink estimates in
     # planning/costs.INTERCONNECT_GB_S), else pcie_gb_s
 
+    @property
+    def on_cuda(self) -> bool:
+        """The device is a GPU (device as flexengine.core.hardware resolved it)."""
+        return self.device == "cuda"
+
+    @property
+    def on_cpu(self) -> bool:
+        """The device is the host itself (its memory is the host memory: one pool)."""
+        return self.device == "cpu"
+
     def __post_init__(self) -> None:
         check_choice("hardware.device", self.device, ("auto", "cpu", "cuda"))
         for key in ("memory_gb", "peak_tflops", "host_memory_gb", "interconnect_gb_s"):
@@ -261,7 +272,7 @@ class ParallelConfig:
     # FlexAttention with K/V all-gathered); the torchrun world is a (world/cp data-parallel x cp) mesh. 1 = off
 
     def __post_init__(self) -> None:
-        check_choice("parallel.strategy", self.strategy, ("fsdp", "ddp"))
+        check_choice("parallel.strategy", self.strategy, PARALLEL_STRATEGIES)
         check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("parallel.reduce_every", self.reduce_every, REDUCE_EVERY)
         if self.data_timeout_s <= 0:

@@ -10,6 +10,7 @@ import math
 from typing import Any, Optional
 
 from flexengine.core.errors import UserError
+from flexengine.core.parallel_spec import ReduceEvery, Strategy
 
 ATTN_BACKENDS = ("auto", "flex", "dense", "varlen", "sdpa")
 PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
@@ -21,7 +22,8 @@ MODEL_INITS = ("auto", "pretrained", "random")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
-REDUCE_EVERY = ("auto", "window", "micro_batch")
+REDUCE_EVERY = tuple(r.value for r in ReduceEvery)  # auto, window, micro_batch
+PARALLEL_STRATEGIES = tuple(s.value for s in Strategy)
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
 OPTIM_NAMES = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")  # flexengine.loop.optim builds each
 

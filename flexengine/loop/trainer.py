@@ -17,6 +17,7 @@ from torch import nn
 from flexengine.core.config import JobConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
+from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
 from flexengine.core.storage import CHECKPOINTS
 from flexengine.data.loader import RowLoader
 from flexengine.data.targets import count_valid_targets
@@ -97,6 +98,7 @@ class Trainer:
         dist: Optional[DistInfo] = None,
         train_module: Optional[nn.Module] = None,
         precision: Optional[PrecisionSpec] = None,
+        parallel: Optional[ParallelSpec] = None,
         context_parallel: Optional[ContextParallel] = None,
         checkpointer: Optional[Checkpointer] = None,
         evaluator: Optional[Evaluator] = None,
@@ -106,6 +108,8 @@ class Trainer:
         self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         self.precision = _precision_of(job, model, precision)
+        # run.py resolves parallel.* once (reduce_every as the fit chose it); a Trainer built by hand: its job's
+        self.parallel = parallel if parallel is not None else resolve_parallel(job.parallel)
         # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
         self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
         self.optimizer = build_optimizer(model, job.optim, device)
@@ -265,7 +269,7 @@ class Trainer:
         """One micro-batch's forward and backward (`last`: the window's final one); its summed token loss."""
         # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2),
         # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
-        with gradient_sync(self.train_module, enabled=last or self.job.parallel.reduce_every == "micro_batch"):
+        with gradient_sync(self.train_module, enabled=last or self.parallel.reduces_every_micro_batch):
             with self._phase("forward"), self.compute_context():
                 micro_loss = self.train_module(batch, **mask_kwargs)
             # the window's gradients are final in this backward: a host optimizer starts its downloads in it

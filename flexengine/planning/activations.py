@@ -261,18 +261,24 @@ def estimate_activations(
     m: ModelShape,
     w: Workload,
     specs: Sequence[MemorySpec],
-    attended_fraction: float = 0.5,
+    attended_fraction: float | Sequence[float] = 0.5,
     count_attention_core: bool = True,
 ) -> ActivationEstimate:
     """Bytes a forward under one MemorySpec per block (`memory_specs`) holds for backward, per block and in total."""
-    parts, ops = block_recompute_parts(m, w, attended_fraction, count_attention_core), pointwise_bytes(m, w)
+    # per block: its layer's share of seq_len^2 attended (layers whose masks differ, e.g. windowed ones)
+    if isinstance(attended_fraction, (int, float)):
+        shares = [float(attended_fraction)] * len(specs)
+    else:
+        shares = list(attended_fraction)
+    parts = {f: block_recompute_parts(m, w, f, count_attention_core) for f in set(shares)}
+    ops = pointwise_bytes(m, w)
     per_block, offloaded, flops, pointwise = [], [], 0.0, 0
-    for spec in specs:
+    for spec, share in zip(specs, shares, strict=True):
         dev, off = block_bytes(m, w, spec)
         per_block.append(dev)
         offloaded.append(off)
         tiled = spec.tiles_mlp(w.tokens)  # every tile re-runs gate_proj + up_proj and SwiGLU in backward
-        flops += spec.recompute_flops(parts, tiled)
+        flops += spec.recompute_flops(parts[share], tiled)
         # memory-bound: each re-run op's output is written once and read once by its consumer (2x its bytes)
         pointwise += 2 * sum(ops[name] for name in spec.recomputed_pointwise_ops(tiled))
     # Only a checkpoint around attention keeps the attention kwargs (the dense mask) alive in its closure.

@@ -61,7 +61,7 @@ def device_budget(hardware: HardwareConfig) -> DeviceBudget:
     if hardware.memory_gb is None:
         raise ValueError("device_budget needs a resolved HardwareConfig (memory_gb set): call resolve_hardware first")
     card = int(hardware.memory_gb * GiB)
-    on_gpu = hardware.device != "cpu"
+    on_gpu = not hardware.on_cpu
     if hardware.cuda_context_gb is not None:
         context = int(hardware.cuda_context_gb * GiB)
     else:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.planning.fit import plan_job
+from flexengine.planning.shapes import AttendedPairs
+from flexengine.surgery.attention.spec import AttentionSpec
 
 LORA_RANK = 16  # the LoRA alternative's rank when the job has none (a common choice for 7B fine-tunes)
 NODE = 8  # the other card count weighed when the job plans one card: a node of them
@@ -31,12 +34,21 @@ class Corpus:
     describe: str = ""  # where the numbers come from (the data, or the lengths assumed)
 
 
-def corpus_hours(job: JobConfig, hf_config, hardware: HardwareConfig, corpus: Corpus) -> list[dict]:
+def corpus_hours(
+    job: JobConfig,
+    hf_config,
+    hardware: HardwareConfig,
+    corpus: Corpus,
+    *,
+    attention: Optional[AttentionSpec] = None,
+    pairs: Optional[AttendedPairs] = None,
+) -> list[dict]:
     """One row per alternative: the job as planned, then full fine-tune vs LoRA on 1 and NODE cards (each planned
-    for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours."""
+    for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours.
+    attention, pairs: as `plan_job` takes them (the corpus's packed rows' attended pairs, when known)."""
     rows = []
     for label, variant, hw in _alternatives(job, hardware):
-        fit = plan_job(variant, hf_config, hw)
+        fit = plan_job(variant, hf_config, hw, attention=attention, pairs=pairs)
         data_ranks = max(1, hw.world_size // variant.parallel.cp)
         rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
         steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
@@ -66,7 +78,7 @@ def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, J
     On more cards the accumulation shrinks so the rows per optimizer step stay the job's where they divide (the
     same optimization, done faster), as one would rerun it."""
     lora_r = job.model.lora.r or LORA_RANK
-    counts = sorted({hardware.world_size, 1, NODE}) if hardware.device == "cuda" else [hardware.world_size]
+    counts = sorted({hardware.world_size, 1, NODE}) if hardware.on_cuda else [hardware.world_size]
     out = [("as configured", job, hardware)]
     for r in (0, lora_r):
         for n in counts:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.planning.activations import pointwise_bytes
 from flexengine.planning.budget import device_budget
 from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
@@ -123,7 +124,7 @@ def fsdp_unsharded_grads(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     reduce = x.fsdp_reduce_bytes
     block = m.block_params * x.trainable_fraction
     root = (m.embedding_params + m.hidden) if x.trainable_fraction >= 1.0 else 0  # LoRA: the root is frozen
-    if x.grad_accum > 1 and x.reduce_every == "window":
+    if x.grad_accum > 1 and x.reduce_every is ReduceEvery.WINDOW:
         casts = gather != reduce
         return {
             "block_sums": int(m.layers * block * reduce),
@@ -156,14 +157,14 @@ def reduce_scatter_traffic(m: ModelShape, x: PlanInputs) -> tuple[int, float]:
     world = max(1, x.hardware.world_size)
     if world == 1:
         return 0, 0.0
-    reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
+    reduces = x.grad_accum if x.reduce_every is ReduceEvery.MICRO_BATCH else 1
     sent = int(reduces * m.params * x.trainable_fraction * x.fsdp_reduce_bytes * (world - 1) / world)
     return sent, sent / (interconnect_gb_s(x.hardware) * 1e9)
 
 
 def hbm_gb_s(hardware: HardwareConfig) -> float:
     """Memory bandwidth of the target (HBM_GB_S by hardware.name, else DEFAULT_HBM_GB_S)."""
-    name = (hardware.name or "").lower() if hardware.device != "cpu" else "cpu"
+    name = "cpu" if hardware.on_cpu else (hardware.name or "").lower()
     return next((v for key, v in HBM_GB_S.items() if key in name), DEFAULT_HBM_GB_S)
 
 

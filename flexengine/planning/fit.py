@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 from flexengine.planning.budget import plan_budget
 from flexengine.planning.planner import k_table, offloads, plan_memory, row_family
-from flexengine.planning.shapes import plan_inputs
+from flexengine.planning.shapes import AttendedPairs
+from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.memory.spec import MemorySpec, block_memory_specs
 from flexengine.surgery.precision import (
     PrecisionSpec,
@@ -56,15 +59,27 @@ class FitPlan:
         return block_memory_specs(self.memory, self.plan["hf_config"]["num_hidden_layers"])
 
 
-def plan_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> FitPlan:
-    """Plan `job` on concrete `hardware` (see flexengine.core.hardware): precision, memory policy and micro-batch."""
-    on_cuda = hardware.device == "cuda"
+def plan_job(
+    job: JobConfig,
+    hf_config,
+    hardware: HardwareConfig,
+    *,
+    attention: Optional[AttentionSpec] = None,
+    pairs: Optional[AttendedPairs] = None,
+) -> FitPlan:
+    """Plan `job` on concrete `hardware` (see flexengine.core.hardware): precision, memory policy and micro-batch.
+    attention: the AttentionSpec the caller resolved (None: attn.* resolved for `hardware`'s device); pairs: the
+    attended-pair count of the corpus's packed rows (None: whole-row causal, the worst case)."""
+    on_cuda = hardware.on_cuda
+    attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
+    specs = plan_specs(job, hf_config, attention, pairs)
     modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
     search_mb = job.memory.policy == "auto"
     table, plans = [], []
     for mode in modes:
         spec = precision_spec(mode, job.optim.name)
-        plan = plan_memory(hf_config, plan_inputs(job, hardware, spec), given=job.memory, search_micro_batch=search_mb)
+        x = plan_inputs(specs, hardware, spec)
+        plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=search_mb)
         table.append(
             {
                 "precision": mode,
@@ -178,10 +193,10 @@ def _explicit_choices(job: JobConfig) -> list[str]:
     ]
 
 
-def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig) -> list[str]:
+def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig, attention: Optional[AttentionSpec]) -> list[str]:
     """For an explicit choice that does not fit: the choices that would (memory=auto's search)."""
     auto = dataclasses.replace(job, memory=MemoryConfig(policy="auto"), precision=PrecisionConfig("auto"))
-    fit = plan_job(auto, hf_config, hardware)
+    fit = plan_job(auto, hf_config, hardware, attention=attention)
     if not fit.fits:
         return fit.plan["suggestions"]
     ranked = sorted((r for r in fit.plan["candidates"] if r["fits"]), key=lambda r: r["step_s"])[:4]
@@ -207,9 +222,12 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
-def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobConfig, FitPlan]:
-    """Plan the run and return the resolved job, or raise UserError naming what would fit."""
-    fit = plan_job(job, hf_config, hardware)
+def fit_job(
+    job: JobConfig, hf_config, hardware: HardwareConfig, attention: Optional[AttentionSpec] = None
+) -> tuple[JobConfig, FitPlan]:
+    """Plan the run and return the resolved job, or raise UserError naming what would fit. attention: the run's
+    resolved AttentionSpec (None: resolved here for `hardware`'s device)."""
+    fit = plan_job(job, hf_config, hardware, attention=attention)
     # one line in the run's log; the whole table with hydra.verbose=flexengine.planning.fit, or from flexengine-plan
     log.info("plan: %s", format_fit_summary(fit))
     for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
@@ -217,7 +235,7 @@ def fit_job(job: JobConfig, hf_config, hardware: HardwareConfig) -> tuple[JobCon
     log.debug("plan:\n%s", format_fit(fit))
     if not fit.fits:
         explicit = _explicit_choices(job)
-        what = _what_fits(job, hf_config, hardware) if explicit else fit.plan["suggestions"]
+        what = _what_fits(job, hf_config, hardware, attention) if explicit else fit.plan["suggestions"]
         p = fit.plan
         raise UserError(
             f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(p['total_bytes'])} GiB peak "
@@ -248,7 +266,7 @@ def compile_hint(job: JobConfig, fit: FitPlan) -> str:
     from flexengine.planning.costs import COMPILE_S
 
     eager_s = fit.plan.get("eager_pointwise_s", 0.0)
-    if job.train.compile or fit.hardware.device == "cpu" or eager_s * job.train.max_steps <= COMPILE_S:
+    if job.train.compile or fit.hardware.on_cpu or eager_s * job.train.max_steps <= COMPILE_S:
         return ""
     return (
         f"train.compile=true would pay: eager blocks run their pointwise ops unfused, ~{eager_s:.2f} s of each "
@@ -297,6 +315,7 @@ def format_fit(fit: FitPlan) -> str:
         f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
         + ("" if fit.fits else "  -- DOES NOT FIT")
     )
+    lines.append(pairs_line(p["attention_pairs"]))
     if hw.world_size > 1 and fit.grad_accum > 1:
         lines.append(_reduce_line(p, hw))
     if offloads(fit.memory_specs):
@@ -307,6 +326,12 @@ def format_fit(fit: FitPlan) -> str:
                 f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
             )
     return "\n".join(lines)
+
+
+def pairs_line(pairs: dict) -> str:
+    """Where the step time's attention pair count comes from (the plan's `attention_pairs`)."""
+    share = pairs["fraction_of_row_squared"]
+    return f"attention: {share:.3f} x seq_len^2 (query, key) pairs per row and layer, from {pairs['source']}"
 
 
 RUNNERS_UP = 2

@@ -48,7 +48,7 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
     m = ModelShape.from_hf_config(hf_config)
     rows = []
     for label, memory in candidates_for(tiled_mlp):
-        if x.hardware.device == "cpu" and offloads(memory_specs(memory, m)):
+        if x.hardware.on_cpu and offloads(memory_specs(memory, m)):
             continue  # on a CPU "device" offloading saves nothing
         n = longest_fitting(m, x, memory, step)
         row = {"label": label, "max_seq_len": n}
@@ -72,7 +72,7 @@ def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any =
     return {
         label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
         for label, memory in candidates_for(tiled_mlp)
-        if x.hardware.device != "cpu" or not offloads(memory_specs(memory, m))
+        if not x.hardware.on_cpu or not offloads(memory_specs(memory, m))
     }
 
 

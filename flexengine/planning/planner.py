@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from flexengine.core.config import MemoryConfig
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.core.units import GiB
 from flexengine.planning.activations import (
     ActivationEstimate,
@@ -52,7 +53,7 @@ from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
 
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
-REDUCE_CHOICES = ("window", "micro_batch")
+REDUCE_CHOICES = (ReduceEvery.WINDOW, ReduceEvery.MICRO_BATCH)
 
 
 CANDIDATES: list[tuple[str, MemoryConfig]] = [
@@ -154,12 +155,13 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
 
 def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> dict:
     """`evaluate` from the per-block MemorySpecs: every cost below reads them, never memory.* strings."""
-    if x.reduce_every == "auto":  # one evaluation is one concrete plan; plan_memory weighs both reductions
-        x = dataclasses.replace(x, reduce_every="window")
+    if x.reduce_every is ReduceEvery.AUTO:  # one evaluation is one concrete plan; plan_memory weighs both
+        x = dataclasses.replace(x, reduce_every=ReduceEvery.WINDOW)
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
     w = rank_workload(x, max((spec.mlp_tile for spec in specs), default=0))
-    # A causal row attends half its keys; local queries see all seq_len keys: S^2 / cp, i.e. (S / cp)^2 x cp.
-    attended = 0.5 * x.cp
+    # The share of the rank's (S / cp)^2 its queries attend, per layer: the mask modes' own count over the packed
+    # rows when the corpus is known, else a whole-row causal half (AttendedPairs)
+    attended = x.pairs.of_rank(x.cp)
     act = estimate_activations(m, w, specs, attended_fraction=attended)
     static = static_bytes(m, x)
     return {**_memory_terms(m, x, w, act, static), **_step_time(m, x, w, act, attended), **static}
@@ -167,7 +169,7 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
 
 def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict) -> dict:
     """Device bytes by term, host bytes, the budgets and whether the step fits them."""
-    on_gpu = x.hardware.device != "cpu"
+    on_gpu = not x.hardware.on_cpu
     backward = _workspace_bytes(m, x, w, act)
     offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
     terms = {
@@ -224,10 +226,14 @@ def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationE
     return max(loss["forward"], loss["backward"] - released, block - released - lm_head)
 
 
-def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float) -> dict:
+def _step_time(
+    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
+) -> dict:
     """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
     traffic, the host optimizer and the gradient reduce-scatter not hidden by backward."""
-    forward = block_forward_flops(m, w, attended)
+    # per-layer shares: the blocks' attention cores sum to L x the mean layer's (linear in the share)
+    mean = attended if isinstance(attended, (int, float)) else sum(attended) / len(attended)
+    forward = block_forward_flops(m, w, mean)
     matmuls = m.layers * sum(v for k, v in forward.items() if k != "attention_core") + 2 * w.tokens * m.hidden * m.vocab
     # backward: an input gradient per matmul (1x its forward), a weight gradient only where weights train (1x more:
     # LoRA's frozen base weights and lm_head get none, ~4N instead of 6N, as loop/flops.py counts), and the
@@ -246,7 +252,7 @@ def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimat
     # FSDP2 reduce-scatters each block's gradient while the blocks before it run backward: only what the
     # backward (2/3 of a micro-batch's compute) cannot cover is exposed, per reduction
     reduce_bytes, reduce_s = reduce_scatter_traffic(m, x)
-    reduces = x.grad_accum if x.reduce_every == "micro_batch" else 1
+    reduces = x.grad_accum if x.reduce_every is ReduceEvery.MICRO_BATCH else 1
     reduce_exposed_s = reduces * max(0.0, reduce_s / reduces - 2 * compute_s / 3) if reduce_bytes else 0.0
     step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s + reduce_exposed_s
     return {
@@ -256,7 +262,7 @@ def _step_time(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimat
         "offload_exposed_s": exposed_s,
         "optimizer_s": optimizer_s,
         "host_optimizer_pcie_bytes_per_step": host_pcie_bytes,
-        "reduce_every": x.reduce_every,
+        "reduce_every": x.reduce_every.value,
         "eager_pointwise_s": eager_pointwise_s(m, x),
         "reduce_scatter_bytes_per_step": reduce_bytes,
         "reduce_scatter_s": reduce_s,
@@ -287,15 +293,16 @@ def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, in
     return [(b, rows // b) for b in range(micro_batch, 0, -1) if rows % b == 0]
 
 
-def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[tuple[int, int, str]]:
+def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[tuple[int, int, ReduceEvery]]:
     """(micro_batch, grad_accum, reduce_every) to evaluate: both reductions under reduce_every=auto where they
     differ (FSDP over several ranks with accumulation), else the given one (auto: window)."""
     out = []
     for b, accum in shapes:
-        if x.reduce_every != "auto":
-            choices: tuple = (x.reduce_every,)
+        choices: tuple[ReduceEvery, ...]
+        if x.reduce_every is not ReduceEvery.AUTO:
+            choices = (x.reduce_every,)
         else:
-            choices = REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else ("window",)
+            choices = REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else (ReduceEvery.WINDOW,)
         out += [(b, accum, r) for r in choices]
     return out
 
@@ -312,7 +319,7 @@ def _rank(candidate: tuple[dict, Sequence[MemorySpec]]) -> tuple:
         len(chosen_blocks(specs)),
         -row["micro_batch"],
         policy_family(specs)[0].coarseness,
-        row["reduce_every"] != "window",
+        row["reduce_every"] != ReduceEvery.WINDOW.value,
     )
 
 
@@ -355,7 +362,7 @@ def plan_memory(
     search_micro_batch: also try smaller micro-batches (more accumulation, same rows per optimizer step)."""
     m = ModelShape.from_hf_config(hf_config)
     space = [(mem, memory_specs(mem, m)) for mem in search_space(m.layers, given)]
-    if x.hardware.device == "cpu":  # offloading to host memory saves nothing when the device is the host
+    if x.hardware.on_cpu:  # offloading to host memory saves nothing when the device is the host
         space = [(mem, specs) for mem, specs in space if not offloads(specs)] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
     candidates = [
@@ -383,7 +390,7 @@ def _candidate_row(
 ) -> dict:
     """One candidate's plan row: its label, shape, k and offload, then `evaluate`'s terms (tiles resolved)."""
     shape = "" if x.micro_batch == given_micro_batch else f" mb={x.micro_batch}"
-    shape += " reduce/mb" if x.reduce_every == "micro_batch" and x.grad_accum > 1 else ""
+    shape += " reduce/mb" if x.reduce_every is ReduceEvery.MICRO_BATCH and x.grad_accum > 1 else ""
     return {
         "label": describe(specs) + shape,
         "micro_batch": x.micro_batch,
@@ -405,6 +412,7 @@ def _plan(hf_config, m: ModelShape, x: PlanInputs, rows: list[dict], best: dict,
         "grad_accum": best["grad_accum"],
         "reduce_every": best["reduce_every"],
         "precision": x.precision,
+        "attention_pairs": x.pairs.as_dict(),  # the attention core's count and where it comes from
         "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
         **{key: best[key] for key in PLAN_FIELDS},
         "assumptions": {
@@ -443,7 +451,7 @@ def k_table(plan: dict) -> list[dict]:
 
 
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
-    reductions = REDUCE_CHOICES if x.reduce_every == "auto" else (x.reduce_every,)
+    reductions = REDUCE_CHOICES if x.reduce_every is ReduceEvery.AUTO else (x.reduce_every,)
     for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
         for reduce_every in reductions:
             if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem)["fits"]:

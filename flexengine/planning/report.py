@@ -10,9 +10,10 @@ from torch import nn
 
 from flexengine.core.config import JobConfig
 from flexengine.planning.activations import estimate_activations, memory_specs
-from flexengine.planning.shapes import ModelShape, plan_inputs, rank_workload
+from flexengine.planning.shapes import ModelShape, rank_workload
+from flexengine.planning.specs import plan_inputs, plan_specs
 from flexengine.surgery.applied import attention_spec
-from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.attention.spec import AttnBackend, resolve_attention_spec
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory.meter import measure_activations
 from flexengine.surgery.precision import PrecisionSpec
@@ -35,7 +36,9 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
             report, out = measure_activations(model, lambda: forward_loss_sum(model, batch, job.loss.chunk_size))
         del out
         return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}
-    x = plan_inputs(job, job.hardware, precision, on_cuda=device.type == "cuda")
+    # the spec the surgery applied (run.py resolved it once); a model with HF's own attention: attn.* here
+    attention = spec if spec is not None else resolve_attention_spec(job.attn, model.config, device=device)
+    x = plan_inputs(plan_specs(job, model.config, attention), job.hardware, precision, on_cuda=device.type == "cuda")
     shape = ModelShape.from_hf_config(model.config)
     est = estimate_activations(shape, rank_workload(x), memory_specs(memory, shape))
     return {

@@ -1,5 +1,6 @@
 """What the bytes model reads: the model's dimensions (ModelShape), one micro-batch (Workload), and everything a
-plan depends on besides the model (PlanInputs, built from a JobConfig by `plan_inputs`)."""
+plan depends on besides the model (PlanInputs, built from resolved specs by `planning/specs.plan_inputs`), among it
+how many (query, key) pairs a row's attention mask allows (AttendedPairs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.family import Family, resolve_family
 
@@ -89,7 +91,7 @@ class Workload:
     seq_len: int
     act_bytes: int = 2  # bytes per activation element: 2 (bf16), 4 (fp32)
     backend: AttnBackend = AttnBackend.FLEX  # FLEX | VARLEN (CPU per-document SDPA) | DENSE (the CPU reference;
-    # adds S^2 mask terms). HF's own SDPA keeps flex's O(S) tensors: planned as FLEX (`plan_inputs`)
+    # adds S^2 mask terms). HF's own SDPA keeps flex's O(S) tensors: planned as FLEX (`specs.plan_inputs`)
     chunk_size: int = 0  # loss.chunk_size
     mlp_tile: int = 0  # memory.tiled_mlp: tokens per MLP tile (0 = untiled)
     doc_len: int = 0  # dense backend: documents of this many tokens back to back (0 = one per row, the worst case)
@@ -128,6 +130,34 @@ class Workload:
         return 0 < self.mlp_tile < self.tokens
 
 
+WHOLE_ROW_CAUSAL = (
+    "whole-row causal (the worst case: the corpus is unknown; plan.documents=N plan.doc_tokens=T, or plan.epochs "
+    "with the job's data, gives the packed rows' own count)"
+)
+
+
+@dataclass(frozen=True)
+class AttendedPairs:
+    """How many (query, key) pairs a row's attention allows, per decoder layer, as a fraction of seq_len^2: the
+    attention core's FLOPs and time follow it. Unknown documents: a whole-row causal mask (1/2), the worst case."""
+
+    fractions: Optional[tuple[float, ...]] = None  # per layer: mean allowed pairs per row / seq_len^2; None = 1/2
+    source: str = WHOLE_ROW_CAUSAL  # where the count comes from (the plan's JSON and table say it)
+
+    def of_rank(self, cp: int) -> float | tuple[float, ...]:
+        """The fraction of one rank's (seq_len / cp)^2 its queries attend: under context parallelism local queries
+        see all seq_len keys, (S / cp)^2 x cp x the row's fraction (one number for every layer when unknown)."""
+        if self.fractions is None:
+            return 0.5 * cp
+        return tuple(f * cp for f in self.fractions)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the source, and the mean fraction of seq_len^2 over the layers (0.5: whole-row causal)."""
+        mean = 0.5 if self.fractions is None else sum(self.fractions) / len(self.fractions)
+        per_layer = None if self.fractions is None else list(self.fractions)
+        return {"source": self.source, "fraction_of_row_squared": mean, "per_layer": per_layer}
+
+
 @dataclass
 class PlanInputs:
     """Everything a plan depends on besides the model shape (bytes per parameter from the precision mode)."""
@@ -157,10 +187,12 @@ class PlanInputs:
     precision: str = ""  # the precision mode these bytes come from (for reports)
     cp: int = 1  # context-parallel degree: each of cp ranks holds seq_len / cp tokens of every row (torchtitan's
     # layout: FSDP shards over all hardware.world_size ranks, cp of which share a row)
-    reduce_every: str = "window"  # FSDP gradient reduce-scatter: window (once per step; every block's unsharded
-    # gradient lives through the accumulation window) | micro_batch (each backward) | auto (plan_memory weighs both)
+    reduce_every: ReduceEvery = ReduceEvery.WINDOW  # FSDP gradient reduce-scatter: WINDOW (once per step; every
+    # block's unsharded gradient lives through the accumulation window) | MICRO_BATCH (each backward) | AUTO
+    # (plan_memory weighs both)
     autocast: bool = False  # the forward runs under autocast over fp32 weights (PrecisionSpec.compute_context:
     # bf16_mixed unless FSDP2 casts): activations follow it (Workload.autocast)
+    pairs: AttendedPairs = AttendedPairs()  # the attention core's share of seq_len^2 per layer, and its source
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
@@ -175,65 +207,4 @@ def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) 
         mlp_tile,
         cp=x.cp,
         autocast=x.autocast,
-    )
-
-
-def plan_inputs(job, hardware: HardwareConfig, spec, on_cuda: Optional[bool] = None) -> PlanInputs:
-    """PlanInputs of a JobConfig on concrete hardware under a PrecisionSpec (attention backend as training
-    resolves it on that device)."""
-    if on_cuda is None:
-        on_cuda = hardware.device == "cuda"
-    import torch
-
-    from flexengine.surgery.attention.spec import resolve_backend
-
-    # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
-    resolved = resolve_backend(job.attn.backend, torch.device("cuda" if on_cuda else "cpu"))
-    backend = resolved if resolved in (AttnBackend.DENSE, AttnBackend.VARLEN) else AttnBackend.FLEX
-    trainable = 1.0
-    if job.model.lora.r > 0:  # only adapters have grads and optimizer states
-        from flexengine.surgery.model import build_hf_config
-
-        hf_config = build_hf_config(job.model)
-        shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
-        targets = family.lora_targets_of(job.model.lora.target_modules)
-        trainable = shape.lora_params(job.model.lora.r, targets, family) / shape.params
-
-    per_param = spec.bytes_per_param()
-    gather, reduce = spec.fsdp_dtypes(on_cuda, job.parallel.mixed_precision)
-    # sharded over several ranks, FSDP2 casts under the mode's policy (apply_fsdp) and the trainer runs no autocast
-    # (its compute_context asks the record): no autocast weight copy then
-    fsdp_casts = (
-        job.parallel.strategy == "fsdp"
-        and hardware.world_size > 1
-        and spec.fsdp_casts(on_cuda, job.parallel.mixed_precision)
-    )
-    return PlanInputs(
-        seq_len=job.data.seq_len,
-        micro_batch=job.train.micro_batch,
-        dtype_bytes=spec.act_bytes,
-        hardware=hardware,
-        chunk_size=job.loss.chunk_size,
-        backend=backend,
-        grad_accum=job.train.grad_accum,
-        optimizer_state_bytes=per_param["optimizer"] / 2,
-        trainable_fraction=trainable,
-        weight_bytes=per_param["weights"],
-        grad_bytes=per_param["grads"],
-        compute_copy_bytes=0.0 if fsdp_casts else per_param["compute_copy"],
-        frozen_weight_bytes=per_param["frozen_weights"] if job.model.lora.r > 0 else None,
-        host_bytes_per_param=per_param["host"],
-        host_scratch_bytes=per_param["host_scratch"],
-        embedding_state_bytes=per_param["embedding_optimizer"],
-        # FSDP2 gathers weights in the compute dtype and reduces gradients in fp32 under the mode's policy (CUDA,
-        # parallel.mixed_precision), else both in the stored dtype
-        fsdp_param_bytes=gather.itemsize,
-        fsdp_reduce_bytes=reduce.itemsize,
-        precision=spec.name,
-        cp=job.parallel.cp,
-        autocast=spec.autocast and not fsdp_casts,
-        # DDP keeps full gradients either way: reducing per micro-batch would only add traffic
-        reduce_every="window"
-        if job.parallel.strategy == "ddp" and job.parallel.reduce_every == "auto"
-        else job.parallel.reduce_every,
     )

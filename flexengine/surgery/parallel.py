@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexengine.core.config import ParallelConfig
 from flexengine.core.distributed import DistInfo, global_rank
+from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.applied import applied
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import decoder_layers
@@ -69,7 +69,7 @@ def _allreduce_sum_hook(group, bucket):
 def apply_fsdp(
     root: nn.Module,
     model: nn.Module,
-    parallel: ParallelConfig,
+    parallel: ParallelSpec,
     device: torch.device,
     weights_from_rank0: bool = False,
     *,
@@ -125,7 +125,7 @@ def _policy_note(policy: Optional[MixedPrecisionPolicy]) -> str:
 
 def apply_parallel(
     model: nn.Module,
-    parallel: ParallelConfig,
+    parallel: ParallelSpec,
     info: DistInfo,
     device: torch.device,
     chunk_size: int = 0,
@@ -142,7 +142,7 @@ def apply_parallel(
     root = LossForward(model, chunk_size)
     if not dist.is_initialized():
         return root
-    if parallel.strategy == "fsdp":
+    if parallel.strategy is Strategy.FSDP:
         apply_fsdp(root, model, parallel, device, weights_from_rank0=weights_from_rank0, mesh=fsdp_mesh)
         return root
     from torch.nn.parallel import DistributedDataParallel

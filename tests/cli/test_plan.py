@@ -193,8 +193,22 @@ def test_how_long_for_the_seed_workload():
     assert table.returncode == 0, table.stderr
     assert "how long: 20,000 documents of 6,000 tokens -> 20,000 rows of 8,192" in table.stdout
     assert "estimates" in table.stdout and "LoRA r=16, 8 GPUs" in table.stdout
-    report = json.loads(_plan(*seed, "plan.format=json").stdout)["corpus_time"]
+    plan = json.loads(_plan(*seed, "plan.format=json").stdout)
+    report = plan["corpus_time"]
     assert report["corpus"]["rows"] == 20_000 and report["corpus"]["useful_tokens"] == 120_000_000
     first = report["alternatives"][0]
     assert first["label"] == "as configured" and first["steps"] == 2_500
     assert f"{first['hours']:7.1f}" in table.stdout
+    # known documents: each row's mask allows the 6,000-token document's causal pairs and its padding's, not the
+    # whole row's causal half, and the plan and its hours say so
+    pairs = plan["attention_pairs"]
+    expected = (6000 * 6001 // 2 + 2192 * 2193 // 2) / 8192**2
+    assert pairs["source"].startswith("the mask of the packed rows of 20,000 documents of 6,000 tokens")
+    assert pairs["fraction_of_row_squared"] == pytest.approx(expected)
+    assert f"attention: {expected:.3f} x seq_len^2" in table.stdout and first["step_s"] == plan["step_s"]
+    unknown = json.loads(_plan("experiment=deepseek7b_6k_a100", "plan.format=json").stdout)
+    assert (
+        unknown["attention_pairs"]["fraction_of_row_squared"] == 0.5
+        and "worst case" in unknown["attention_pairs"]["source"]
+    )
+    assert unknown["step_s"] > plan["step_s"]

@@ -16,10 +16,10 @@ from flexengine.loop.host_adamw import CPUOffloadAdamW
 from flexengine.loop.optim import build_optimizer, clip_gradients, last_backward
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import host_optimizer_bytes, host_optimizer_seconds
-from flexengine.planning.shapes import ModelShape, plan_inputs
+from flexengine.planning.shapes import ModelShape
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
-from tests.helpers import make_llama, random_row_loader
+from tests.helpers import make_llama, plan_inputs_of, random_row_loader
 
 CPU = torch.device("cpu")
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, peak_tflops=312, host_memory_gb=128)
@@ -207,7 +207,7 @@ def test_host_bytes_are_the_planners_terms():
     assert held["grad_scratch"] == per_param["host_scratch"] * max(p.numel() for p in model.parameters())
     assert not opt.pinned  # no CUDA here: a plain buffer, the same code path
     # the planner's host and PCIe terms for this model are what the optimizer holds and moves
-    x = plan_inputs(JobConfig(), A100, SPECS["bf16_cpu_master"], on_cuda=True)
+    x = plan_inputs_of(JobConfig(), A100, SPECS["bf16_cpu_master"], on_cuda=True)
     shape = ModelShape.from_hf_config(model.config)
     assert shape.params == n
     held_total = sum(held.values()) - 4 * len(opt._pairs)  # less fused AdamW's step counters

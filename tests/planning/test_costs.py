@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import HardwareConfig
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.planning import costs
 from flexengine.planning.shapes import ModelShape, PlanInputs
 from flexengine.surgery.model import build_meta_model
@@ -82,7 +83,8 @@ def test_fsdp_buffers_by_hand():
     # reduce-scatter each backward: one block's gradient (bf16) and its reduce input (fp32), the root's gradient
     assert costs.fsdp_unsharded_grads(m, x) == {"block_in_flight": m.block_params * 6, "root": root * 2}
     assert terms["fsdp_unsharded_grads_bytes"] == m.block_params * 6 + root * 2
-    window = dataclasses.replace(x, grad_accum=4, reduce_every="window")  # sums kept through the window, in fp32
+    # sums kept through the window, in fp32
+    window = dataclasses.replace(x, grad_accum=4, reduce_every=ReduceEvery.WINDOW)
     assert costs.fsdp_unsharded_grads(m, window) == {
         "block_sums": m.layers * m.block_params * 4,
         "block_in_flight": m.block_params * 4,
@@ -94,11 +96,11 @@ def test_fsdp_buffers_by_hand():
 def test_reduce_scatter_sends_world_minus_one_shares_per_reduction():
     m = M
     assert costs.reduce_scatter_traffic(m, _inputs()) == (0, 0.0)
-    x = _inputs(world=4, grad_accum=2, reduce_every="micro_batch", fsdp_reduce_bytes=4)
+    x = _inputs(world=4, grad_accum=2, reduce_every=ReduceEvery.MICRO_BATCH, fsdp_reduce_bytes=4)
     sent, seconds = costs.reduce_scatter_traffic(m, x)
     assert sent == int(2 * m.params * 4 * 3 / 4)  # twice a step, 3/4 of the fp32 gradients each time
     assert seconds == pytest.approx(sent / 230e9)  # an A100's NVLink estimate
-    assert costs.reduce_scatter_traffic(m, dataclasses.replace(x, reduce_every="window"))[0] == sent // 2
+    assert costs.reduce_scatter_traffic(m, dataclasses.replace(x, reduce_every=ReduceEvery.WINDOW))[0] == sent // 2
 
 
 @pytest.mark.parametrize(

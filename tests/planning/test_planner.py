@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flexengine.core.config import HardwareConfig, MemoryConfig, ModelConfig
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.planning.activations import block_bytes, memory_specs
 from flexengine.planning.planner import evaluate, k_table, plan_memory, search_space, spread_layers
 from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
@@ -199,13 +200,13 @@ def test_fsdp_bytes_follow_the_policy_the_precision_mode_applies(mode, mixed_pre
     both): bf16-stored modes have no policy and reduce-scatter bf16 gradients (was counted as fp32), and
     bf16_mixed with parallel.mixed_precision=false gathers fp32 weights (was counted as bf16)."""
     from flexengine.core.config import JobConfig
-    from flexengine.planning.shapes import plan_inputs
     from flexengine.surgery.precision import SPECS
+    from tests.helpers import plan_inputs_of
 
     spec = SPECS[mode]
     job = JobConfig()
     job.parallel.mixed_precision = mixed_precision
-    x = plan_inputs(job, dataclasses.replace(A100, world_size=8), spec, on_cuda=True)
+    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=8), spec, on_cuda=True)
     policy = spec.fsdp_policy(torch.device("cuda"), mixed_precision)
     gather = policy.param_dtype if policy else spec.param_dtype
     reduce = policy.reduce_dtype if policy else spec.param_dtype
@@ -229,13 +230,13 @@ def test_no_autocast_weight_copy_is_counted_when_fsdp_casts(strategy, world_size
     under DDP or on one process autocast casts and keeps one (the planner counted it always: 1.61 GiB per GPU for
     deepseek-7B on 8 GPUs)."""
     from flexengine.core.config import JobConfig
-    from flexengine.planning.shapes import plan_inputs
     from flexengine.surgery.precision import SPECS
+    from tests.helpers import plan_inputs_of
 
     job = JobConfig()
     job.parallel.strategy, job.parallel.mixed_precision = strategy, mixed_precision
     spec = SPECS["bf16_mixed"]
-    x = plan_inputs(job, dataclasses.replace(A100, world_size=world_size), spec, on_cuda=True)
+    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=world_size), spec, on_cuda=True)
     cfg = _deepseek_inputs()[0]
     terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
     assert ("compute_copy_bytes" in terms) == copies
@@ -249,8 +250,8 @@ def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
     cfg, x = _deepseek_inputs(grad_accum=8)
     m = ModelShape.from_hf_config(cfg)
     node = dataclasses.replace(x, hardware=dataclasses.replace(x.hardware, world_size=8), fsdp_param_bytes=2)
-    window = plan_memory(cfg, dataclasses.replace(node, reduce_every="window"))
-    per_mb = plan_memory(cfg, dataclasses.replace(node, reduce_every="micro_batch"))
+    window = plan_memory(cfg, dataclasses.replace(node, reduce_every=ReduceEvery.WINDOW))
+    per_mb = plan_memory(cfg, dataclasses.replace(node, reduce_every=ReduceEvery.MICRO_BATCH))
     held = window["terms"]["fsdp_unsharded_grads_bytes"] - per_mb["terms"]["fsdp_unsharded_grads_bytes"]
     root = m.embedding_params + m.hidden  # its fp32 sum, held through the window too
     assert held == m.layers * m.block_params * 4 - m.block_params * 2 + root * 4  # 25.4 GiB at 7B, freed
@@ -260,14 +261,14 @@ def test_gradient_reduction_per_micro_batch_is_a_searched_dimension():
     assert per_mb["reduce_scatter_s"] == pytest.approx(8 * sent / (INTERCONNECT_GB_S["a100"] * 1e9))
     assert per_mb["assumptions"]["interconnect_gb_s"] == INTERCONNECT_GB_S["a100"]
     # auto weighs both and takes the faster step; one process or one micro-batch has nothing to choose
-    auto = plan_memory(cfg, dataclasses.replace(node, reduce_every="auto"))
+    auto = plan_memory(cfg, dataclasses.replace(node, reduce_every=ReduceEvery.AUTO))
     assert {r["reduce_every"] for r in auto["candidates"]} == {"window", "micro_batch"}
     assert auto["step_s"] == min(window["step_s"], per_mb["step_s"])
-    single = plan_memory(cfg, dataclasses.replace(x, reduce_every="auto"))
+    single = plan_memory(cfg, dataclasses.replace(x, reduce_every=ReduceEvery.AUTO))
     assert {r["reduce_every"] for r in single["candidates"]} == {"window"} and single["reduce_scatter_s"] == 0
     # a slow interconnect makes per-micro-batch traffic visible in the step time
     slow = dataclasses.replace(node.hardware, interconnect_gb_s=1.0)
-    slow_mb = plan_memory(cfg, dataclasses.replace(node, hardware=slow, reduce_every="micro_batch"))
+    slow_mb = plan_memory(cfg, dataclasses.replace(node, hardware=slow, reduce_every=ReduceEvery.MICRO_BATCH))
     assert slow_mb["reduce_exposed_s"] > 0 and slow_mb["step_s"] > per_mb["step_s"]
 
 
@@ -308,15 +309,15 @@ def test_lora_counts_frozen_base_in_bf16_without_a_compute_copy():
     adapters (and the norm vectors kept for fp32 norm outputs) are fp32 masters with a bf16 copy of the adapters."""
     from flexengine.cli.doctor import compose_job
     from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.shapes import plan_inputs
     from flexengine.surgery.model import build_meta_model
     from flexengine.surgery.precision import precision_spec
+    from tests.helpers import plan_inputs_of
 
     job = compose_job(
         ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "model.lora.r=16", "loss.chunk_size=1024"]
     )
     cfg = build_hf_config(job.model)
-    x = plan_inputs(job, assumed_hardware(job.hardware), precision_spec("bf16_mixed"))
+    x = plan_inputs_of(job, assumed_hardware(job.hardware), precision_spec("bf16_mixed"), hf_config=cfg)
     terms = plan_memory(cfg, x)["terms"]
     h, L, f = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     params = sum(p.numel() for p in build_meta_model(cfg, torch.float32).parameters())

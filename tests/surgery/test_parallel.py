@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from flexengine.core.config import ParallelConfig
 from flexengine.core.distributed import DistInfo
+from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.parallel import LossForward, apply_parallel
 from tests.helpers import python_launcher, run_grads_script
@@ -196,7 +197,7 @@ def test_resume_with_another_world_size_is_refused(single, tmp_path):
 
 
 def test_single_process_is_untouched_and_loss_forward_matches(tiny_llama):
-    module = apply_parallel(tiny_llama, ParallelConfig(), DistInfo(), torch.device("cpu"), chunk_size=5)
+    module = apply_parallel(tiny_llama, ParallelSpec(), DistInfo(), torch.device("cpu"), chunk_size=5)
     assert isinstance(module, LossForward) and not any(hasattr(p, "to_local") for p in tiny_llama.parameters())
     ids = torch.randint(0, 256, (2, 12))
     batch = {"input_ids": ids, "position_ids": torch.arange(12).expand(2, 12), "labels": ids}
@@ -234,7 +235,7 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
     root = LossForward(tiny_llama)
     # a CUDA device object needs no GPU: it only picks the policy, the one-rank gloo mesh shards on the CPU
     with caplog.at_level(logging.INFO, logger="flexengine.surgery.parallel"):
-        apply_fsdp(root, tiny_llama, ParallelConfig(strategy="fsdp", mixed_precision=True), torch.device(device))
+        apply_fsdp(root, tiny_llama, ParallelSpec(Strategy.FSDP, mixed_precision=True), torch.device(device))
     policy = spec.fsdp_policy(torch.device(device), enabled=True)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fsdp: ")]
     assert line.endswith("ranks" if policy is None else "ranks (bfloat16 params, float32 reduce)")
@@ -259,8 +260,9 @@ def test_fsdp_accumulates_unsynced_gradients_in_the_dtype_the_planner_counts(one
 
     from flexengine.core.config import HardwareConfig, JobConfig
     from flexengine.planning.costs import fsdp_unsharded_grads
-    from flexengine.planning.shapes import ModelShape, plan_inputs
+    from flexengine.planning.shapes import ModelShape
     from flexengine.surgery.precision import SPECS
+    from tests.helpers import plan_inputs_of
 
     # built here, not from the spec (on CPU it gives none, and the planner's dtypes come from the spec: circular)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -286,7 +288,7 @@ def test_fsdp_accumulates_unsynced_gradients_in_the_dtype_the_planner_counts(one
     job = JobConfig()
     job.train.grad_accum, job.parallel.reduce_every, job.parallel.mixed_precision = 2, "window", True
     hardware = dataclasses.replace(HardwareConfig(), device="cuda", world_size=2)
-    x = plan_inputs(job, hardware, SPECS["bf16_mixed"], on_cuda=True)
+    x = plan_inputs_of(job, hardware, SPECS["bf16_mixed"], on_cuda=True, hf_config=tiny_llama.config)
     assert (x.fsdp_param_bytes, x.fsdp_reduce_bytes) == (policy.param_dtype.itemsize, policy.reduce_dtype.itemsize)
     parts = fsdp_unsharded_grads(ModelShape.from_hf_config(tiny_llama.config), x)
     assert parts["root_sum"] == root_bytes
