@@ -220,3 +220,11 @@ def test_a_new_mode_is_one_table_entry(monkeypatch, tmp_path):
     assert spec.documents and spec.layer_masks[0] == MaskMode(PrefixLM(16), True)
     with pytest.raises(UserError, match="attn.mode.*packed_doc"):
         make_job(tmp_path, "attn.mode=prefix_lm_typo")
+
+
+def test_a_per_document_mask_mod_without_document_ids_is_refused_and_a_per_row_one_needs_none():
+    with pytest.raises(ValueError, match="needs the document ids"):
+        mask_mode("packed_doc").mask_mod(None)
+    allowed = mask_mode("causal").mask_mod(None)
+    i = torch.arange(3)
+    assert allowed(i, i, i[:, None], i[None, :]).equal(torch.ones(3, 3, dtype=torch.bool).tril())

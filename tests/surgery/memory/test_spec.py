@@ -96,3 +96,12 @@ def test_each_policy_becomes_its_spec_on_every_block(memory, selected):
 def test_auto_is_refused_until_the_planner_resolves_it(memory):
     with pytest.raises(UserError, match="must be resolved to a concrete policy by the planner first"):
         block_memory_specs(memory, 2)
+
+
+def test_a_concrete_policy_whose_fields_were_nulled_after_validation_is_refused_by_name():
+    """MemoryConfig fills layers/granularity/offload under a concrete policy; one changed after that is not
+    silently read as all / block / false."""
+    memory = MemoryConfig(policy="full")
+    memory.offload = None
+    with pytest.raises(ValueError, match=r"memory.offload=None.*memory.policy=full"):
+        block_memory_specs(memory, 2)
