@@ -15,12 +15,15 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
 from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord, from_config_file
 from flexengine.core.errors import UserError
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 CONFIG_PATH = "pkg://flexengine.conf"  # Hydra finds the shipped configs through the package, wherever it lives
 CONFIG_MODULE = "flexengine.conf"
@@ -203,6 +206,14 @@ def check_keys_before_hydra(argv: Sequence[str], schema: type = JobConfig) -> No
     check_known_keys(compose_config(overrides, schema), command_line_keys(overrides))
 
 
+def _first_value(o: Override) -> str:
+    """One parsed override as key=value: a sweep's first value (StopIteration: it has none), else as typed."""
+    if o.is_sweep_override():
+        return f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+    assert o.input_line is not None  # parse_overrides keeps the text of each override it parses
+    return o.input_line
+
+
 def _first_combination(argv: Sequence[str]) -> Optional[list[str]]:
     """The overrides of a sweep's first job, or of the config --cfg prints (with --config-dir as hydra.searchpath,
     which Hydra places the same way: after the shipped configs); None for a plain run (its task checks the keys)
@@ -219,10 +230,7 @@ def _first_combination(argv: Sequence[str]) -> Optional[list[str]]:
         return None
     try:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
-        first = [
-            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else o.input_line
-            for o in parsed
-        ]
+        first = [_first_value(o) for o in parsed]
     except (HydraException, StopIteration):  # an override Hydra cannot parse, a sweep it expands itself (glob)
         return None
     if args.config_dir:
@@ -280,7 +288,9 @@ def _short(value: Any) -> str:
         text = json.dumps(
             value,
             separators=(",", ":"),
-            default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o),
+            default=lambda o: (
+                dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type) else str(o)
+            ),
         )
         return text if len(text) <= 40 else text[:37] + "..."
     return str(value)
@@ -314,8 +324,8 @@ def _flat_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
 def _field_default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 

@@ -36,7 +36,7 @@ def _unknown_in(node: Any, prefix: str) -> Iterable[str]:
     fields = {f.name for f in dataclasses.fields(schema)}
     for key, child in node.items_ex(resolve=False):
         if key not in fields:
-            yield f"{prefix}{key}"
+            yield f"{prefix}{key!s}"
         else:
             yield from _unknown_in(child, f"{prefix}{key}.")
 
@@ -54,7 +54,9 @@ def check_known_keys(cfg: Any, command_line_keys: set[str]) -> None:
         return any(k == key or k.startswith(key + ".") for k in command_line_keys)
 
     origin = {key: "the command line" if typed(key) else "a config file" for key in unknown}
-    raise UserError(unknown_key_message(origin, OmegaConf.get_type(cfg)))
+    schema = OmegaConf.get_type(cfg)
+    assert schema is not None  # keys are found unknown only below a dataclass schema, the root's first
+    raise UserError(unknown_key_message(origin, schema))
 
 
 def _lines(text: str) -> list[str]:

@@ -78,7 +78,11 @@ def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
 
 def _schema_default(group: str, key: str) -> Any:
     f = next(f for f in dataclasses.fields(type(getattr(JobConfig(), group))) if f.name == key)
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise ValueError(f"the schema gives {group}.{key} no default")
 
 
 def _explain(params: int) -> str:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -91,7 +92,7 @@ def _main(cfg: DictConfig) -> dict:
     return {"status": "failed"}
 
 
-def _pinned_run_dir(hydra_cfg: DictConfig) -> bool:
+def _pinned_run_dir(hydra_cfg: HydraConf) -> bool:
     """Whether hydra.run.dir was given on the command line (not Hydra's fresh timestamped default)."""
     typed = [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.run.dir=") and o != WORKER_RUN_DIR]
     return hydra_cfg.mode == RunMode.RUN and bool(typed)  # a torchrun worker's own override is not the user's

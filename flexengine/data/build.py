@@ -36,7 +36,7 @@ def pad_token_id(tokenizer) -> int:
 
 def _documents(
     job: JobConfig, tokenizer, dist_info: DistInfo
-) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[dict]]:
+) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[list[dict]]]:
     """The tokenized corpora (cached) and which documents train and which are held out:
     (corpus, eval corpus, training documents, held-out documents, the mix report or None)."""
     with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
@@ -68,7 +68,7 @@ def _plan_training_rows(corpus: Corpus, train_docs: np.ndarray, data: DataConfig
     return plan
 
 
-def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[dict], data: DataConfig) -> dict:
+def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[list[dict]], data: DataConfig) -> dict:
     """The training data's packing statistics, skipped documents, mixture and over-long chats."""
     report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
     if mix_report is not None:

@@ -187,7 +187,7 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
     start = time.perf_counter()
     entry = load_entry(directory)
     hit = entry is not None
-    if hit:
+    if entry is not None:
         log.info("data: cache hit %s (loaded in %.3f s, no tokenization)", directory, time.perf_counter() - start)
     else:
         entry = load_entry(tokenize_to_cache(data, tokenizer, files, directory, key_inputs))

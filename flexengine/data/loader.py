@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -59,21 +59,33 @@ def batch_useful_fraction(
     return float(batches.sum() / max(1, (width * micro_batch).sum()))
 
 
+# A micro-batch: LongTensors input_ids, labels, position_ids, document_ids [rows, width] and predicting_index, plus
+# host-side facts (never copied to the device): useful_tokens (int), document_lengths (list[int]).
+Batch = dict[str, Union[torch.Tensor, int, list[int]]]
+
+
 def make_batch(
-    corpus: Corpus, plan: PackPlan, rows: Sequence[int], seq_len: int, pad_id: int, trim_padding: bool = False
-) -> dict[str, torch.Tensor]:
+    corpus: Corpus,
+    plan: PackPlan,
+    rows: Union[Sequence[int], np.ndarray],
+    seq_len: int,
+    pad_id: int,
+    trim_padding: bool = False,
+) -> Batch:
     """The micro-batch of the given plan rows (-1 = an all-padding row that has no target); trim_padding cuts
     it to its longest row."""
     segments = [plan.rows[r] if r >= 0 else [] for r in rows]
-    batch = materialise_rows(segments, corpus.tokens, corpus.offsets, seq_len, pad_id, corpus.loss_mask)
+    tensors = materialise_rows(segments, corpus.tokens, corpus.offsets, seq_len, pad_id, corpus.loss_mask)
     lengths = [sum(seg[2] for seg in row) for row in segments]
     if trim_padding:
-        batch = {k: v[:, : max(1, max(lengths))] for k, v in batch.items()}
-    # host-side facts (never copied to the device): real tokens, and the length of every document piece
-    batch["useful_tokens"] = sum(lengths)
-    batch["document_lengths"] = [seg[2] for row in segments for seg in row]
-    batch["predicting_index"] = predicting_positions(batch["labels"])  # host-side: no device sync in the loss
-    return batch
+        tensors = {k: v[:, : max(1, max(lengths))] for k, v in tensors.items()}
+    return {
+        **tensors,
+        # host-side facts: real tokens, and the length of every document piece
+        "useful_tokens": sum(lengths),
+        "document_lengths": [seg[2] for row in segments for seg in row],
+        "predicting_index": predicting_positions(tensors["labels"]),  # host-side: no device sync in the loss
+    }
 
 
 @dataclass
@@ -101,7 +113,7 @@ class HeldOut:
         batches = -(-len(self.plan.rows) // (self.micro_batch * self.world_size))
         return min(batches, self.max_batches) if self.max_batches > 0 else batches
 
-    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self) -> Iterator[Batch]:
         """This rank's micro-batches (built lazily: a large held-out set never sits in memory as tensors)."""
         global_batch = self.micro_batch * self.world_size
         n = len(self.plan.rows)
@@ -203,7 +215,7 @@ class RowLoader:
         """Micro-batches each rank sees per epoch."""
         return len(self._order) // self.micro_batch
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def next_batch(self) -> Batch:
         """The next micro-batch (wrapping into a new, reshuffled epoch)."""
         if self.cursor >= len(self._order):
             self.epoch += 1
@@ -216,7 +228,7 @@ class RowLoader:
             batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         return batch
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -54,7 +54,9 @@ def _concatenate(parts: list[Corpus], data: DataConfig) -> Corpus:
         except BaseException:
             writer.abort()
             raise
-    tokens, offsets, loss_mask, _ = load_entry(directory)
+    entry = load_entry(directory)
+    assert entry is not None, f"cache entry {directory} vanished right after it was written"
+    tokens, offsets, loss_mask, _ = entry
     skipped: dict = {}
     chats: dict = {}
     for p in parts:
@@ -83,7 +85,8 @@ def mix_documents(
     weights = np.array([m.weight for m in mix], dtype=np.float64)
     weights /= weights.sum()
     total = int(lengths[candidates].sum())
-    chosen, report = [], []
+    chosen: list[np.ndarray] = []
+    report: list[dict[str, Any]] = []  # JSON rows (str, int and float values), one per source
     for i, part in enumerate(mix):
         docs = candidates[source_of[candidates] == i]
         available = int(lengths[docs].sum())

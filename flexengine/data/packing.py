@@ -91,11 +91,10 @@ class PackPlan:
 
 
 Lengths = Union[Sequence[int], np.ndarray]  # tokens per document: a list, or the corpus's int array
+Indices = Union[Sequence[int], np.ndarray]  # which documents: a list, or an int array (a split's)
 
 
-def _pieces(
-    lengths: Lengths, seq_len: int, long_docs: str, stats: PackStats, documents: Sequence[int]
-) -> list[Segment]:
+def _pieces(lengths: Lengths, seq_len: int, long_docs: str, stats: PackStats, documents: Indices) -> list[Segment]:
     pieces: list[Segment] = []
     for doc in documents:
         doc, length = int(doc), int(lengths[doc])
@@ -164,7 +163,7 @@ def plan_packing(
     seq_len: int,
     strategy: str = "bfd",
     long_docs: str = "split",
-    documents: Optional[Sequence[int]] = None,
+    documents: Optional[Indices] = None,
 ) -> PackPlan:
     """Decide which document pieces go into which row of `seq_len` tokens. documents: the indices to pack
     (e.g. the training side of a held-out split); None = all of them."""

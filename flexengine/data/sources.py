@@ -33,6 +33,8 @@ HF_BUILDERS = {
     ".arrow": "arrow",
 }
 PARQUET_BATCH_ROWS = 1024
+# one record as a reader yields it: (where, the record as parsed, why it could not be parsed, that reason's name)
+ParsedRecord = tuple[str, Any, Optional[str], str]
 # Roles chat templates know (OpenAI/HF: system, user, assistant, tool; older or model-specific: developer,
 # function, ipython). Anything else is a typo or a foreign schema that a template would render silently.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
@@ -135,8 +137,9 @@ def source_files(data: DataConfig) -> list[Path]:
     """The files the configured source reads, in reading order (also what the tokenized cache is keyed on)."""
     if data.source == "demo":
         return demo_source_files(data.demo_max_files)
-    if data.source == "hf" and is_saved_dataset(Path(data.path or "")):
-        return sorted(p for p in Path(data.path).rglob("*") if p.is_file())
+    saved = Path(data.path or "")
+    if data.source == "hf" and is_saved_dataset(saved):
+        return sorted(p for p in saved.rglob("*") if p.is_file())
     return resolve_paths(data.path or "", data.source)
 
 
@@ -186,7 +189,7 @@ def check_columns(path: Path, columns: list[str], data: DataConfig) -> None:
     )
 
 
-def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str], str]]:
+def _iter_hf(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
     """Rows of a save_to_disk directory or of one local data file, through HF `datasets`."""
     datasets = _import_datasets()
     try:
@@ -221,8 +224,9 @@ def _iter_hf(path: Path, data: DataConfig) -> Iterator[tuple[str, Any, Optional[
 
 def _units(data: DataConfig, files: list[Path]) -> list[Path]:
     """What iter_raw_docs opens one by one: the files, or the saved dataset directory as one unit."""
-    if data.source == "hf" and is_saved_dataset(Path(data.path or "")):
-        return [Path(data.path)]
+    saved = Path(data.path or "")
+    if data.source == "hf" and is_saved_dataset(saved):
+        return [saved]
     return files
 
 
@@ -313,7 +317,7 @@ def _skip_rest_of_line(f: Any) -> None:
         pass
 
 
-def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[tuple[str, Any, Optional[str], str]]:
+def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[ParsedRecord]:
     # bytes in, decoded per line: one bad line (invalid UTF-8, binary junk) is one bad record with its file:line;
     # a line is read to at most max_bytes (data.max_record_bytes), so a runaway one is never held or tokenized
     with open(path, "rb") as f:
@@ -342,7 +346,7 @@ def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[tuple[str, Any, Optional
                 yield where, None, f"not valid JSON ({e.msg} at column {e.colno})", "malformed_json"
 
 
-def _iter_parquet(path: Path, column: str, data: DataConfig) -> Iterator[tuple[str, Any, Optional[str], str]]:
+def _iter_parquet(path: Path, column: str, data: DataConfig) -> Iterator[ParsedRecord]:
     import pyarrow.parquet as pq
 
     try:
@@ -368,7 +372,7 @@ def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]]
             return
         if data.source == "demo":  # one document per stdlib file (DataConfig makes format=text)
             text = path.read_text(encoding="utf-8", errors="replace")
-            records = iter([(str(path), {data.text_field: text}, None, "")])
+            records: Iterator[ParsedRecord] = iter([(str(path), {data.text_field: text}, None, "")])
         elif data.source == "jsonl":
             records = _iter_jsonl(path, data.max_record_bytes)
         elif data.source == "hf":

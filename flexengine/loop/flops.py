@@ -19,8 +19,9 @@ tests/loop/test_flops.py checks both counts against torch's FlopCounterMode.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from flexengine.surgery.applied import applied
@@ -29,9 +30,23 @@ from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.family import family_of
 from flexengine.surgery.memory.spec import BlockFlops
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 ATTN_MODEL_FLOPS = 4 + 8  # per (query, key) pair, head and head dim: QK^T and PV forward, twice that backward
 ATTN_FWD_FLOPS = 4
 ATTN_BWD_HW_FLOPS = 10  # flash/flex backward: recompute QK^T, then dV, dP, dQ, dK (FlopCounterMode's count)
+
+
+@runtime_checkable
+class _LanguageModel(Protocol):
+    """What the counts read of a transformers model (a peft model forwards them to the model it wraps)."""
+
+    config: PretrainedConfig
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> Optional[nn.Module]: ...
 
 
 @dataclass
@@ -61,16 +76,25 @@ class _Proj:
         return fwd + bwd
 
 
+def _linear(module: object, what: str) -> nn.Linear:
+    """The module as the nn.Linear whose shape the counts read (quantised and float8 Linears subclass it)."""
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"FLOPs counting expects {what} to be an nn.Linear, got {type(module).__name__}")
+    return module
+
+
 def _linear_macs(linear: nn.Linear) -> int:
     return linear.in_features * linear.out_features
 
 
 def _projection(module: nn.Module) -> _Proj:
     """A plain nn.Linear or a peft LoRA layer (base_layer + lora_A/lora_B dicts)."""
-    base = getattr(module, "base_layer", module)
+    base = _linear(getattr(module, "base_layer", module), "a projection")
     proj = _Proj(_linear_macs(base), base.weight.requires_grad)
-    for name in getattr(module, "lora_A", {}) or {}:
-        a, b = module.lora_A[name], module.lora_B[name]
+    lora_a: Mapping[str, nn.Module] = getattr(module, "lora_A", None) or {}
+    lora_b: Mapping[str, nn.Module] = getattr(module, "lora_B", None) or {}
+    for name in lora_a:
+        a, b = _linear(lora_a[name], "a LoRA factor"), _linear(lora_b[name], "a LoRA factor")
         proj.lora_a += _linear_macs(a)
         proj.lora_b += _linear_macs(b)
         proj.lora_trains |= a.weight.requires_grad or b.weight.requires_grad
@@ -133,13 +157,17 @@ class TrainFlops:
     What each block recomputes comes from the model's surgery record (`model.flexengine.memory`);
     chunk_size: loss.chunk_size (its checkpointed chunks re-run lm_head)."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 0):
+    def __init__(self, model: nn.Module, chunk_size: int = 0) -> None:
+        if not isinstance(model, _LanguageModel):
+            raise TypeError(f"TrainFlops counts a transformers (or peft) model, got {type(model).__name__}")
         cfg = model.config
         self.heads_dim = cfg.num_attention_heads * (
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
         self.chunk_size = chunk_size
-        grad = model.get_input_embeddings().weight.requires_grad  # does the residual stream carry a grad?
+        embedding = model.get_input_embeddings().weight
+        assert isinstance(embedding, torch.Tensor)  # an embedding's weight is a Parameter, never a submodule
+        grad = embedding.requires_grad  # does the residual stream carry a grad?
         self.blocks: list[_Block] = []
         family = family_of(model)
         for layer in family.decoder_layers(model):
@@ -153,7 +181,7 @@ class TrainFlops:
                 regions.append(_Region(inputs, output, input_grad, inner_grad))
                 grad = grad or inner_grad or output.trains  # the residual after this region
             self.blocks.append(_Block(regions[0], regions[1], regions[0].inner_grad))
-        head = model.get_output_embeddings()
+        head = _linear(model.get_output_embeddings(), "lm_head")
         self.head = _Proj(_linear_macs(head), head.weight.requires_grad)
         self.head_input_grad = grad or _trains(family.final_norm_of(model))
         self.recompute_per_token = 0.0

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Literal, Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -71,6 +71,12 @@ def _without_step_hooks(step):
 
 def _unregister(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class _CopyEvent(Protocol):
+    """What a download's event is used for: waiting until the copy has landed (a torch.cuda.Event)."""
+
+    def synchronize(self) -> None: ...
 
 
 class CPUOffloadAdamW(torch.optim.AdamW):
@@ -117,7 +123,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         self._scratch = torch.empty(widest, dtype=torch.float32)
         self._index = {id(p): k for k, (p, _) in enumerate(self._pairs)}
         # slots whose download has started, in the order they started: {k: its event (True on CPU)}
-        self._arrived: dict[int, object] = {}
+        self._arrived: dict[int, Union[_CopyEvent, Literal[True]]] = {}
         self.hook_downloads = 0  # gradients that went down from a hook, under the backward (tests, bench)
         self._clip: Optional[tuple[float, torch.Tensor]] = None  # (max_norm, total norm) set by clip_grad_norm
         super().__init__(host_groups, fused=True, **adamw_kwargs)
@@ -158,7 +164,9 @@ class CPUOffloadAdamW(torch.optim.AdamW):
 
     def _download(self, k: int) -> None:
         """Start the device -> host copy of parameter k's gradient into its slot (a later call overwrites it)."""
-        grad = local_shard(self._pairs[k][0].grad)
+        grad = self._pairs[k][0].grad
+        assert grad is not None  # called from its post-accumulate hook, or by step() after checking it
+        grad = local_shard(grad)
         streams = self._streams
         if streams is None:
             self._slots[k].copy_(grad)
@@ -170,7 +178,7 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         streams.used_on_side(grad)  # a skipped step frees the grads before this copy may have read them
         self._arrive(k, streams.record())
 
-    def _arrive(self, k: int, event: object) -> None:
+    def _arrive(self, k: int, event: Union[_CopyEvent, Literal[True]]) -> None:
         self._arrived.pop(k, None)  # downloaded again (a reentrant backward): the later copy, in its new place
         self._arrived[k] = event
 
@@ -212,8 +220,9 @@ class CPUOffloadAdamW(torch.optim.AdamW):
                 if device_p.grad is None:
                     continue  # unused this step: AdamW leaves it (and its states) alone, as torch's does
                 self._download(k)
-            if self._arrived[k] is not True:
-                self._arrived[k].synchronize()  # this slot's download has landed (CUDA)
+            event = self._arrived[k]
+            if event is not True:
+                event.synchronize()  # this slot's download has landed (CUDA)
             master.grad = self._host_grad(k, coef)
             adamw_step(self)  # only this master has a gradient: torch's AdamW steps it alone
             master.grad = None

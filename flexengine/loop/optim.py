@@ -12,7 +12,7 @@ What each choice stores (device and host bytes per parameter) is precision.optim
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, List
+from typing import Iterable, List, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 import torch
@@ -25,6 +25,21 @@ from flexengine.loop.host_adamw import CPUOffloadAdamW
 from flexengine.surgery.precision import TORCHAO_OPTIMIZERS
 
 OPTIMIZERS = OPTIM_NAMES  # one list: the schema checks optim.name against it
+
+
+class _AdamArgs(TypedDict):
+    """The hyperparameters every optimizer here takes."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+
+
+@runtime_checkable
+class _WithInputEmbeddings(Protocol):
+    """A model that names its input embedding (transformers' models, optim_numerics' stand-in)."""
+
+    def get_input_embeddings(self) -> nn.Module: ...
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
@@ -75,7 +90,12 @@ def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) ->
     noise that AdamW normalises into full-size updates (measured on the tiny LLaMA: the embedding moved 33x
     further than under fp32 AdamW in 5 steps). torchao keeps states it finds already initialised.
     """
+    if not isinstance(model, _WithInputEmbeddings):
+        raise TypeError(
+            f"{type(model).__name__} has no get_input_embeddings(): no embedding to keep full-precision states for"
+        )
     embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor)  # an embedding's weight is a Parameter, never a submodule
     if embedding.requires_grad:  # fp32 whatever the weights' dtype (torchao updates in fp32, then copies in)
         opt.state[embedding] = {
             "step": torch.tensor(0.0),
@@ -87,7 +107,8 @@ def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) ->
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by optim.name over the trainable parameters (decay on matrices only)."""
     groups = _param_groups(model, optim.weight_decay)
-    common = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
+    # OptimConfig checks that betas holds two numbers
+    common: _AdamArgs = {"lr": optim.lr, "betas": (optim.betas[0], optim.betas[1]), "eps": optim.eps}
     if optim.name == "adamw":
         impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
         return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")

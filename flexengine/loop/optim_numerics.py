@@ -70,7 +70,7 @@ def step_sizes(spec: PrecisionSpec, beta2: float, horizon: Horizon = Horizon()) 
     fine-tuning), times a scale falling exponentially; rounded through the compute dtype (autocast's bf16 matmuls
     under bf16_mixed) and stored in the weights' dtype, as backward leaves them."""
     model = DecoderLikeWeights(spec.param_dtype, horizon.seed)
-    optim = OptimConfig(name=spec.optimizer, lr=LR, betas=(0.9, beta2), weight_decay=0.0)
+    optim = OptimConfig(name=spec.optimizer, lr=LR, betas=[0.9, beta2], weight_decay=0.0)
     opt = build_optimizer(model, optim, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     values = [v for group in opt.param_groups for v in group["params"]]  # what the optimizer updates
@@ -87,7 +87,7 @@ def step_sizes(spec: PrecisionSpec, beta2: float, horizon: Horizon = Horizon()) 
                     g = scale * (d + torch.randn(p.shape, generator=gen))
                     p.grad = g.to(spec.compute_dtype).to(p.dtype)
                 measured = t >= horizon.steps - horizon.tail
-                before = [v.detach().to(torch.float32, copy=True) for v in values] if measured else None
+                before = [v.detach().to(torch.float32, copy=True) for v in values] if measured else []
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if measured:

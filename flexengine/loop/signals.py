@@ -6,7 +6,8 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Callable, Iterator, Optional
+from types import FrameType
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -61,9 +62,10 @@ class StopSignals:
         if self.handling:
             yield
             return
-        previous = {}
+        # what signal.signal returns: a handler, SIG_DFL/SIG_IGN, or None (one not installed from Python)
+        previous: dict[int, Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]] = {}
 
-        def request_stop(signum: int, frame: object) -> None:
+        def request_stop(signum: int, frame: Optional[FrameType]) -> None:
             self.count += 1
             if self.signal is None:
                 self.signal = signum
@@ -105,5 +107,5 @@ class StopSignals:
             yield
         finally:
             self.handling = False
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

@@ -100,10 +100,13 @@ def _read_weights(directory: Path) -> dict:
 
 def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
     """load_state_dict's (missing, unexpected) keys as a UserError; tied weights are not missing."""
+    from transformers import PretrainedConfig  # not at import: the model holds it loaded by now
+
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [
-        k for k in result.missing_keys if k not in tied and not (model.config.tie_word_embeddings and "lm_head" in k)
-    ]
+    # a tied lm_head shares the input embedding's weight: its key is missing from the file by design
+    config = model.config  # an HF model's: what this module loads
+    head_tied = isinstance(config, PretrainedConfig) and config.tie_word_embeddings
+    missing = [k for k in result.missing_keys if k not in tied and not (head_tied and "lm_head" in k)]
     if missing or result.unexpected_keys:
         raise UserError(
             f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
@@ -171,7 +174,7 @@ def load_trainer_state(path: Path) -> dict:
 def _newest_verifying(root: Path) -> Optional[Path]:
     """The newest step that verifies; damaged newer ones are moved aside with a warning. Raises if all fail, or
     on a step an older flexengine wrote (no manifest: not damaged, so not moved; but not resumable exactly)."""
-    problems = []
+    problems: list[str] = []
     for _, path in list_checkpoints(root):
         if not has_manifest(path):
             raise UserError(

@@ -58,10 +58,11 @@ def on_every_rank(group: Any, fn: Callable[[], Any], doing: str, share: bool = F
     except Exception as e:
         error = e
     mine = (result if share else None, None if error is None else _failure_text(error, doing))
-    outcomes = [mine]
+    outcomes: list[tuple[Any, Optional[str]]] = [mine]
     if group is not None:
-        outcomes = [None] * global_world_size()
-        dist.all_gather_object(outcomes, mine, group=group)
+        gathered: list[Any] = [None] * global_world_size()  # all_gather_object fills every rank's entry
+        dist.all_gather_object(gathered, mine, group=group)
+        outcomes = gathered
     if error is not None:
         raise error
     failed = [(r, text) for r, (_, text) in enumerate(outcomes) if text is not None]

@@ -10,11 +10,12 @@ import os
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from flexengine.core.config import LoraConfig
 from flexengine.core.distributed import cpu_group, global_rank, global_world_size
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.storage import (
@@ -32,7 +33,7 @@ from flexengine.loop.checkpoint.load import RANK_FILE, RANK_STATE, TRAINER_STATE
 from flexengine.loop.checkpoint.rank_sync import on_every_rank, run_on_rank0
 from flexengine.surgery.lora import hf_key, is_lora, merge_lora_state_dict
 from flexengine.surgery.model_files import DTYPE_BYTES
-from flexengine.surgery.parallel import is_dtensor
+from flexengine.surgery.parallel import is_dtensor, local_shard
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def stored_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes on disk: a DTensor's global size (every rank's shard), a tensor subclass's inner
     tensors (torchao's 8-bit state reports fp32 numel but stores int8 codes + scales: 4x less)."""
     if is_dtensor(t):  # numel() is global; its local shard says how many bytes per element
-        local = t.to_local()
+        local = local_shard(t)
         if local.numel() == 0:
             return t.numel() * local.element_size()
         return stored_bytes(local) * t.numel() // local.numel()
@@ -105,7 +106,23 @@ def gather_full_state_dict(model: nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+@runtime_checkable
+class _SavesPretrained(Protocol):
+    """A transformers or peft model: writes itself as an HF directory."""
+
+    def save_pretrained(self, save_directory: str, *, state_dict: Optional[dict], safe_serialization: bool) -> Any: ...
+
+
+@runtime_checkable
+class _WrapsBaseModel(Protocol):
+    """A peft model: the plain HF model its adapters sit in."""
+
+    def get_base_model(self) -> nn.Module: ...
+
+
 def _write_hf_dir(directory: Path, model: nn.Module, tokenizer: Any, state: Optional[dict]) -> None:
+    if not isinstance(model, _SavesPretrained):
+        raise TypeError(f"a checkpoint is written by a transformers or peft model, got {type(model).__name__}")
     model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
     _enable_kv_cache(directory)
     if tokenizer is not None:
@@ -158,7 +175,7 @@ def _write_rank0_part(
     tokenizer: Any,
     trainer_state: dict,
     full: Optional[dict],
-    merge_lora: Optional[Any],
+    merge_lora: Optional[LoraConfig],
     *,
     base_dir: Optional[Path] = None,
 ) -> list[str]:
@@ -166,6 +183,8 @@ def _write_rank0_part(
     _write_hf_dir(tmp, model, tokenizer, full)
     torch.save(trainer_state, tmp / TRAINER_STATE)
     if merge_lora is not None:
+        # merge_lora is set for a peft model only, and rank 0 then holds the gathered state (_weights_to_write)
+        assert isinstance(model, _WrapsBaseModel) and full is not None
         merged = merge_lora_state_dict(full, merge_lora, exact_base(base_dir, full))
         _write_hf_dir(tmp / "merged", model.get_base_model(), tokenizer, merged)
     # the other ranks write their trainer_state.rank<r>.pt into the same directory meanwhile: theirs to seal
@@ -243,7 +262,7 @@ def _write_rank_part(
     tokenizer: Any,
     trainer_state: dict,
     full: Optional[dict],
-    merge_lora: Optional[Any],
+    merge_lora: Optional[LoraConfig],
     base_dir: Optional[Path],
 ) -> dict:
     """This rank's files in tmp (rank 0: the HF directory too), fsynced and hashed: {name: manifest entry}."""
@@ -292,7 +311,7 @@ def save_checkpoint(
     trainer_state: dict,
     *,
     optimizer_state: Optional[dict] = None,
-    merge_lora: Optional[Any] = None,
+    merge_lora: Optional[LoraConfig] = None,
     weights: Optional[dict] = None,
     finite_checked: bool = False,
     base_dir: Optional[Path] = None,
