@@ -324,7 +324,8 @@ def plan_json(plan: dict, candidates: bool = False) -> dict:
 def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[dict, Optional[dict]]:
     """The plan, and with plan.epochs / plan.tokens / plan.documents the corpus in packed rows and its hours for
     the plan and the alternatives (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}.
-    Rows of known documents give both the attention pairs their masks allow (else whole-row causal)."""
+    Rows of known documents give both the attention pairs their masks allow (else each layer's mask over one
+    whole-row document)."""
     from flexengine.cli.plan_corpus import corpus_rows, wants_corpus_time
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.corpus_time import corpus_hours

@@ -69,7 +69,7 @@ def plan_job(
 ) -> FitPlan:
     """Plan `job` on concrete `hardware` (see flexengine.core.hardware): precision, memory policy and micro-batch.
     attention: the AttentionSpec the caller resolved (None: attn.* resolved for `hardware`'s device); pairs: the
-    attended-pair count of the corpus's packed rows (None: whole-row causal, the worst case)."""
+    attended-pair count of the corpus's packed rows (None: each layer's mask over one whole-row document)."""
     on_cuda = hardware.on_cuda
     attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
     specs = plan_specs(job, hf_config, attention, pairs)

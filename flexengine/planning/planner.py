@@ -160,7 +160,7 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
     w = rank_workload(x, max((spec.mlp_tile for spec in specs), default=0))
     # The share of the rank's (S / cp)^2 its queries attend, per layer: the mask modes' own count over the packed
-    # rows when the corpus is known, else a whole-row causal half (AttendedPairs)
+    # rows when the corpus is known, else over one whole-row document (planning/specs.whole_row_pairs)
     attended = x.pairs.of_rank(x.cp)
     act = estimate_activations(m, w, specs, attended_fraction=attended)
     static = static_bytes(m, x)

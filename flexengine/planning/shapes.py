@@ -130,19 +130,21 @@ class Workload:
         return 0 < self.mlp_tile < self.tokens
 
 
-WHOLE_ROW_CAUSAL = (
-    "whole-row causal (the worst case: the corpus is unknown; plan.documents=N plan.doc_tokens=T, or plan.epochs "
-    "with the job's data, gives the packed rows' own count)"
+NO_CORPUS = (
+    "one document per row (no corpus given; plan.documents=N plan.doc_tokens=T, or plan.epochs with the job's data, "
+    "gives the packed rows' own count)"
 )
 
 
 @dataclass(frozen=True)
 class AttendedPairs:
     """How many (query, key) pairs a row's attention allows, per decoder layer, as a fraction of seq_len^2: the
-    attention core's FLOPs and time follow it. Unknown documents: a whole-row causal mask (1/2), the worst case."""
+    attention core's FLOPs and time follow it. The planner always hands per-layer fractions
+    (`planning/specs.plan_specs`); `None` serves inputs built by hand: a causal half on every layer."""
 
     fractions: Optional[tuple[float, ...]] = None  # per layer: mean allowed pairs per row / seq_len^2; None = 1/2
-    source: str = WHOLE_ROW_CAUSAL  # where the count comes from (the plan's JSON and table say it)
+    source: str = "a causal half on every layer (inputs built without specs)"  # where the count comes from (the
+    # plan's JSON and table say it)
 
     def of_rank(self, cp: int) -> float | tuple[float, ...]:
         """The fraction of one rank's (seq_len / cp)^2 its queries attend: under context parallelism local queries
@@ -152,7 +154,7 @@ class AttendedPairs:
         return tuple(f * cp for f in self.fractions)
 
     def as_dict(self) -> dict:
-        """JSON-ready: the source, and the mean fraction of seq_len^2 over the layers (0.5: whole-row causal)."""
+        """JSON-ready: the source, and the mean fraction of seq_len^2 over the layers (0.5: causal)."""
         mean = 0.5 if self.fractions is None else sum(self.fractions) / len(self.fractions)
         per_layer = None if self.fractions is None else list(self.fractions)
         return {"source": self.source, "fraction_of_row_squared": mean, "per_layer": per_layer}

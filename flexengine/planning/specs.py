@@ -16,7 +16,9 @@ from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.core.parallel_spec import ParallelSpec, Strategy, resolve_parallel
-from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
+from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
+from flexengine.surgery.attention.mask_mode import MaskMode
+from flexengine.surgery.attention.masks import Causal
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
 from flexengine.surgery.family import resolve_family
 from flexengine.surgery.precision import PrecisionSpec
@@ -44,7 +46,8 @@ def planned_attention(job: JobConfig, hf_config, hardware: HardwareConfig) -> At
 
 
 def plan_specs(job: JobConfig, hf_config, attention: AttentionSpec, pairs: Optional[AttendedPairs] = None) -> PlanSpecs:
-    """The PlanSpecs of a job on its model, with the AttentionSpec the composition root resolved."""
+    """The PlanSpecs of a job on its model, with the AttentionSpec the composition root resolved; pairs: a known
+    corpus's packed rows' count (None: each layer's mask over one whole-row document, `whole_row_pairs`)."""
     lora = job.model.lora
     fraction = None
     if lora.r > 0:  # only adapters have grads and optimizer states
@@ -58,17 +61,36 @@ def plan_specs(job: JobConfig, hf_config, attention: AttentionSpec, pairs: Optio
         attention=attention,
         parallel=resolve_parallel(job.parallel),
         lora_fraction=fraction,
-        pairs=pairs if pairs is not None else AttendedPairs(),
+        pairs=pairs if pairs is not None else whole_row_pairs(attention, job.data.seq_len),
     )
+
+
+def whole_row_pairs(attention: AttentionSpec, seq_len: int) -> AttendedPairs:
+    """Per layer, the pairs its mask allows over one document filling the whole row, as a fraction of seq_len^2:
+    the count when the corpus is unknown (a window charges its band, not a causal half)."""
+    fractions = tuple(_whole_row_fraction(mask, seq_len) for mask in attention.layer_masks)
+    return AttendedPairs(fractions, f"{NO_CORPUS}, {counted(attention, seq_len)}")
+
+
+def _whole_row_fraction(mask: MaskMode, seq_len: int) -> float:
+    pairs = mask.attended_pairs([seq_len])
+    # a mask that allows causal's pairs keeps the plan's causal half, S^2 / 2: the diagonal's S / 2 more is noise
+    # next to it, and plans of causal models stay what they have always been
+    return 0.5 if pairs == Causal().pairs(seq_len) else pairs / seq_len**2
+
+
+def counted(attention: AttentionSpec, seq_len: int) -> str:
+    """Which masks a pair count counted, and for which row length (the plan's source names them)."""
+    return f"counted for {attention.describe()}, seq_len={seq_len}"
 
 
 def packed_pairs(attention: AttentionSpec, rows: Sequence[Sequence[int]], seq_len: int, source: str) -> AttendedPairs:
     """Per layer, the mean (query, key) pairs its mask mode allows in these packed rows (each a list of its
     document pieces' lengths), as a fraction of seq_len^2. A row's padding is laid out as one more document
     (data/packing.materialise_rows), whose causal square the kernel computes too; a mode without documents
-    masks the whole row as one."""
+    masks the whole row as one. No rows: `whole_row_pairs`."""
     if not rows:
-        return AttendedPairs()
+        return whole_row_pairs(attention, seq_len)
     layouts = Counter(_row_documents(row, seq_len, attention.documents) for row in rows)
     fractions = []
     per_mask: dict = {}
@@ -77,7 +99,7 @@ def packed_pairs(attention: AttentionSpec, rows: Sequence[Sequence[int]], seq_le
             total = sum(n * mask.attended_pairs(list(layout)) for layout, n in layouts.items())
             per_mask[mask] = total / len(rows) / seq_len**2
         fractions.append(per_mask[mask])
-    return AttendedPairs(tuple(fractions), source)
+    return AttendedPairs(tuple(fractions), f"{source}, {counted(attention, seq_len)}")
 
 
 def _row_documents(pieces: Sequence[int], seq_len: int, documents: bool) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """The plan's inputs come from resolved specs: the AttentionSpec's mask modes count the attended pairs of packed rows
-(per layer), the ParallelSpec's enums decide the reductions, and a plan with unknown documents says it assumed the
-whole-row causal worst case."""
+(per layer), the ParallelSpec's enums decide the reductions, and a plan with unknown documents counts each layer's
+mask over one whole-row document and says so."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from flexengine.core.config import AttnConfig, HardwareConfig, JobConfig, Memory
 from flexengine.core.parallel_spec import ReduceEvery, Strategy
 from flexengine.loop.flops import attended_pairs, layer_attended_pairs
 from flexengine.planning.planner import evaluate, plan_memory
-from flexengine.planning.shapes import WHOLE_ROW_CAUSAL, AttendedPairs, ModelShape, PlanInputs
-from flexengine.planning.specs import packed_pairs, plan_inputs, plan_specs
+from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
+from flexengine.planning.specs import packed_pairs, plan_inputs, plan_specs, whole_row_pairs
 from flexengine.surgery.attention import masks
 from flexengine.surgery.attention.mask_mode import band_mode
 from flexengine.surgery.attention.spec import resolve_attention_spec
@@ -47,14 +47,30 @@ def test_packed_pairs_count_each_layers_mask_over_the_rows_documents_and_padding
     pairs = packed_pairs(_spec("packed_doc"), rows, S, "three rows")
     causal = band_mode(True, None)
     expected = (causal.attended_pairs([300, 212]) + causal.attended_pairs([368, 100, 44]) + S * (S + 1) // 2) / 3
-    assert pairs.fractions == (expected / S**2,) * CONFIG.num_hidden_layers and pairs.source == "three rows"
+    assert pairs.fractions == (expected / S**2,) * CONFIG.num_hidden_layers
+    assert pairs.source.startswith("three rows, counted for mode=packed_doc") and f"seq_len={S}" in pairs.source
     # a mode without documents masks the whole row as one (one document per row, its padding after it)
     whole = packed_pairs(_spec("causal"), [[300], [S]], S, "rows").fractions
     assert whole == (S * (S + 1) / 2 / S**2,) * CONFIG.num_hidden_layers
-    # a sliding window counts its own band; unknown documents stay the whole-row causal worst case
+    # a sliding window counts its own band
     windowed = packed_pairs(_spec("packed_sliding", window=64), rows, S, "rows").fractions
     assert windowed is not None and windowed[0] < expected / S**2
-    assert AttendedPairs().of_rank(cp=4) == 2.0 and AttendedPairs().as_dict()["source"] == WHOLE_ROW_CAUSAL
+
+
+def test_unknown_documents_count_each_layers_mask_over_one_whole_row():
+    """No corpus: a causal layer keeps exactly the causal half; a windowed one is charged its band, per layer."""
+    config = LlamaConfig(**TINY_LLAMA, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    pairs = whole_row_pairs(_spec("packed_sliding", config=config), S)
+    assert pairs.fractions == ((64 * 65 // 2 + (S - 64) * 64) / S**2, 0.5)
+    assert pairs.source.startswith(NO_CORPUS) and "window: 64 on 1 layer, none on 1 layer" in pairs.source
+    assert f"seq_len={S}" in pairs.source
+    assert whole_row_pairs(_spec("packed_doc"), S).fractions == (0.5,) * CONFIG.num_hidden_layers
+    assert whole_row_pairs(_spec("causal"), S).of_rank(cp=4) == (2.0,) * CONFIG.num_hidden_layers
+    # what the planner is handed: plan_specs without pairs, and packed_pairs of no rows
+    job = JobConfig()
+    job.data.seq_len = S
+    assert plan_specs(job, config, _spec("packed_sliding", config=config)).pairs == pairs
+    assert packed_pairs(_spec("packed_sliding", config=config), [], S, "none") == pairs
 
 
 def test_packed_pairs_follow_each_layers_own_window():
@@ -93,11 +109,17 @@ def test_planner_and_mfu_follow_a_new_mask_modes_own_pair_count(monkeypatch):
 
 
 def test_plan_says_where_its_pair_count_comes_from():
-    x = PlanInputs(seq_len=S, micro_batch=1, dtype_bytes=2, hardware=A100)
+    x = PlanInputs(seq_len=S, micro_batch=1, dtype_bytes=2, hardware=A100, pairs=whole_row_pairs(_spec("causal"), S))
     unknown = plan_memory(CONFIG, x)
-    assert unknown["attention_pairs"] == {"source": WHOLE_ROW_CAUSAL, "fraction_of_row_squared": 0.5, "per_layer": None}
+    assert unknown["attention_pairs"] == {
+        "source": x.pairs.source,
+        "fraction_of_row_squared": 0.5,
+        "per_layer": [0.5] * CONFIG.num_hidden_layers,
+    }
     packed = plan_memory(CONFIG, dataclasses.replace(x, pairs=packed_pairs(_spec("packed_doc"), [[100] * 5], S, "r")))
-    assert packed["attention_pairs"]["source"] == "r" and packed["step_s"] < unknown["step_s"]
+    assert packed["attention_pairs"]["source"].startswith("r, counted for") and packed["step_s"] < unknown["step_s"]
+    # a causal half per layer prices the step exactly as inputs built by hand without specs do
+    assert unknown["step_s"] == plan_memory(CONFIG, dataclasses.replace(x, pairs=AttendedPairs()))["step_s"]
 
 
 def test_plan_inputs_read_the_resolved_specs():
@@ -109,4 +131,4 @@ def test_plan_inputs_read_the_resolved_specs():
     x = plan_inputs(specs, dataclasses.replace(A100, world_size=2), SPECS["bf16_mixed"])
     assert x.reduce_every is ReduceEvery.WINDOW and x.trainable_fraction == specs.lora_fraction
     assert x.compute_copy_bytes > 0  # DDP never casts through FSDP's policy: autocast keeps its weight copies
-    assert x.frozen_weight_bytes is not None and x.pairs == AttendedPairs()
+    assert x.frozen_weight_bytes is not None and x.pairs == whole_row_pairs(specs.attention, specs.seq_len)
