@@ -141,7 +141,7 @@ def _at_most(given: Optional[float], measured: float, key: str, tolerance: float
 
 def assumed_hardware(hw: HardwareConfig) -> HardwareConfig:
     """The hardware a plan targets without touching any device: named configs as given, auto as this machine."""
-    if hw.device == "cuda" and hw.memory_gb is not None:
+    if hw.on_cuda and hw.memory_gb is not None:
         return dataclasses.replace(
             hw, host_memory_gb=hw.host_memory_gb if hw.host_memory_gb is not None else available_host_memory_gb()
         )

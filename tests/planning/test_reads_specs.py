@@ -2,21 +2,18 @@
 
 Two scans of the source: the planner's costs and the FLOP counter compare no memory policy, granularity, attention
 backend or precision name at all (like the `memory.policy == "offload" or memory.offload` the planner once repeated
-in five places); and no module under flexengine/ outside cli/, run.py and core's config modules compares a config
-field with a string (`job.parallel.reduce_every == "micro_batch"`, `x.hardware.device != "cpu"`), except the
-functions in CONFIG_SUBJECTS, each with the reason its subject is the config itself."""
+in five places); and no module under flexengine/ outside cli/, run.py and core's config modules compares any value
+with a string that is one of the config's choices (`==`, `!=`, `in`, `not in`, `match` cases), whatever the compared
+value is called (`s = job.parallel.strategy; s == "fsdp"`), except the functions in CONFIG_SUBJECTS, each with its
+reason. The choices are collected from what the config validates against (`config_choices`)."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
-import itertools
-import typing
+import importlib
 from pathlib import Path
 
 import pytest
-
-from flexengine.core.config import JobConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flexengine"
 SCANNED = sorted((PACKAGE / "planning").glob("*.py")) + [PACKAGE / "loop" / "flops.py"]
@@ -87,80 +84,141 @@ def test_costs_compare_no_config_strings(path):
     )
 
 
-# -- any config field compared with a string, anywhere below the composition root ------------------------------------
+# -- any config choice compared as a string, anywhere below the composition root ---------------------------------------
 # where config strings are the subject: the entry points and the composition root, and core's schemas that check them
 COMPOSITION_ROOT = ("cli/", "run.py", "core/config.py", "core/config_model.py", "core/config_data.py")
 COMPOSITION_ROOT += ("core/config_checks.py", "core/config_keys.py", "core/config_record.py")
-# JobConfig's groups and their fields: `<group>.<field>` anywhere in an attribute chain is a config value
-_HINTS = typing.get_type_hints(JobConfig)
-CONFIG_GROUPS = {
-    f.name: {g.name for g in dataclasses.fields(_HINTS[f.name])}
-    for f in dataclasses.fields(JobConfig)
-    if dataclasses.is_dataclass(_HINTS[f.name])
-}
-# module:function -> why it may compare its config's strings. Resolvers turn a config into the value or spec
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def config_choices() -> frozenset[str]:
+    """Every value a config choice may take: what each `check_choice(key, value, choices)` call in the package
+    validates against (evaluated in its own module: core's choice lists, `tuple(MODES)`, the precision group's
+    options), the tables and enums the choices name (MODES, SPECS, KINDS, Strategy, ReduceEvery, AttnBackend), and
+    the option names of every conf/ group."""
+    from flexengine.core.parallel_spec import ReduceEvery, Strategy
+    from flexengine.surgery.attention.masks import MODES
+    from flexengine.surgery.attention.spec import AttnBackend
+    from flexengine.surgery.memory.kinds import KINDS
+    from flexengine.surgery.precision import SPECS
+
+    values = {*MODES, *SPECS, *KINDS} | {e.value for enum in (Strategy, ReduceEvery, AttnBackend) for e in enum}
+    values |= {p.stem for p in (PACKAGE.parent / "conf").glob("*/*.yaml")}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        calls = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)]
+        for call in calls:
+            if isinstance(call.func, ast.Name) and call.func.id == "check_choice" and len(call.args) == 3:
+                choices = eval(ast.unparse(call.args[2]), vars(importlib.import_module(_module_of(path))))
+                values |= {v for v in choices if isinstance(v, str)}
+    return frozenset(values)
+
+
+# module:function -> why it may compare a config choice's string. Resolvers turn a config into the value or spec
 # below them; builders pick a component by its own group's name; data/ reads its own DataConfig (which files,
-# which format: no spec exists for a data source yet).
-CONFIG_SUBJECTS = {
-    "surgery/memory/spec.py:block_memory_specs": "the resolver: memory.* -> one MemorySpec per block",
-    "planning/activations.py:resolve_tiles": "the resolver of memory.tiled_mlp=auto into a tile size",
-    "surgery/attention/job_rules.py:resolve_attention_rules": "resolves data.packing=auto (composition root only)",
-    "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
-    "planning/fit.py:_explicit_choices": "names the user's own key=value choices in the does-not-fit message",
-    "surgery/memory/policy.py:apply_memory_policy": "its log line repeats the user's memory.policy",
-    "loop/optim.py:build_optimizer": "a builder: optim.name / optim.impl pick the optimizer class",
-    "loop/optim.py:schedule_problem": "a warning about the user's own optim.schedule",
-    "loop/checkpointer.py:warn_schedule_change": "explains the user's train.resume_schedule choice on resume",
+# which format: no spec exists for a data source yet); other helpers are rewriting the output side and the loop's
+# components, so their hits wait for them. A string that only looks like a choice says what it is instead.
+CONFIG_SUBJECTS: dict[str, str] = {
+    "core/distributed.py:init_distributed": "resolves parallel.backend=auto by the torch.device type",
+    "core/distributed.py:rank_device": "torch.device.type, not a config value",
+    "core/hardware.py:resolve_device": "the resolver of hardware.device=auto",
+    "core/hardware.py:resolve_hardware": "the resolver of hardware=auto (and a torch.device type)",
+    "core/storage.py:_in_use_message": "explains the user's own train.resume=auto",
+    "core/storage.py:check_output_dir": "the resolver of train.resume=auto against the output directory",
     "data/build.py:build_data": "refuses an unresolved data.packing=auto; packing=none rows are trimmed",
     "data/cache.py:cache_key_inputs": "data.source / data.format decide what the cache key must include",
     "data/corpus.py:tokenize_to_cache": "data.format picks the tokenizing path",
+    "data/encode.py:__init__": "resolves data.format / train_on / assistant_mask=auto into the encoder's mask source",
+    "data/encode.py:_chat_ids_and_mask": "the encoder's resolved mask source, still a data.assistant_mask string",
+    "data/encode.py:_encode_chat": "data.long_chats / train_on: no data spec exists yet",
+    "data/encode.py:assistant_char_spans": "a chat turn's role, not data.train_on",
+    "data/encode.py:describe_mask": "the encoder's resolved mask source, for the log",
+    "data/encode.py:encode_batch": "data.format picks the encoding (and a mixed document's payload kind)",
+    "data/packing.py:_pieces": "data.long_docs: no data spec exists yet",
+    "data/packing.py:plan_packing": "data.packing picks the packer: no data spec exists yet",
     "data/sources.py:_units": "data.source picks the reader",
+    "data/sources.py:check_chat_messages": "a chat turn's role, not data.train_on",
     "data/sources.py:check_record": "data.format picks the record's required fields",
     "data/sources.py:iter_raw_docs": "data.source / data.format pick the reader",
     "data/sources.py:needed_column": "data.format names the column read",
+    "data/sources.py:report": "data.on_error: raise or count",
     "data/sources.py:resolve_eval_split": "data.source=hf has named splits",
     "data/sources.py:source_files": "data.source picks the files",
     "data/sources.py:unused_eval_split": "data.source=hf has named splits",
     "data/split.py:held_out_without_overlap": "the resolver of data.eval_overlap=auto",
+    "data/stats.py:compare_strategies": "the stats command compares the packing strategies by name",
+    "loop/checkpoint/load.py:pick": "the resolver of train.resume=auto into a checkpoint path",
+    "loop/checkpointer.py:_set_rng_state": "components: a saved RNG state's device key",
+    "loop/checkpointer.py:warn_schedule_change": "components: explains the user's train.resume_schedule choice",
+    "loop/metrics.py:allocator_stats": "torch.device.type, not a config value",
+    "loop/metrics.py:peak_memory_bytes": "torch.device.type, not a config value",
+    "loop/optim.py:_transformers_scheduler": "a builder: optim.schedule picks the schedule function",
+    "loop/optim.py:build_optimizer": "a builder: optim.name / optim.impl pick the optimizer class",
+    "loop/optim.py:resumed_knots": "train.resume_schedule: rederive or keep the saved knots",
+    "loop/optim.py:schedule_problem": "a warning about the user's own optim.schedule",
+    "loop/profiling.py:start_profiler": "torch.device.type, not a config value",
+    "loop/profiling.py:top_ops_table": "torch.device.type, not a config value",
+    "loop/trainer.py:sync_device": "components: torch.device.type, not a config value",
+    "planning/activations.py:resolve_tiles": "the resolver of memory.tiled_mlp=auto into a tile size",
+    "planning/fit.py:_explicit_choices": "names the user's own key=value choices in the does-not-fit message",
+    "planning/fit.py:_overrides": "output side: rewritten by the typed Plan",
+    "planning/fit.py:_reduce_line": "output side: rewritten by the typed Plan",
+    "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
+    "planning/planner.py:candidates_for": "builds MemoryConfig candidates: the search space is memory.* itself",
+    "planning/planner.py:search_space": "builds MemoryConfig candidates: the search space is memory.* itself",
+    "planning/report.py:activation_summary": "torch.device.type, not a config value",
+    "surgery/attention/block_mask.py:_create_block_mask": "torch.device.type, not a config value",
+    "surgery/attention/job_rules.py:resolve_attention_rules": "resolves data.packing=auto (composition root only)",
+    "surgery/attention/spec.py:resolve_backend": "the resolver of attn.backend=auto into an AttnBackend",
+    "surgery/memory/layers.py:select_layers": "the resolver of memory.layers into layer indices",
+    "surgery/memory/offload.py:_streams_for": "torch.device.type, not a config value",
+    "surgery/memory/policy.py:apply_memory_policy": "its log line repeats the user's memory.policy",
+    "surgery/memory/spec.py:block_memory_specs": "the resolver: memory.* -> one MemorySpec per block",
+    "surgery/parallel.py:apply_parallel": "torch.device.type, not a config value",
+    "surgery/precision.py:auto_order": "the resolver of precision=auto: its order depends on optim.name",
+    "surgery/precision.py:bytes_per_param": "PrecisionSpec.optimizer is still an optim.name string (no optimizer spec)",
+    "surgery/precision.py:fsdp_policy": "torch.device.type, not a config value",
+    "surgery/precision.py:optimizer_state_bytes_per_param": "optim.name -> state bytes (no optimizer spec yet)",
+    "surgery/precision.py:precision_spec": "the resolver of precision.mode + optim.name into a PrecisionSpec",
+    "surgery/precision.py:spec_for_params": "the resolver of precision=auto for a built model",
+    "surgery/rope.py:apply_rope_scaling": "the resolver of model.rope_scaling against HF's rope_type",
+    "surgery/rope.py:context_limits": "HF's rope_type of the model config, not a choice of ours",
+    "surgery/rope.py:describe": "HF's rope_type of the model config, for the log",
 }
 
 
-def _chain(node: ast.AST) -> list[str]:
-    """`a.b.c` -> ["a", "b", "c"]; [] for anything else (a call, a subscript)."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+def _constants(node: ast.AST) -> set[str]:
+    """A str constant, or the str constants of a tuple/list/set literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
 
 
-def _is_config_value(node: ast.AST) -> bool:
-    """An attribute chain through the job (`job.`, `cfg.`, `self.job.`) or a config group's field (`x.hardware.device`,
-    `memory.policy`)."""
-    parts = _chain(node)
-    if any(p in ("job", "cfg") for p in parts[:-1]):
-        return True
-    return any(group in CONFIG_GROUPS and field in CONFIG_GROUPS[group] for group, field in itertools.pairwise(parts))
+def _pattern_constants(pattern: ast.AST) -> set[str]:
+    """The str constants a `case` pattern matches (`case "a"`, `case "a" | "b"`)."""
+    return {
+        n.value.value
+        for n in ast.walk(pattern)
+        if isinstance(n, ast.MatchValue) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+    }
 
 
-def _is_string(node: ast.AST) -> bool:
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, str)
-    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
-    return bool(elts) and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts)
-
-
-def config_string_compares(source: str) -> list[tuple[str, str]]:
-    """(function, compare) for every comparison of a config value with a string constant (or a tuple of them)."""
+def config_string_compares(source: str, choices: frozenset[str]) -> list[tuple[str, str]]:
+    """(function, comparison) for every `==`, `!=`, `in`, `not in` and `match` case whose str constant is a config
+    choice, whatever the compared value is called."""
     found = []
 
     def visit(node: ast.AST, function: str) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             function = node.name
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            if any(map(_is_config_value, operands)) and any(map(_is_string, operands)):
-                found.append((function, ast.unparse(node)))
+        if isinstance(node, ast.Compare) and any(_constants(op) & choices for op in [node.left, *node.comparators]):
+            found.append((function, ast.unparse(node)))
+        if isinstance(node, ast.match_case) and _pattern_constants(node.pattern) & choices:
+            found.append((function, f"case {ast.unparse(node.pattern)}"))
         for child in ast.iter_child_nodes(node):
             visit(child, function)
 
@@ -174,31 +232,42 @@ def below_the_root() -> dict[str, str]:
     return {rel: p.read_text(encoding="utf-8") for rel, p in modules.items() if not rel.startswith(COMPOSITION_ROOT)}
 
 
-def test_the_wide_scan_finds_config_strings_compared():
+def test_config_choices_are_what_the_config_validates():
+    choices = config_choices()
+    assert {"fsdp", "micro_batch", "offload", "ops", "packed_sliding", "bf16_sr", "cuda", "bfd", "hf"} <= choices
+    assert {"adamw_cpu_offload", "warmup_stable_decay", "a100_80g", "template", "nccl"} <= choices
+
+
+def test_the_wide_scan_finds_config_strings_however_they_are_reached():
+    choices = frozenset({"fsdp", "micro_batch", "full", "selective", "packed_doc"})
     trainer = 'def step(self):\n    return self.job.parallel.reduce_every == "micro_batch"\n'
-    assert config_string_compares(trainer) == [("step", "self.job.parallel.reduce_every == 'micro_batch'")]
-    shapes = 'def plan_inputs(job):\n    return job.parallel.strategy == "fsdp"\n'
-    assert config_string_compares(shapes) == [("plan_inputs", "job.parallel.strategy == 'fsdp'")]
-    assert config_string_compares('def f(x):\n    return x.hardware.device != "cpu"\n')
-    assert config_string_compares('def f(memory):\n    return memory.policy in ("full", "selective")\n')
-    assert config_string_compares('def f(cfg):\n    return "flex" == cfg.attn.backend\n')
-    # resolved values, plan rows and plain names are not config fields
-    assert not config_string_compares("def f(spec):\n    return spec.backend is AttnBackend.FLEX\n")
-    assert not config_string_compares('def f(row):\n    return row["reduce_every"] != "window"\n')
-    assert not config_string_compares('def f(strategy):\n    return strategy == "bfd"\n')
-    assert not config_string_compares('def f(x):\n    return x.precision == "fp32"\n')  # not a group field chain
+    assert config_string_compares(trainer, choices) == [("step", "self.job.parallel.reduce_every == 'micro_batch'")]
+    alias = 'def f(job):\n    s = job.parallel.strategy\n    return s == "fsdp"\n'
+    assert config_string_compares(alias, choices) == [("f", "s == 'fsdp'")]
+    renamed = 'def f(given):\n    return given.policy in ("full", "selective")\n'
+    assert config_string_compares(renamed, choices) == [("f", "given.policy in ('full', 'selective')")]
+    getattr_ = 'def f(job):\n    return "fsdp" != getattr(job.parallel, "strategy")\n'
+    assert config_string_compares(getattr_, choices) == [("f", "'fsdp' != getattr(job.parallel, 'strategy')")]
+    carried = 'def f(spec):\n    return spec.mode not in {"packed_doc"}\n'
+    assert config_string_compares(carried, choices) == [("f", "spec.mode not in {'packed_doc'}")]
+    match = "def f(s):\n    match s:\n"
+    match += '        case "fsdp" | "ddp":\n            return 1\n        case _:\n            return 0\n'
+    assert config_string_compares(match, choices) == [("f", "case 'fsdp' | 'ddp'")]
+    # resolved values and strings that are no choice pass
+    assert not config_string_compares("def f(spec):\n    return spec.backend is AttnBackend.FLEX\n", choices)
+    assert not config_string_compares('def f(row):\n    return row.kind == "grad_norm"\n', choices)
 
 
 def test_no_config_string_is_compared_below_the_composition_root():
-    found = {
-        f"{rel}:{function}": compare
-        for rel, source in below_the_root().items()
-        for function, compare in config_string_compares(source)
-    }
-    unexplained = sorted(f"{where}: {compare}" for where, compare in found.items() if where not in CONFIG_SUBJECTS)
+    choices = config_choices()
+    found: dict[str, list[str]] = {}
+    for rel, source in below_the_root().items():
+        for function, compare in config_string_compares(source, choices):
+            found.setdefault(f"{rel}:{function}", []).append(compare)
+    unexplained = sorted(f"{where}: {'; '.join(c)}" for where, c in found.items() if where not in CONFIG_SUBJECTS)
     assert not unexplained, (
         "config strings compared below the composition root: resolve them once there (an enum or a spec, as "
         "core/parallel_spec.py and surgery/attention/spec.py do) and compare the resolved value, or add the "
-        "function to CONFIG_SUBJECTS with the reason its subject is the config itself:\n" + "\n".join(unexplained)
+        "function to CONFIG_SUBJECTS with the reason:\n" + "\n".join(unexplained)
     )
-    assert not sorted(set(CONFIG_SUBJECTS) - set(found)), "CONFIG_SUBJECTS lists functions that compare no string"
+    assert not sorted(set(CONFIG_SUBJECTS) - set(found)), "CONFIG_SUBJECTS lists functions that compare no choice"
