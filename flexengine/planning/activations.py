@@ -270,6 +270,8 @@ def estimate_activations(
         shares = [float(attended_fraction)] * len(specs)
     else:
         shares = list(attended_fraction)
+    if len(shares) != len(specs):  # pairs counted on another model (planning/specs.plan_specs counts per layer)
+        raise ValueError(f"attended pairs of {len(shares)} layers for a model of {len(specs)} blocks")
     parts = {f: block_recompute_parts(m, w, f, count_attention_core) for f in set(shares)}
     ops = pointwise_bytes(m, w)
     per_block, offloaded, flops, pointwise = [], [], 0.0, 0

@@ -206,13 +206,13 @@ def test_fsdp_bytes_follow_the_policy_the_precision_mode_applies(mode, mixed_pre
     spec = SPECS[mode]
     job = JobConfig()
     job.parallel.mixed_precision = mixed_precision
-    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=8), spec, on_cuda=True)
+    cfg = _deepseek_inputs()[0]
+    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=8), spec, on_cuda=True, hf_config=cfg)
     policy = spec.fsdp_policy(torch.device("cuda"), mixed_precision)
     gather = policy.param_dtype if policy else spec.param_dtype
     reduce = policy.reduce_dtype if policy else spec.param_dtype
     assert (x.fsdp_param_bytes, x.fsdp_reduce_bytes) == (gather.itemsize, reduce.itemsize)
     assert x.fsdp_reduce_bytes == x.grad_bytes  # FSDP2 reduces (and accumulates) in the gradients' own dtype
-    cfg = _deepseek_inputs()[0]
     terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
     shape = ModelShape.from_hf_config(cfg)
     root = 2 * 102400 * 4096 + 4096
@@ -236,8 +236,8 @@ def test_no_autocast_weight_copy_is_counted_when_fsdp_casts(strategy, world_size
     job = JobConfig()
     job.parallel.strategy, job.parallel.mixed_precision = strategy, mixed_precision
     spec = SPECS["bf16_mixed"]
-    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=world_size), spec, on_cuda=True)
     cfg = _deepseek_inputs()[0]
+    x = plan_inputs_of(job, dataclasses.replace(A100, world_size=world_size), spec, on_cuda=True, hf_config=cfg)
     terms = plan_memory(cfg, dataclasses.replace(x, seq_len=1024, micro_batch=1, grad_accum=1))["terms"]
     assert ("compute_copy_bytes" in terms) == copies
 
