@@ -71,7 +71,7 @@ def _plan(config: str, jsonl: Path):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     job, hf_config, fit = _plan(config, jsonl)
-    assert fit.fits, f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} GiB of {fit.plan['budget_bytes'] / 2**30:.1f}"
+    assert fit.fits, f"{config}: {fit.plan.total_bytes / 2**30:.1f} GiB of {fit.plan.budget.usable_bytes / 2**30:.1f}"
     assert fit.precision.name != "bf16_pure" and fit.precision.updates_arrive(job.optim.lr)
     if fit.hardware.device == "cuda":  # the peak leaves the CUDA context and >= 5 % of the card (planning/budget)
         card = fit.plan.budget.card_bytes
@@ -86,8 +86,8 @@ def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     assert sum(p.numel() for p in params) == ModelShape.from_hf_config(hf_config).params
     assert sum(p.numel() * p.element_size() for p in params) == fit.plan.terms.weights_bytes
     print(
-        f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} / {fit.plan['budget_bytes'] / 2**30:.1f} GiB on "
-        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan['policy']}, "
+        f"{config}: {fit.plan.total_bytes / 2**30:.1f} / {fit.plan.budget.usable_bytes / 2**30:.1f} GiB on "
+        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan.policy}, "
         f"micro_batch {fit.micro_batch} x {fit.grad_accum}"
     )
 
