@@ -159,7 +159,7 @@ def _apply_surgery(
     apply_attention(model, attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, job.memory, max_pinned_bytes=fit.plan["offload_pinned_bound_bytes"])
+    apply_memory_policy(model, job.memory, max_pinned_bytes=fit.plan.usage.offload_pinned_bound_bytes)
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
@@ -301,7 +301,7 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = trainer.plan.plan
-        summary.update(planned_peak_bytes=plan["total_bytes"], plan_budget_bytes=plan["budget_bytes"])
+        summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
         summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)

@@ -62,20 +62,20 @@ def test_unknown_kind_is_refused_with_the_choices():
         kind("heads")
 
 
-def _family(memory: dict) -> tuple:
-    return memory["granularity"], memory["layers"], memory["offload"], memory["tiled_mlp"]
+def _family(memory: MemoryConfig) -> tuple:
+    return memory.granularity, memory.layers, memory.offload, memory.tiled_mlp
 
 
 def test_new_kind_is_planned_like_the_kind_it_extends(new_kind):
     cfg = build_hf_config(ModelConfig(init="random", arch=SEVEN_B))
     plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=A100))
-    rows = {_family(r["memory"]): r for r in plan["candidates"] if r["memory"]["policy"] in ("full", "selective")}
+    rows = {_family(r.memory): r for r in plan.candidates if r.memory.policy in ("full", "selective")}
     new = {key: r for key, r in rows.items() if key[0] == new_kind.name}
     assert len(new) >= cfg.num_hidden_layers  # one per k at least
     for (_, *rest), row in new.items():
         block = rows[("block", *rest)]
-        assert row["total_bytes"] == block["total_bytes"] and row["step_s"] == block["step_s"]
-    assert plan["memory"]["granularity"] != new_kind.name  # ties go to the coarser shipped kind
+        assert row.total_bytes == block.total_bytes and row.step_s == block.step_s
+    assert plan.memory.granularity != new_kind.name  # ties go to the coarser shipped kind
 
 
 def _train_losses(memory: MemoryConfig, tmp_path) -> tuple[list[int], list[str], list[float]]:
