@@ -48,6 +48,7 @@ from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
 from flexengine.surgery.context_parallel import ContextParallel, build_context_parallel
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory.kinds import check_granularity
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
 from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.parallel import apply_parallel, loads_weights
@@ -158,7 +159,7 @@ def _apply_surgery(
     apply_attention(model, attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, job.memory, max_pinned_bytes=fit.plan["offload_pinned_bound_bytes"])
+    apply_memory_policy(model, fit.memory_specs, max_pinned_bytes=fit.plan["offload_pinned_bound_bytes"])
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
@@ -210,6 +211,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     record = record if record is not None else ConfigRecord(job, FROM_CALLER)
     resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
     torch.manual_seed(job.train.seed)
+    check_granularity(job.memory.granularity)  # a hand-built JobConfig too (the CLI checked it at composition)
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     _check_checkpoint_rope(job, hf_config)

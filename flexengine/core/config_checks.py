@@ -19,7 +19,6 @@ DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
 EVAL_OVERLAP = ("auto", "drop", "refuse", "allow")  # data.eval_overlap
 MODEL_INITS = ("auto", "pretrained", "random")
 MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
-MEMORY_GRANULARITIES = ("block", "attention", "mlp", "ops")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 REDUCE_EVERY = ("auto", "window", "micro_batch")
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
