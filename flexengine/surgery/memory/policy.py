@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import nn
 
@@ -48,12 +48,13 @@ class MemoryBlock(nn.Module):
     memory_index: int  # decoder block index (offload groups prefetch one block ahead)
     memory_offload: Optional[OffloadManager]  # the model's offload manager, when this module offloads
 
-    def forward(self, *args, **kwargs):
+    # Any: the arguments and the output are the HF block's own (hidden states, masks, rotary embeddings, ...)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.memory_spec.mlp_tile:  # on the block's `mlp` (apply_block_spec): hidden states in, per token
             return tiled_mlp_forward(super().forward, *args, tile_tokens=self.memory_spec.mlp_tile, **kwargs)
         return self.memory_spec.recompute.checkpoint_forward(super().forward, *args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Outside the compiled region (nn.Module.compile compiles _call_impl, which __call__ calls) and outside
         # the checkpoint (hooks inside one would disable it; here they see only its positional inputs).
         if self.memory_offload is None:
@@ -72,6 +73,7 @@ def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Option
         if cls not in _MEMORY_CLASSES:
             _MEMORY_CLASSES[cls] = type(f"Memory{cls.__name__}", (MemoryBlock, cls), {})
         module.__class__ = _MEMORY_CLASSES[cls]  # parameter names and state_dict keys stay HF's
+    assert isinstance(module, MemoryBlock)  # its class is now one (and the type checker knows its three fields)
     module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
 
 
