@@ -228,6 +228,15 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     )
 
 
+def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
+    """The record takes the data stage's epochs, the attention backend auto chose and model.path's architecture."""
+    record.update(job, AUTO_EPOCHS)
+    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
+        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
+    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
+        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+
+
 def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last). record: the
     composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
@@ -255,11 +264,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     job, loader, eval_data, data_report = _build_checked_data(
         job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
     )
-    record.update(job, AUTO_EPOCHS)
-    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
-        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
-    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
-        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+    _record_what_runs(record, job, attention)
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
     parallel = resolve_parallel(job.parallel)  # parallel.* as enums, reduce_every as the fit chose it

@@ -107,7 +107,6 @@ CONFIG_SUBJECTS = {
     "surgery/attention/job_rules.py:resolve_attention_rules": "resolves data.packing=auto (composition root only)",
     "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
     "planning/fit.py:_explicit_choices": "names the user's own key=value choices in the does-not-fit message",
-    "surgery/memory/policy.py:apply_memory_policy": "its log line repeats the user's memory.policy",
     "loop/optim.py:build_optimizer": "a builder: optim.name / optim.impl pick the optimizer class",
     "loop/optim.py:schedule_problem": "a warning about the user's own optim.schedule",
     "loop/checkpointer.py:warn_schedule_change": "explains the user's train.resume_schedule choice on resume",
