@@ -28,7 +28,7 @@ from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.compile import apply_compile
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.precision import SPECS
 
 SMALL = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
@@ -66,7 +66,7 @@ def compiled_block_bytes(precision: str, policy: Any) -> dict[str, int]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMALL, num_hidden_layers=1, use_cache=False)).to(spec.param_dtype)
     patch_attention(model, mode="packed_doc", backend="flex", compile=False)  # flex traced inside the block
-    apply_memory_policy(model, policy)
+    apply_memory_policy(model, block_memory_specs(policy, model.config.num_hidden_layers))
     recorder = SavedRecorder()
     apply_compile(model, recorder.backend)
     model.train()

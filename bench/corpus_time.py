@@ -31,7 +31,7 @@ def main() -> None:
         plan, hours = plan_with_corpus(job, SEED)  # the plan command's path: the packed rows' attended pairs too
         assert hours is not None
         corpus, rows = Corpus(**hours["corpus"]), hours["alternatives"]
-        pairs = plan["attention_pairs"]["fraction_of_row_squared"]
+        pairs = plan.plan.attention_pairs.as_dict()["fraction_of_row_squared"]
         report.append(
             {"seq_len": job.data.seq_len, "corpus": corpus.describe, "attended_fraction": pairs, "alternatives": rows}
         )

@@ -25,6 +25,7 @@ parts 0.42x, exposed copies as they are -- and more of them exposed, since 3x fa
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from gpu_check_width import (
@@ -39,6 +40,9 @@ from gpu_check_width import (
     reserved_verdict,
     run_steps,
 )
+
+if TYPE_CHECKING:
+    from flexengine.planning.budget import DeviceBudget
 
 GiB = 2**30
 README_GRAD_ACCUM = 8  # conf/experiment/deepseek7b_6k_a100.yaml
@@ -81,7 +85,7 @@ def readme_fit(grad_accum: int, cli: bool = False):
 
     job = compose_job(readme_overrides(grad_accum))
     if cli:
-        return build_plan(job)["fit"]
+        return build_plan(job).fit
     return plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
 
 
@@ -91,7 +95,7 @@ def choices(fit) -> dict:
         "precision": fit.precision.name,
         "memory": dataclasses.asdict(fit.memory),
         "micro_batch": fit.micro_batch,
-        "policy": fit.plan["policy"],
+        "policy": fit.plan.policy,
     }
 
 
@@ -110,42 +114,44 @@ def choice_overrides(fit) -> list[str]:
     ]
 
 
-def budget_overrides(plan: dict) -> list[str]:
+def budget_overrides(budget: DeviceBudget) -> list[str]:
     """The plan's CUDA context and margin as hardware.* overrides, where this engine has them: the run on the H200
     then budgets as the A100 plan did (else it would measure the H200's own context)."""
     from flexengine.core.config import HardwareConfig
 
     fields = {f.name for f in dataclasses.fields(HardwareConfig)}
-    given = {"cuda_context_gb": plan.get("cuda_context_bytes"), "memory_margin_gb": plan.get("margin_bytes")}
-    return [f"hardware.{k}={v / GiB!r}" for k, v in given.items() if k in fields and v is not None]
+    given = {"cuda_context_gb": budget.context_bytes, "memory_margin_gb": budget.margin_bytes}
+    return [f"hardware.{k}={v / GiB!r}" for k, v in given.items() if k in fields]
 
 
 def plan_summary(fit) -> dict:
     """The plan's choices, terms and budget in GiB, and its step time (the numbers the run is held against)."""
+    from flexengine.planning.plan import budget_json
+
     p = fit.plan
-    gib = {k.removesuffix("_bytes"): v / GiB for k, v in p["terms"].items()}
-    budget = {k: p[k] / GiB for k in ("budget_bytes", "card_bytes", "cuda_context_bytes", "margin_bytes") if k in p}
+    gib = {k.removesuffix("_bytes"): v / GiB for k, v in p.terms.items()}
+    budget = {k: v / GiB for k, v in budget_json(p.budget).items()}
     return {
         **choices(fit),
         "grad_accum": fit.grad_accum,
         "terms_gib": gib,
-        "total_gib": p["total_bytes"] / GiB,
-        "allocated_gib": p["total_bytes"] / GiB,
+        "total_gib": p.total_bytes / GiB,
+        "allocated_gib": p.total_bytes / GiB,
         "budget_gib": budget,
-        "step_s": p["step_s"],
-        "offload_gb_per_step": p["offload_bytes_per_step"] / 1e9,
-        "pcie_s_per_step": p["pcie_seconds_per_step"],
+        "step_s": p.step_s,
+        "offload_gb_per_step": p.time.offload_bytes_per_step / 1e9,
+        "pcie_s_per_step": p.pcie_seconds_per_step,
         "hardware": {k: getattr(fit.hardware, k) for k in ("name", "memory_gb", "peak_tflops", "pcie_gb_s")},
     }
 
 
-def allocator_cap(plan: dict, total_memory: int) -> dict:
-    """What an A100's caching allocator can reserve under this plan, as a fraction of this device's memory."""
-    cap = plan["card_bytes"] - plan["cuda_context_bytes"]
+def allocator_cap(budget: DeviceBudget, allocated: int, total_memory: int) -> dict:
+    """What an A100's caching allocator can reserve under a plan (its budget and planned allocated peak), as a
+    fraction of this device's memory."""
+    cap = budget.card_bytes - budget.context_bytes
     basis = "card_bytes - cuda_context_bytes (= budget_bytes + margin_bytes): the A100 card less its context"
     if not 0 < cap <= total_memory:
         raise ValueError(f"cap {cap / GiB:.2f} GiB does not fit this device's {total_memory / GiB:.2f} GiB")
-    allocated = plan["total_bytes"]
     return {
         "cap_bytes": cap,
         "cap_gib": cap / GiB,
@@ -168,8 +174,8 @@ def expected_h200(fit, job_overrides: list[str]) -> dict:
     steps = {}
     for pcie in (fit.hardware.pcie_gb_s, 50.0):
         job = compose_job([*job_overrides, "hardware=h200_141g", f"hardware.pcie_gb_s={pcie}"])
-        steps[pcie] = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware)).plan["step_s"]
-    a100 = fit.plan["step_s"]
+        steps[pcie] = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware)).plan.step_s
+    a100 = fit.plan.step_s
     return {
         "a100_plan_step_s": a100,
         "h200_step_s": steps[fit.hardware.pcie_gb_s],
@@ -279,8 +285,8 @@ def replans_the_same(pinned: list[str], fit) -> dict:
 
     job = compose_job(pinned)
     again = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
-    same = choices(again) == choices(fit) and abs(again.plan["total_bytes"] - fit.plan["total_bytes"]) < 2**20
-    return {"same": same, "total_gib": again.plan["total_bytes"] / GiB, "policy": again.plan["policy"]}
+    same = choices(again) == choices(fit) and abs(again.plan.total_bytes - fit.plan.total_bytes) < 2**20
+    return {"same": same, "total_gib": again.plan.total_bytes / GiB, "policy": again.plan.policy}
 
 
 def model_on_meta(pinned: list[str], fit) -> dict:
@@ -298,7 +304,7 @@ def model_on_meta(pinned: list[str], fit) -> dict:
         "params": sum(p.numel() for p in params),
         "built_on_meta": all(p.device.type == "meta" for p in params),
         "weights_gib": weights / GiB,
-        "equals_plan_weights": weights == fit.plan["terms"]["weights_bytes"],
+        "equals_plan_weights": weights == fit.plan.terms.weights_bytes,
     }
 
 
@@ -336,9 +342,9 @@ def check_readme_a100(dry: bool) -> dict:
     readme = readme_fit(README_GRAD_ACCUM, cli=True)
     fit = readme_fit(GRAD_ACCUM)
     job = [*readme_overrides(GRAD_ACCUM), *choice_overrides(fit)]
-    pinned = [*job, *budget_overrides(fit.plan)]
-    cap = allocator_cap(fit.plan, _device_total_memory(dry))
-    progress(f"planned: precision={fit.precision.name}, {fit.plan['policy']}, cap {cap['cap_gib']:.2f} GiB")
+    pinned = [*job, *budget_overrides(fit.plan.budget)]
+    cap = allocator_cap(fit.plan.budget, fit.plan.total_bytes, _device_total_memory(dry))
+    progress(f"planned: precision={fit.precision.name}, {fit.plan.policy}, cap {cap['cap_gib']:.2f} GiB")
     record = {
         "readme_plan": plan_summary(readme),
         "plan": plan_summary(fit),
@@ -357,7 +363,7 @@ def check_readme_a100(dry: bool) -> dict:
         if FAST_DRY[0]:  # the CI's fast dry run: the plan, the pinning, the model and the cap; no CPU steps
             return _verdict(record, problems, headline_of(record, dry))
     if dry:
-        layers = cpu_overrides(pinned, fit.memory.layers, fit.plan["hf_config"]["num_hidden_layers"])
+        layers = cpu_overrides(pinned, fit.memory.layers, fit.plan.n_layers)
         run = record["run"] = run_steps(layers, steps=1)
     else:
         run = record["run"] = run_capped(pinned, cap, TIMED_STEPS)

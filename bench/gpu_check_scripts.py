@@ -258,7 +258,7 @@ def check_flex_vs_sdpa(dry: bool) -> dict:
     from flexengine.core.config import MemoryConfig
     from flexengine.surgery.attention import patch_attention
     from flexengine.surgery.loss import forward_loss_sum
-    from flexengine.surgery.memory import apply_memory_policy
+    from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 
     # 2 layers: every layer is alike, so the speed ratio is per layer (half the GPU seconds of 4)
     arch, dtype = (TINY, torch.float32) if dry else (dict(WIDTH_7B, num_hidden_layers=2), torch.bfloat16)
@@ -274,7 +274,9 @@ def check_flex_vs_sdpa(dry: bool) -> dict:
             else:
                 model.set_attn_implementation("sdpa")
                 batches = padded_batches(lengths, arch["vocab_size"], per_batch=4)
-            apply_memory_policy(model, MemoryConfig(policy="full"))  # both sides recompute every block
+            apply_memory_policy(
+                model, block_memory_specs(MemoryConfig(policy="full"), model.config.num_hidden_layers)
+            )  # both sides recompute every block
 
             def step(model=model, batches=batches):
                 for b in batches:

@@ -122,15 +122,15 @@ def plan_for_gpu(overrides: list[str]) -> dict:
     plan = fit.plan
     return {
         "precision": fit.precision.name,
-        "policy": plan["policy"] if "policy" in plan else plan["memory"]["policy"],
-        "device_gib": plan["total_bytes"] / 2**30,
-        "activation_gib": plan["activation_bytes"] / 2**30,
-        "host_gib": plan["host_bytes"] / 2**30,
-        "step_s": plan["step_s"],
-        "offload_gb_per_step": plan["offload_bytes_per_step"] / 1e9,  # both directions
-        "pcie_s_per_step": plan["pcie_seconds_per_step"],
-        "fits": plan["fits"],
-        "terms": plan["terms"],
+        "policy": plan.policy,
+        "device_gib": plan.total_bytes / 2**30,
+        "activation_gib": plan.terms.activation_bytes / 2**30,
+        "host_gib": plan.usage.host_bytes / 2**30,
+        "step_s": plan.step_s,
+        "offload_gb_per_step": plan.time.offload_bytes_per_step / 1e9,  # both directions
+        "pcie_s_per_step": plan.pcie_seconds_per_step,
+        "fits": plan.fits,
+        "terms": plan.terms.to_json(),
     }
 
 
@@ -236,7 +236,7 @@ def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
     peak_tflops = device_peak_tflops() or fit.hardware.peak_tflops or float("nan")
     return {
         "precision": fit.precision.name,
-        "policy": plan["memory"]["policy"],
+        "policy": plan.memory.policy,
         "micro_batch": fit.micro_batch,
         "grad_accum": fit.grad_accum,
         "losses": [m["loss"] for m in metrics],
@@ -244,15 +244,15 @@ def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
         "warmup_step_s": FIRST_STEPS[-1],
         "step_times_s": step_times,
         "step_s": seconds / len(timed),
-        "planned_step_s": plan["step_s"],
+        "planned_step_s": plan.step_s,
         "tokens_per_s": sum(m["tokens"] for m in timed) / seconds,
         "useful_tokens_per_s": sum(m["useful_tokens"] for m in timed) / seconds,
         "mfu": sum(m["model_flops"] for m in timed) / seconds / (peak_tflops * 1e12),
         "mfu_peak_tflops": peak_tflops,
-        "planned_terms": plan["terms"],
-        "planned_device_bytes": plan["total_bytes"],
-        "planned_margin_bytes": plan["margin_bytes"],
-        "planned_host_bytes": plan["host_bytes"],
+        "planned_terms": plan.terms.to_json(),
+        "planned_device_bytes": plan.total_bytes,
+        "planned_margin_bytes": plan.budget.margin_bytes,
+        "planned_host_bytes": plan.usage.host_bytes,
     }
 
 

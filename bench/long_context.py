@@ -27,7 +27,7 @@ from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, measure_activations
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, measure_activations
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
@@ -80,7 +80,7 @@ def prepare(memory: MemoryConfig, seq_len: int) -> LlamaForCausalLM:
     """The narrow model, patched for dense packed-document attention, under `memory`."""
     model = build(NARROW, seq_len)
     patch_attention(model, mode="packed_doc", backend="dense", dense_chunk=CHUNK)
-    apply_memory_policy(model, memory)
+    apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     return model.train()
 
 

@@ -24,7 +24,7 @@ from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, measure_activations
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, measure_activations
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -91,7 +91,7 @@ def run_policy(arch: dict, memory: MemoryConfig, device: torch.device, steps: in
     gpu = device.type == "cuda"
     model = build(arch, device, torch.bfloat16 if gpu else torch.float32)
     patch_attention(model, mode="causal", backend="flex" if gpu else "dense")
-    apply_memory_policy(model, memory)
+    apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     model.train()
     S = arch["seq_len"]
     ids = torch.randint(0, arch["vocab_size"], (1, S), device=device)

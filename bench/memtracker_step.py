@@ -40,7 +40,7 @@ from flexengine.loop.optim import build_optimizer
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.patch import apply_attention, mask_kwargs
 from flexengine.surgery.attention.spec import resolve_attention_spec
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.model import build_hf_config, load_model
 from flexengine.surgery.precision import apply_precision, precision_spec
 
@@ -169,7 +169,7 @@ def build(case: Case, mode: contextlib.AbstractContextManager) -> Built:
     apply_precision(model, spec)
     apply_attention(model, resolve_attention_spec(job.attn, hf_config, device=CUDA))
     install_flex_stand_in(model)
-    apply_memory_policy(model, case.memory)
+    apply_memory_policy(model, block_memory_specs(case.memory, model.config.num_hidden_layers))
     host_on_meta(model)
     model.train()
     B, S = case.micro_batch, case.seq_len

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -37,9 +37,8 @@ from flexengine.core.storage import (
 )
 from flexengine.data.build import build_data
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
-from flexengine.loop.checkpointer import Checkpointer
-from flexengine.loop.evaluator import Evaluator
-from flexengine.loop.progress import Progress
+from flexengine.loop.components import Components, build_components
+from flexengine.loop.forward import ForwardPath
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import activation_summary
@@ -49,21 +48,28 @@ from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
 from flexengine.surgery.context_parallel import ContextParallel, build_context_parallel
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory.kinds import check_granularity
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
 from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.parallel import apply_parallel, loads_weights
 from flexengine.surgery.precision import apply_precision
 from flexengine.surgery.rope import check_context, context_limits
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
     """train.epochs -> train.max_steps: optimizer steps covering that many passes over this rank's rows."""
-    steps = max(1, math.ceil(job.train.epochs * batches_per_epoch / job.train.grad_accum))
+    epochs = job.train.epochs
+    if epochs is None:
+        raise ValueError("with_epochs: train.epochs is unset (train.max_steps counts the run)")
+    steps = max(1, math.ceil(epochs * batches_per_epoch / job.train.grad_accum))
     log.info(
         "train.epochs=%g: %d micro-batches per epoch / grad_accum %d -> max_steps=%d",
-        job.train.epochs,
+        epochs,
         batches_per_epoch,
         job.train.grad_accum,
         steps,
@@ -71,7 +77,7 @@ def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
     return dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=steps))
 
 
-def _check_checkpoint_rope(job: JobConfig, hf_config) -> None:
+def _check_checkpoint_rope(job: JobConfig, hf_config: PretrainedConfig) -> None:
     """The RoPE scaling a checkpoint carries, against context parallelism and packed documents."""
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
     limits = context_limits(hf_config)
@@ -110,7 +116,13 @@ def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo) -> 
 
 
 def _build_checked_data(
-    job: JobConfig, tokenizer, dist_info: DistInfo, hf_config, *, device: torch.device, flex: bool
+    job: JobConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dist_info: DistInfo,
+    hf_config: PretrainedConfig,
+    *,
+    device: torch.device,
+    flex: bool,
 ) -> tuple[JobConfig, RowLoader, Optional[HeldOut], dict]:
     """build_data with its longest piece checked against the model's context; train.epochs becomes max_steps:
     (job, training loader, held-out batches or None, data report)."""
@@ -126,7 +138,7 @@ def _build_checked_data(
 
 
 def _load_weights(
-    job: JobConfig, fit: FitPlan, device: torch.device, dist_info: DistInfo, tokenizer
+    job: JobConfig, fit: FitPlan, device: torch.device, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[nn.Module, bool]:
     """The HF model in the planned dtype, its vocabulary checked against the tokenizer; and whether its weights
     come from rank 0 by broadcast (apply_parallel) rather than from this rank's own read."""
@@ -159,7 +171,7 @@ def _apply_surgery(
     apply_attention(model, attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, job.memory, max_pinned_bytes=fit.plan["offload_pinned_bound_bytes"])
+    apply_memory_policy(model, fit.memory_specs, max_pinned_bytes=fit.plan.usage.offload_pinned_bound_bytes)
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
@@ -170,10 +182,18 @@ def _apply_surgery(
 
 
 def _components(
-    job: JobConfig, out_dir: Path, dist_info: DistInfo, loader: RowLoader, eval_data: Optional[HeldOut]
-) -> dict:
-    """The trainer's components, each owning its state: the Checkpointer (with the fingerprint of the data stream
-    a resume must match), the Evaluator (held-out set, samples) and Progress (the run clock, the step line)."""
+    job: JobConfig,
+    forward: ForwardPath,
+    tokenizer: PreTrainedTokenizerBase,
+    loader: RowLoader,
+    *,
+    out_dir: Path,
+    dist_info: DistInfo,
+    eval_data: Optional[HeldOut],
+) -> Components:
+    """The trainer's components, each owning its state (loop/components.py): the Checkpointer (with the fingerprint
+    of the data stream a resume must match), the Evaluator (held-out set, samples), Progress (the run clock, the
+    step line), the optimizer and its schedule, the metrics writer and the stop signals, around one TrainState."""
     data_plan = data_plan_fingerprint(
         loader.corpus,
         loader.plan,
@@ -183,12 +203,16 @@ def _components(
         cp=dist_info.cp,
         seed=job.train.seed,
     )
-    main = dist_info.is_main
-    return {
-        "checkpointer": Checkpointer(out_dir / CHECKPOINTS, data_plan=data_plan, is_main=main),
-        "evaluator": Evaluator(eval_data, job.train, is_main=main),
-        "progress": Progress(job.train, peak_tflops=job.hardware.peak_tflops, is_main=main),
-    }
+    return build_components(
+        job, forward, loader, tokenizer, out_dir=out_dir, dist=dist_info, held_out=eval_data, data_plan=data_plan
+    )
+
+
+def fit_of(trainer: Trainer) -> FitPlan:
+    """The FitPlan build_trainer attached to the trainer (what the run was planned with)."""
+    if not isinstance(trainer.plan, FitPlan):
+        raise ValueError("this Trainer was not built by flexengine.run.build_trainer: it carries no FitPlan")
+    return trainer.plan
 
 
 def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
@@ -204,6 +228,15 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     )
 
 
+def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
+    """The record takes the data stage's epochs, the attention backend auto chose and model.path's architecture."""
+    record.update(job, AUTO_EPOCHS)
+    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
+        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
+    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
+        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+
+
 def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> Trainer:
     """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last). record: the
     composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
@@ -211,6 +244,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     record = record if record is not None else ConfigRecord(job, FROM_CALLER)
     resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
     torch.manual_seed(job.train.seed)
+    check_granularity(job.memory.granularity)  # a hand-built JobConfig too (the CLI checked it at composition)
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
     _check_checkpoint_rope(job, hf_config)
@@ -230,11 +264,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     job, loader, eval_data, data_report = _build_checked_data(
         job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
     )
-    record.update(job, AUTO_EPOCHS)
-    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
-        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
-    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
-        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+    _record_what_runs(record, job, attention)
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
     parallel = resolve_parallel(job.parallel)  # parallel.* as enums, reduce_every as the fit chose it
@@ -247,6 +277,10 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         weights_from_rank0=from_rank0,
         fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
     )
+    forward = ForwardPath.build(
+        job, model, device, train_module=train_module, precision=fit.precision, context_parallel=context_parallel
+    )
+    components = _components(job, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data)
     trainer = Trainer(
         job,
         model,
@@ -255,11 +289,8 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         out_dir=out_dir,
         device=device,
         dist=dist_info,
-        train_module=train_module,
-        precision=fit.precision,
         parallel=parallel,
-        context_parallel=context_parallel,
-        **_components(job, out_dir, dist_info, loader, eval_data),
+        components=components,
     )
     _attach_reports(trainer, fit, data_report, memory_report)
     return trainer
@@ -294,14 +325,13 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
     if trainer.dist.is_main:
         _write_record(record, out_dir, trainer)
     with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
-        if job.train.resume:
-            trainer.resume(job.train.resume)
+        trainer.checkpointer.resume()  # train.resume: auto or a step_<N> dir (none: a fresh run)
         summary = trainer.train()
         summary["data"] = trainer.data_report
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
-        plan = trainer.plan.plan
-        summary.update(planned_peak_bytes=plan["total_bytes"], plan_budget_bytes=plan["budget_bytes"])
+        plan = fit_of(trainer).plan
+        summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
         summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from flexengine.planning.budget import DeviceBudget
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -137,18 +139,12 @@ def _run(**given) -> dict:
     return {"planned_terms": {k: _gib(v) for k, v in terms.items()}, **{k: _gib(v) for k, v in gib.items()}, **run}
 
 
-PLAN_AT_A100 = {  # the shape of the planner's dict: the card, its context, the margin, the budget, the peak
-    "card_bytes": _gib(79.15),
-    "cuda_context_bytes": _gib(0.8),
-    "margin_bytes": _gib(3.96),
-    "budget_bytes": _gib(74.39),
-    "total_bytes": _gib(73.7),
-    "terms": {},
-}
+A100_BUDGET = DeviceBudget(card_bytes=_gib(79.15), context_bytes=_gib(0.8), margin_bytes=_gib(3.96))
+A100_PLANNED = _gib(73.7)  # the plan's allocated peak within that budget
 
 
 def test_the_readme_check_passes_a_run_within_the_plan_and_fails_retries_a_reserved_overrun_and_an_undercount():
-    cap = readme.allocator_cap(PLAN_AT_A100, _gib(139.8))
+    cap = readme.allocator_cap(A100_BUDGET, A100_PLANNED, _gib(139.8))
     assert cap["cap_gib"] == pytest.approx(78.35, abs=1e-6) and cap["fraction"] == pytest.approx(78.35 / 139.8)
     good = readme.memory_report(_run(), cap)
     assert readme.problems_of(_run(), good) == [], good
@@ -168,17 +164,10 @@ def test_the_readme_check_passes_a_run_within_the_plan_and_fails_retries_a_reser
 
 
 def test_the_a100_cap_comes_from_the_plan_never_past_the_device():
-    plan = {
-        "card_bytes": 100,
-        "cuda_context_bytes": 10,
-        "budget_bytes": 80,
-        "margin_bytes": 10,
-        "total_bytes": 70,
-        "terms": {},
-    }
-    assert readme.allocator_cap(plan, 200)["cap_bytes"] == 90  # the card less its context: budget + margin
+    budget = DeviceBudget(card_bytes=100, context_bytes=10, margin_bytes=10)
+    assert readme.allocator_cap(budget, 70, 200)["cap_bytes"] == 90  # the card less its context: budget + margin
     with pytest.raises(ValueError, match="does not fit"):
-        readme.allocator_cap(plan, 50)
+        readme.allocator_cap(budget, 70, 50)
 
 
 def test_memory_verdict_passes_the_planner_and_fails_it_with_the_activation_term_halved():

@@ -71,12 +71,12 @@ def _plan(config: str, jsonl: Path):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     job, hf_config, fit = _plan(config, jsonl)
-    assert fit.fits, f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} GiB of {fit.plan['budget_bytes'] / 2**30:.1f}"
+    assert fit.fits, f"{config}: {fit.plan.total_bytes / 2**30:.1f} GiB of {fit.plan.budget.usable_bytes / 2**30:.1f}"
     assert fit.precision.name != "bf16_pure" and fit.precision.updates_arrive(job.optim.lr)
     if fit.hardware.device == "cuda":  # the peak leaves the CUDA context and >= 5 % of the card (planning/budget)
-        card = fit.plan["card_bytes"]
-        assert fit.plan["card_bytes"] <= fit.hardware.memory_gb * 2**30 and fit.plan["cuda_context_bytes"] > 0
-        assert fit.plan["total_bytes"] <= card - fit.plan["cuda_context_bytes"] - 0.05 * card
+        card = fit.plan.budget.card_bytes
+        assert fit.plan.budget.card_bytes <= fit.hardware.memory_gb * 2**30 and fit.plan.budget.context_bytes > 0
+        assert fit.plan.total_bytes <= card - fit.plan.budget.context_bytes - 0.05 * card
     if job.model.arch.get("hidden_size", 0) >= 4096:
         assert job.optim.lr <= 5e-5, "a 7B fine-tune at a pretraining learning rate"
     # The meta model has exactly the planner's parameters and bytes: nothing allocated, nothing guessed.
@@ -84,10 +84,10 @@ def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     params = list(meta.parameters())
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == ModelShape.from_hf_config(hf_config).params
-    assert sum(p.numel() * p.element_size() for p in params) == fit.plan["weights_bytes"]
+    assert sum(p.numel() * p.element_size() for p in params) == fit.plan.terms.weights_bytes
     print(
-        f"{config}: {fit.plan['total_bytes'] / 2**30:.1f} / {fit.plan['budget_bytes'] / 2**30:.1f} GiB on "
-        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan['policy']}, "
+        f"{config}: {fit.plan.total_bytes / 2**30:.1f} / {fit.plan.budget.usable_bytes / 2**30:.1f} GiB on "
+        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan.policy}, "
         f"micro_batch {fit.micro_batch} x {fit.grad_accum}"
     )
 

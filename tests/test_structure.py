@@ -373,6 +373,54 @@ def test_only_the_trainer_writes_its_private_fields():
     )
 
 
+# The components hold what they need from construction (loop/components.py): none is handed the trainer at call time.
+COMPONENT_MODULES = ("loop/checkpointer.py", "loop/evaluator.py", "loop/progress.py", "loop/components.py")
+
+
+def trainer_parameters(package: Path, modules: tuple[str, ...]) -> list[str]:
+    """Every function or method of `modules` with a parameter named trainer or annotated Trainer, as
+    'file:line function(parameter)'."""
+    found = []
+    for name in modules:
+        tree = ast.parse((package / name).read_text(encoding="utf-8"))
+        trainers = _names_of_trainers(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                every = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                found += [f"{name}:{node.lineno} {node.name}({a.arg})" for a in every if a.arg in trainers]
+    return found
+
+
+def test_the_components_are_never_handed_the_trainer():
+    for name in COMPONENT_MODULES:
+        assert (PACKAGE / name).is_file(), f"{name} moved: update COMPONENT_MODULES"
+    found = trainer_parameters(PACKAGE, COMPONENT_MODULES)
+    assert not found, (
+        "these component functions take the trainer (hand the component what it needs when it is built, in "
+        "loop/components.py):\n" + "\n".join(found)
+    )
+
+
+def test_trainer_parameter_check_sees_names_and_annotations(tmp_path):
+    package = _write_package(
+        tmp_path,
+        {
+            "loop/evaluator.py": (
+                "class E:\n"
+                "    def evaluate(self, trainer):\n        pass\n"
+                "    def sample(self, t: 'Trainer', *, step: int):\n        pass\n"
+                "    def fine(self, step: int):\n        pass\n"
+                "def summary(run: Trainer):\n    pass\n"
+            ),
+        },
+    )
+    assert sorted(trainer_parameters(package, ("loop/evaluator.py",))) == [
+        "loop/evaluator.py:2 evaluate(trainer)",
+        "loop/evaluator.py:4 sample(t)",
+        "loop/evaluator.py:8 summary(run)",
+    ]
+
+
 def test_private_write_check_sees_every_form(tmp_path):
     package = _write_package(
         tmp_path,

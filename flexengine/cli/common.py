@@ -69,6 +69,7 @@ def to_job_record(
         later_setting_wins,
     )
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
+    from flexengine.surgery.memory.kinds import check_granularity  # KINDS, torch-free
 
     given = given_overrides(overrides)
     check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
@@ -93,6 +94,7 @@ def to_job_record(
     job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))
     record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
+    check_granularity(job.memory.granularity)  # a kind of the recompute table, the only list of them
     return apply_pretrained_defaults(job, given, record), record
 
 

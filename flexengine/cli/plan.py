@@ -15,13 +15,13 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
-from flexengine.core.config import JobConfig, check_context_parallel
+from flexengine.core.config import HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_HARDWARE,
@@ -33,6 +33,8 @@ from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
+    from flexengine.planning.fit import FitPlan
+    from flexengine.planning.plan import Plan
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.surgery.attention.spec import AttentionSpec
 
@@ -67,36 +69,51 @@ def _gib(n: float) -> str:
     return f"{n / GiB:8.2f} GiB"
 
 
-def format_table(plan: dict) -> str:
+@dataclass(frozen=True)
+class PlanReport:
+    """What flexengine-plan reports: the fit (and the plan behind it) and what the command adds around it."""
+
+    fit: FitPlan
+    params: int  # the model's parameter count
+    hardware: HardwareConfig  # concrete: what the plan assumed
+    updates_arrive_at_lr: bool  # whether AdamW updates of size optim.lr reach the stored weights
+    context: dict[str, Any]  # context_report: the model's trained/supported context against data.seq_len
+    cp: int  # ranks sharing each row
+    node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
+
+    @property
+    def plan(self) -> Plan:
+        """The planner's answer under the chosen precision."""
+        return self.fit.plan
+
+
+def format_table(report: PlanReport) -> str:
     """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
     the chosen step, the assumptions, the context, and what a node of 8 changes."""
-    from flexengine.planning.budget import plan_budget
     from flexengine.planning.fit import format_fit
 
+    plan = report.plan
     lines = [
-        (
-            f"model: {plan['hf_config'].get('model_type')} ({plan['params'] / 1e9:.2f}B parameters)  "
-            f"seq_len={plan['seq_len']}"
-        ),
-        format_fit(plan["fit"]),
+        f"model: {plan.hf_config.get('model_type')} ({report.params / 1e9:.2f}B parameters)  seq_len={plan.seq_len}",
+        format_fit(report.fit),
         "",
         "  every term of the chosen policy's step:",
     ]
-    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan["terms"].items()]
-    lines.append(f"    {'= planned peak':<28} {_gib(plan['total_bytes'])} of {plan_budget(plan).describe()}")
+    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan.terms.items()]
+    lines.append(f"    {'= planned peak':<28} {_gib(plan.total_bytes)} of {plan.budget.describe()}")
     lines.append(
         "  assumed (sources in flexengine/planning/costs.py and budget.py): "
         + ", ".join(
             f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:.2f} GiB"
-            for k, v in plan["assumptions"].items()
+            for k, v in plan.assumptions.items()
             if v is not None
         )
     )
-    if not plan["fits"]:
-        lines.append("NOTHING FITS. What would: " + "; ".join(plan["suggestions"]))
-    ctx = plan["context"]
+    if not plan.fits:
+        lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
+    ctx = report.context
     lines.append(
-        f"context: model {ctx['describe']}; rows of {plan['seq_len']} tokens "
+        f"context: model {ctx['describe']}; rows of {plan.seq_len} tokens "
         + (
             "fit it"
             if ctx["rows_within_supported"]
@@ -111,14 +128,14 @@ def format_table(plan: dict) -> str:
             f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
             f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
         )
-    node = plan.get("node_of_8")
-    if node:
+    if report.node_of_8 is not None:
+        node = report.node_of_8.plan
         lines.append(
             "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-            f"total {_gib(node['total_bytes'])} per GPU of {_gib(node['budget_bytes'])} budget, "
-            f"precision {node['precision']}, "
-            f"policy {node['policy']}, recompute {100 * node['recompute_flops_fraction']:.1f}%"
-            + ("" if node["fits"] else " (still does not fit)")
+            f"total {_gib(node.total_bytes)} per GPU of {_gib(node.budget.usable_bytes)} budget, "
+            f"precision {report.node_of_8.precision.name}, "
+            f"policy {node.policy}, recompute {100 * node.time.recompute_flops_fraction:.1f}%"
+            + ("" if node.fits else " (still does not fit)")
         )
     return "\n".join(lines)
 
@@ -231,7 +248,7 @@ def format_max_seq_len(report: dict) -> str:
 
 def build_plan(
     job: JobConfig, attention: Optional[AttentionSpec] = None, pairs: Optional[AttendedPairs] = None
-) -> dict:
+) -> PlanReport:
     """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed). attention: attn.*
     resolved for that hardware (None: here); pairs: the attended pairs of a known corpus's packed rows."""
     from flexengine.core.hardware import assumed_hardware
@@ -244,23 +261,18 @@ def build_plan(
     hardware = assumed_hardware(job.hardware)
     attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
     fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
-    plan = {
-        **fit.plan,
-        "fit": fit,
-        "params": ModelShape.from_hf_config(hf_config).params,
-        "hardware": dataclasses.asdict(hardware),
-        "precision_table": fit.precision_table,
-        "updates_arrive_at_lr": fit.precision.updates_arrive(job.optim.lr),
-        "context": context_report(job, hf_config),
-        "cp": job.parallel.cp,  # ranks sharing each row
-    }
-    if hardware.device != "cpu" and hardware.world_size < 8:  # what a full node changes
+    node = None
+    if not hardware.on_cpu and hardware.world_size < 8:  # what a full node changes
         node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8), attention=attention, pairs=pairs)
-        plan["node_of_8"] = {
-            "precision": node.precision.name,
-            **{k: node.plan[k] for k in ("total_bytes", "budget_bytes", "fits", "policy", "recompute_flops_fraction")},
-        }
-    return plan
+    return PlanReport(
+        fit=fit,
+        params=ModelShape.from_hf_config(hf_config).params,
+        hardware=hardware,
+        updates_arrive_at_lr=fit.precision.updates_arrive(job.optim.lr),
+        context=context_report(job, hf_config),
+        cp=job.parallel.cp,
+        node_of_8=node,
+    )
 
 
 # The HF config fields the plan reads (the model's shape and parameter count, its context and attention windows):
@@ -284,44 +296,68 @@ PLAN_HF_KEYS = (
 )
 
 
-def plan_summary(plan: dict) -> dict:
+def plan_summary(report: PlanReport) -> dict[str, Any]:
     """The plan's answer in a few fields a script reads first: the chosen precision, memory policy and batch shape,
     the peak against the budget (and what the budget is made of), the estimated step time and tokens per second."""
     from flexengine.planning.fit import format_fit_summary
+    from flexengine.planning.plan import budget_json
 
-    fit, hardware = plan["fit"], plan["hardware"]
-    tokens = plan["seq_len"] * fit.micro_batch * fit.grad_accum * hardware["world_size"] // plan["cp"]
+    fit, plan, hardware = report.fit, report.plan, report.hardware
+    tokens = plan.seq_len * fit.micro_batch * fit.grad_accum * hardware.world_size // report.cp
     return {
-        "fits": plan["fits"],
+        "fits": plan.fits,
         "precision": fit.precision.name,
-        "policy": plan["policy"],
-        "memory": plan["memory"],
+        "policy": plan.policy,
+        "memory": dataclasses.asdict(plan.memory),
         "micro_batch": fit.micro_batch,
         "grad_accum": fit.grad_accum,
-        "seq_len": plan["seq_len"],
-        "hardware": hardware["name"],
-        "world_size": hardware["world_size"],
-        "params": plan["params"],
-        **{k: plan[k] for k in ("total_bytes", "budget_bytes", "card_bytes", "cuda_context_bytes", "margin_bytes")},
-        **{k: plan[k] for k in ("host_bytes", "host_budget_bytes")},
-        "step_s": plan["step_s"],  # an estimate: the planner's FLOPs at its assumed MFU plus exposed transfers
+        "seq_len": plan.seq_len,
+        "hardware": hardware.name,
+        "world_size": hardware.world_size,
+        "params": report.params,
+        "total_bytes": plan.total_bytes,
+        **budget_json(plan.budget),
+        "host_bytes": plan.usage.host_bytes,
+        "host_budget_bytes": plan.usage.host_budget_bytes,
+        "step_s": plan.step_s,  # an estimate: the planner's FLOPs at its assumed MFU plus exposed transfers
         "tokens_per_step": tokens,  # row tokens of one optimizer step over all ranks (padding included)
-        "tokens_per_s": tokens / plan["step_s"] if plan["step_s"] else None,
+        "tokens_per_s": tokens / plan.step_s if plan.step_s else None,
         "describe": format_fit_summary(fit).split("; runners-up")[0],
     }
 
 
-def plan_json(plan: dict, candidates: bool = False) -> dict:
-    """plan.format=json: `summary` first, then the plan's fields with the HF config reduced to PLAN_HF_KEYS; the
-    candidate table (every policy x k x micro-batch weighed) only with candidates=True."""
-    out = {"summary": plan_summary(plan), **{k: v for k, v in plan.items() if k != "fit"}}
-    out["hf_config"] = {k: plan["hf_config"][k] for k in PLAN_HF_KEYS if plan["hf_config"].get(k) is not None}
+def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
+    """plan.format=json: `summary` first, then the plan's fields with the HF config reduced to PLAN_HF_KEYS, then
+    the command's own; the candidate table (every policy x k x micro-batch weighed) only with candidates=True."""
+    plan, summary = report.plan, plan_summary(report)
     if not candidates:
-        out["summary"]["candidates"] = f"{len(out.pop('candidates'))} weighed; plan.candidates=true lists them"
+        summary["candidates"] = f"{len(plan.candidates)} weighed; plan.candidates=true lists them"
+    body = {k: v for k, v in plan.to_json().items() if candidates or k != "candidates"}
+    body["hf_config"] = {k: plan.hf_config[k] for k in PLAN_HF_KEYS if plan.hf_config.get(k) is not None}
+    out = {
+        "summary": summary,
+        **body,
+        "params": report.params,
+        "hardware": dataclasses.asdict(report.hardware),
+        "precision_table": [t.to_json() for t in report.fit.precision_table],
+        "updates_arrive_at_lr": report.updates_arrive_at_lr,
+        "context": report.context,
+        "cp": report.cp,
+    }
+    if report.node_of_8 is not None:
+        node = report.node_of_8.plan
+        out["node_of_8"] = {
+            "precision": report.node_of_8.precision.name,
+            "total_bytes": node.total_bytes,
+            "budget_bytes": node.budget.usable_bytes,
+            "fits": node.fits,
+            "policy": node.policy,
+            "recompute_flops_fraction": node.time.recompute_flops_fraction,
+        }
     return out
 
 
-def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[dict, Optional[dict]]:
+def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, Optional[dict]]:
     """The plan, and with plan.epochs / plan.tokens / plan.documents the corpus in packed rows and its hours for
     the plan and the alternatives (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}.
     Rows of known documents give both the attention pairs their masks allow (else each layer's mask over one

@@ -24,7 +24,6 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
     FIXED_ROPE_INSTEAD,
     LONG_DOC_POLICIES,
     MAX_SAMPLE_TOKENS,
-    MEMORY_GRANULARITIES,
     MEMORY_POLICIES,
     MODEL_INITS,
     OPTIM_NAMES,
@@ -104,7 +103,9 @@ class MemoryConfig:
     # The three below: null under policy=auto lets the planner choose; a value given is respected by it.
     # Under a concrete policy null means all / block / false.
     layers: Optional[str] = None  # all | every_<n> | first_<k> | last_<k> | spread_<k> | list of blocks, "0,3,7"
-    granularity: Optional[str] = None  # block | attention | mlp | ops (op-level SAC: save matmuls/attention)
+    # block | attention | mlp | ops (op-level SAC: save matmuls/attention): a kind of surgery/memory/kinds.KINDS,
+    # checked against that table where the job is composed (kinds.check_granularity)
+    granularity: Optional[str] = None
     offload: Optional[bool] = None  # with full/selective: also keep the checkpoint inputs in (pinned) CPU memory
     # MLP over tiles of this many tokens (B x S flattened), each recomputed in backward: the tokens x
     # intermediate_size tensors exist one tile at a time | 0 = off | auto = the planner tiles (hidden_size tokens
@@ -118,8 +119,6 @@ class MemoryConfig:
             self.layers = "all" if self.layers is None else self.layers
             self.granularity = "block" if self.granularity is None else self.granularity
             self.offload = bool(self.offload)
-        if self.granularity is not None:
-            check_choice("memory.granularity", self.granularity, MEMORY_GRANULARITIES)
         if self.policy == "auto":
             return
         if self.policy == "full" and self.granularity != "block":

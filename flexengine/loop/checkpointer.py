@@ -2,63 +2,47 @@
 most once, the best one kept), the finite check, pruning, and an exact resume.
 
 The format on disk is loop/checkpoint/'s; `Checkpointer` decides what goes in and restores it. It owns which step
-is on disk, which checkpoint the run resumed from, and the data plan a resume must match; the trainer hands
-itself to `save` and `resume` for its model, optimizer, schedule, data position and counters.
+is on disk, which checkpoint the run resumed from, and the data plan a resume must match; it holds, from its
+construction (loop/components.py), what it saves and restores: the model, optimizer, schedule, data position, the
+run's shared counters (TrainState), the clock and the metrics writer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
-from flexengine.core.config import TrainConfig
+from flexengine.core.config import JobConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
+from flexengine.data.loader import RowLoader
 from flexengine.loop.checkpoint.load import load_checkpoint_state, load_checkpoint_weights, resolve_resume
 from flexengine.loop.checkpoint.save import mark_best, prune_checkpoints, save_checkpoint, step_dir
+from flexengine.loop.forward import ForwardPath
+from flexengine.loop.metrics import MetricsWriter
 from flexengine.loop.nonfinite import nonfinite_message, nonfinite_names, optimizer_tensors
 from flexengine.loop.optim import apply_knots, exported_weights, planned_update, resumed_knots
+from flexengine.loop.progress import Progress
+from flexengine.loop.state import TrainState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TrainState:
-    """Counters that travel with checkpoints."""
-
-    step: int = 0
-    tokens_seen: int = 0  # row slots processed by the whole job (each row once), padding included
-    useful_tokens_seen: int = 0  # real document tokens processed by the whole job
-    losses: list = field(default_factory=list)  # per optimizer step
-    skipped_nonfinite: int = 0
-    block_density_sum: float = 0.0
-    evals: list = field(default_factory=list)  # {"step", "loss", "ppl", "tokens"} per evaluation
-    best_eval_loss: float = math.inf
-    best_step: int = 0
-    evals_since_best: int = 0  # for train.early_stop_patience
-    model_flops: float = 0.0  # model FLOPs of the steps so far (MFU's numerator; flexengine.loop.flops)
-    hardware_flops: float = 0.0  # FLOPs executed: padding, recompute, attention as the backend runs it
-
-    def restore(self, saved: dict) -> None:
-        """Take a checkpoint's counters, in place (the signal handler reads this object's step)."""
-        if "block_sparsity_sum" in saved:  # checkpoints written before the rename
-            saved = {**saved, "block_density_sum": saved["block_sparsity_sum"]}
-        known = {f.name for f in dataclasses.fields(TrainState)}
-        loaded = TrainState(**{k: v for k, v in saved.items() if k in known})  # absent fields: their defaults
-        for f in dataclasses.fields(TrainState):
-            setattr(self, f.name, getattr(loaded, f.name))
-
-
-def _rng_state() -> dict:
+def _rng_state() -> dict[str, Any]:
     # numpy's state as tensors and primitives: the checkpoint loads with weights_only=True and no numpy globals
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state()  # legacy=True (the default): the tuple, not the dict form
+    assert isinstance(legacy, tuple)
+    kind, key, pos, has_gauss, gauss = legacy
     numpy_state = {
         "kind": kind,
         "key": torch.from_numpy(key.astype(np.int64)),
@@ -66,13 +50,13 @@ def _rng_state() -> dict:
         "has_gauss": int(has_gauss),
         "gauss": float(gauss),
     }
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
@@ -85,90 +69,115 @@ class Checkpointer:
     """Saves the run to <root>/step_<N> and resumes it (see the module docstring). Every rank calls `save` and
     `resume` (the save is collective); rank 0 writes the weights, prunes and points best/ at the best step."""
 
-    def __init__(self, root: Path, *, data_plan: Optional[dict] = None, is_main: bool = True):
-        self.root, self.is_main = root, is_main
+    def __init__(
+        self,
+        root: Path,
+        job: JobConfig,
+        *,
+        forward: ForwardPath,
+        tokenizer: Optional[PreTrainedTokenizerBase],
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        loader: RowLoader,
+        state: TrainState,
+        progress: Progress,
+        metrics: MetricsWriter,
+        data_plan: Optional[dict[str, Any]] = None,
+        is_main: bool = True,
+    ) -> None:
+        self.root, self.job, self.forward, self.tokenizer = root, job, forward, tokenizer
+        self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
+        self.state, self.progress, self.metrics, self.is_main = state, progress, metrics, is_main
         self.data_plan = dict(data_plan or {})  # what the data stream depends on; a resume must match it
         self.saved_step = -1  # the step whose checkpoint is on disk (no double save of one step)
         self.resumed_from: Optional[Path] = None  # never deleted by train.keep_last
 
-    def state_dict(self, trainer) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Everything besides the weights that an exact resume needs."""
         return {
-            "train": asdict(trainer.state),
-            "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": trainer.scheduler.state_dict(),
-            "data": trainer.loader.state_dict(),
+            "train": asdict(self.state),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
             "rng": _rng_state(),
-            "wall_s": trainer.progress.elapsed_wall(),
-            "train_s": trainer.progress.elapsed_train(),  # this launch's loop so far included
-            "max_steps": trainer.job.train.max_steps,  # the schedule's length: a resume with another one is told
+            "wall_s": self.progress.elapsed_wall(),
+            "train_s": self.progress.elapsed_train(),  # this launch's loop so far included
+            "max_steps": self.job.train.max_steps,  # the schedule's length: a resume with another one is told
             "data_plan": dict(self.data_plan),
         }
 
-    def save(self, trainer) -> Path:
-        """Checkpoint the trainer's current step (every rank calls this; rank 0 writes the weights)."""
-        job = trainer.job
+    def save(self, step: int) -> Path:
+        """Checkpoint step `step`, the shared TrainState's current one (every rank calls this; rank 0 writes the
+        weights)."""
+        if step != self.state.step:
+            raise ValueError(f"Checkpointer.save({step}): the run's state is at step {self.state.step}")
+        job, model = self.job, self.forward.model
         merge = job.model.lora if job.model.lora.r > 0 and job.train.merge_lora_on_save else None
-        weights = exported_weights(trainer.optimizer, trainer.model)
-        check_finite(trainer, weights)
+        weights = exported_weights(self.optimizer, model)
+        check_finite(self.forward, self.optimizer, weights, step=step, optim=job.optim)
         path = save_checkpoint(
             self.root,
-            trainer.state.step,
-            trainer.model,
-            trainer.tokenizer,
-            self.state_dict(trainer),
+            step,
+            model,
+            self.tokenizer,
+            self.state_dict(),
             merge_lora=merge,
             weights=weights,
             finite_checked=True,
-            base_dir=Path(job.model.path) if merge is not None and job.model.loads_weights else None,
+            base_dir=Path(job.model.path) if merge is not None and job.model.path and job.model.loads_weights else None,
         )
-        self.saved_step = trainer.state.step
+        self.saved_step = step
         self.prune(job.train.keep_last)
         return path
 
-    def keep_best(self, trainer) -> None:
-        """A new best eval loss at the trainer's step: with train.save_best, save it (once) and point best/ at it."""
-        if not saves_best(trainer.job.train):
+    def keep_best(self) -> None:
+        """A new best eval loss at the current step: with train.save_best, save it (once) and point best/ at it."""
+        if not saves_best(self.job.train):
             return
-        step = trainer.state.step
-        path = trainer.save() if self.saved_step != step else step_dir(self.root, step)
+        step = self.state.step
+        path = self.save(step) if self.saved_step != step else step_dir(self.root, step)
         if self.is_main:
             mark_best(self.root, path)
-        self.prune(trainer.job.train.keep_last)  # the previous best may be past keep_last now
+        self.prune(self.job.train.keep_last)  # the previous best may be past keep_last now
 
-    def best_checkpoint(self, train: TrainConfig, best_step: int) -> Optional[Path]:
+    def best_checkpoint(self) -> Optional[Path]:
         """Where the best step's checkpoint is (None when train.save_best keeps none)."""
-        return step_dir(self.root, best_step) if saves_best(train) else None
+        return step_dir(self.root, self.state.best_step) if saves_best(self.job.train) else None
 
     def prune(self, keep_last: int) -> None:
         """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
         if self.is_main:
             prune_checkpoints(self.root, keep_last, protect=(self.resumed_from,))
 
-    def resume(self, trainer, spec: str) -> Optional[Path]:
-        """train.resume: auto (newest verifying checkpoint under the root, if any) or a step_<N> dir."""
-        path = resolve_resume(spec, self.root, bool(trainer.job.train.output_dir))
+    def resume(self, spec: Optional[str] = None) -> Optional[Path]:
+        """train.resume (or `spec`): auto (newest verifying checkpoint under the root, if any) or a step_<N> dir;
+        the checkpoint's path, or None when there is none to resume (or no resume asked for)."""
+        train = self.job.train
+        spec = train.resume if spec is None else spec
+        if not spec:
+            return None
+        path = resolve_resume(spec, self.root, bool(train.output_dir))
         if path is None:  # a requeued run that never saved starts again: its earlier records would repeat
-            trainer.metrics.truncate_after(0)
+            self.metrics.truncate_after(0)
             return None
         state = load_checkpoint_state(path)
         saved_plan = state.get("data_plan", {})
-        new_data = check_data_plan(self.data_plan, saved_plan, path, trainer.job.train.resume_new_data)  # cheap
-        load_checkpoint_weights(path, trainer.model)
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        resume_schedule(trainer, state)
+        new_data = check_data_plan(self.data_plan, saved_plan, path, train.resume_new_data)  # cheap
+        load_checkpoint_weights(path, self.forward.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        resume_schedule(self.scheduler, self.job, state)
         if not new_data:
             try:
-                trainer.loader.load_state_dict(state["data"])
+                self.loader.load_state_dict(state["data"])
             except ValueError as e:
                 raise UserError(f"train.resume={spec}: {e}") from None
         _set_rng_state(state["rng"])
-        trainer.state.restore(state["train"])
+        self.state.restore(state["train"])
         wall_s = state.get("wall_s", 0.0)
-        trainer.progress.restore(wall_s, state.get("train_s", wall_s))  # older checkpoints: wall_s was training
-        self.resumed_from, self.saved_step = path, trainer.state.step
-        trainer.metrics.truncate_after(trainer.state.step)  # the killed run's records past its checkpoint
-        log.info("resumed from %s at step %d", path, trainer.state.step)
+        self.progress.restore(wall_s, state.get("train_s", wall_s))  # older checkpoints: wall_s was training
+        self.resumed_from, self.saved_step = path, self.state.step
+        self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
+        log.info("resumed from %s at step %d", path, self.state.step)
         return path
 
 
@@ -177,43 +186,50 @@ def saves_best(train: TrainConfig) -> bool:
     return train.save_best and bool(train.save_final or train.save_every)
 
 
-def check_finite(trainer, weights: Optional[dict]) -> None:
+def check_finite(
+    forward: ForwardPath, optimizer: torch.optim.Optimizer, weights: Optional[dict], *, step: int, optim: OptimConfig
+) -> None:
     """Refuse to save NaN/Inf weights or optimizer states (UserError naming them and the likely optim.* cause;
     every rank raises, as the save is collective)."""
-    names = {id(p): name for name, p in trainer.model.named_parameters()}
-    named = [*trainer.model.named_parameters(), *optimizer_tensors(trainer.optimizer, names), *(weights or {}).items()]
+    model = forward.model
+    names = {id(p): name for name, p in model.named_parameters()}
+    named = [*model.named_parameters(), *optimizer_tensors(optimizer, names), *(weights or {}).items()]
     bad = nonfinite_names(named)
     count = len(bad)
     if torch.distributed.is_initialized():
-        total = torch.tensor([float(count)], device=trainer.device)
+        total = torch.tensor([float(count)], device=forward.device)
         torch.distributed.all_reduce(total)
         count = int(total.item())
     if count:
-        raise UserError(nonfinite_message(trainer.state.step, bad, trainer.job.optim))
+        raise UserError(nonfinite_message(step, bad, optim))
 
 
-def resume_schedule(trainer, state: dict) -> None:
+def resume_schedule(scheduler: LambdaLR, job: JobConfig, state: dict[str, Any]) -> None:
     """Load the saved schedule and fit it to this run's train.max_steps (train.resume_schedule: continue or
     rederive, see optim.resumed_knots)."""
-    scheduler, train = trainer.scheduler, trainer.job.train
+    train = job.train
     scheduler.load_state_dict(state["scheduler"])
-    saved_lr = float(trainer.optimizer.param_groups[0]["lr"])  # what the saved schedule had for the next step
+    saved_lr = float(scheduler.optimizer.param_groups[0]["lr"])  # what the saved schedule had for the next step
     saved_max = state.get("max_steps") or train.max_steps
     # checkpoints from before the knots were saved ran the plain schedule over their max_steps
     knots = state["scheduler"].get("knots") or [[0, 0], [saved_max, saved_max]]
     done = scheduler.last_epoch
-    apply_knots(scheduler, trainer.job.optim, knots)  # the saved run's schedule, for the lr its last step ran at
-    last_lr = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](done - 1) if done > 0 else saved_lr
-    apply_knots(scheduler, trainer.job.optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
-    warn_schedule_change(trainer, state, saved_lr, last_lr, finished=planned_update(done, knots) >= knots[-1][1])
+    apply_knots(scheduler, job.optim, knots)  # the saved run's schedule, for the lr its last step ran at
+    # float(): torch types base_lrs as float | Tensor (a tensor lr, as torchao keeps it, stays one here)
+    last_lr = float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](done - 1)) if done > 0 else saved_lr
+    apply_knots(scheduler, job.optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
+    lr = float(scheduler.optimizer.param_groups[0]["lr"])
+    finished = planned_update(done, knots) >= knots[-1][1]
+    warn_schedule_change(train, state, lr, saved_lr, last_lr, finished=finished)
 
 
-def warn_schedule_change(trainer, state: dict, saved_lr: float, last_lr: float, finished: bool = False) -> None:
+def warn_schedule_change(
+    train: TrainConfig, state: dict[str, Any], lr: float, saved_lr: float, last_lr: float, finished: bool = False
+) -> None:
     """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does, in
-    the lrs the loop logs -- the last trained step's (last_lr) and the first resumed step's. saved_lr: the lr the
-    saved schedule had for that first resumed step."""
-    lr = float(trainer.optimizer.param_groups[0]["lr"])
-    before, train = state.get("max_steps"), trainer.job.train
+    the lrs the loop logs -- the last trained step's (last_lr) and the first resumed step's (lr). saved_lr: the lr
+    the saved schedule had for that first resumed step."""
+    before = state.get("max_steps")
     if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, train.max_steps):
         return
     step = state["train"]["step"] + 1

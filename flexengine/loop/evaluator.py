@@ -1,8 +1,10 @@
 """Held-out evaluations and greedy samples between training steps.
 
 `Evaluator` is the trainer's component for them: when one is due, running it (a stop signal cuts either short
-within one batch or token), the best step and early stopping, and their timings. The functions below it are the
-library calls it runs, usable alone.
+within one batch or token), the best step and early stopping, and their timings. It holds, from its construction
+(loop/components.py), the forward path, the run's shared counters (TrainState), the clock, the metrics writer, the
+stop signals and the Checkpointer that keeps the best step. The functions below it are the library calls it runs,
+usable alone.
 
 The eval loss is computed exactly like the training loss (same packed rows, masks and chunked CE through the
 same forward module), summed over every valid target of the held-out set on all ranks and divided once:
@@ -14,15 +16,25 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from flexengine.core.config import TrainConfig
+from flexengine.core.errors import UserError
 from flexengine.data.build import pad_token_id
 from flexengine.data.loader import HeldOut
 from flexengine.data.targets import batch_valid_targets
+from flexengine.loop.checkpointer import Checkpointer
+from flexengine.loop.forward import ForwardPath
+from flexengine.loop.metrics import MetricsWriter
+from flexengine.loop.progress import Progress
+from flexengine.loop.signals import StopSignals
+from flexengine.loop.state import TrainState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +44,28 @@ EVAL_BUDGET = 0.10  # warn when one evaluation costs more than this fraction of 
 
 class Evaluator:
     """Evaluations of the held-out set (none without one) and greedy samples of train.sample_prompts, between steps.
-    Owns what they leave: their timings, the last sampled step, early stopping, and whether a signal cut one short.
-    The trainer hands itself to `evaluate` and `sample` for its model, forward and counters."""
+    Owns what they leave: their timings, the last sampled step, early stopping, and whether a signal cut one short;
+    records each evaluation in the shared TrainState (history, best step, patience)."""
 
-    def __init__(self, held_out: Optional[HeldOut], train: TrainConfig, *, is_main: bool = True):
+    def __init__(
+        self,
+        held_out: Optional[HeldOut],
+        train: TrainConfig,
+        *,
+        forward: ForwardPath,
+        tokenizer: Optional[PreTrainedTokenizerBase],
+        state: TrainState,
+        progress: Progress,
+        metrics: MetricsWriter,
+        signals: StopSignals,
+        checkpointer: Checkpointer,
+        block_size: int,
+        is_main: bool = True,
+    ) -> None:
         self.held_out, self.train, self.is_main = held_out, train, is_main
+        self.forward, self.tokenizer, self.state, self.progress = forward, tokenizer, state, progress
+        self.metrics, self.signals, self.checkpointer = metrics, signals, checkpointer
+        self.block_size = block_size  # attn.block_size: sampled rows are padded to whole blocks per cp rank
         self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.last_sample_step = -1
         self.stopped_early = False  # train.early_stop_patience ran out
@@ -48,16 +77,17 @@ class Evaluator:
         every = self.train.eval_every
         return self.held_out is not None and bool(every) and step % every == 0
 
-    def due_at_end(self, step: int, evals: list) -> bool:
+    def due_at_end(self, step: int) -> bool:
         """The end of the run is always evaluated (unless that step already was)."""
-        return self.held_out is not None and not any(e["step"] == step for e in evals)
+        return self.held_out is not None and not any(e["step"] == step for e in self.state.evals)
 
-    def should_sample(self, step: int, evals: list) -> bool:
+    def should_sample(self, step: int) -> bool:
         """Inside the loop: every train.sample_every steps, else with every evaluation; never after a cut."""
         if not self.train.sample_prompts or self.cut_short:
             return False
         if self.train.sample_every:
             return step % self.train.sample_every == 0
+        evals = self.state.evals
         return bool(evals) and evals[-1]["step"] == step
 
     def samples_at_end(self, step: int) -> bool:
@@ -81,39 +111,42 @@ class Evaluator:
         return (in_loop + final) * one
 
     # -- running them -----------------------------------------------------------------------------------------------
-    def evaluate(self, trainer) -> Optional[dict]:
-        """Eval loss/perplexity on the held-out set; marks (and saves) a new best, counts early-stop patience.
-        None when a stop signal cut it short (within one eval batch)."""
+    def evaluate(self) -> Optional[dict[str, Any]]:
+        """Eval loss/perplexity on the held-out set at the current step; marks (and saves) a new best, counts
+        early-stop patience. None without a held-out set, or when a stop signal cut it short (within one batch)."""
+        if self.held_out is None:
+            return None
         start = time.perf_counter()
-        step = trainer.state.step
-        step_s = trainer.progress.mean_step_s(step)  # the training before this evaluation
-        trainer.model.eval()
-        with trainer.signals.pausing("evaluation"):
+        step = self.state.step
+        step_s = self.progress.mean_step_s(step)  # the training before this evaluation
+        fwd = self.forward
+        fwd.model.eval()
+        with self.signals.pausing("evaluation"):
             result = evaluate_loss(
-                trainer.train_module,
+                fwd.train_module,
                 self.held_out.batches(),
-                trainer.device,
-                trainer.prepare_batch,
-                trainer.compute_context,
-                stop=trainer.signals.requested,
+                fwd.device,
+                fwd.prepare,
+                fwd.compute_context,
+                stop=self.signals.requested,
                 on_batch=EvalProgress(step, self.held_out.num_batches, enabled=self.is_main),
             )
-        trainer.model.train()
+        fwd.model.train()
         if result is None:  # a stop signal: no eval record (a partial set is no loss to compare), on to the save
-            self._cut(trainer, "evaluation", start)
+            self._cut("evaluation", start)
             return None
         self.eval_seconds.append(time.perf_counter() - start)
-        self._check_budget(trainer.progress.steps_run(step), step, step_s)
-        record = self._record(trainer, result)
-        trainer.progress.pause(time.perf_counter() - start)
+        self._check_budget(self.held_out.num_batches, self.progress.steps_run(step), step, step_s)
+        record = self._record(result)
+        self.progress.pause(time.perf_counter() - start)
         return record
 
-    def _record(self, trainer, result: dict) -> dict:
+    def _record(self, result: dict[str, Any]) -> dict[str, Any]:
         """Keep an evaluation's result: the history, TensorBoard, the best step (and its checkpoint), patience."""
-        s = trainer.state
+        s = self.state
         record = {"step": s.step, **result}
         s.evals.append(record)
-        trainer.metrics.scalars({"loss": result["loss"], "ppl": result["ppl"]}, s.step, kind="eval")
+        self.metrics.scalars({"loss": result["loss"], "ppl": result["ppl"]}, s.step, kind="eval")
         improved = result["loss"] < s.best_eval_loss
         if improved:
             s.best_eval_loss, s.best_step, s.evals_since_best = result["loss"], s.step, 0
@@ -129,7 +162,7 @@ class Evaluator:
             s.best_step,
         )
         if improved:
-            trainer.checkpointer.keep_best(trainer)
+            self.checkpointer.keep_best()
         patience = self.train.early_stop_patience
         if patience and s.evals_since_best >= patience:
             self.stopped_early = True
@@ -142,62 +175,82 @@ class Evaluator:
             )
         return record
 
-    def _check_budget(self, done: int, step: int, step_s: float) -> None:
+    def _check_budget(self, batches: int, done: int, step: int, step_s: float) -> None:
         """After the first in-loop evaluation: warn when one costs more than ~10 % of the training between two, and
         say which train.eval_batches would fit."""
         cfg = self.train
         if len(self.eval_seconds) != 1 or not cfg.eval_every or not done or step >= cfg.max_steps:
             return
-        warning = eval_budget_warning(
-            self.eval_seconds[-1], self.held_out.num_batches, cfg.eval_every, step_s, cfg.eval_batches
-        )
+        warning = eval_budget_warning(self.eval_seconds[-1], batches, cfg.eval_every, step_s, cfg.eval_batches)
         if warning and self.is_main:
             log.warning("eval: %s", warning)
 
-    def sample(self, trainer) -> Optional[list[str]]:
+    def sample(self) -> Optional[list[str]]:
         """Greedy continuations of train.sample_prompts, written to TensorBoard text (samples/<i>); None when a
         stop signal cut it short (within one generated token)."""
+        if self.tokenizer is None:
+            raise UserError(
+                "train.sample_prompts: sampling needs the run's tokenizer (this Trainer was built without one)"
+            )
+        tokenizer = self.tokenizer
         start = time.perf_counter()
-        cfg = self.train
-        cp = trainer.context_parallel
+        cfg, fwd = self.train, self.forward
+        cp = fwd.context_parallel
 
         def logits_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
             # through the root module (FSDP2/DDP hooks run there): every rank calls it with the same row
             batch = {"input_ids": input_ids, "position_ids": position_ids}
             if cp is not None:  # the row split over the cp ranks, the logits put together
-                return cp.logits(trainer.train_module, trainer.model, batch)
-            return trainer.train_module(batch, logits=True)
+                return cp.logits(fwd.train_module, fwd.model, batch)
+            return fwd.train_module(batch, logits=True)
 
-        trainer.model.eval()
-        with trainer.compute_context(), trainer.signals.pausing("sampling"):
+        fwd.model.eval()
+        with fwd.compute_context(), self.signals.pausing("sampling"):
             # rows in whole blocks per cp rank (the context-parallel split needs cp x block_size)
             texts = greedy_continue(
                 logits_of,
-                trainer.tokenizer,
+                tokenizer,
                 cfg.sample_prompts,
                 cfg.sample_tokens,
-                trainer.device,
-                pad_to=trainer.job.attn.block_size * (cp.degree if cp is not None else 1),
-                stop=trainer.signals.requested,
+                fwd.device,
+                pad_to=self.block_size * fwd.cp,
+                stop=self.signals.requested,
             )
-        trainer.model.train()
+        fwd.model.train()
         if texts is None:
-            self._cut(trainer, "sampling", start)
+            self._cut("sampling", start)
             return None
-        step = trainer.state.step
+        step = self.state.step
         for i, (prompt, text) in enumerate(zip(cfg.sample_prompts, texts)):
-            trainer.metrics.text(f"samples/{i}", f"**{prompt}**{text}", step)
-            trainer.metrics.record({"type": "sample", "step": step, "prompt": prompt, "text": text})
+            self.metrics.text(f"samples/{i}", f"**{prompt}**{text}", step)
+            self.metrics.record({"type": "sample", "step": step, "prompt": prompt, "text": text})
         self.last_sample_step = step
-        trainer.progress.pause(time.perf_counter() - start)
+        self.progress.pause(time.perf_counter() - start)
         return texts
 
-    def _cut(self, trainer, activity: str, start: float) -> None:
+    def _cut(self, activity: str, start: float) -> None:
         """An evaluation or sampling a signal stopped: the run ends as interrupted (saved, 128 + signal), so a
         requeue with train.resume=auto does what is left."""
         self.cut_short = True
-        trainer.progress.pause(time.perf_counter() - start)
-        log.warning("signal: %s at step %d stopped; saving and exiting", activity, trainer.state.step)
+        self.progress.pause(time.perf_counter() - start)
+        log.warning("signal: %s at step %d stopped; saving and exiting", activity, self.state.step)
+
+    # -- what is reported at the end --------------------------------------------------------------------------------
+    def summary(self) -> Optional[dict[str, Any]]:
+        """The held-out results: the last evaluation, the best one and its checkpoint, the history (None: none
+        ran)."""
+        s = self.state
+        if not s.evals:
+            return None
+        best = self.checkpointer.best_checkpoint()
+        return {
+            "loss": s.evals[-1]["loss"],
+            "ppl": s.evals[-1]["ppl"],
+            "best_loss": s.best_eval_loss,
+            "best_step": s.best_step,
+            "best_checkpoint": str(best) if best is not None else None,
+            "history": list(s.evals),
+        }
 
 
 @torch.no_grad()
@@ -239,7 +292,7 @@ class EvalProgress:
     """on_batch callback: a line when an evaluation starts and then every `every_s` seconds (batches done of the
     total, elapsed, estimated left), so a long evaluation is never silent."""
 
-    def __init__(self, step: int, total: int, enabled: bool = True, every_s: Optional[float] = None):
+    def __init__(self, step: int, total: int, enabled: bool = True, every_s: Optional[float] = None) -> None:
         self.step, self.total, self.enabled = step, total, enabled
         self.every_s = EVAL_LOG_EVERY_S if every_s is None else every_s
         self.start = self.last = time.perf_counter()
@@ -287,7 +340,7 @@ def _padded_length(n: int, multiple: int) -> int:
 @torch.no_grad()
 def greedy_continue(
     logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     new_tokens: int,
     device: torch.device,
@@ -311,7 +364,7 @@ def greedy_continue(
     pad_id = pad_token_id(tokenizer)
     prompt_ids = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     width = _padded_length(max(map(len, prompt_ids), default=0) + new_tokens, pad_to)
-    outputs = []
+    outputs: list[str] = []
     for ids in prompt_ids:
         start = len(ids)
         for _ in range(new_tokens):
@@ -326,5 +379,7 @@ def greedy_continue(
             ids.append(int(token))
             if ids[-1] == tokenizer.eos_token_id:
                 break
-        outputs.append(tokenizer.decode(ids[start:], skip_special_tokens=False))
+        text = tokenizer.decode(ids[start:], skip_special_tokens=False)
+        assert isinstance(text, str)  # one flat list of ids decodes to one string (a batch would give a list)
+        outputs.append(text)
     return outputs

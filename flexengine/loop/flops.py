@@ -219,7 +219,7 @@ class TrainFlops:
         attention = self._attention(attended_pairs, ATTN_MODEL_FLOPS - ATTN_FWD_FLOPS)
         return useful_tokens * self.block_flops_per_token + predicting * self.head_flops_per_token + attention
 
-    def hardware_flops(self, token_slots: int, predicting: int, executed_pairs):
+    def hardware_flops(self, token_slots: float, predicting: float, executed_pairs):
         """Hardware FLOPs of one micro-batch: every token slot (padding too), re-run forwards, and the (q, k)
         pairs the attention backend computes (per head, summed over rows; one count or a list per layer)."""
         flops = token_slots * (self.block_flops_per_token + self.recompute_per_token)

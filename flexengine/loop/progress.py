@@ -2,8 +2,9 @@
 
 `Progress` is the trainer's run clock: the whole run's time and its training time (each adding up over resumes),
 the pauses inside the loop that are not training (evaluations, samples), where this launch's loop started; and
-what is reported against it: the counters between two log lines, the step line with its ETA, the bar. The
-functions below turn a finished run into summary.json and the hyperparameters TensorBoard compares runs by.
+what is reported against it: the counters between two log lines, the step line with its ETA, the bar, and the
+training numbers of summary.json (read from the run's shared TrainState). The functions below it give the
+hyperparameters TensorBoard compares runs by.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from flexengine.core.config import JobConfig, TrainConfig
 from flexengine.loop.metrics import MetricsWriter, allocator_stats, peak_memory_bytes, utilization
-from flexengine.surgery.attention import AttentionSpec
+from flexengine.loop.state import TrainState
+from flexengine.surgery.attention.spec import AttentionSpec
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,8 @@ class _Window:
 class Progress:
     """The run clock and the reports made against it (see the module docstring)."""
 
-    def __init__(self, train: TrainConfig, *, peak_tflops: Optional[float], is_main: bool = True):
-        self.train, self.peak_tflops, self.is_main = train, peak_tflops, is_main
+    def __init__(self, train: TrainConfig, state: TrainState, *, peak_tflops: Optional[float], is_main: bool = True):
+        self.train, self.state, self.peak_tflops, self.is_main = train, state, peak_tflops, is_main
         self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
         self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
         self.loop_start_step = 0  # the step this launch's loop started from
@@ -139,63 +141,42 @@ class Progress:
 
         return tqdm(total=self.train.max_steps, initial=step, desc="train", unit="step")
 
+    # -- what is reported at the end --------------------------------------------------------------------------------
+    def summary(self, attn: Optional[AttentionSpec], device: torch.device) -> dict[str, Any]:
+        """summary.json's training numbers (the trainer adds the evaluations and how the run ended): counters,
+        rates over training time, MFU/HFU, losses, memory peaks and the clock. attn: None under HF's own attention."""
+        s = self.state
+        wall = self.train_s  # rates are of training time (evaluations and saves are not steps)
+        peak = self.peak_tflops
 
-def summary(trainer) -> dict:
-    """The numbers summary.json reports."""
-    s, clock = trainer.state, trainer.progress
-    wall = clock.train_s  # rates are of training time (evaluations and saves are not steps)
-    peak = trainer.job.hardware.peak_tflops
+        def per_s(amount: float) -> Optional[float]:  # no training time (no step ran, ever): no rate, not amount/1e-9
+            return amount / wall if wall > 0 else None
 
-    def per_s(amount: float) -> Optional[float]:  # no training time (no step ran, ever): no rate, not amount/1e-9
-        return amount / wall if wall > 0 else None
-
-    patched = trainer.attn is not None and trainer.attn.backend.patched
-    return {
-        "steps": s.step,
-        "steps_run": clock.steps_run(s.step),  # by this launch (0: resumed at train.max_steps)
-        "tokens_seen": s.tokens_seen,
-        "useful_tokens_seen": s.useful_tokens_seen,
-        "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
-        "tokens_per_s": per_s(s.tokens_seen),
-        "useful_tokens_per_s": per_s(s.useful_tokens_seen),
-        # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
-        "mfu": utilization(s.model_flops, wall, peak),
-        "hfu": utilization(s.hardware_flops, wall, peak),
-        "model_flops": s.model_flops,
-        "hardware_flops": s.hardware_flops,
-        "initial_loss": s.losses[0] if s.losses else None,
-        "final_loss": s.losses[-1] if s.losses else None,
-        "losses": list(s.losses),
-        "skipped_nonfinite_steps": s.skipped_nonfinite,
-        "block_density": s.block_density_sum / max(1, s.step) if patched else None,
-        "attention": trainer.attn.as_dict() if trainer.attn is not None else None,
-        "peak_memory_bytes": peak_memory_bytes(trainer.device),
-        **allocator_stats(trainer.device),  # the run's allocator peaks and counters (null off CUDA)
-        "wall_s": clock.elapsed_wall(),  # the whole run, evaluations included
-        "train_s": clock.train_s,  # training steps only (tokens/s, MFU)
-        "eval_s": sum(trainer.evaluator.eval_seconds),  # evaluations of this process
-        "stopped_by_signal": trainer.signals.signal,
-        "status": "interrupted" if trainer.exit_code else "ok",
-        "stopped_early": trainer.evaluator.stopped_early,
-        "eval": eval_summary(trainer),
-        "exit_code": trainer.exit_code,
-    }
-
-
-def eval_summary(trainer) -> Optional[dict]:
-    """The held-out results: the last evaluation, the best one and its checkpoint, the history (None: none ran)."""
-    s = trainer.state
-    if not s.evals:
-        return None
-    best = trainer.checkpointer.best_checkpoint(trainer.job.train, s.best_step)
-    return {
-        "loss": s.evals[-1]["loss"],
-        "ppl": s.evals[-1]["ppl"],
-        "best_loss": s.best_eval_loss,
-        "best_step": s.best_step,
-        "best_checkpoint": str(best) if best is not None else None,
-        "history": list(s.evals),
-    }
+        patched = attn is not None and attn.backend.patched
+        return {
+            "steps": s.step,
+            "steps_run": self.steps_run(s.step),  # by this launch (0: resumed at train.max_steps)
+            "tokens_seen": s.tokens_seen,
+            "useful_tokens_seen": s.useful_tokens_seen,
+            "useful_token_fraction": s.useful_tokens_seen / max(1, s.tokens_seen),
+            "tokens_per_s": per_s(s.tokens_seen),
+            "useful_tokens_per_s": per_s(s.useful_tokens_seen),
+            # MFU: model FLOPs (6N-style + attended pairs, useful tokens); HFU: FLOPs executed (with recompute)
+            "mfu": utilization(s.model_flops, wall, peak),
+            "hfu": utilization(s.hardware_flops, wall, peak),
+            "model_flops": s.model_flops,
+            "hardware_flops": s.hardware_flops,
+            "initial_loss": s.losses[0] if s.losses else None,
+            "final_loss": s.losses[-1] if s.losses else None,
+            "losses": list(s.losses),
+            "skipped_nonfinite_steps": s.skipped_nonfinite,
+            "block_density": s.block_density_sum / max(1, s.step) if patched else None,
+            "attention": attn.as_dict() if attn is not None else None,
+            "peak_memory_bytes": peak_memory_bytes(device),
+            **allocator_stats(device),  # the run's allocator peaks and counters (null off CUDA)
+            "wall_s": self.elapsed_wall(),  # the whole run, evaluations included
+            "train_s": self.train_s,  # training steps only (tokens/s, MFU)
+        }
 
 
 def hparams(job: JobConfig, attn: Optional[AttentionSpec]) -> dict:

@@ -9,7 +9,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,32 +18,24 @@ from flexengine.core.config import JobConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
 from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
-from flexengine.core.storage import CHECKPOINTS
 from flexengine.data.loader import RowLoader
 from flexengine.data.targets import count_valid_targets
-from flexengine.loop.checkpointer import Checkpointer, TrainState
-from flexengine.loop.evaluator import Evaluator
+from flexengine.loop.components import Components, build_components
 from flexengine.loop.flops import TrainFlops, layer_attended_pairs
+from flexengine.loop.forward import ForwardPath
 from flexengine.loop.hooks import StepHooks
-from flexengine.loop.metrics import MetricsWriter
 from flexengine.loop.nonfinite import suspect_settings
-from flexengine.loop.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_gradients,
-    describe_resumed_schedule,
-    describe_schedule,
-    last_backward,
-    schedule_problem,
-)
+from flexengine.loop.optim import clip_gradients, describe_resumed_schedule, describe_schedule, last_backward
 from flexengine.loop.profiling import start_profiler
-from flexengine.loop.progress import Progress, hparam_metrics, hparams, summary, tqdm_logging
-from flexengine.loop.signals import StopSignals
-from flexengine.surgery.applied import applied, attention_spec
-from flexengine.surgery.attention import MASK_KWARG, mask_kwargs
+from flexengine.loop.progress import hparam_metrics, hparams, tqdm_logging
+from flexengine.surgery.applied import attention_spec
+from flexengine.surgery.attention.patch import MASK_KWARG
 from flexengine.surgery.context_parallel import ContextParallel
-from flexengine.surgery.parallel import LossForward, grad_norm_value, gradient_sync
-from flexengine.surgery.precision import PrecisionSpec, spec_for_params
+from flexengine.surgery.parallel import grad_norm_value, gradient_sync
+from flexengine.surgery.precision import PrecisionSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +57,6 @@ class _Window:
     hardware_flops: float | torch.Tensor  # a device tensor under flex (executed blocks: no host sync)
 
 
-def _precision_of(job: JobConfig, model: nn.Module, given: Optional[PrecisionSpec]) -> PrecisionSpec:
-    """The spec the step runs under: the one run.py resolved (planning/fit.py) and recorded on the model when it
-    applied it (surgery/precision.apply_precision; FSDP's policy came from it), which a `given` spec must match; a
-    Trainer built by hand gets its job's mode or its weights' dtype."""
-    recorded = applied(model).precision
-    if given is not None and recorded is not None and given != recorded:
-        raise ValueError(
-            f"Trainer(precision={given.name}) but the model was prepared for precision={recorded.name} "
-            "(apply_precision; FSDP shards with its policy): pass the same spec, or none"
-        )
-    if given is not None or recorded is not None:
-        return given if given is not None else recorded
-    return spec_for_params(job.precision.mode, job.optim.name, next(model.parameters()).dtype)
-
-
 class Trainer:
     """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader. Its components own their own
     state and are handed to it (run.py builds them; a Trainer built by hand gets defaults): the Checkpointer
@@ -90,7 +67,7 @@ class Trainer:
         self,
         job: JobConfig,
         model: nn.Module,
-        tokenizer,
+        tokenizer: Optional[PreTrainedTokenizerBase],
         loader: RowLoader,
         *,
         out_dir: Path,
@@ -100,48 +77,46 @@ class Trainer:
         precision: Optional[PrecisionSpec] = None,
         parallel: Optional[ParallelSpec] = None,
         context_parallel: Optional[ContextParallel] = None,
-        checkpointer: Optional[Checkpointer] = None,
-        evaluator: Optional[Evaluator] = None,
-        progress: Optional[Progress] = None,
-    ):
+        components: Optional[Components] = None,
+    ) -> None:
         self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
-        self.context_parallel = context_parallel  # parallel.cp > 1: each batch is split over the cp ranks
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
-        self.precision = _precision_of(job, model, precision)
         # run.py resolves parallel.* once (reduce_every as the fit chose it); a Trainer built by hand: its job's
         self.parallel = parallel if parallel is not None else resolve_parallel(job.parallel)
-        # what forward/backward goes through: the FSDP/DDP root under torchrun, else a plain loss module
-        self.train_module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
-        self.optimizer = build_optimizer(model, job.optim, device)
-        self.scheduler = build_scheduler(self.optimizer, job.optim, job.train.max_steps)
-        if schedule_problem(job.optim, job.train.max_steps) and self.dist.is_main:
-            log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
-        main = self.dist.is_main
-        # a Trainer built by hand: no held-out set, no data plan to check on resume
-        if checkpointer is None:
-            checkpointer = Checkpointer(out_dir / CHECKPOINTS, is_main=main)
-        if evaluator is None:
-            evaluator = Evaluator(None, job.train, is_main=main)
-        if progress is None:
-            progress = Progress(job.train, peak_tflops=job.hardware.peak_tflops, is_main=main)
-        self.checkpointer, self.evaluator, self.progress = checkpointer, evaluator, progress
-        self.state = TrainState()
-        self.metrics = MetricsWriter(
-            out_dir / "tb" if self.dist.is_main else None, out_dir / "metrics.jsonl" if self.dist.is_main else None
+        if components is None:  # a Trainer built by hand: no held-out set, no data plan to check on resume
+            forward = ForwardPath.build(
+                job, model, device, train_module=train_module, precision=precision, context_parallel=context_parallel
+            )
+            components = build_components(job, forward, loader, tokenizer, out_dir=out_dir, dist=self.dist)
+        elif components.forward.model is not model or (train_module, precision, context_parallel) != (None,) * 3:
+            raise ValueError("Trainer(components=...): pass the components' model, and its forward path in them only")
+        self.forward = components.forward
+        self.train_module, self.precision = self.forward.train_module, self.forward.precision
+        self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks
+        self.optimizer, self.scheduler = components.optimizer, components.scheduler
+        self.state, self.metrics, self.progress = components.state, components.metrics, components.progress
+        self.signals, self.checkpointer, self.evaluator = (
+            components.signals,
+            components.checkpointer,
+            components.evaluator,
         )
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
         self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
-        self.signals = StopSignals(device, lambda: self.state.step)  # SIGINT/SIGTERM: which, how many, agreed
         self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
         # that came after the last step, during the final save)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
+        # what the run was built from (run.py attaches them): the fit (a planning.fit.FitPlan: planning is a layer
+        # beside loop, so the trainer only carries it), the data and the activation-memory reports
+        self.plan: object = None
+        self.data_report: dict[str, Any] = {}
+        self.memory_report: dict[str, Any] = {}
 
     def add_hooks(self, hooks: StepHooks) -> None:
         """Register step callbacks (flexengine.loop.hooks.StepHooks)."""
         self.hooks.append(hooks)
 
     @contextlib.contextmanager
-    def _phase(self, name: str):
+    def _phase(self, name: str) -> Iterator[None]:
         """Time one phase for the hooks that ask for it (device synchronised on both sides), else nothing."""
         timed = [h for h in self.hooks if h.timed]
         if not timed:
@@ -163,15 +138,13 @@ class Trainer:
     def prepare_batch(self, batch: dict) -> tuple[dict, dict]:
         """(the batch this rank computes, its mask kwargs): the attention mask is built once, here, so every layer
         shares it (and we can log its density); under context parallelism the rows are split over the cp ranks."""
-        if self.context_parallel is not None:
-            return self.context_parallel.shard(self.model, batch)
-        return batch, mask_kwargs(self.model, batch["document_ids"])
+        return self.forward.prepare(batch)
 
     @property
     def _cp(self) -> int:
-        return self.context_parallel.degree if self.context_parallel is not None else 1
+        return self.forward.cp
 
-    def _share(self, count: int) -> float:
+    def _share(self, count: float) -> float:
         """This rank's share of a count over its rows, for its FLOPs (all of it, unless context parallelism splits
         the rows)."""
         return count if self._cp == 1 else count / self._cp
@@ -307,7 +280,7 @@ class Trainer:
 
     def compute_context(self) -> contextlib.AbstractContextManager:
         """What forward runs under: the precision spec decides, told whether FSDP's policy already casts."""
-        return self.precision.compute_context(self.device, fsdp_casts=applied(self.model).fsdp_policy is not None)
+        return self.forward.compute_context()
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -322,7 +295,7 @@ class Trainer:
             if self._interrupted:
                 by = self.signals.signal or "(on another rank)"
                 log.warning("stopped by signal %s after step %d; saving", by, state.step)
-            elif self.evaluator.due_at_end(state.step, state.evals):
+            elif self.evaluator.due_at_end(state.step):
                 self.evaluate()  # the end of the run is always evaluated
             if not self._interrupted and self.evaluator.samples_at_end(state.step):
                 self.sample()
@@ -344,7 +317,8 @@ class Trainer:
             return describe_schedule(self.job.optim, self.job.train.max_steps)
         lr = float(self.optimizer.param_groups[0]["lr"])
         done = self.scheduler.last_epoch
-        return describe_resumed_schedule(self.job.optim, self.job.train.max_steps, self.scheduler.knots, done, lr)
+        knots = self.scheduler.state_dict()["knots"]  # optim.apply_knots keeps them on the scheduler (and its state)
+        return describe_resumed_schedule(self.job.optim, self.job.train.max_steps, knots, done, lr)
 
     def _loop(self) -> None:
         cfg = self.job.train
@@ -374,7 +348,7 @@ class Trainer:
                 if self.evaluator.should_evaluate(step):
                     self.evaluate()
                     self.progress.exclude_last_pause()  # evaluation is not training time
-                if self.evaluator.should_sample(step, self.state.evals):
+                if self.evaluator.should_sample(step):
                     self.sample()
         self.progress.end_loop()
         if profiler is not None:
@@ -415,29 +389,38 @@ class Trainer:
         return 128 + (self.signals.signal if self.signals.signal is not None else signal.SIGTERM)
 
     # -- the components: evaluations/samples, summary, checkpoints, stop signals -------------------------------
-    def evaluate(self) -> Optional[dict]:
+    def evaluate(self) -> Optional[dict[str, Any]]:
         """Eval loss/perplexity on the held-out set (Evaluator.evaluate)."""
-        return self.evaluator.evaluate(self)
+        return self.evaluator.evaluate()
 
     def sample(self) -> Optional[list[str]]:
         """Greedy continuations of train.sample_prompts (Evaluator.sample)."""
-        return self.evaluator.sample(self)
+        return self.evaluator.sample()
 
-    def summary(self) -> dict:
-        """The numbers summary.json reports (flexengine.loop.progress.summary)."""
-        return summary(self)
+    def summary(self) -> dict[str, Any]:
+        """The numbers summary.json reports: the clock's training numbers, the evaluations, how the run ended."""
+        return {
+            **self.progress.summary(self.attn, self.device),
+            "eval_s": sum(self.evaluator.eval_seconds),  # evaluations of this process
+            "stopped_by_signal": self.signals.signal,
+            "status": "interrupted" if self.exit_code else "ok",
+            "stopped_early": self.evaluator.stopped_early,
+            "eval": self.evaluator.summary(),
+            "exit_code": self.exit_code,
+        }
 
-    def trainer_state(self) -> dict:
+    def trainer_state(self) -> dict[str, Any]:
         """Everything besides the weights that an exact resume needs (Checkpointer.state_dict)."""
-        return self.checkpointer.state_dict(self)
+        return self.checkpointer.state_dict()
 
     def save(self) -> Path:
         """Checkpoint this step to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
-        return self.checkpointer.save(self)
+        return self.checkpointer.save(self.state.step)
 
-    def resume(self, spec: str) -> Optional[Path]:
-        """train.resume: auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a step_<N> dir."""
-        return self.checkpointer.resume(self, spec)
+    def resume(self, spec: Optional[str] = None) -> Optional[Path]:
+        """train.resume (or `spec`): auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a
+        step_<N> dir (Checkpointer.resume)."""
+        return self.checkpointer.resume(spec)
 
     def stop_on_signals(self) -> contextlib.AbstractContextManager[None]:
         """SIGINT/SIGTERM finish the step, save and stop (flexengine.loop.signals.StopSignals.handle; it nests)."""

@@ -78,8 +78,3 @@ def reserved_limit_bytes(planned_bytes: int, margin_bytes: int) -> int:
     planned peak plus the margin left for what allocated excludes (fragmentation, block rounding, workspaces).
     A reserved peak past it means the margin was too small for this run. The doctor and the GPU check judge by it."""
     return planned_bytes + margin_bytes
-
-
-def plan_budget(plan: dict) -> DeviceBudget:
-    """The budget a plan (planner.plan_memory's dict) was fitted into."""
-    return DeviceBudget(plan["card_bytes"], plan["cuda_context_bytes"], plan["margin_bytes"])

@@ -52,7 +52,7 @@ def corpus_hours(
         data_ranks = max(1, hw.world_size // variant.parallel.cp)
         rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
         steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
-        seconds = steps * fit.plan["step_s"]
+        seconds = steps * fit.plan.step_s
         rows.append(
             {
                 "label": label,
@@ -60,12 +60,12 @@ def corpus_hours(
                 "lora_r": variant.model.lora.r,
                 "fits": fit.fits,
                 "precision": fit.precision.name,
-                "policy": fit.plan["policy"],
+                "policy": fit.plan.policy,
                 "micro_batch": fit.micro_batch,
                 "grad_accum": fit.grad_accum,
                 "rows_per_step": rows_per_step,
                 "steps": steps,
-                "step_s": fit.plan["step_s"],
+                "step_s": fit.plan.step_s,
                 "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
                 "hours": seconds / 3600,
             }

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.core.units import GiB
-from flexengine.planning.budget import plan_budget
-from flexengine.planning.planner import k_table, offloads, plan_memory, row_family
+from flexengine.planning.plan import Candidate, Plan
+from flexengine.planning.planner import candidate_family, k_table, offloads, plan_memory
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -36,27 +38,61 @@ log = logging.getLogger(__name__)
 TIE_FRACTION = 0.01  # step estimates this close are a tie, which the more exact mode wins (the estimate is no finer)
 
 
-@dataclass
+@dataclass(frozen=True)
+class PrecisionTrial:
+    """One precision mode the fit planned: its plan's answer, its numerics, and precision=auto's verdict on it."""
+
+    precision: str
+    fits: bool
+    total_bytes: int
+    host_bytes: int
+    policy: str
+    step_s: float
+    updates_exact: bool
+    stochastic_rounding: bool
+    trains_correctly: bool
+    missing: str  # the package its optimizer needs and this environment lacks; "" when it can be built
+    why_not_fit: str  # which budget the plan overruns, "" when it fits
+    verdict: str = ""  # why precision=auto took it, or why it lost (set once every mode is planned)
+
+    def to_json(self) -> dict[str, object]:
+        """The row as the plan's JSON writes it."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class FitPlan:
     """The resolved choices of one run and the plan behind them."""
 
     hardware: HardwareConfig  # concrete: device, memory_gb, host_memory_gb filled in
     precision: PrecisionSpec
-    memory: MemoryConfig  # concrete policy
-    micro_batch: int
-    grad_accum: int
-    plan: dict  # planner output under the chosen precision
-    precision_table: list[dict] = field(default_factory=list)  # every mode tried: fits, device and host bytes
+    plan: Plan  # planner output under the chosen precision
+    precision_table: tuple[PrecisionTrial, ...] = ()  # every mode tried: fits, device and host bytes, verdict
+
+    @property
+    def memory(self) -> MemoryConfig:
+        """The chosen concrete memory policy."""
+        return self.plan.memory
+
+    @property
+    def micro_batch(self) -> int:
+        """The chosen micro-batch."""
+        return self.plan.micro_batch
+
+    @property
+    def grad_accum(self) -> int:
+        """The chosen accumulation (same rows per optimizer step as the job's)."""
+        return self.plan.grad_accum
 
     @property
     def fits(self) -> bool:
         """Whether the chosen configuration fits device and host memory."""
-        return bool(self.plan["fits"])
+        return self.plan.fits
 
     @property
     def memory_specs(self) -> tuple[MemorySpec, ...]:
         """The chosen policy as one MemorySpec per decoder block."""
-        return block_memory_specs(self.memory, self.plan["hf_config"]["num_hidden_layers"])
+        return block_memory_specs(self.memory, self.plan.n_layers)
 
 
 def plan_job(
@@ -81,28 +117,27 @@ def plan_job(
         x = plan_inputs(specs, hardware, spec)
         plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=search_mb)
         table.append(
-            {
-                "precision": mode,
-                "fits": plan["fits"],
-                "total_bytes": plan["total_bytes"],
-                "host_bytes": plan["host_bytes"],
-                "policy": plan["policy"],
-                "step_s": plan["step_s"],
-                "updates_exact": spec.updates_exact,
-                "stochastic_rounding": spec.stochastic_rounding,
-                "trains_correctly": spec.trains_correctly,
-                "missing": optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
-                "why_not_fit": _why_not_fit(plan),
-            }
+            PrecisionTrial(
+                precision=mode,
+                fits=plan.fits,
+                total_bytes=plan.total_bytes,
+                host_bytes=plan.usage.host_bytes,
+                policy=plan.policy,
+                step_s=plan.step_s,
+                updates_exact=spec.updates_exact,
+                stochastic_rounding=spec.stochastic_rounding,
+                trains_correctly=spec.trains_correctly,
+                missing=optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
+                why_not_fit=_why_not_fit(plan),
+            )
         )
         plans.append((spec, plan))
     chosen = choose_precision(table, timed=on_cuda)
-    _add_verdicts(table, chosen, timed=on_cuda)
     spec, plan = plans[chosen]
-    return FitPlan(hardware, spec, MemoryConfig(**plan["memory"]), plan["micro_batch"], plan["grad_accum"], plan, table)
+    return FitPlan(hardware, spec, plan, with_verdicts(table, chosen, timed=on_cuda))
 
 
-def choose_precision(rows: list[dict], timed: bool = True) -> int:
+def choose_precision(rows: Sequence[PrecisionTrial], timed: bool = True) -> int:
     """The row precision=auto takes (rows most exact first): the fastest estimated step among the modes that fit
     and train correctly (and whose optimizer this environment can build), the more exact on a tie (within
     TIE_FRACTION); if none fits, the leanest correct mode, whose plan's suggestions say what would. A single
@@ -112,56 +147,60 @@ def choose_precision(rows: list[dict], timed: bool = True) -> int:
     FLOPs, and bf16 matmuls are no faster than fp32 on most CPUs), so its differences there are only the modelled
     transfer terms: over gloo, bf16 gradients' smaller all-reduce made bf16_sr "faster" on 2 ranks while one
     process took fp32, and the two runs of one job diverged."""
-    correct = [i for i, r in enumerate(rows) if r["trains_correctly"] and not r.get("missing")]
+    correct = [i for i, r in enumerate(rows) if r.trains_correctly and not r.missing]
     correct = correct or list(range(len(rows)))
-    fitting = [i for i in correct if rows[i]["fits"]]
+    fitting = [i for i in correct if rows[i].fits]
     if not fitting:
-        return min(correct, key=lambda i: rows[i]["total_bytes"])
+        return min(correct, key=lambda i: rows[i].total_bytes)
     if not timed:
         return fitting[0]
-    fastest = min(rows[i]["step_s"] for i in fitting)
-    return next(i for i in fitting if rows[i]["step_s"] <= fastest * (1 + TIE_FRACTION))
+    fastest = min(rows[i].step_s for i in fitting)
+    return next(i for i in fitting if rows[i].step_s <= fastest * (1 + TIE_FRACTION))
 
 
 def precision_verdicts(fit: FitPlan) -> list[str]:
     """precision=auto's weighing, one line per mode (none for a single given mode)."""
     if len(fit.precision_table) < 2:
         return []
-    return [f"precision={r['precision']:<16} {_secs(r['step_s']):>9}/step  {r['verdict']}" for r in fit.precision_table]
+    return [f"precision={r.precision:<16} {_secs(r.step_s):>9}/step  {r.verdict}" for r in fit.precision_table]
 
 
 def _secs(s: float) -> str:
     return f"{s:.1f} s" if s >= 1 else f"{s:.2g} s"  # a tiny CPU model's step is milliseconds
 
 
-def _why_not_fit(plan: dict) -> str:
+def _why_not_fit(plan: Plan) -> str:
     """Which budget a plan overruns, in GiB ("" when it fits)."""
-    if plan["fits"]:
+    usage = plan.usage
+    if usage.fits:
         return ""
-    if plan["total_bytes"] > plan["budget_bytes"] or not plan["host_budget_bytes"]:
-        return f"{_gib(plan['total_bytes'])} GiB > {_gib(plan['budget_bytes'])} GiB"
-    return f"host {_gib(plan['host_bytes'])} GiB > {_gib(plan['host_budget_bytes'])} GiB"
+    if usage.total_bytes > usage.budget.usable_bytes or not usage.host_budget_bytes:
+        return f"{_gib(usage.total_bytes)} GiB > {_gib(usage.budget.usable_bytes)} GiB"
+    return f"host {_gib(usage.host_bytes)} GiB > {_gib(usage.host_budget_bytes)} GiB"
 
 
-def _add_verdicts(rows: list[dict], chosen: int, timed: bool = True) -> None:
-    """Each row's `verdict`: why precision=auto took it, or why it lost to the chosen row."""
-    best = rows[chosen]
-    vs = f"{best['precision']}'s {_secs(best['step_s'])}"
-    for i, r in enumerate(rows):
-        if i == chosen:
-            r["verdict"] = "chosen" if best["fits"] else f"leanest, and does not fit: {r['why_not_fit']}"
-        elif not r["trains_correctly"]:
-            r["verdict"] = "fails the long-horizon numerics check (small updates round away)"
-        elif r.get("missing"):
-            r["verdict"] = f"needs {r['missing']}, not installed (pip install {r['missing']})"
-        elif not r["fits"]:
-            r["verdict"] = f"does not fit: {r['why_not_fit']}"
-        elif i > chosen and not timed:
-            r["verdict"] = "less exact: on CPU the most exact mode that fits wins (no CPU step-time model)"
-        elif i > chosen and r["step_s"] <= best["step_s"] * (1 + TIE_FRACTION):
-            r["verdict"] = f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
-        else:
-            r["verdict"] = f"slower: {_secs(r['step_s'])} vs {vs}"
+def with_verdicts(rows: Sequence[PrecisionTrial], chosen: int, timed: bool = True) -> tuple[PrecisionTrial, ...]:
+    """The rows with their `verdict`: why precision=auto took each, or why it lost to the chosen row."""
+    return tuple(dataclasses.replace(r, verdict=_verdict(rows, i, chosen, timed)) for i, r in enumerate(rows))
+
+
+def _verdict(rows: Sequence[PrecisionTrial], i: int, chosen: int, timed: bool) -> str:
+    """Why precision=auto took row i, or why it lost to the chosen row."""
+    best, r = rows[chosen], rows[i]
+    vs = f"{best.precision}'s {_secs(best.step_s)}"
+    if i == chosen:
+        return "chosen" if best.fits else f"leanest, and does not fit: {r.why_not_fit}"
+    if not r.trains_correctly:
+        return "fails the long-horizon numerics check (small updates round away)"
+    if r.missing:
+        return f"needs {r.missing}, not installed (pip install {r.missing})"
+    if not r.fits:
+        return f"does not fit: {r.why_not_fit}"
+    if i > chosen and not timed:
+        return "less exact: on CPU the most exact mode that fits wins (no CPU step-time model)"
+    if i > chosen and r.step_s <= best.step_s * (1 + TIE_FRACTION):
+        return f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
+    return f"slower: {_secs(r.step_s)} vs {vs}"
 
 
 def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
@@ -176,7 +215,7 @@ def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
         # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
         parallel=dataclasses.replace(
             job.parallel,
-            reduce_every=fit.plan.get("reduce_every", "window"),  # the gradient reduction the plan counted
+            reduce_every=fit.plan.reduce_every.value,  # the gradient reduction the plan counted
         ),
     )
 
@@ -198,23 +237,24 @@ def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig, attention: O
     auto = dataclasses.replace(job, memory=MemoryConfig(policy="auto"), precision=PrecisionConfig("auto"))
     fit = plan_job(auto, hf_config, hardware, attention=attention)
     if not fit.fits:
-        return fit.plan["suggestions"]
-    ranked = sorted((r for r in fit.plan["candidates"] if r["fits"]), key=lambda r: r["step_s"])[:4]
+        return list(fit.plan.suggestions)
+    ranked = sorted((r for r in fit.plan.candidates if r.fits), key=lambda r: r.step_s)[:4]
     return [
-        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.1f} s/step)"
+        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r.total_bytes)} GiB, ~{r.step_s:.1f} s/step)"
         for r in ranked
     ]
 
 
-def _overrides(row: dict) -> str:
-    mem = row["memory"]
-    parts = [f"memory={mem['policy']}"]
-    if mem["policy"] != "none":
-        parts.append(f"memory.layers={mem['layers']}")
-    if mem["policy"] in ("full", "selective"):
-        parts.append(f"memory.granularity={mem['granularity']}" if mem["policy"] == "selective" else "")
-        parts.append("memory.offload=true" if mem["offload"] else "")
-    parts.append(f"train.micro_batch={row['micro_batch']} train.grad_accum={row['grad_accum']}")
+def _overrides(row: Candidate) -> str:
+    """The command-line overrides that select a candidate."""
+    mem = row.memory
+    parts = [f"memory={mem.policy}"]
+    if mem.policy != "none":
+        parts.append(f"memory.layers={mem.layers}")
+    if mem.policy in ("full", "selective"):
+        parts.append(f"memory.granularity={mem.granularity}" if mem.policy == "selective" else "")
+        parts.append("memory.offload=true" if mem.offload else "")
+    parts.append(f"train.micro_batch={row.micro_batch} train.grad_accum={row.grad_accum}")
     return " ".join(p for p in parts if p)
 
 
@@ -235,13 +275,13 @@ def fit_job(
     log.debug("plan:\n%s", format_fit(fit))
     if not fit.fits:
         explicit = _explicit_choices(job)
-        what = _what_fits(job, hf_config, hardware, attention) if explicit else fit.plan["suggestions"]
+        what = _what_fits(job, hf_config, hardware, attention) if explicit else list(fit.plan.suggestions)
         p = fit.plan
         raise UserError(
-            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(p['total_bytes'])} GiB peak "
-            f"against {plan_budget(p).describe()} (hardware.memory_margin_gb sets the margin), "
-            f"{_gib(p['host_bytes'])} GiB of "
-            f"{_gib(p['host_budget_bytes'])} GiB host memory (precision={fit.precision.name}, {p['policy']}). "
+            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(p.total_bytes)} GiB peak "
+            f"against {p.budget.describe()} (hardware.memory_margin_gb sets the margin), "
+            f"{_gib(p.usage.host_bytes)} GiB of "
+            f"{_gib(p.usage.host_budget_bytes)} GiB host memory (precision={fit.precision.name}, {p.policy}). "
             "What would fit:\n  " + "\n  ".join(what)
         )
     check_updates_arrive(fit.precision, job.optim.lr)
@@ -265,73 +305,73 @@ def compile_hint(job: JobConfig, fit: FitPlan) -> str:
     compiling pays (costs.eager_pointwise_s, COMPILE_S); else ''."""
     from flexengine.planning.costs import COMPILE_S
 
-    eager_s = fit.plan.get("eager_pointwise_s", 0.0)
+    eager_s = fit.plan.time.eager_pointwise_s
     if job.train.compile or fit.hardware.on_cpu or eager_s * job.train.max_steps <= COMPILE_S:
         return ""
     return (
         f"train.compile=true would pay: eager blocks run their pointwise ops unfused, ~{eager_s:.2f} s of each "
-        f"~{fit.plan['step_s']:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
+        f"~{fit.plan.step_s:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
         f"{job.train.max_steps} steps) against ~{COMPILE_S / 60:.0f} min to compile the blocks' shared graph once"
     )
 
 
 def format_fit(fit: FitPlan) -> str:
     """The plan as text: budgets, the precision modes tried, and the k -> memory / recompute table."""
-    p = fit.plan
+    p, usage = fit.plan, fit.plan.usage
     hw = fit.hardware
     lines = [
         (
-            f"hardware {hw.name} ({hw.device}): {plan_budget(p).describe()} on the device, "
-            f"{_gib(p['host_budget_bytes'])} GiB host; seq_len={p['seq_len']} micro_batch={fit.micro_batch} "
+            f"hardware {hw.name} ({hw.device}): {p.budget.describe()} on the device, "
+            f"{_gib(usage.host_budget_bytes)} GiB host; seq_len={p.seq_len} micro_batch={fit.micro_batch} "
             f"grad_accum={fit.grad_accum}"
         )
     ]
-    if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0]["fits"]):
+    if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0].fits):
         lines.append(
             f"  {'precision':<16} {'device GiB':>10} {'host GiB':>9} {'step s':>7} {'fits':>5}  {'best policy':<26}  "
             "precision=auto"
         )
-        for r in fit.precision_table:
+        for t in fit.precision_table:
             lines.append(
-                f"  {r['precision']:<16} {_gib(r['total_bytes']):>10} {_gib(r['host_bytes']):>9} "
-                f"{r['step_s']:>7.1f} {'yes' if r['fits'] else 'no':>5}  {r['policy']:<26}  {r['verdict']}"
+                f"  {t.precision:<16} {_gib(t.total_bytes):>10} {_gib(t.host_bytes):>9} "
+                f"{t.step_s:>7.1f} {'yes' if t.fits else 'no':>5}  {t.policy:<26}  {t.verdict}"
             )
     lines.append(
-        f"  {'k (of ' + str(p['hf_config'].get('num_hidden_layers')) + ')':<8} {'policy':<26} "
+        f"  {'k (of ' + str(p.hf_config.get('num_hidden_layers')) + ')':<8} {'policy':<26} "
         f"{'device GiB':>10} {'recompute':>9} {'PCIe s':>7} {'step s':>7} {'fits':>5}"
     )
     for r in k_table(p):
-        mark = "  <- chosen" if r["label"] == p["policy"] else ""
+        mark = "  <- chosen" if r.label == p.policy else ""
         lines.append(
-            f"  {r['k']:<8} {r['label']:<26} {_gib(r['total_bytes']):>10} "
-            f"{100 * r['recompute_flops_fraction']:>8.1f}% {r['offload_exposed_s']:>7.2f} "
-            f"{r['step_s']:>7.2f} {'yes' if r['fits'] else 'no':>5}{mark}"
+            f"  {r.k:<8} {r.label:<26} {_gib(r.total_bytes):>10} "
+            f"{100 * r.time.recompute_flops_fraction:>8.1f}% {r.time.offload_exposed_s:>7.2f} "
+            f"{r.step_s:>7.2f} {'yes' if r.fits else 'no':>5}{mark}"
         )
-    terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p["terms"].items() if v)
+    terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p.terms.items() if v)
     lines.append(
-        f"chosen: precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x "
-        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p['total_bytes'])} GiB peak of {_gib(p['budget_bytes'])} "
+        f"chosen: precision={fit.precision.name}, {p.policy}, micro_batch={fit.micro_batch} x "
+        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p.total_bytes)} GiB peak of {_gib(p.budget.usable_bytes)} "
         f"GiB budget; "
-        f"host {_gib(p['host_bytes'])} of {_gib(p['host_budget_bytes'])} GiB"
+        f"host {_gib(usage.host_bytes)} of {_gib(usage.host_budget_bytes)} GiB"
         + ("" if fit.fits else "  -- DOES NOT FIT")
     )
-    lines.append(pairs_line(p["attention_pairs"]))
+    lines.append(pairs_line(p.attention_pairs))
     if hw.world_size > 1 and fit.grad_accum > 1:
         lines.append(_reduce_line(p, hw))
     if offloads(fit.memory_specs):
-        bound = p["offload_pinned_bound_bytes"]  # None only without a host budget (then offload's default)
+        bound = usage.offload_pinned_bound_bytes  # None only without a host budget (then offload's default)
         if bound is not None:
             lines.append(
                 f"offload: at most {_gib(bound)} GiB of pinned host memory per rank (host budget "
-                f"{_gib(p['host_budget_bytes'])} GiB less host optimizer state)"
+                f"{_gib(usage.host_budget_bytes)} GiB less host optimizer state)"
             )
     return "\n".join(lines)
 
 
-def pairs_line(pairs: dict) -> str:
+def pairs_line(pairs: AttendedPairs) -> str:
     """Where the step time's attention pair count comes from (the plan's `attention_pairs`)."""
-    share = pairs["fraction_of_row_squared"]
-    return f"attention: {share:.3f} x seq_len^2 (query, key) pairs per row and layer, from {pairs['source']}"
+    share = pairs.as_dict()["fraction_of_row_squared"]
+    return f"attention: {share:.3f} x seq_len^2 (query, key) pairs per row and layer, from {pairs.source}"
 
 
 RUNNERS_UP = 2
@@ -340,26 +380,26 @@ RUNNERS_UP = 2
 def format_fit_summary(fit: FitPlan) -> str:
     """The plan in one line: the chosen configuration, the precision modes tried, and the cheapest runners-up of
     other policy families (what a training run logs; flexengine-plan prints the whole table)."""
-    p = fit.plan
+    p, usage = fit.plan, fit.plan.usage
     chosen = (
-        f"precision={fit.precision.name}, {p['policy']}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
-        f"{_gib(p['total_bytes'])} GiB peak of {plan_budget(p).describe()}, host {_gib(p['host_bytes'])} of "
-        f"{_gib(p['host_budget_bytes'])} GiB, ~{p['step_s']:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
+        f"precision={fit.precision.name}, {p.policy}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
+        f"{_gib(p.total_bytes)} GiB peak of {p.budget.describe()}, host {_gib(usage.host_bytes)} of "
+        f"{_gib(usage.host_budget_bytes)} GiB, ~{p.step_s:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
     )
     if len(fit.precision_table) > 1:
         chosen += (
             " (precision=auto weighed: "
-            + ", ".join(f"{r['precision']} {_short_verdict(r['verdict'])}" for r in fit.precision_table)
+            + ", ".join(f"{t.precision} {_short_verdict(t.verdict)}" for t in fit.precision_table)
             + ")"
         )
-    n_layers = p["hf_config"]["num_hidden_layers"]
-    families, runners = {(row_family(p, n_layers), p["micro_batch"])}, []
-    for r in sorted((r for r in p["candidates"] if r["fits"]), key=lambda r: (r["cost"], r["k"], r["total_bytes"])):
-        family = row_family(r, n_layers), r["micro_batch"]  # another k of the same policy is not worth naming
+    n_layers = p.n_layers
+    families, runners = {(candidate_family(p.chosen, n_layers), p.micro_batch)}, []
+    for r in sorted((r for r in p.candidates if r.fits), key=lambda r: (r.time.cost, r.k, r.total_bytes)):
+        family = candidate_family(r, n_layers), r.micro_batch  # another k of the same policy is not worth naming
         if family in families:
             continue
         families.add(family)
-        runners.append(f"{r['label']} ({_gib(r['total_bytes'])} GiB, ~{r['step_s']:.2f} s/step)")  # labels say mb=
+        runners.append(f"{r.label} ({_gib(r.total_bytes)} GiB, ~{r.step_s:.2f} s/step)")  # labels say mb=
         if len(runners) == RUNNERS_UP:
             break
     return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"
@@ -370,31 +410,29 @@ def _short_verdict(verdict: str) -> str:
     return verdict.split(":")[0].split(" (")[0]
 
 
-def _reduce_line(p: dict, hw: HardwareConfig) -> str:
+def _reduce_line(p: Plan, hw: HardwareConfig) -> str:
     """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
     from flexengine.planning.costs import interconnect_gb_s
 
     other = next(
         (
             r
-            for r in p["candidates"]
-            if r["reduce_every"] != p["reduce_every"]
-            and r["memory"] == p["memory"]
-            and r["micro_batch"] == p["micro_batch"]
+            for r in p.candidates
+            if r.reduce_every != p.reduce_every and r.memory == p.memory and r.micro_batch == p.micro_batch
         ),
         None,
     )
-    every = "every micro-batch" if p["reduce_every"] == "micro_batch" else "once per accumulation window"
+    every = "every micro-batch" if p.reduce_every is ReduceEvery.MICRO_BATCH else "once per accumulation window"
     line = (
-        f"gradients: reduce-scatter {every} (parallel.reduce_every={p['reduce_every']}): "
-        f"{p['reduce_scatter_bytes_per_step'] / 1e9:.1f} GB sent per rank per step, "
-        f"{p['reduce_scatter_s']:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
-        f"unless set), {p['reduce_exposed_s']:.2f} s not hidden by backward"
+        f"gradients: reduce-scatter {every} (parallel.reduce_every={p.reduce_every.value}): "
+        f"{p.time.reduce_scatter_bytes_per_step / 1e9:.1f} GB sent per rank per step, "
+        f"{p.time.reduce_scatter_s:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
+        f"unless set), {p.time.reduce_exposed_s:.2f} s not hidden by backward"
     )
     if other is not None:
-        unsharded = other["terms"].get("fsdp_unsharded_grads_bytes", 0)
+        unsharded = other.terms.fsdp_unsharded_grads_bytes or 0
         line += (
-            f"; the other ({other['reduce_every']}): {_gib(other['total_bytes'])} GiB with unsharded grads "
-            f"{_gib(unsharded)} GiB, {other['step_s']:.2f} s/step{'' if other['fits'] else ', does not fit'}"
+            f"; the other ({other.reduce_every.value}): {_gib(other.total_bytes)} GiB with unsharded grads "
+            f"{_gib(unsharded)} GiB, {other.step_s:.2f} s/step{'' if other.fits else ', does not fit'}"
         )
     return line

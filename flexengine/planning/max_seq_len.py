@@ -27,7 +27,7 @@ def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: Optional[int] = 
     step = step or CP_BLOCK_SIZE * x.cp
 
     def fits(n: int) -> bool:
-        return evaluate(m, dataclasses.replace(x, seq_len=n * step), memory)["fits"]
+        return evaluate(m, dataclasses.replace(x, seq_len=n * step), memory).fits
 
     if not fits(1):
         return 0
@@ -55,12 +55,12 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
         if n:
             at = evaluate(m, dataclasses.replace(x, seq_len=n), memory)
             row.update(
-                memory=at["memory"],
-                total_bytes=at["total_bytes"],
-                step_s=at["step_s"],
-                tokens_per_s=x.micro_batch * n / at["step_s"],
-                offloaded_bytes=at["offloaded_bytes"],
-                recompute_flops_fraction=at["recompute_flops_fraction"],
+                memory=dataclasses.asdict(at.memory),
+                total_bytes=at.total_bytes,
+                step_s=at.step_s,
+                tokens_per_s=x.micro_batch * n / at.step_s,
+                offloaded_bytes=at.usage.offloaded_bytes,
+                recompute_flops_fraction=at.time.recompute_flops_fraction,
             )
         rows.append(row)
     return rows
@@ -70,7 +70,7 @@ def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any =
     """Total bytes (GiB) per candidate policy at each seq_len in `lengths`."""
     m = ModelShape.from_hf_config(hf_config)
     return {
-        label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory)["total_bytes"] / GiB for n in lengths]
+        label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory).total_bytes / GiB for n in lengths]
         for label, memory in candidates_for(tiled_mlp)
         if not x.hardware.on_cpu or not offloads(memory_specs(memory, m))
     }

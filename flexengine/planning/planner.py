@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.parallel_spec import ReduceEvery
@@ -46,11 +46,15 @@ from flexengine.planning.costs import (
     reduce_scatter_traffic,
     static_bytes,
 )
+from flexengine.planning.plan import Candidate, DeviceTerms, Estimate, MemoryUse, Plan, StepTime
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.memory.kinds import RecomputeKind, granularities
 from flexengine.surgery.memory.layers import select_layers
 from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # parallel.reduce_every choices the search weighs (auto): once per accumulation window, or every micro-batch
 REDUCE_CHOICES = (ReduceEvery.WINDOW, ReduceEvery.MICRO_BATCH)
@@ -94,9 +98,9 @@ def policy_family(specs: Sequence[MemorySpec]) -> tuple[RecomputeKind, bool]:
     return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
 
 
-def row_family(row: dict, n_layers: int) -> tuple[RecomputeKind, bool]:
-    """`policy_family` of a plan row (its `memory` is a concrete policy, tiles resolved)."""
-    return policy_family(block_memory_specs(MemoryConfig(**row["memory"]), n_layers))
+def candidate_family(candidate: Candidate, n_layers: int) -> tuple[RecomputeKind, bool]:
+    """`policy_family` of a candidate (its `memory` is a concrete policy, tiles resolved)."""
+    return policy_family(block_memory_specs(candidate.memory, n_layers))
 
 
 def describe(specs: Sequence[MemorySpec]) -> str:
@@ -147,13 +151,24 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
     return out
 
 
-def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> dict:
+def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> Candidate:
     """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
     memory = resolve_tiles(memory, m)
-    return {"memory": dataclasses.asdict(memory), **evaluate_specs(m, x, memory_specs(memory, m))}
+    specs = memory_specs(memory, m)
+    estimate = evaluate_specs(m, x, specs)
+    return Candidate(
+        label=describe(specs),
+        micro_batch=x.micro_batch,
+        grad_accum=x.grad_accum,
+        k=len(chosen_blocks(specs)),
+        uses_offload=offloads(specs),
+        memory=memory,
+        usage=estimate.usage,
+        time=estimate.time,
+    )
 
 
-def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> dict:
+def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> Estimate:
     """`evaluate` from the per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     if x.reduce_every is ReduceEvery.AUTO:  # one evaluation is one concrete plan; plan_memory weighs both
         x = dataclasses.replace(x, reduce_every=ReduceEvery.WINDOW)
@@ -164,22 +179,24 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
     attended = x.pairs.of_rank(x.cp)
     act = estimate_activations(m, w, specs, attended_fraction=attended)
     static = static_bytes(m, x)
-    return {**_memory_terms(m, x, w, act, static), **_step_time(m, x, w, act, attended), **static}
+    return Estimate(_memory_use(m, x, w, act, static), _step_time(m, x, w, act, attended))
 
 
-def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict) -> dict:
+def _memory_use(
+    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict[str, int]
+) -> MemoryUse:
     """Device bytes by term, host bytes, the budgets and whether the step fits them."""
     on_gpu = not x.hardware.on_cpu
     backward = _workspace_bytes(m, x, w, act)
     offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
-    terms = {
+    terms = DeviceTerms(
         **static,
-        "activation_bytes": act.total_bytes,
-        "backward_workspace_bytes": backward,
-        "offload_in_flight_bytes": offload_resident,
+        activation_bytes=act.total_bytes,
+        backward_workspace_bytes=backward,
+        offload_in_flight_bytes=offload_resident,
         **fsdp_bytes(m, x),
-    }
-    total = sum(terms.values())
+    )
+    total = terms.total_bytes
     host_state = host_optimizer_bytes(m, x)  # masters/states a CPU optimizer keeps
     host = host_state + act.offloaded_bytes
     device = device_budget(x.hardware)  # the card less the CUDA context and the fragmentation margin
@@ -188,22 +205,17 @@ def _memory_terms(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEsti
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
     fits = (total <= budget and (host_budget is None or host <= host_budget)) if on_gpu else total + host <= budget
-    return {
-        "activation_bytes": act.total_bytes,
-        "activation_bytes_per_block": act.per_block,
-        "offloaded_bytes": act.offloaded_bytes,
-        "workspace_bytes": backward + offload_resident,
-        "total_bytes": total,
-        "budget_bytes": budget,
-        "card_bytes": device.card_bytes,
-        "cuda_context_bytes": device.context_bytes,
-        "margin_bytes": device.margin_bytes,
-        "host_bytes": host,
-        "host_budget_bytes": host_budget or 0,
-        "offload_pinned_bound_bytes": pinned_bound_bytes(host_budget, host_state),
-        "fits": fits,
-        "terms": terms,
-    }
+    return MemoryUse(
+        terms=terms,
+        activation_bytes_per_block=tuple(act.per_block),
+        offloaded_bytes=act.offloaded_bytes,
+        workspace_bytes=backward + offload_resident,
+        budget=device,
+        host_bytes=host,
+        host_budget_bytes=host_budget or 0,
+        offload_pinned_bound_bytes=pinned_bound_bytes(host_budget, host_state),
+        fits=fits,
+    )
 
 
 def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate) -> int:
@@ -228,7 +240,7 @@ def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationE
 
 def _step_time(
     m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
-) -> dict:
+) -> StepTime:
     """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
     traffic, the host optimizer and the gradient reduce-scatter not hidden by backward."""
     # per-layer shares: the blocks' attention cores sum to L x the mean layer's (linear in the share)
@@ -255,21 +267,21 @@ def _step_time(
     reduces = x.grad_accum if x.reduce_every is ReduceEvery.MICRO_BATCH else 1
     reduce_exposed_s = reduces * max(0.0, reduce_s / reduces - 2 * compute_s / 3) if reduce_bytes else 0.0
     step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s + reduce_exposed_s
-    return {
-        "recompute_flops_fraction": recompute_fraction,
-        "recompute_pointwise_s": pointwise_s,
-        "offload_bytes_per_step": 2 * act.offloaded_bytes * x.grad_accum,
-        "offload_exposed_s": exposed_s,
-        "optimizer_s": optimizer_s,
-        "host_optimizer_pcie_bytes_per_step": host_pcie_bytes,
-        "reduce_every": x.reduce_every.value,
-        "eager_pointwise_s": eager_pointwise_s(m, x),
-        "reduce_scatter_bytes_per_step": reduce_bytes,
-        "reduce_scatter_s": reduce_s,
-        "reduce_exposed_s": reduce_exposed_s,
-        "step_s": step_s,
-        "cost": (recompute_s + exposed_s) / max(compute_s, 1e-12),
-    }
+    return StepTime(
+        recompute_flops_fraction=recompute_fraction,
+        recompute_pointwise_s=pointwise_s,
+        offload_bytes_per_step=2 * act.offloaded_bytes * x.grad_accum,
+        offload_exposed_s=exposed_s,
+        optimizer_s=optimizer_s,
+        host_optimizer_pcie_bytes_per_step=host_pcie_bytes,
+        reduce_every=x.reduce_every,
+        eager_pointwise_s=eager_pointwise_s(m, x),
+        reduce_scatter_bytes_per_step=reduce_bytes,
+        reduce_scatter_s=reduce_s,
+        reduce_exposed_s=reduce_exposed_s,
+        step_s=step_s,
+        cost=(recompute_s + exposed_s) / max(compute_s, 1e-12),
+    )
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
@@ -307,55 +319,28 @@ def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[t
     return out
 
 
-def _rank(candidate: tuple[dict, Sequence[MemorySpec]]) -> tuple:
+def _rank(candidate: tuple[Candidate, Sequence[MemorySpec]]) -> tuple[float, bool, bool, int, int, int, bool]:
     """Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, no MLP tiles,
     fewer checkpointed blocks, the larger micro-batch, the coarser recompute and one reduction per window. The
     policy is read from the candidate's MemorySpecs, not from its memory config's strings."""
     row, specs = candidate
     return (
-        round(row["step_s"], 6),
+        round(row.step_s, 6),
         offloads(specs),
         any(spec.mlp_tile for spec in specs),
         len(chosen_blocks(specs)),
-        -row["micro_batch"],
+        -row.micro_batch,
         policy_family(specs)[0].coarseness,
-        row["reduce_every"] != ReduceEvery.WINDOW.value,
+        row.reduce_every is not ReduceEvery.WINDOW,
     )
 
 
-# The chosen candidate's fields the plan repeats at its top level
-PLAN_FIELDS = (
-    "weights_bytes",
-    "grads_bytes",
-    "optimizer_bytes",
-    "activation_bytes",
-    "workspace_bytes",
-    "total_bytes",
-    "terms",
-    "budget_bytes",
-    "card_bytes",
-    "cuda_context_bytes",
-    "margin_bytes",
-    "host_bytes",
-    "host_budget_bytes",
-    "offload_pinned_bound_bytes",
-    "fits",
-    "memory",
-    "step_s",
-    "optimizer_s",
-    "recompute_flops_fraction",
-    "recompute_pointwise_s",
-    "offload_bytes_per_step",
-    "reduce_scatter_bytes_per_step",
-    "eager_pointwise_s",
-    "reduce_scatter_s",
-    "reduce_exposed_s",
-)
-
-
 def plan_memory(
-    hf_config, x: PlanInputs, given: Optional[MemoryConfig] = None, search_micro_batch: bool = False
-) -> dict:
+    hf_config: PretrainedConfig,
+    x: PlanInputs,
+    given: Optional[MemoryConfig] = None,
+    search_micro_batch: bool = False,
+) -> Plan:
     """Every candidate policy's bytes and step time, the cheapest that fits, and what to change if none does.
 
     given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
@@ -367,94 +352,88 @@ def plan_memory(
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
     candidates = [
         (
-            _candidate_row(
+            _candidate(
                 m,
                 dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
                 mem,
-                specs,
-                x.micro_batch,
+                x,
             ),
             specs,
         )
         for b, accum, reduce_every in _with_reduce_choices(shapes, x)
         for mem, specs in space
     ]
-    rows = [row for row, _ in candidates]
-    fitting = [(row, specs) for row, specs in candidates if row["fits"]]
-    best = min(fitting, key=_rank)[0] if fitting else min(rows, key=lambda r: r["total_bytes"] + r["host_bytes"])
-    return _plan(hf_config, m, x, rows, best, [] if fitting else suggestions(m, x))
+    rows = tuple(row for row, _ in candidates)
+    fitting = [(row, specs) for row, specs in candidates if row.fits]
+    best = min(fitting, key=_rank)[0] if fitting else min(rows, key=lambda r: r.total_bytes + r.usage.host_bytes)
+    return _plan(hf_config, m, x, rows, best, () if fitting else tuple(suggestions(m, x)))
 
 
-def _candidate_row(
-    m: ModelShape, x: PlanInputs, memory: MemoryConfig, specs: Sequence[MemorySpec], given_micro_batch: int
-) -> dict:
-    """One candidate's plan row: its label, shape, k and offload, then `evaluate`'s terms (tiles resolved)."""
-    shape = "" if x.micro_batch == given_micro_batch else f" mb={x.micro_batch}"
+def _candidate(m: ModelShape, x: PlanInputs, memory: MemoryConfig, given: PlanInputs) -> Candidate:
+    """One candidate of the search: `evaluate`'s, its label naming the micro-batch where it differs from the given
+    one, and a reduction every micro-batch."""
+    candidate = evaluate(m, x, memory)
+    shape = "" if x.micro_batch == given.micro_batch else f" mb={x.micro_batch}"
     shape += " reduce/mb" if x.reduce_every is ReduceEvery.MICRO_BATCH and x.grad_accum > 1 else ""
-    return {
-        "label": describe(specs) + shape,
-        "micro_batch": x.micro_batch,
-        "grad_accum": x.grad_accum,
-        "k": len(chosen_blocks(specs)),
-        "uses_offload": offloads(specs),
-        **evaluate(m, x, memory),
-    }
+    return dataclasses.replace(candidate, label=candidate.label + shape)
 
 
-def _plan(hf_config, m: ModelShape, x: PlanInputs, rows: list[dict], best: dict, hints: list[str]) -> dict:
-    """The plan: the chosen row's fields at the top level, the assumptions, and every candidate row."""
-    w = rank_workload(x, micro_batch=best["micro_batch"])
-    per_block = {r["label"]: r.pop("activation_bytes_per_block") for r in rows}
-    return {
-        "hf_config": hf_config.to_dict(),
-        "seq_len": x.seq_len,
-        "micro_batch": best["micro_batch"],
-        "grad_accum": best["grad_accum"],
-        "reduce_every": best["reduce_every"],
-        "precision": x.precision,
-        "attention_pairs": x.pairs.as_dict(),  # the attention core's count and where it comes from
-        "dtype": {2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
-        **{key: best[key] for key in PLAN_FIELDS},
-        "assumptions": {
+def _plan(
+    hf_config: PretrainedConfig,
+    m: ModelShape,
+    x: PlanInputs,
+    rows: tuple[Candidate, ...],
+    best: Candidate,
+    hints: tuple[str, ...],
+) -> Plan:
+    """The plan: the chosen candidate, the assumptions, and every candidate."""
+    w = rank_workload(x, micro_batch=best.micro_batch)
+    per_block = {r.label: r.usage.activation_bytes_per_block for r in rows}
+    return Plan(
+        hf_config=hf_config.to_dict(),
+        seq_len=x.seq_len,
+        precision=x.precision,
+        attention_pairs=x.pairs,
+        dtype={2: "bfloat16", 4: "float32"}.get(x.dtype_bytes, f"{x.dtype_bytes} bytes"),
+        chosen=best,
+        assumptions={
             **assumptions(x.hardware),
             "host_step_ns_per_param": HOST_STEP_NS_PER_PARAM,
             "interconnect_gb_s": interconnect_gb_s(x.hardware),
         },
         # the first candidate (none, where searched) and the chosen one, in that order (a set's order follows
         # PYTHONHASHSEED: the JSON differed between two runs of one plan)
-        "activation_bytes_per_block": {
-            label: per_block[label] for label in dict.fromkeys((rows[0]["label"], best["label"]))
-        },
-        "logits_bytes": sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
+        activation_bytes_per_block={label: per_block[label] for label in dict.fromkeys((rows[0].label, best.label))},
+        logits_bytes=sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
         + loss_transient_bytes(m, w),
-        "policy": best["label"],
-        "pcie_seconds_per_step": best["offload_bytes_per_step"] / (x.hardware.pcie_gb_s * 1e9),
-        "candidates": rows,
-        "suggestions": hints,
-    }
+        pcie_seconds_per_step=best.time.offload_bytes_per_step / (x.hardware.pcie_gb_s * 1e9),
+        candidates=rows,
+        suggestions=hints,
+    )
 
 
-def k_table(plan: dict) -> list[dict]:
+def k_table(plan: Plan) -> list[Candidate]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
-    n_layers = plan["hf_config"]["num_hidden_layers"]
-    family = row_family(plan, n_layers)
+    n_layers = plan.n_layers
+    family = candidate_family(plan.chosen, n_layers)
     if family == (Recompute.NONE, False):  # nothing needed: show what whole-block checkpointing would cost
         family = (Recompute.BLOCK, False)
     rows = [
         r
-        for r in plan["candidates"]
-        if r["micro_batch"] == plan["micro_batch"]
-        and r["reduce_every"] == plan["reduce_every"]
-        and (r["k"] == 0 or row_family(r, n_layers) == family)
+        for r in plan.candidates
+        if r.micro_batch == plan.micro_batch
+        and r.reduce_every == plan.reduce_every
+        and (r.k == 0 or candidate_family(r, n_layers) == family)
     ]
-    return sorted(rows, key=lambda r: r["k"])
+    return sorted(rows, key=lambda r: r.k)
 
 
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
+    """Whether whole-block checkpointing, with or without offload, fits (the suggestions' probe)."""
     reductions = REDUCE_CHOICES if x.reduce_every is ReduceEvery.AUTO else (x.reduce_every,)
     for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
         for reduce_every in reductions:
-            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem)["fits"]:
+            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).fits:
                 return True
     return False
 

@@ -48,6 +48,7 @@ def test_composing_a_job_loads_neither_torch_nor_transformers():
             "attn.mode": ["attn.mode=nope"],
             "precision.mode": ["precision.mode=nope"],
             "data.packing=none": ["attn=packed_doc", "data.packing=none"],
+            "memory.granularity": ["memory=selective", "memory.granularity=nope"],
         }
         for key, overrides in bad.items():
             try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flexengine.core.errors import UserError
+from tests.planning.test_plan import PLAN_KEYS
 
 ROOT = Path(__file__).parents[2]
 
@@ -156,6 +157,15 @@ def test_max_seq_len_search_takes_any_data_seq_len_under_context_parallelism():
         )
 
 
+COMMAND_KEYS = ["params", "hardware", "precision_table", "updates_arrive_at_lr", "context", "cp", "node_of_8"]
+SUMMARY_KEYS = ["fits", "precision", "policy", "memory", "micro_batch", "grad_accum", "seq_len", "hardware"]
+SUMMARY_KEYS += ["world_size", "params", "total_bytes", "budget_bytes", "card_bytes", "cuda_context_bytes"]
+SUMMARY_KEYS += ["margin_bytes", "host_bytes", "host_budget_bytes", "step_s", "tokens_per_step", "tokens_per_s"]
+SUMMARY_KEYS += ["describe", "candidates"]
+PRECISION_ROW_KEYS = ["precision", "fits", "total_bytes", "host_bytes", "policy", "step_s", "updates_exact"]
+PRECISION_ROW_KEYS += ["stochastic_rounding", "trains_correctly", "missing", "why_not_fit", "verdict"]
+
+
 def test_plan_json_leads_with_a_summary_and_stays_small():
     """A script reads `summary` (the chosen precision, policy and batch shape, the peak against the budget and what
     the budget is made of, the estimated step time and tokens/s); the HF config is reduced to what the plan reads,
@@ -165,6 +175,13 @@ def test_plan_json_leads_with_a_summary_and_stays_small():
     assert len(proc.stdout) < 16_000  # was 392 KB
     plan = json.loads(proc.stdout)
     assert next(iter(plan)) == "summary"
+    # the keys scripts read, in their order: the summary, the plan's own (planning/plan.py), the command's
+    assert list(plan) == ["summary", *(k for k in PLAN_KEYS if k != "candidates"), *COMMAND_KEYS]
+    assert list(plan["summary"]) == SUMMARY_KEYS
+    assert all(list(row) == PRECISION_ROW_KEYS for row in plan["precision_table"])
+    assert list(plan["node_of_8"]) == ["precision", "total_bytes", "budget_bytes", "fits", "policy"] + [
+        "recompute_flops_fraction"
+    ]
     s = plan["summary"]
     assert s["fits"] and s["precision"] == next(
         r["precision"] for r in plan["precision_table"] if r["verdict"] == "chosen"

@@ -8,7 +8,7 @@ import torch
 
 from flexengine.core.config import JobConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
-from flexengine.loop.checkpointer import Checkpointer, TrainState, check_data_plan
+from flexengine.loop.checkpointer import check_data_plan
 from flexengine.loop.trainer import Trainer
 from flexengine.surgery.attention import patch_attention
 from tests.helpers import make_llama, random_row_loader
@@ -47,28 +47,24 @@ def test_a_resumed_trainer_continues_bit_for_bit_and_owns_what_it_restored(tmp_p
 def test_the_best_step_is_saved_once_and_pointed_at(tmp_path):
     trainer = _trainer(tmp_path, seed=0)
     trainer.state.step = 1
-    trainer.checkpointer.keep_best(trainer)
-    trainer.checkpointer.keep_best(trainer)  # the same step again: no second save (a step is never overwritten)
+    trainer.checkpointer.keep_best()
+    trainer.checkpointer.keep_best()  # the same step again: no second save (a step is never overwritten)
     root = tmp_path / "checkpoints"
     assert (root / "best").resolve() == (root / "step_1").resolve() and trainer.checkpointer.saved_step == 1
-    assert trainer.checkpointer.best_checkpoint(trainer.job.train, 1) == root / "step_1"
+    trainer.state.best_step = 1
+    assert trainer.checkpointer.best_checkpoint() == root / "step_1"
     quiet = _trainer(tmp_path / "none", seed=0, save_best=False)
     quiet.state.step = 1
-    quiet.checkpointer.keep_best(quiet)
+    quiet.checkpointer.keep_best()
     assert not (tmp_path / "none" / "checkpoints").exists()
-    assert quiet.checkpointer.best_checkpoint(quiet.job.train, 1) is None
+    quiet.state.best_step = 1
+    assert quiet.checkpointer.best_checkpoint() is None
 
 
 def test_a_resume_onto_another_data_stream_is_refused_unless_asked(tmp_path):
-    plan = Checkpointer(tmp_path, data_plan={"seed": 1, "seq_len": 64}).data_plan
+    plan = {"seed": 1, "seq_len": 64}
     saved = {"seed": 0, "seq_len": 64}
     with pytest.raises(UserError, match=r"another data stream; changed: seed: 0 -> 1.*train.resume_new_data=true"):
         check_data_plan(plan, saved, tmp_path / "step_2", resume_new_data=False)
     assert check_data_plan(plan, saved, tmp_path / "step_2", resume_new_data=True)  # read the new data from row 0
     assert not check_data_plan(plan, dict(plan), tmp_path / "step_2", resume_new_data=False)
-
-
-def test_train_state_restores_in_place_with_defaults_for_what_a_checkpoint_lacks():
-    state = TrainState(step=9, best_step=4, losses=[1.0])
-    state.restore({"step": 2, "losses": [3.0, 2.0], "block_sparsity_sum": 0.5, "unknown_counter": 1})
-    assert (state.step, state.losses, state.block_density_sum, state.best_step) == (2, [3.0, 2.0], 0.5, 0)

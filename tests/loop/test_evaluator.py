@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flexengine.loop.evaluator import greedy_continue
-from tests.helpers import CharTokenizer
+from tests.helpers import CharTokenizer, make_llama
 
 
 def test_prompts_of_different_lengths_share_one_row_width():
@@ -57,19 +57,33 @@ class _HeldOut:
     num_batches = 6
 
 
-def test_the_evaluator_says_when_evaluations_and_samples_are_due():
+def _evaluator(tmp_path, train, held_out):
+    """A hand-built run's Evaluator (loop/components.py) around a tiny model, with `held_out` as its set."""
+    from flexengine.core.config import JobConfig
+    from flexengine.core.distributed import DistInfo
+    from flexengine.loop.components import build_components
+    from flexengine.loop.forward import ForwardPath
+
+    job = JobConfig(train=train)
+    forward = ForwardPath.build(job, make_llama(), torch.device("cpu"))
+    return build_components(job, forward, None, None, out_dir=tmp_path, dist=DistInfo(), held_out=held_out).evaluator
+
+
+def test_the_evaluator_says_when_evaluations_and_samples_are_due(tmp_path):
     from flexengine.core.config import TrainConfig
-    from flexengine.loop.evaluator import Evaluator
 
     train = TrainConfig(max_steps=7, eval_every=2, grad_accum=2, sample_prompts=["def "])
-    evaluator = Evaluator(_HeldOut(), train)
+    evaluator = _evaluator(tmp_path / "a", train, _HeldOut())
     assert [s for s in range(1, 8) if evaluator.should_evaluate(s)] == [2, 4, 6]
-    assert evaluator.due_at_end(7, [{"step": 6}]) and not evaluator.due_at_end(6, [{"step": 6}])
-    assert evaluator.should_sample(4, [{"step": 4}]) and not evaluator.should_sample(5, [{"step": 4}])  # with evals
-    assert not Evaluator(None, train).should_evaluate(2) and not Evaluator(None, train).due_at_end(7, [])
+    evaluator.state.evals.append({"step": 6})  # the history lives in the run's shared TrainState
+    assert evaluator.due_at_end(7) and not evaluator.due_at_end(6)
+    evaluator.state.evals.append({"step": 4})
+    assert evaluator.should_sample(4) and not evaluator.should_sample(5)  # with evaluations
+    bare = _evaluator(tmp_path / "b", train, None)
+    assert not bare.should_evaluate(2) and not bare.due_at_end(7) and bare.evaluate() is None
     # before any evaluation: a third of a micro-batch step per held-out batch, for each one still due (2, 4, 6, 7)
     assert evaluator.seconds_left(1, step_s=3.0) == 4 * (6 * 3.0 / 2 / 3)
     evaluator.eval_seconds = [10.0, 20.0]  # then the mean of those measured
     assert evaluator.seconds_left(4, step_s=3.0) == 3 * 15.0  # 4 (its line comes before it), 6 and the end
     evaluator.cut_short = True  # a signal cut one short: no more samples
-    assert not evaluator.should_sample(4, [{"step": 4}]) and not evaluator.samples_at_end(7)
+    assert not evaluator.should_sample(4) and not evaluator.samples_at_end(7)

@@ -14,7 +14,7 @@ from flexengine.loop.flops import TrainFlops, attended_pairs, layer_attended_pai
 from flexengine.surgery.attention import MASK_KWARG, mask_kwargs, patch_attention
 from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from tests.helpers import clone_model, make_llama
 
 aten = torch.ops.aten
@@ -87,7 +87,7 @@ def _model(base, mode="packed_doc", dense_chunk=512, memory=None, lora=None):
         model = apply_lora(model, lora)
     patch_attention(model, mode=mode, backend="dense", dense_chunk=dense_chunk)
     if memory is not None:
-        apply_memory_policy(model, memory)
+        apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     return model.train()
 
 

@@ -35,7 +35,7 @@ def test_no_training_time_means_no_rate(tmp_path, monkeypatch):
 
     out = tmp_path / "run"
     trainer = build_trainer(make_job(out, *DEBUG_FAST, "train.max_steps=1"), out)
-    summary = progress.summary(trainer)  # nothing trained yet: train_s is 0
+    summary = trainer.summary()  # nothing trained yet: train_s is 0
     assert summary["tokens_per_s"] is None and summary["useful_tokens_per_s"] is None and summary["mfu"] is None
     assert "no training time recorded" in done_line(summary, out / "summary.json")
     assert (
@@ -52,10 +52,11 @@ def test_the_run_clock_leaves_pauses_out_of_training_time(monkeypatch):
 
     from flexengine.core.config import TrainConfig
     from flexengine.loop import progress
+    from flexengine.loop.state import TrainState
 
     now = [100.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
-    clock = progress.Progress(TrainConfig(max_steps=10), peak_tflops=None)
+    clock = progress.Progress(TrainConfig(max_steps=10), TrainState(), peak_tflops=None)
     clock.restore(wall_s=50.0, train_s=40.0)  # the first launch's
     clock.start_run()
     clock.start_loop(step=4)

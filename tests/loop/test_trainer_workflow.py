@@ -4,6 +4,7 @@ epochs, metrics.jsonl and the plain-text log line."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -258,7 +259,8 @@ def test_a_signal_during_sampling_stops_it_at_the_next_token_and_saves(tmp_path)
             _signal_on(sampled, 2)
         return forward(batch, **kwargs)
 
-    trainer.train_module = counting_forward
+    # the Evaluator samples through its own forward path (loop/forward.py), handed to it at construction
+    trainer.evaluator.forward = dataclasses.replace(trainer.evaluator.forward, train_module=counting_forward)
     summary = trainer.train()
     assert len(sampled) == 2  # stopped before the third token (80 forwards before)
     assert summary["steps"] == 1 and summary["exit_code"] == 143

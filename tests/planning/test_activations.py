@@ -49,7 +49,7 @@ def test_estimate_within_5_percent_of_meter(small, B, S, chunk):
     for memory in MEASURED_POLICIES:
         model = clone_model(small)
         patch_attention(model, mode="packed_doc", backend="dense")
-        apply_memory_policy(model, memory)
+        apply_memory_policy(model, memory_specs(memory, shape))
         model.train()
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch, chunk))
         est = estimate_activations(shape, Workload(B, S, 4, AttnBackend.DENSE, chunk), memory_specs(memory, shape))

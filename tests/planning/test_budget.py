@@ -11,7 +11,6 @@ from flexengine.planning.budget import (
     DeviceBudget,
     default_margin_bytes,
     device_budget,
-    plan_budget,
 )
 
 
@@ -40,11 +39,6 @@ def test_a_cpu_device_is_host_memory_without_context_or_margin():
     assert budget == DeviceBudget(16 * GiB, 0, 0) and budget.describe() == "16.00 GiB budget"
     with_margin = device_budget(HardwareConfig(name="cpu", device="cpu", memory_gb=16, memory_margin_gb=1))
     assert with_margin.usable_bytes == 15 * GiB
-
-
-def test_a_plan_reports_the_budget_it_was_fitted_into():
-    plan = {"card_bytes": 80 * GiB, "cuda_context_bytes": GiB, "margin_bytes": 4 * GiB}
-    assert plan_budget(plan).usable_bytes == 75 * GiB
 
 
 def test_negative_settings_name_the_key():

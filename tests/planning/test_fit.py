@@ -10,7 +10,14 @@ import pytest
 from flexengine.cli.doctor import compose_job
 from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
-from flexengine.planning.fit import choose_precision, fit_job, format_fit, plan_job, precision_verdicts
+from flexengine.planning.fit import (
+    PrecisionTrial,
+    choose_precision,
+    fit_job,
+    format_fit,
+    plan_job,
+    precision_verdicts,
+)
 from flexengine.surgery.model import build_hf_config
 
 SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=8192", "hardware=a100_80g"]
@@ -73,8 +80,8 @@ def test_random_7b_on_this_cpu_stops_before_allocating(tmp_path, monkeypatch):
 def test_bf16_pure_is_only_taken_when_asked_and_warns_at_small_lr(caplog):
     _, fit = _fit(*SEVEN_B, "hardware=h200_141g")
     assert fit.precision.name != "bf16_pure"
-    pure_row = next(r for r in fit.precision_table if r["precision"] == "bf16_pure")  # planned, to say why not
-    assert pure_row["verdict"].startswith("fails the long-horizon numerics check")
+    pure_row = next(r for r in fit.precision_table if r.precision == "bf16_pure")  # planned, to say why not
+    assert pure_row.verdict.startswith("fails the long-horizon numerics check")
     with caplog.at_level(logging.WARNING, logger="flexengine.surgery.precision"):
         _, pure = _fit(*SEVEN_B, "precision=bf16_pure")
     assert pure.precision.name == "bf16_pure" and "round away" in caplog.text
@@ -94,21 +101,21 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
         )
     job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
-    rows = {r["precision"]: r for r in fit.precision_table}
-    eligible = [r for r in rows.values() if r["fits"] and r["trains_correctly"] and not r.get("missing")]
+    rows = {r.precision: r for r in fit.precision_table}
+    eligible = [r for r in rows.values() if r.fits and r.trains_correctly and not r.missing]
     assert fit.fits and fit.precision.trains_correctly and len(eligible) >= (1 if torchao_missing else 2)
-    fastest = min(r["step_s"] for r in eligible)
-    assert rows[fit.precision.name]["step_s"] <= 1.05 * fastest
+    fastest = min(r.step_s for r in eligible)
+    assert rows[fit.precision.name].step_s <= 1.05 * fastest
     text = format_fit(fit)
     for name, row in rows.items():
-        assert f"{name:<16}" in text and row["verdict"] in text
+        assert f"{name:<16}" in text and row.verdict in text
         if name != fit.precision.name:
-            assert row["verdict"].startswith(
+            assert row.verdict.startswith(
                 ("slower: ", "does not fit: ", "fails the long-horizon", "ties with ", "needs ")
             )
-    assert rows["bf16_pure"]["verdict"].startswith("fails the long-horizon numerics check")
+    assert rows["bf16_pure"].verdict.startswith("fails the long-horizon numerics check")
     logged = precision_verdicts(fit)  # what a training run logs: one line per mode
-    assert len(logged) == len(rows) and all(any(r["verdict"] in line for line in logged) for r in rows.values())
+    assert len(logged) == len(rows) and all(any(r.verdict in line for line in logged) for r in rows.values())
 
 
 def test_auto_skips_a_mode_whose_optimizer_cannot_be_built_here(monkeypatch):
@@ -121,13 +128,25 @@ def test_auto_skips_a_mode_whose_optimizer_cannot_be_built_here(monkeypatch):
     )
     job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
-    rows = {r["precision"]: r for r in fit.precision_table}
+    rows = {r.precision: r for r in fit.precision_table}
     assert fit.fits and fit.precision.name == "bf16_cpu_master"
-    assert rows["bf16_sr"]["verdict"] == "needs torchao, not installed (pip install torchao)"
+    assert rows["bf16_sr"].verdict == "needs torchao, not installed (pip install torchao)"
 
 
-def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, total: float = 1.0) -> dict:
-    return {"precision": name, "step_s": step_s, "fits": fits, "trains_correctly": correct, "total_bytes": total}
+def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, total: int = 1) -> PrecisionTrial:
+    return PrecisionTrial(
+        precision=name,
+        fits=fits,
+        total_bytes=total,
+        host_bytes=0,
+        policy="none",
+        step_s=step_s,
+        updates_exact=True,
+        stochastic_rounding=False,
+        trains_correctly=correct,
+        missing="",
+        why_not_fit="",
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,18 +156,18 @@ def _row(name: str, step_s: float, fits: bool = True, correct: bool = True, tota
         ([_row("exact", 10.05), _row("fast", 10.0)], "exact"),  # within 1 %: the more exact
         ([_row("exact", 10.0), _row("pure", 5.0, correct=False)], "exact"),  # bf16_pure never
         ([_row("exact", 5.0, fits=False), _row("fast", 8.0)], "fast"),  # must fit
-        ([_row("exact", 5.0, fits=False, total=3.0), _row("lean", 8.0, fits=False, total=2.0)], "lean"),
+        ([_row("exact", 5.0, fits=False, total=3), _row("lean", 8.0, fits=False, total=2)], "lean"),
         ([_row("pure", 5.0, correct=False)], "pure"),  # asked for explicitly
     ],
 )
 def test_choose_precision(rows, want):
-    assert rows[choose_precision(rows)]["precision"] == want
+    assert rows[choose_precision(rows)].precision == want
 
 
 def test_user_given_memory_fields_are_respected():
     job, fit = _fit(*SEVEN_B, "data.seq_len=12288", "memory.granularity=ops", "memory.offload=false")
     assert job.memory.policy == "selective" and job.memory.granularity == "ops" and not job.memory.offload
-    assert {r["memory"]["granularity"] for r in fit.plan["candidates"] if r["k"] > 0} == {"ops"}
+    assert {r.memory.granularity for r in fit.plan.candidates if r.k > 0} == {"ops"}
     # a constraint that cannot fit says so, and what would without it
     with pytest.raises(UserError, match=r"memory.granularity=ops memory.offload=False does not fit[\s\S]*memory=full"):
         _fit(*SEVEN_B, "data.seq_len=32768", "memory.granularity=ops", "memory.offload=false")
@@ -162,7 +181,7 @@ def test_cpu_plan_picks_fp32(ranks):
     job = compose_job(["debug=fast", f"hardware.world_size={ranks}"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     assert fit.fits and fit.precision.name == "fp32" and fit.memory.policy == "none"
-    assert all(r["verdict"].startswith(("chosen", "less exact", "fails")) for r in fit.precision_table)
+    assert all(r.verdict.startswith(("chosen", "less exact", "fails")) for r in fit.precision_table)
     faster = [_row("exact", 10.0), _row("fast", 1.0)]
     assert choose_precision(faster, timed=False) == 0 and choose_precision(faster) == 1
 
@@ -173,9 +192,9 @@ def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
     _, mixed = _fit(
         *SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload", "hardware.host_memory_gb=100"
     )
-    assert mixed.plan["host_budget_bytes"] == 100 * 2**30
-    assert mixed.plan["offload_pinned_bound_bytes"] == 100 * 2**30  # fp32 masters on the device: no host state
-    assert mixed.plan["host_bytes"] <= mixed.plan["offload_pinned_bound_bytes"]  # fits: the activations pin
+    assert mixed.plan.usage.host_budget_bytes == 100 * 2**30
+    assert mixed.plan.usage.offload_pinned_bound_bytes == 100 * 2**30  # fp32 masters on the device: no host state
+    assert mixed.plan.usage.host_bytes <= mixed.plan.usage.offload_pinned_bound_bytes  # fits: the activations pin
     assert "offload: at most 100.0 GiB of pinned host memory per rank" in format_fit(mixed)
     _, master = _fit(
         *SEVEN_B,
@@ -185,17 +204,15 @@ def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
         "memory.offload=true",
         "hardware.host_memory_gb=128",
     )
-    state = master.plan["host_bytes"] - _offloaded(master)  # the plan's host terms: state + offloaded activations
+    state = master.plan.usage.host_bytes - _offloaded(master)  # the plan's host terms: state + offloaded activations
     assert state > 50 * 2**30  # fp32 masters and AdamW states of 6.7B parameters
-    assert master.plan["offload_pinned_bound_bytes"] == 128 * 2**30 - state
+    assert master.plan.usage.offload_pinned_bound_bytes == 128 * 2**30 - state
 
 
 def _offloaded(fit) -> int:
     """The activation bytes the chosen policy offloads (the plan's other host term)."""
-    chosen = next(
-        r for r in fit.plan["candidates"] if r["label"] == fit.plan["policy"] and r["micro_batch"] == fit.micro_batch
-    )
-    return chosen["offloaded_bytes"]
+    chosen = next(r for r in fit.plan.candidates if r.label == fit.plan.policy and r.micro_batch == fit.micro_batch)
+    return chosen.usage.offloaded_bytes
 
 
 def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, monkeypatch):
@@ -211,7 +228,7 @@ def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, mo
     trainer = run.build_trainer(job, tmp_path)
     manager = applied(trainer.model).offload
     assert trainer.plan.hardware.host_memory_gb == 16.0
-    assert manager.max_pinned_bytes == trainer.plan.plan["offload_pinned_bound_bytes"] == 16 * 2**30
+    assert manager.max_pinned_bytes == trainer.plan.plan.usage.offload_pinned_bound_bytes == 16 * 2**30
 
 
 def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_path):
@@ -230,5 +247,5 @@ def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_p
     assert shipped.train.compile
     eager = compose_job([*common, "train.compile=false"])
     fit = plan_job(eager, build_hf_config(eager.model), assumed_hardware(eager.hardware))
-    assert fit.plan["eager_pointwise_s"] * eager.train.max_steps > 10 * COMPILE_S
+    assert fit.plan.time.eager_pointwise_s * eager.train.max_steps > 10 * COMPILE_S
     assert "train.compile=true would pay" in compile_hint(eager, fit) and not compile_hint(shipped, fit)

@@ -23,7 +23,7 @@ from flexengine.planning import planner
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import _chunk_loss_sum, forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, measure_activations
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, measure_activations
 from tests.helpers import make_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -144,7 +144,7 @@ def test_host_on_meta_offloads_what_the_cpu_path_offloads():
     for meta in (False, True):
         model = make_llama(num_hidden_layers=layers, hidden_size=128, intermediate_size=344, vocab_size=512)
         patch_attention(model, mode="packed_doc", backend="dense")
-        apply_memory_policy(model, MemoryConfig(policy="offload"))
+        apply_memory_policy(model, block_memory_specs(MemoryConfig(policy="offload"), model.config.num_hidden_layers))
         model.train()
         if meta:
             applied(model).offload._streams = Counting(torch.device("cpu"))

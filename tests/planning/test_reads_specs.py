@@ -118,8 +118,8 @@ def config_choices() -> frozenset[str]:
 
 # module:function -> why it may compare a config choice's string. Resolvers turn a config into the value or spec
 # below them; builders pick a component by its own group's name; data/ reads its own DataConfig (which files,
-# which format: no spec exists for a data source yet); other helpers are rewriting the output side and the loop's
-# components, so their hits wait for them. A string that only looks like a choice says what it is instead.
+# which format: no spec exists for a data source yet). A string that only looks like a choice says what it is
+# instead.
 CONFIG_SUBJECTS: dict[str, str] = {
     "core/distributed.py:init_distributed": "resolves parallel.backend=auto by the torch.device type",
     "core/distributed.py:rank_device": "torch.device.type, not a config value",
@@ -150,8 +150,8 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "data/split.py:held_out_without_overlap": "the resolver of data.eval_overlap=auto",
     "data/stats.py:compare_strategies": "the stats command compares the packing strategies by name",
     "loop/checkpoint/load.py:pick": "the resolver of train.resume=auto into a checkpoint path",
-    "loop/checkpointer.py:_set_rng_state": "components: a saved RNG state's device key",
-    "loop/checkpointer.py:warn_schedule_change": "components: explains the user's train.resume_schedule choice",
+    "loop/checkpointer.py:_set_rng_state": "a saved RNG state's device key ('cuda'), not a config value",
+    "loop/checkpointer.py:warn_schedule_change": "explains the user's own train.resume_schedule choice on resume",
     "loop/metrics.py:allocator_stats": "torch.device.type, not a config value",
     "loop/metrics.py:peak_memory_bytes": "torch.device.type, not a config value",
     "loop/optim.py:_transformers_scheduler": "a builder: optim.schedule picks the schedule function",
@@ -160,11 +160,10 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "loop/optim.py:schedule_problem": "a warning about the user's own optim.schedule",
     "loop/profiling.py:start_profiler": "torch.device.type, not a config value",
     "loop/profiling.py:top_ops_table": "torch.device.type, not a config value",
-    "loop/trainer.py:sync_device": "components: torch.device.type, not a config value",
+    "loop/trainer.py:sync_device": "torch.device.type, not a config value",
     "planning/activations.py:resolve_tiles": "the resolver of memory.tiled_mlp=auto into a tile size",
     "planning/fit.py:_explicit_choices": "names the user's own key=value choices in the does-not-fit message",
-    "planning/fit.py:_overrides": "output side: rewritten by the typed Plan",
-    "planning/fit.py:_reduce_line": "output side: rewritten by the typed Plan",
+    "planning/fit.py:_overrides": "writes the key=value overrides a user types to pick a candidate",
     "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
     "planning/planner.py:candidates_for": "builds MemoryConfig candidates: the search space is memory.* itself",
     "planning/planner.py:search_space": "builds MemoryConfig candidates: the search space is memory.* itself",
@@ -174,7 +173,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "surgery/attention/spec.py:resolve_backend": "the resolver of attn.backend=auto into an AttnBackend",
     "surgery/memory/layers.py:select_layers": "the resolver of memory.layers into layer indices",
     "surgery/memory/offload.py:_streams_for": "torch.device.type, not a config value",
-    "surgery/memory/policy.py:apply_memory_policy": "its log line repeats the user's memory.policy",
     "surgery/memory/spec.py:block_memory_specs": "the resolver: memory.* -> one MemorySpec per block",
     "surgery/parallel.py:apply_parallel": "torch.device.type, not a config value",
     "surgery/precision.py:auto_order": "the resolver of precision=auto: its order depends on optim.name",

@@ -12,7 +12,7 @@ from flexengine.cli.common import compose_job
 from flexengine.core.hardware import resolve_hardware
 from flexengine.planning.report import activation_summary
 from flexengine.surgery.attention import patch_attention
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.precision import precision_spec
 from tests.helpers import make_llama
 
@@ -26,7 +26,7 @@ def test_meter_when_eager_and_dense_else_the_planner_and_they_agree(memory):
     )
     job = dataclasses.replace(job, hardware=resolve_hardware(job.hardware, CPU))
     model = patch_attention(make_llama(), mode="packed_doc", backend="dense")
-    apply_memory_policy(model, job.memory)
+    apply_memory_policy(model, block_memory_specs(job.memory, model.config.num_hidden_layers))
     model.train()
     measured = activation_summary(model, job, precision_spec("fp32"), CPU)
     compiled = dataclasses.replace(job, train=dataclasses.replace(job.train, compile=True))

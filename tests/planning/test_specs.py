@@ -35,7 +35,7 @@ def _attention_s(x: PlanInputs, pairs: AttendedPairs) -> float:
     """Step seconds the attention core adds under these pairs (policy none: the step is compute alone)."""
     row = evaluate(ModelShape.from_hf_config(CONFIG), dataclasses.replace(x, pairs=pairs), MemoryConfig())
     none = evaluate(ModelShape.from_hf_config(CONFIG), dataclasses.replace(x, pairs=_zero()), MemoryConfig())
-    return row["step_s"] - none["step_s"]
+    return row.step_s - none.step_s
 
 
 def _zero() -> AttendedPairs:
@@ -84,7 +84,7 @@ def test_packed_pairs_follow_each_layers_own_window():
     m = ModelShape.from_hf_config(config)
     first = evaluate(m, x, MemoryConfig(policy="selective", granularity="attention", layers="0"))
     second = evaluate(m, x, MemoryConfig(policy="selective", granularity="attention", layers="1"))
-    assert first["recompute_flops_fraction"] < second["recompute_flops_fraction"]
+    assert first.time.recompute_flops_fraction < second.time.recompute_flops_fraction
 
 
 def test_planner_and_mfu_follow_a_new_mask_modes_own_pair_count(monkeypatch):
@@ -111,15 +111,15 @@ def test_planner_and_mfu_follow_a_new_mask_modes_own_pair_count(monkeypatch):
 def test_plan_says_where_its_pair_count_comes_from():
     x = PlanInputs(seq_len=S, micro_batch=1, dtype_bytes=2, hardware=A100, pairs=whole_row_pairs(_spec("causal"), S))
     unknown = plan_memory(CONFIG, x)
-    assert unknown["attention_pairs"] == {
+    assert unknown.attention_pairs.as_dict() == {
         "source": x.pairs.source,
         "fraction_of_row_squared": 0.5,
         "per_layer": [0.5] * CONFIG.num_hidden_layers,
     }
     packed = plan_memory(CONFIG, dataclasses.replace(x, pairs=packed_pairs(_spec("packed_doc"), [[100] * 5], S, "r")))
-    assert packed["attention_pairs"]["source"].startswith("r, counted for") and packed["step_s"] < unknown["step_s"]
+    assert packed.attention_pairs.source.startswith("r, counted for") and packed.step_s < unknown.step_s
     # a causal half per layer prices the step exactly as inputs built by hand without specs do
-    assert unknown["step_s"] == plan_memory(CONFIG, dataclasses.replace(x, pairs=AttendedPairs()))["step_s"]
+    assert unknown.step_s == plan_memory(CONFIG, dataclasses.replace(x, pairs=AttendedPairs())).step_s
 
 
 def test_plan_inputs_read_the_resolved_specs():

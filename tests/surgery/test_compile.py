@@ -13,7 +13,7 @@ from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.compile import CompileWatch, apply_compile, needs_compiled_blocks
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.memory.spec import Recompute
 from tests.helpers import clone_model, make_llama
 
@@ -60,7 +60,7 @@ def test_every_memory_policy_shares_one_graph_across_32_blocks():
     for name, (memory, kinds) in POLICIES.items():
         torch._dynamo.reset()
         model = patch_attention(clone_model(base), mode="packed_doc", backend="dense")
-        apply_memory_policy(model, memory)
+        apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
         apply_compile(model, "aot_eager")
         model.train()
         watch = CompileWatch()
@@ -93,7 +93,7 @@ def _flex_graphs_in_backward(memory: MemoryConfig, monkeypatch) -> tuple[int, in
     )  # inductor's partitioner
     torch._dynamo.reset()
     model = patch_attention(make_llama(), mode="packed_doc", backend="flex", compile=True)
-    apply_memory_policy(model, memory)
+    apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     apply_compile(model, backend)
     model.train()
     forward_loss_sum(model, _batch()).backward()
@@ -126,10 +126,14 @@ def test_sac_saves_flex_attention_instead_of_recomputing_it(monkeypatch):
 def test_sac_with_flex_compiles_the_blocks_even_without_train_compile():
     model = patch_attention(make_llama(), mode="packed_doc", backend="flex", compile=True)
     assert needs_compiled_blocks(model) is None
-    apply_memory_policy(model, MemoryConfig(policy="selective", granularity="ops"))
+    apply_memory_policy(
+        model, block_memory_specs(MemoryConfig(policy="selective", granularity="ops"), model.config.num_hidden_layers)
+    )
     assert "SAC" in needs_compiled_blocks(model)
     dense = patch_attention(make_llama(), mode="packed_doc", backend="dense")
-    apply_memory_policy(dense, MemoryConfig(policy="selective", granularity="ops"))
+    apply_memory_policy(
+        dense, block_memory_specs(MemoryConfig(policy="selective", granularity="ops"), dense.config.num_hidden_layers)
+    )
     assert needs_compiled_blocks(dense) is None  # SAC sees the dense backend's SDPA op in eager code
 
 
@@ -138,8 +142,15 @@ def test_sac_with_offload_compiles_the_blocks_so_offload_sees_what_sac_keeps():
     checkpoint's input would go to the host. Compiled, the kept outputs are saved tensors and are offloaded."""
     for backend in ("dense", "flex"):
         model = patch_attention(make_llama(), mode="packed_doc", backend=backend)
-        apply_memory_policy(model, MemoryConfig(policy="selective", granularity="ops", offload=True))
+        apply_memory_policy(
+            model,
+            block_memory_specs(
+                MemoryConfig(policy="selective", granularity="ops", offload=True), model.config.num_hidden_layers
+            ),
+        )
         assert "offload" in needs_compiled_blocks(model)
     plain = patch_attention(make_llama(), mode="packed_doc", backend="dense")
-    apply_memory_policy(plain, MemoryConfig(policy="full", offload=True))
+    apply_memory_policy(
+        plain, block_memory_specs(MemoryConfig(policy="full", offload=True), plain.config.num_hidden_layers)
+    )
     assert needs_compiled_blocks(plain) is None  # a whole-block checkpoint's input is a saved tensor

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from flexengine.core.config import check_choice
 from flexengine.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -223,3 +224,11 @@ def kind(name: str) -> RecomputeKind:
 def granularities() -> tuple[str, ...]:
     """Every kind that recomputes something, in table order: what memory.granularity may name."""
     return tuple(name for name, k in KINDS.items() if k.recomputes)
+
+
+def check_granularity(granularity: Optional[str]) -> None:
+    """memory.granularity names a kind of this table (None: the planner chooses, or `block`), else a UserError
+    naming the key and the choices. Checked where a job is composed (cli/common.py) and where a hand-built job
+    enters (run.py): core's MemoryConfig lists no kind names, so a new kind is one `KINDS` entry."""
+    if granularity is not None:
+        check_choice("memory.granularity", granularity, granularities())

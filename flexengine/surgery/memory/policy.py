@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 from flexengine.surgery.applied import applied
@@ -33,7 +32,7 @@ from flexengine.surgery.family import Family, family_of
 from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.surgery.memory.offload import DEFAULT_MAX_PINNED_BYTES, OffloadManager
-from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
+from flexengine.surgery.memory.spec import MemorySpec, Recompute
 from flexengine.surgery.memory.tiled_mlp import tiled_mlp_forward
 
 log = logging.getLogger(__name__)
@@ -49,12 +48,13 @@ class MemoryBlock(nn.Module):
     memory_index: int  # decoder block index (offload groups prefetch one block ahead)
     memory_offload: Optional[OffloadManager]  # the model's offload manager, when this module offloads
 
-    def forward(self, *args, **kwargs):
+    # Any: the arguments and the output are the HF block's own (hidden states, masks, rotary embeddings, ...)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.memory_spec.mlp_tile:  # on the block's `mlp` (apply_block_spec): hidden states in, per token
             return tiled_mlp_forward(super().forward, *args, tile_tokens=self.memory_spec.mlp_tile, **kwargs)
         return self.memory_spec.recompute.checkpoint_forward(super().forward, *args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Outside the compiled region (nn.Module.compile compiles _call_impl, which __call__ calls) and outside
         # the checkpoint (hooks inside one would disable it; here they see only its positional inputs).
         if self.memory_offload is None:
@@ -73,6 +73,7 @@ def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Option
         if cls not in _MEMORY_CLASSES:
             _MEMORY_CLASSES[cls] = type(f"Memory{cls.__name__}", (MemoryBlock, cls), {})
         module.__class__ = _MEMORY_CLASSES[cls]  # parameter names and state_dict keys stay HF's
+    assert isinstance(module, MemoryBlock)  # its class is now one (and the type checker knows its three fields)
     module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
 
 
@@ -108,15 +109,20 @@ def apply_block_spec(
         wrap_module(layer, own, index, offload if spec.offload else None)
 
 
-def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes: Optional[int] = None) -> list[int]:
-    """Apply memory.* to the selected blocks in place (recorded in `model.flexengine.memory`); returns the
-    indices of the blocks it changed.
+def apply_memory_policy(
+    model: nn.Module, specs: Sequence[MemorySpec], max_pinned_bytes: Optional[int] = None
+) -> list[int]:
+    """Apply one MemorySpec per decoder block in place (recorded in `model.flexengine.memory`); returns the indices
+    of the blocks it changed. specs: the ones the fit chose (`FitPlan.memory_specs`), or any memory.* as
+    `block_memory_specs(memory, n_layers)` -- the planner's own conversion, so what runs is what was priced.
 
     max_pinned_bytes: offload's bound on pinned host memory (the plan's `offload_pinned_bound_bytes`, from the
     rank's host budget); None = offload.DEFAULT_MAX_PINNED_BYTES (library use without a plan)."""
     family = family_of(model)
     layers = family.decoder_layers(model)
-    specs = block_memory_specs(memory, len(layers))
+    specs = tuple(specs)
+    if len(specs) != len(layers):
+        raise ValueError(f"apply_memory_policy: {len(specs)} MemorySpecs for a model of {len(layers)} decoder blocks")
     record = applied(model)
     if any(s.offload for s in specs) and record.offload is None:
         bound = DEFAULT_MAX_PINNED_BYTES if max_pinned_bytes is None else max_pinned_bytes
@@ -132,13 +138,7 @@ def apply_memory_policy(model: nn.Module, memory: MemoryConfig, max_pinned_bytes
         apply_block_spec(layer, spec, i, record.offload, family)
     record.memory = specs
     chosen = [i for i, s in enumerate(specs) if s.changes_block]
-    if memory.policy != "none" or memory.tiled_mlp:
-        log.info(
-            "memory: policy=%s (%s) on %d of %d blocks %s",
-            memory.policy,
-            specs[chosen[0]].describe() if chosen else "-",
-            len(chosen),
-            len(layers),
-            chosen,
-        )
+    if chosen:
+        described = sorted({specs[i].describe() for i in chosen})
+        log.info("memory: %s on %d of %d blocks %s", ", ".join(described), len(chosen), len(layers), chosen)
     return chosen

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from flexengine.cli.common import compose_job
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.planner import plan_memory
 from flexengine.planning.shapes import PlanInputs
 from flexengine.surgery.attention import patch_attention
-from flexengine.surgery.memory import apply_memory_policy
-from flexengine.surgery.memory.kinds import KINDS, WholeBlock, granularities, kind
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
+from flexengine.surgery.memory.kinds import KINDS, WholeBlock, check_granularity, granularities, kind
 from flexengine.surgery.model import build_hf_config
 from tests.helpers import make_llama, random_row_loader
 
@@ -42,19 +43,29 @@ class FinestWholeBlock(WholeBlock):
 
 @pytest.fixture
 def new_kind(monkeypatch):
-    """The test-only kind as one table entry. core's config check still lists memory.granularity's names on its
-    own (core cannot import surgery), so the test widens that list too."""
+    """The test-only kind as one table entry (the table is the only list of kinds: composition checks
+    memory.granularity against it)."""
     added = FinestWholeBlock()
     monkeypatch.setitem(KINDS, added.name, added)
-    monkeypatch.setattr("flexengine.core.config.MEMORY_GRANULARITIES", granularities())
     return added
 
 
-def test_table_names_match_core_config_choices():
-    from flexengine.core.config_checks import MEMORY_GRANULARITIES
-
-    assert granularities() == MEMORY_GRANULARITIES
+def test_shipped_kinds_and_their_coarseness():
+    assert granularities() == ("block", "attention", "mlp", "ops")
     assert [kind(n).coarseness for n in ("none", "block", "attention", "mlp", "ops")] == [0, 0, 1, 2, 3]
+
+
+def test_composition_refuses_an_unknown_granularity_naming_the_key_and_the_choices():
+    with pytest.raises(
+        UserError, match=r"memory.granularity='heads' is not valid; choose one of block, attention, mlp, ops"
+    ):
+        compose_job(["memory=selective", "memory.granularity=heads"])
+    check_granularity(None)  # the planner chooses
+
+
+def test_new_kind_composes_as_one_table_entry(new_kind):
+    job = compose_job(["memory=selective", f"memory.granularity={new_kind.name}"])
+    assert job.memory.granularity == new_kind.name
 
 
 def test_unknown_kind_is_refused_with_the_choices():
@@ -62,26 +73,26 @@ def test_unknown_kind_is_refused_with_the_choices():
         kind("heads")
 
 
-def _family(memory: dict) -> tuple:
-    return memory["granularity"], memory["layers"], memory["offload"], memory["tiled_mlp"]
+def _family(memory: MemoryConfig) -> tuple:
+    return memory.granularity, memory.layers, memory.offload, memory.tiled_mlp
 
 
 def test_new_kind_is_planned_like_the_kind_it_extends(new_kind):
     cfg = build_hf_config(ModelConfig(init="random", arch=SEVEN_B))
     plan = plan_memory(cfg, PlanInputs(seq_len=8192, micro_batch=1, dtype_bytes=2, hardware=A100))
-    rows = {_family(r["memory"]): r for r in plan["candidates"] if r["memory"]["policy"] in ("full", "selective")}
+    rows = {_family(r.memory): r for r in plan.candidates if r.memory.policy in ("full", "selective")}
     new = {key: r for key, r in rows.items() if key[0] == new_kind.name}
     assert len(new) >= cfg.num_hidden_layers  # one per k at least
     for (_, *rest), row in new.items():
         block = rows[("block", *rest)]
-        assert row["total_bytes"] == block["total_bytes"] and row["step_s"] == block["step_s"]
-    assert plan["memory"]["granularity"] != new_kind.name  # ties go to the coarser shipped kind
+        assert row.total_bytes == block.total_bytes and row.step_s == block.step_s
+    assert plan.memory.granularity != new_kind.name  # ties go to the coarser shipped kind
 
 
 def _train_losses(memory: MemoryConfig, tmp_path) -> tuple[list[int], list[str], list[float]]:
     """Blocks changed, their classes, and two steps' losses of a tiny model trained under `memory`."""
     model = patch_attention(make_llama(0), mode="packed_doc", backend="dense")
-    changed = apply_memory_policy(model, memory)
+    changed = apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     job = JobConfig(
         optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.0),
         train=TrainConfig(micro_batch=2, grad_accum=1, max_steps=2, progress=False, save_final=False),

@@ -12,6 +12,7 @@ from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory.meter import ActivationReport, measure_activations, measure_peak_bytes
 from flexengine.surgery.memory.policy import apply_memory_policy
+from flexengine.surgery.memory.spec import block_memory_specs
 from tests.helpers import clone_model, make_llama
 
 N = 1000  # floats per tensor: 4,000 bytes
@@ -105,7 +106,7 @@ def test_meter_sees_sac_cache_and_checkpoint_closures():
     ]:
         model = clone_model(small)
         patch_attention(model, mode="packed_doc", backend="dense")
-        apply_memory_policy(model, memory)
+        apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
         report, _ = measure_activations(model, lambda model=model: forward_loss_sum(model, batch))
         per_block[label] = report.per_block[1]
     assert per_block["full"] < per_block["ops"] < per_block["none"]

@@ -15,7 +15,7 @@ from flexengine.core.config import MemoryConfig
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT, OffloadManager
 from tests.helpers import clone_model, make_llama
 
@@ -91,7 +91,7 @@ def _offloaded_model(max_pinned_bytes: int = 2**40, blocks_in_flight: int = N):
     base = make_llama(num_hidden_layers=LAYERS)
     model = clone_model(base)
     patch_attention(model, mode="packed_doc", backend="dense")
-    apply_memory_policy(model, MemoryConfig(policy="offload"))
+    apply_memory_policy(model, block_memory_specs(MemoryConfig(policy="offload"), model.config.num_hidden_layers))
     manager = applied(model).offload
     fake = FakeStreams()
     manager._streams, manager.max_pinned_bytes, manager.blocks_in_flight = fake, max_pinned_bytes, blocks_in_flight

@@ -13,8 +13,8 @@ from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, decoder_layers, select_layers
-from flexengine.surgery.memory.spec import Recompute
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, decoder_layers, select_layers
+from flexengine.surgery.memory.spec import MemorySpec, Recompute
 from tests.helpers import clone_model, make_llama
 
 B, S = 2, 64
@@ -48,7 +48,7 @@ def _batch(vocab: int = 256, seed: int = 1) -> dict:
 
 
 def _grads(model: torch.nn.Module, memory: MemoryConfig, chunk_size: int = 0) -> tuple[torch.Tensor, dict]:
-    apply_memory_policy(model, memory)
+    apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     model.train()
     loss = forward_loss_sum(model, _batch(), chunk_size)
     loss.backward()
@@ -80,7 +80,9 @@ def test_policy_gives_reference_grads(base, reference, name):
 def test_policy_keeps_state_dict_keys(base):
     model = clone_model(base)
     keys = list(model.state_dict())
-    apply_memory_policy(model, MemoryConfig(policy="full", offload=True))
+    apply_memory_policy(
+        model, block_memory_specs(MemoryConfig(policy="full", offload=True), model.config.num_hidden_layers)
+    )
     assert list(model.state_dict()) == keys
 
 
@@ -88,7 +90,6 @@ def test_policy_keeps_state_dict_keys(base):
     "kwargs,match",
     [
         ({"policy": "sometimes"}, "memory.policy"),
-        ({"policy": "selective", "granularity": "heads"}, "memory.granularity"),
         ({"policy": "full", "granularity": "mlp"}, "memory=selective"),
         ({"policy": "none", "offload": True}, "memory.offload"),
     ],
@@ -98,9 +99,14 @@ def test_memory_config_rejects(kwargs, match):
         MemoryConfig(**kwargs)
 
 
-def test_auto_must_be_resolved_first(base):
+def test_auto_must_be_resolved_first():
     with pytest.raises(UserError, match="planner"):
-        apply_memory_policy(clone_model(base), MemoryConfig(policy="auto"))
+        block_memory_specs(MemoryConfig(policy="auto"), 2)
+
+
+def test_a_spec_per_block_is_required(base):
+    with pytest.raises(ValueError, match="1 MemorySpecs for a model of 3 decoder blocks"):
+        apply_memory_policy(clone_model(base), [MemorySpec(Recompute.BLOCK)])
 
 
 def _train_flops(model: torch.nn.Module) -> int:
@@ -120,10 +126,10 @@ def test_backward_flops_match_claimed_recompute(base, granularity):
     policy = clone_model(base)
     patch_attention(policy, mode="packed_doc", backend="dense")
     layers = "every_2"
-    apply_memory_policy(
-        policy,
-        MemoryConfig(policy="full" if granularity == "block" else "selective", granularity=granularity, layers=layers),
+    memory = MemoryConfig(
+        policy="full" if granularity == "block" else "selective", granularity=granularity, layers=layers
     )
+    apply_memory_policy(policy, block_memory_specs(memory, policy.config.num_hidden_layers))
     extra = _train_flops(policy) - _train_flops(plain)
     shape = ModelShape.from_hf_config(base.config)
     claimed = len(select_layers(layers, shape.layers)) * recompute_flops_per_block(
@@ -140,7 +146,7 @@ def test_compiled_block_has_no_graph_break(base, reference, name):
     torch._dynamo.reset()
     model = clone_model(base)
     patch_attention(model, mode="packed_doc", backend="dense")
-    apply_memory_policy(model, POLICIES[name])
+    apply_memory_policy(model, block_memory_specs(POLICIES[name], model.config.num_hidden_layers))
     for layer in decoder_layers(model):
         layer.compile(backend="aot_eager", fullgraph=True)
     loss, grads = _grads(model, MemoryConfig())
@@ -155,7 +161,7 @@ def test_offload_never_copies_frozen_lora_base_weights():
     from flexengine.surgery.attention import patch_attention
     from flexengine.surgery.lora import apply_lora
     from flexengine.surgery.loss import forward_loss_sum
-    from flexengine.surgery.memory import apply_memory_policy
+    from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
     from flexengine.surgery.memory.meter import measure_activations
     from tests.helpers import make_llama
 
@@ -166,7 +172,7 @@ def test_offload_never_copies_frozen_lora_base_weights():
         if r:
             model = apply_lora(model, LoraConfig(r=r))
         patch_attention(model, mode="packed_doc", backend="dense")
-        apply_memory_policy(model, MemoryConfig(policy="offload"))
+        apply_memory_policy(model, block_memory_specs(MemoryConfig(policy="offload"), model.config.num_hidden_layers))
         ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(128)[None]}
         report, _ = measure_activations(model, lambda model=model, batch=batch: forward_loss_sum(model, batch))

@@ -1,0 +1,100 @@
+"""The trainer's components, built once for a run and handed to the Trainer (torchtitan's pattern): the optimizer and
+its schedule, the run's shared counters (TrainState), the metrics writer, the run clock (Progress), the stop
+signals, the Checkpointer and the Evaluator. Each holds what it needs from construction, so the trainer calls
+`checkpointer.save(step)` or `evaluator.evaluate()` and hands none of them itself. run.py builds them (with the
+held-out set and the data plan a resume must match); a Trainer built by hand gets the same set without those."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from flexengine.core.config import JobConfig
+from flexengine.core.distributed import DistInfo
+from flexengine.core.storage import CHECKPOINTS
+from flexengine.data.loader import HeldOut, RowLoader
+from flexengine.loop.checkpointer import Checkpointer
+from flexengine.loop.evaluator import Evaluator
+from flexengine.loop.forward import ForwardPath
+from flexengine.loop.metrics import MetricsWriter
+from flexengine.loop.optim import build_optimizer, build_scheduler, schedule_problem
+from flexengine.loop.progress import Progress
+from flexengine.loop.signals import StopSignals
+from flexengine.loop.state import TrainState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Components:
+    """What the Trainer runs with besides its loop (see the module docstring)."""
+
+    forward: ForwardPath
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    state: TrainState
+    metrics: MetricsWriter
+    progress: Progress
+    signals: StopSignals
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+
+
+def build_components(
+    job: JobConfig,
+    forward: ForwardPath,
+    loader: RowLoader,
+    tokenizer: Optional[PreTrainedTokenizerBase],
+    *,
+    out_dir: Path,
+    dist: DistInfo,
+    held_out: Optional[HeldOut] = None,
+    data_plan: Optional[dict[str, Any]] = None,
+) -> Components:
+    """One run's components around `forward`, sharing one TrainState. held_out: the evaluations' set (None: no
+    evaluation); data_plan: the data stream's fingerprint a resume must match (None: not checked)."""
+    main = dist.is_main
+    optimizer = build_optimizer(forward.model, job.optim, forward.device)
+    scheduler: LambdaLR = build_scheduler(optimizer, job.optim, job.train.max_steps)
+    if schedule_problem(job.optim, job.train.max_steps) and main:
+        log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
+    state = TrainState()
+    metrics = MetricsWriter(out_dir / "tb" if main else None, out_dir / "metrics.jsonl" if main else None)
+    progress = Progress(job.train, state, peak_tflops=job.hardware.peak_tflops, is_main=main)
+    signals = StopSignals(forward.device, lambda: state.step)  # SIGINT/SIGTERM: which, how many, agreed
+    checkpointer = Checkpointer(
+        out_dir / CHECKPOINTS,
+        job,
+        forward=forward,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        state=state,
+        progress=progress,
+        metrics=metrics,
+        data_plan=data_plan,
+        is_main=main,
+    )
+    evaluator = Evaluator(
+        held_out,
+        job.train,
+        forward=forward,
+        tokenizer=tokenizer,
+        state=state,
+        progress=progress,
+        metrics=metrics,
+        signals=signals,
+        checkpointer=checkpointer,
+        block_size=job.attn.block_size,
+        is_main=main,
+    )
+    return Components(forward, optimizer, scheduler, state, metrics, progress, signals, checkpointer, evaluator)
