@@ -123,8 +123,9 @@ class MemoryConfig:
             return
         if self.policy == "full" and self.granularity != "block":
             raise UserError(
-                f"memory=full recomputes whole blocks, but memory.granularity={self.granularity}; "
-                f"use memory=selective memory.granularity={self.granularity}."
+                f"memory=full recomputes whole blocks, but memory.granularity={self.granularity!r}; to recompute "
+                "part of each block use memory=selective with that granularity (its kinds are checked at "
+                "composition), or drop memory.granularity."
             )
         if self.policy in ("none", "offload") and self.offload:
             raise UserError(

@@ -46,6 +46,32 @@ class Components:
     signals: StopSignals
     checkpointer: Checkpointer
     evaluator: Evaluator
+    # what they were built around: a Trainer handed these components must run this job over this loader, or its
+    # checkpoints would record another stream's position and step budget than the one it trains
+    job: JobConfig
+    loader: RowLoader
+    tokenizer: Optional[PreTrainedTokenizerBase]
+    out_dir: Path
+    dist: DistInfo
+
+    def check_built_for(
+        self,
+        job: JobConfig,
+        loader: RowLoader,
+        tokenizer: Optional[PreTrainedTokenizerBase],
+        out_dir: Path,
+        dist: DistInfo,
+    ) -> None:
+        """Refuse a Trainer whose job, loader, tokenizer, output directory or ranks are not the ones these
+        components were built around."""
+        given = {"job": job, "loader": loader, "tokenizer": tokenizer}
+        differ = [name for name, value in given.items() if getattr(self, name) is not value]
+        differ += [name for name, value in (("out_dir", out_dir), ("dist", dist)) if getattr(self, name) != value]
+        if differ:
+            raise ValueError(
+                f"Trainer(components=...): its {', '.join(differ)} differ from those the components were built "
+                "around (build_components); pass the same objects to both"
+            )
 
 
 def build_components(
@@ -97,4 +123,19 @@ def build_components(
         block_size=job.attn.block_size,
         is_main=main,
     )
-    return Components(forward, optimizer, scheduler, state, metrics, progress, signals, checkpointer, evaluator)
+    return Components(
+        forward,
+        optimizer,
+        scheduler,
+        state,
+        metrics,
+        progress,
+        signals,
+        checkpointer,
+        evaluator,
+        job,
+        loader,
+        tokenizer,
+        out_dir,
+        dist,
+    )

@@ -62,6 +62,11 @@ class Evaluator:
         block_size: int,
         is_main: bool = True,
     ) -> None:
+        if train.sample_prompts and tokenizer is None:  # refused now, not at the run's end before its final save
+            raise UserError(
+                "train.sample_prompts: sampling needs the run's tokenizer (this Trainer was built without one); "
+                "pass the tokenizer or set train.sample_prompts=[]"
+            )
         self.held_out, self.train, self.is_main = held_out, train, is_main
         self.forward, self.tokenizer, self.state, self.progress = forward, tokenizer, state, progress
         self.metrics, self.signals, self.checkpointer = metrics, signals, checkpointer

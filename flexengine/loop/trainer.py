@@ -17,7 +17,7 @@ from torch import nn
 from flexengine.core.config import JobConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
+from flexengine.core.parallel_spec import ParallelSpec, ReduceEvery, resolve_parallel
 from flexengine.data.loader import RowLoader
 from flexengine.data.targets import count_valid_targets
 from flexengine.loop.components import Components, build_components
@@ -83,6 +83,11 @@ class Trainer:
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # run.py resolves parallel.* once (reduce_every as the fit chose it); a Trainer built by hand: its job's
         self.parallel = parallel if parallel is not None else resolve_parallel(job.parallel)
+        if self.parallel.reduce_every is ReduceEvery.AUTO and self.dist.world_size > 1:  # never guess a sync rule
+            raise ValueError(
+                "Trainer: parallel.reduce_every=auto reached the loop unresolved over several ranks; the planner "
+                "chooses it (flexengine.run.build_trainer), or set parallel.reduce_every=window|micro_batch"
+            )
         if components is None:  # a Trainer built by hand: no held-out set, no data plan to check on resume
             forward = ForwardPath.build(
                 job, model, device, train_module=train_module, precision=precision, context_parallel=context_parallel
@@ -90,6 +95,7 @@ class Trainer:
             components = build_components(job, forward, loader, tokenizer, out_dir=out_dir, dist=self.dist)
         elif components.forward.model is not model or (train_module, precision, context_parallel) != (None,) * 3:
             raise ValueError("Trainer(components=...): pass the components' model, and its forward path in them only")
+        components.check_built_for(job, loader, tokenizer, out_dir, self.dist)
         self.forward = components.forward
         self.train_module, self.precision = self.forward.train_module, self.forward.precision
         self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks

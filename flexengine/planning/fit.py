@@ -208,7 +208,7 @@ def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
     return dataclasses.replace(
         job,
         hardware=fit.hardware,
-        memory=fit.memory,
+        memory=dataclasses.replace(fit.memory),  # a copy: the job must not share the plan's candidate
         precision=PrecisionConfig(mode=fit.precision.name),
         optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
         train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),

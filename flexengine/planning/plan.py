@@ -7,6 +7,7 @@ their order are a user contract (tests/planning/test_plan.py pins them).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -273,7 +274,7 @@ class Plan:
         """The plan as `flexengine-plan plan.format=json` writes it (before the command's own fields)."""
         best, usage, time = self.chosen, self.usage, self.time
         return {
-            "hf_config": self.hf_config,
+            "hf_config": copy.deepcopy(self.hf_config),  # the caller may trim it: not the plan's own
             "seq_len": self.seq_len,
             "micro_batch": best.micro_batch,
             "grad_accum": best.grad_accum,

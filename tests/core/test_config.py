@@ -50,3 +50,12 @@ def test_sample_tokens_is_bounded():
 def test_sample_tokens_past_the_models_positions_is_refused():
     with pytest.raises(UserError, match="max_position_embeddings=512"):
         compose_job(["model.arch.max_position_embeddings=512", "train.sample_tokens=1024", "train.sample_prompts=[hi]"])
+
+
+def test_full_with_a_granularity_is_refused_without_suggesting_the_unchecked_value():
+    """memory=full with a granularity: the message does not offer the (possibly misspelled) value back as a fix."""
+    from flexengine.core.config import MemoryConfig
+
+    with pytest.raises(UserError, match=r"memory=full recomputes whole blocks, but memory.granularity='atention'") as e:
+        MemoryConfig(policy="full", granularity="atention")
+    assert "memory.granularity=atention" not in str(e.value) and "memory=selective" in str(e.value)

@@ -52,3 +52,39 @@ def test_a_trainer_runs_with_the_components_it_is_handed(tmp_path):
     assert c.state.step == 2 and summary["steps"] == 2 and len(summary["losses"]) == 2
     with pytest.raises(ValueError, match="components' model"):
         Trainer(job, make_llama(), None, loader, out_dir=tmp_path, device=CPU, components=c)
+
+
+def test_a_trainer_refuses_components_built_around_another_loader_job_or_directory(tmp_path):
+    """Components built around loader A and a 2-step job, handed to a Trainer of loader B or a 3-step job, would
+    train B (or 3 steps) while their checkpoints record A's position and 2 steps: refused, naming what differs."""
+    import dataclasses
+
+    job, model = _job(), patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    loader = random_row_loader(2, SEQ_LEN)
+    c = build_components(job, ForwardPath.build(job, model, CPU), loader, None, out_dir=tmp_path, dist=DistInfo())
+    with pytest.raises(ValueError, match="its loader differ"):
+        Trainer(job, model, None, random_row_loader(2, SEQ_LEN), out_dir=tmp_path, device=CPU, components=c)
+    longer = dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=3))
+    with pytest.raises(ValueError, match="its job differ"):
+        Trainer(longer, model, None, loader, out_dir=tmp_path, device=CPU, components=c)
+    with pytest.raises(ValueError, match="its out_dir differ"):
+        Trainer(job, model, None, loader, out_dir=tmp_path / "other", device=CPU, components=c)
+
+
+def test_sample_prompts_without_a_tokenizer_are_refused_when_the_components_are_built(tmp_path):
+    """Sampling needs the tokenizer: refused at build time, not at the run's end (before its final save)."""
+    import dataclasses
+
+    from flexengine.core.errors import UserError
+
+    job, model = _job(), patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, sample_prompts=["Once"]))
+    with pytest.raises(UserError, match="train.sample_prompts: sampling needs the run's tokenizer"):
+        build_components(
+            job,
+            ForwardPath.build(job, model, CPU),
+            random_row_loader(2, SEQ_LEN),
+            None,
+            out_dir=tmp_path,
+            dist=DistInfo(),
+        )

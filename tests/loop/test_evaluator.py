@@ -61,12 +61,15 @@ def _evaluator(tmp_path, train, held_out):
     """A hand-built run's Evaluator (loop/components.py) around a tiny model, with `held_out` as its set."""
     from flexengine.core.config import JobConfig
     from flexengine.core.distributed import DistInfo
+    from flexengine.data.demo import load_demo_tokenizer
     from flexengine.loop.components import build_components
     from flexengine.loop.forward import ForwardPath
 
     job = JobConfig(train=train)
     forward = ForwardPath.build(job, make_llama(), torch.device("cpu"))
-    return build_components(job, forward, None, None, out_dir=tmp_path, dist=DistInfo(), held_out=held_out).evaluator
+    tokenizer = load_demo_tokenizer()  # train.sample_prompts needs one
+    components = build_components(job, forward, None, tokenizer, out_dir=tmp_path, dist=DistInfo(), held_out=held_out)
+    return components.evaluator
 
 
 def test_the_evaluator_says_when_evaluations_and_samples_are_due(tmp_path):

@@ -14,7 +14,7 @@ from flexengine.core.errors import UserError
 from flexengine.data.loader import RowLoader
 from flexengine.loop.trainer import Trainer, rows_counted_once
 from flexengine.surgery.attention import patch_attention
-from tests.helpers import make_llama, random_row_loader
+from tests.helpers import make_job, make_llama, random_row_loader
 
 SEQ_LEN = 64
 CPU = torch.device("cpu")
@@ -158,3 +158,21 @@ def test_the_trainer_runs_under_the_precision_the_model_was_prepared_for(tmp_pat
     job = JobConfig()
     with pytest.raises(ValueError, match="prepared for precision=bf16_mixed"):
         Trainer(job, model, None, _loader(2), out_dir=tmp_path, device=CPU, precision=SPECS["fp32"])
+
+
+def test_a_hand_built_trainer_over_several_ranks_refuses_an_unresolved_reduce_every(tmp_path):
+    """parallel.reduce_every=auto is the planner's question: a Trainer over several ranks that got it unresolved
+    would have to guess when FSDP syncs gradients, so it says who resolves it instead."""
+    from flexengine.core.distributed import DistInfo
+
+    job = make_job(tmp_path, "parallel.reduce_every=auto")
+    with pytest.raises(ValueError, match=r"parallel.reduce_every=auto .*window\|micro_batch"):
+        Trainer(
+            job,
+            make_llama(0),
+            None,
+            random_row_loader(2, 32, 60),
+            out_dir=tmp_path,
+            device=torch.device("cpu"),
+            dist=DistInfo(world_size=2),
+        )
