@@ -24,7 +24,7 @@ from flexengine.planning.planner import candidate_family, k_table, offloads, pla
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.attention.spec import AttentionSpec
-from flexengine.surgery.memory.spec import MemorySpec, block_memory_specs
+from flexengine.surgery.memory.spec import MemorySpec
 from flexengine.surgery.precision import (
     PrecisionSpec,
     auto_order,
@@ -91,8 +91,8 @@ class FitPlan:
 
     @property
     def memory_specs(self) -> tuple[MemorySpec, ...]:
-        """The chosen policy as one MemorySpec per decoder block."""
-        return block_memory_specs(self.memory, self.plan.n_layers)
+        """The chosen policy as one MemorySpec per decoder block: the specs the planner priced."""
+        return self.plan.chosen.specs
 
 
 def plan_job(
@@ -392,10 +392,9 @@ def format_fit_summary(fit: FitPlan) -> str:
             + ", ".join(f"{t.precision} {_short_verdict(t.verdict)}" for t in fit.precision_table)
             + ")"
         )
-    n_layers = p.n_layers
-    families, runners = {(candidate_family(p.chosen, n_layers), p.micro_batch)}, []
+    families, runners = {(candidate_family(p.chosen), p.micro_batch)}, []
     for r in sorted((r for r in p.candidates if r.fits), key=lambda r: (r.time.cost, r.k, r.total_bytes)):
-        family = candidate_family(r, n_layers), r.micro_batch  # another k of the same policy is not worth naming
+        family = candidate_family(r), r.micro_batch  # another k of the same policy is not worth naming
         if family in families:
             continue
         families.add(family)

@@ -16,6 +16,7 @@ from flexengine.core.config import MemoryConfig
 from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.planning.budget import DeviceBudget
 from flexengine.planning.shapes import AttendedPairs
+from flexengine.surgery.memory.spec import MemorySpec
 
 JsonDict = dict[str, Any]  # what json.dumps writes: values of many kinds, by design
 
@@ -139,6 +140,7 @@ class Candidate:
     k: int  # decoder blocks that recompute or offload
     uses_offload: bool
     memory: MemoryConfig  # concrete: tiles resolved to a number of tokens
+    specs: tuple[MemorySpec, ...]  # the memory config as one spec per decoder block: what was priced and runs
     usage: MemoryUse
     time: StepTime
 

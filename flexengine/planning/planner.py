@@ -51,7 +51,7 @@ from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_wo
 from flexengine.surgery.memory.kinds import RecomputeKind, granularities
 from flexengine.surgery.memory.layers import select_layers
 from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
-from flexengine.surgery.memory.spec import MemorySpec, Recompute, block_memory_specs
+from flexengine.surgery.memory.spec import MemorySpec, Recompute
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -98,9 +98,9 @@ def policy_family(specs: Sequence[MemorySpec]) -> tuple[RecomputeKind, bool]:
     return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
 
 
-def candidate_family(candidate: Candidate, n_layers: int) -> tuple[RecomputeKind, bool]:
-    """`policy_family` of a candidate (its `memory` is a concrete policy, tiles resolved)."""
-    return policy_family(block_memory_specs(candidate.memory, n_layers))
+def candidate_family(candidate: Candidate) -> tuple[RecomputeKind, bool]:
+    """`policy_family` of a candidate, from the MemorySpecs it was priced with."""
+    return policy_family(candidate.specs)
 
 
 def describe(specs: Sequence[MemorySpec]) -> str:
@@ -163,6 +163,7 @@ def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> Candidate:
         k=len(chosen_blocks(specs)),
         uses_offload=offloads(specs),
         memory=memory,
+        specs=tuple(specs),
         usage=estimate.usage,
         time=estimate.time,
     )
@@ -414,8 +415,7 @@ def _plan(
 
 def k_table(plan: Plan) -> list[Candidate]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
-    n_layers = plan.n_layers
-    family = candidate_family(plan.chosen, n_layers)
+    family = candidate_family(plan.chosen)
     if family == (Recompute.NONE, False):  # nothing needed: show what whole-block checkpointing would cost
         family = (Recompute.BLOCK, False)
     rows = [
@@ -423,7 +423,7 @@ def k_table(plan: Plan) -> list[Candidate]:
         for r in plan.candidates
         if r.micro_batch == plan.micro_batch
         and r.reduce_every == plan.reduce_every
-        and (r.k == 0 or candidate_family(r, n_layers) == family)
+        and (r.k == 0 or candidate_family(r) == family)
     ]
     return sorted(rows, key=lambda r: r.k)
 
