@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flexengine.cli.common import compose_job
-from flexengine.core.config import JobConfig
+from flexengine.core.config import HardwareConfig, JobConfig
 
 # A run of seconds (24 demo documents, 256-token rows, no progress bar, a 2-step warmup) that keeps the default
 # loop shape: grad_accum 2, which the loss-normalisation and resume tests need. The test sets its step count.
@@ -49,6 +49,9 @@ GPU_TINY_LLAMA = dict(
     use_cache=False,
     tie_word_embeddings=False,
 )
+
+# An A100-80GB as the planner tests plan for it: named card, its peak, PCIe and a host budget
+A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 
 TINY_LLAMA = dict(
     vocab_size=256,

@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from flexengine.core.config import HardwareConfig, ModelConfig
+from flexengine.core.config import ModelConfig
 from flexengine.planning.budget import device_budget
 from flexengine.planning.plan import Candidate, DeviceTerms, Plan
 from flexengine.planning.planner import plan_memory
 from flexengine.planning.shapes import PlanInputs
 from flexengine.surgery.model import build_hf_config
+from tests.helpers import A100
 
 TINY = dict(
     model_type="llama",
@@ -24,7 +25,6 @@ TINY = dict(
     num_key_value_heads=4,
     vocab_size=2048,
 )
-A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 
 # The plan's JSON keys as users' scripts read them (flexengine-plan plan.format=json), in their order
 PLAN_KEYS = [

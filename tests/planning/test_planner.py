@@ -16,6 +16,7 @@ from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
 from flexengine.surgery.memory import select_layers
 from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT
 from flexengine.surgery.model import build_hf_config
+from tests.helpers import A100
 
 DEEPSEEK = dict(
     model_type="llama",
@@ -26,7 +27,6 @@ DEEPSEEK = dict(
     num_key_value_heads=32,
     vocab_size=102400,
 )
-A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 
 
 def test_plan_picks_cheapest_fitting_policy():

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig
 
-from flexengine.core.config import AttnConfig, HardwareConfig, JobConfig, MemoryConfig, ParallelConfig
+from flexengine.core.config import AttnConfig, JobConfig, MemoryConfig, ParallelConfig
 from flexengine.core.parallel_spec import ReduceEvery, Strategy
 from flexengine.loop.flops import attended_pairs, layer_attended_pairs
 from flexengine.planning.planner import evaluate, plan_memory
@@ -19,10 +19,9 @@ from flexengine.surgery.attention import masks
 from flexengine.surgery.attention.mask_mode import band_mode
 from flexengine.surgery.attention.spec import resolve_attention_spec
 from flexengine.surgery.precision import SPECS
-from tests.helpers import TINY_LLAMA
+from tests.helpers import A100, TINY_LLAMA
 from tests.surgery.attention.test_mask_mode import PrefixLM
 
-A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 CONFIG = LlamaConfig(**TINY_LLAMA)
 S = 512
 

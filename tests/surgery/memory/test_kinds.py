@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexengine.cli.common import compose_job
-from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
+from flexengine.core.config import JobConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.planner import plan_memory
@@ -18,7 +18,7 @@ from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.memory.kinds import KINDS, WholeBlock, check_granularity, granularities, kind
 from flexengine.surgery.model import build_hf_config
-from tests.helpers import make_llama, random_row_loader
+from tests.helpers import A100, make_llama, random_row_loader
 
 SEQ_LEN = 64
 SEVEN_B = dict(  # a LLaMA-2-7B-shaped architecture
@@ -30,7 +30,6 @@ SEVEN_B = dict(  # a LLaMA-2-7B-shaped architecture
     num_key_value_heads=32,
     vocab_size=32000,
 )
-A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, pcie_gb_s=25, host_memory_gb=120)
 
 
 @dataclass(frozen=True)
