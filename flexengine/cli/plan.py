@@ -168,7 +168,7 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     from flexengine.planning.budget import device_budget
     from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
-    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, whole_row_pairs
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.rope import context_limits
 
@@ -179,10 +179,14 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
     cp = x.cp
     tiled = job.memory.tiled_mlp or "auto"
-    rows = max_seq_len_table(hf_config, x, tiled)
+
+    def pairs_at(n: int) -> AttendedPairs:  # each length's own count: a window's share of n^2 shrinks as n grows
+        return whole_row_pairs(attention, n)
+
+    rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
     longest = max((r["max_seq_len"] for r in rows), default=0)
     lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
-    curves = memory_curves(hf_config, x, lengths, tiled)
+    curves = memory_curves(hf_config, x, lengths, tiled, pairs_at=pairs_at)
     report = {
         "model": job.model.name,
         "hardware": job.hardware.name,

@@ -66,10 +66,11 @@ class Components:
         components were built around."""
         given = {"job": job, "loader": loader, "tokenizer": tokenizer}
         differ = [name for name, value in given.items() if getattr(self, name) is not value]
-        differ += [name for name, value in (("out_dir", out_dir), ("dist", dist)) if getattr(self, name) != value]
+        differ += ["out_dir"] if Path(self.out_dir).resolve() != Path(out_dir).resolve() else []
+        differ += ["dist"] if self.dist != dist else []
         if differ:
             raise ValueError(
-                f"Trainer(components=...): its {', '.join(differ)} differ from those the components were built "
+                f"Trainer(components=...): got another {' and '.join(differ)} than the components were built "
                 "around (build_components); pass the same objects to both"
             )
 

@@ -83,7 +83,8 @@ class Trainer:
         self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
         # run.py resolves parallel.* once (reduce_every as the fit chose it); a Trainer built by hand: its job's
         self.parallel = parallel if parallel is not None else resolve_parallel(job.parallel)
-        if self.parallel.reduce_every is ReduceEvery.AUTO and self.dist.world_size > 1:  # never guess a sync rule
+        # several ranks accumulating: when to sync is a choice (the planner's), never a guess
+        if self.parallel.reduce_every is ReduceEvery.AUTO and self.dist.world_size > 1 and job.train.grad_accum > 1:
             raise ValueError(
                 "Trainer: parallel.reduce_every=auto reached the loop unresolved over several ranks; the planner "
                 "chooses it (flexengine.run.build_trainer), or set parallel.reduce_every=window|micro_batch"

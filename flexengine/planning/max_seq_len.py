@@ -9,6 +9,7 @@ into whole blocks per rank) finds the boundary exactly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,18 +17,29 @@ from flexengine.core.config import CP_BLOCK_SIZE
 from flexengine.core.units import GiB
 from flexengine.planning.activations import memory_specs
 from flexengine.planning.planner import candidates_for, evaluate, offloads
-from flexengine.planning.shapes import ModelShape, PlanInputs
+from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
 
+PairsAt = Callable[[int], AttendedPairs]  # the attended pairs of a row of this many tokens (a window's share shrinks)
 
-def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None) -> int:
+
+def at_length(x: PlanInputs, seq_len: int, pairs_at: Optional[PairsAt] = None) -> PlanInputs:
+    """The inputs at another row length, with the attention pairs counted for that length when `pairs_at` says
+    how (else x's own count, a share of seq_len^2 that holds only for masks without a window)."""
+    pairs = pairs_at(seq_len) if pairs_at is not None else x.pairs
+    return dataclasses.replace(x, seq_len=seq_len, pairs=pairs)
+
+
+def longest_fitting(
+    m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
+) -> int:
     """The longest seq_len (a multiple of `step`, default 128 x cp) whose step fits under `memory`; 0 if not even
     `step` does."""
     step = step or CP_BLOCK_SIZE * x.cp
 
     def fits(n: int) -> bool:
-        return evaluate(m, dataclasses.replace(x, seq_len=n * step), memory).fits
+        return evaluate(m, at_length(x, n * step, pairs_at), memory).fits
 
     if not fits(1):
         return 0
@@ -42,18 +54,20 @@ def longest_fitting(m: ModelShape, x: PlanInputs, memory, step: Optional[int] = 
     return lo * step
 
 
-def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None) -> list[dict]:
+def max_seq_len_table(
+    hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
+) -> list[dict]:
     """Per candidate policy: the longest fitting seq_len, and the step time, tokens/s, recompute share and
-    host traffic at that length (x.micro_batch rows per micro-batch)."""
+    host traffic at that length (x.micro_batch rows per micro-batch; attention pairs by `pairs_at`)."""
     m = ModelShape.from_hf_config(hf_config)
     rows = []
     for label, memory in candidates_for(tiled_mlp):
         if x.hardware.on_cpu and offloads(memory_specs(memory, m)):
             continue  # on a CPU "device" offloading saves nothing
-        n = longest_fitting(m, x, memory, step)
+        n = longest_fitting(m, x, memory, step, pairs_at)
         row = {"label": label, "max_seq_len": n}
         if n:
-            at = evaluate(m, dataclasses.replace(x, seq_len=n), memory)
+            at = evaluate(m, at_length(x, n, pairs_at), memory)
             row.update(
                 memory=dataclasses.asdict(at.memory),
                 total_bytes=at.total_bytes,
@@ -66,11 +80,13 @@ def max_seq_len_table(hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: O
     return rows
 
 
-def memory_curves(hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any = "auto") -> dict[str, list[float]]:
+def memory_curves(
+    hf_config, x: PlanInputs, lengths: list[int], tiled_mlp: Any = "auto", pairs_at: Optional[PairsAt] = None
+) -> dict[str, list[float]]:
     """Total bytes (GiB) per candidate policy at each seq_len in `lengths`."""
     m = ModelShape.from_hf_config(hf_config)
     return {
-        label: [evaluate(m, dataclasses.replace(x, seq_len=n), memory).total_bytes / GiB for n in lengths]
+        label: [evaluate(m, at_length(x, n, pairs_at), memory).total_bytes / GiB for n in lengths]
         for label, memory in candidates_for(tiled_mlp)
         if not x.hardware.on_cpu or not offloads(memory_specs(memory, m))
     }

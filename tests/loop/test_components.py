@@ -62,13 +62,21 @@ def test_a_trainer_refuses_components_built_around_another_loader_job_or_directo
     job, model = _job(), patch_attention(make_llama(), mode="packed_doc", backend="dense")
     loader = random_row_loader(2, SEQ_LEN)
     c = build_components(job, ForwardPath.build(job, model, CPU), loader, None, out_dir=tmp_path, dist=DistInfo())
-    with pytest.raises(ValueError, match="its loader differ"):
+    with pytest.raises(ValueError, match="got another loader than"):
         Trainer(job, model, None, random_row_loader(2, SEQ_LEN), out_dir=tmp_path, device=CPU, components=c)
     longer = dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=3))
-    with pytest.raises(ValueError, match="its job differ"):
+    with pytest.raises(ValueError, match="got another job than"):
         Trainer(longer, model, None, loader, out_dir=tmp_path, device=CPU, components=c)
-    with pytest.raises(ValueError, match="its out_dir differ"):
+    with pytest.raises(ValueError, match="got another out_dir than"):
         Trainer(job, model, None, loader, out_dir=tmp_path / "other", device=CPU, components=c)
+    with pytest.raises(ValueError, match="got another tokenizer than"):
+        Trainer(job, model, object(), loader, out_dir=tmp_path, device=CPU, components=c)
+    with pytest.raises(ValueError, match="got another dist than"):
+        Trainer(
+            job, model, None, loader, out_dir=tmp_path, device=CPU, dist=DistInfo(rank=1, world_size=2), components=c
+        )
+    trainer = Trainer(job, model, None, loader, out_dir=tmp_path / ".", device=CPU, components=c)  # same directory
+    assert trainer.checkpointer is c.checkpointer
 
 
 def test_sample_prompts_without_a_tokenizer_are_refused_when_the_components_are_built(tmp_path):

@@ -165,7 +165,7 @@ def test_a_hand_built_trainer_over_several_ranks_refuses_an_unresolved_reduce_ev
     would have to guess when FSDP syncs gradients, so it says who resolves it instead."""
     from flexengine.core.distributed import DistInfo
 
-    job = make_job(tmp_path, "parallel.reduce_every=auto")
+    job = make_job(tmp_path, "parallel.reduce_every=auto", "train.grad_accum=2")
     with pytest.raises(ValueError, match=r"parallel.reduce_every=auto .*window\|micro_batch"):
         Trainer(
             job,

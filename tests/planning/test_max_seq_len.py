@@ -148,3 +148,27 @@ def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
     n = longest_fitting(m, x, full)
     assert n % 1024 == 0 and evaluate(m, dataclasses.replace(x, seq_len=n), full).fits
     assert not evaluate(m, dataclasses.replace(x, seq_len=n + 1024), full).fits
+
+
+def test_a_windowed_models_table_prices_each_length_with_its_own_pair_count():
+    """A window's share of seq_len^2 shrinks as rows grow: the table's step time at the longest fitting length is
+    that length's own whole-row count (window band), not the share counted at the job's seq_len."""
+    from flexengine.core.config import AttnConfig
+    from flexengine.planning.max_seq_len import at_length
+    from flexengine.planning.specs import whole_row_pairs
+    from flexengine.surgery.attention.spec import resolve_attention_spec
+
+    arch = yaml.safe_load((conf_dir() / "model" / "mistral7b.yaml").read_text())["model"]["arch"]
+    cfg = build_hf_config(ModelConfig(init="random", arch=arch))  # sliding_window 4096 on every layer
+    assert cfg.sliding_window == 4096
+    attention = resolve_attention_spec(AttnConfig(mode="packed_sliding", backend="dense"), cfg)
+    x = PlanInputs(seq_len=4096, micro_batch=1, dtype_bytes=2, hardware=A100, pairs=whole_row_pairs(attention, 4096))
+    m = ModelShape.from_hf_config(cfg)
+    table = max_seq_len_table(cfg, x, 0, pairs_at=lambda n: whole_row_pairs(attention, n))
+    row = next(r for r in table if r["label"] == "full")
+    memory = dict(candidates_for(0))["full"]
+    n = row["max_seq_len"]
+    assert n > 2 * 4096  # long enough for the window to matter
+    own = evaluate(m, at_length(x, n, lambda k: whole_row_pairs(attention, k)), memory).step_s
+    stale = evaluate(m, at_length(x, n), memory).step_s  # 4096's share (causal 0.5) reused at n
+    assert row["step_s"] == own and own < stale
