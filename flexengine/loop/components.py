@@ -46,13 +46,7 @@ class Components:
     signals: StopSignals
     checkpointer: Checkpointer
     evaluator: Evaluator
-    # what they were built around: a Trainer handed these components must run this job over this loader, or its
-    # checkpoints would record another stream's position and step budget than the one it trains
-    job: JobConfig
-    loader: RowLoader
-    tokenizer: Optional[PreTrainedTokenizerBase]
-    out_dir: Path
-    dist: DistInfo
+    dist: DistInfo  # the ranks they were built for
 
     def check_built_for(
         self,
@@ -64,9 +58,12 @@ class Components:
     ) -> None:
         """Refuse a Trainer whose job, loader, tokenizer, output directory or ranks are not the ones these
         components were built around."""
-        given = {"job": job, "loader": loader, "tokenizer": tokenizer}
-        differ = [name for name, value in given.items() if getattr(self, name) is not value]
-        differ += ["out_dir"] if Path(self.out_dir).resolve() != Path(out_dir).resolve() else []
+        # the Checkpointer holds what they were built around: a Trainer running another job or loader would save
+        # checkpoints that record another stream's position and step budget than the one it trains
+        built = self.checkpointer
+        given = {"job": (built.job, job), "loader": (built.loader, loader), "tokenizer": (built.tokenizer, tokenizer)}
+        differ = [name for name, (theirs, ours) in given.items() if theirs is not ours]
+        differ += ["out_dir"] if built.root.parent.resolve() != Path(out_dir).resolve() else []
         differ += ["dist"] if self.dist != dist else []
         if differ:
             raise ValueError(
@@ -124,19 +121,4 @@ def build_components(
         block_size=job.attn.block_size,
         is_main=main,
     )
-    return Components(
-        forward,
-        optimizer,
-        scheduler,
-        state,
-        metrics,
-        progress,
-        signals,
-        checkpointer,
-        evaluator,
-        job,
-        loader,
-        tokenizer,
-        out_dir,
-        dist,
-    )
+    return Components(forward, optimizer, scheduler, state, metrics, progress, signals, checkpointer, evaluator, dist)
