@@ -17,11 +17,12 @@ import os
 import re
 import shutil
 import socket
+import stat
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import IO, Iterator, Optional, Sequence
 
 from flexengine.core.errors import OutputDirTaken, UserError, os_error_message
-from flexengine.core.units import GiB
+from flexengine.core.units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,53 @@ def sha256_file(path: Path) -> str:
 def _relative_files(directory: Path) -> list[str]:
     """Every file below directory but the manifest, as a path relative to directory."""
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+# open()'s modes as os.open flags, for the files an output directory holds
+_OPEN_FLAGS = {
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+}
+
+
+def open_output(path: Path, mode: str = "w") -> IO[str]:
+    """open(path, mode) for a file inside an output directory ("a", "a+", "w" or "x"), following no symbolic link and
+    writing nothing but a regular file: anyone who can write a shared output directory could otherwise plant a
+    link there and have the training user (often root) truncate or append to any file it can write. UserError
+    naming the path when it is a link or not a regular file."""
+    # O_NONBLOCK: opening a FIFO for writing would wait for a reader; cleared again once the file is known regular
+    flags = _OPEN_FLAGS[mode] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (e.errno == errno.ENXIO and not path.is_symlink()):
+            raise UserError(_not_written_message(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(_not_written_message(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _not_written_message(path: Path) -> str:
+    what = "a symbolic link" if path.is_symlink() else "not a regular file"
+    return (
+        f"{path} is {what}: flexengine writes its run files only as regular files of the output directory, never "
+        "through a link (whoever can write a shared directory could point it at any file this user can write). "
+        "Check what put it there, remove it, and start again."
+    )
+
+
+def refuse_link(path: Path) -> None:
+    """UserError if path is a symbolic link: a directory the engine writes into (tb/) is its own, not a link."""
+    if path.is_symlink():
+        raise UserError(_not_written_message(path))
 
 
 def _fsync(path: Path) -> None:
@@ -211,17 +259,24 @@ def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
             continue  # a live process of this host is writing it
         if its_host != host and not owned:
             log.warning(
-                "checkpoint: %s (%.2f GiB) was left by host %s; remove it if no job there writes it "
+                "checkpoint: %s (%s) was left by host %s; remove it if no job there writes it "
                 "(train.resume=auto removes it)",
                 p,
-                size / GiB,
+                size_text(size),
                 its_host,
             )
             continue
         shutil.rmtree(p, ignore_errors=True)
-        log.warning("checkpoint: removed %s (%.2f GiB), the unfinished save of a process that is gone", p, size / GiB)
+        log.warning("checkpoint: removed %s (%s), the unfinished save of a process that is gone", p, size_text(size))
         removed.append(p)
     return removed
+
+
+def size_text(n: int) -> str:
+    """Bytes as a person reads them on a nearly full disk: GiB from 1 GiB up, MiB below ("0.01 GiB" said nothing)."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.1f} MiB"
 
 
 def disk_full_message(path: Path, needed: int, free: int) -> str:
@@ -231,12 +286,12 @@ def disk_full_message(path: Path, needed: int, free: int) -> str:
     held_note = ""
     if held:
         held_note = (
-            f"; {sum(s for _, s in held) / GiB:.2f} GiB of it is held by unfinished saves ("
+            f"; {size_text(sum(s for _, s in held))} of it is held by unfinished saves ("
             + ", ".join(p.name for p, _ in held[:3])
             + "): remove them if no job writes there"
         )
     return (
-        f"disk full at {path} (needs {needed / GiB:.2f} GiB, {free / GiB:.2f} free{held_note}). Free some "
+        f"disk full at {path} (needs {size_text(needed)}, {size_text(free)} free{held_note}). Free some "
         "space or set train.output_dir to a larger disk; the previous checkpoint (if any) is intact."
     )
 
@@ -297,7 +352,7 @@ def hold_output_dir(out_dir: Path, resume: Optional[str], enabled: bool = True) 
     _writable_dir(out_dir)
     path = out_dir / RUN_LOCK
     # closing releases the lock (the file stays: removing it would race with the next run's open)
-    with open(path, "a+") as handle:
+    with open_output(path, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -403,7 +458,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write text through a temp file, fsynced, renamed into place, and the directory fsynced (see
     write_json_atomic)."""
     tmp = path.with_name(f".{path.name}.tmp_{socket.gethostname()}_{os.getpid()}")
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # this process's name: a leftover (or a planted link) goes; the final rename replaces a name
+    with open_output(tmp, "x") as f:  # created here, so written through no link
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -4,13 +4,19 @@ the CUDA caching allocator's own figures."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
+import secrets
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from flexengine.core.storage import open_output, refuse_link, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 # Stable TensorBoard tags (other tools and tests read them back).
 TAGS = {
@@ -76,15 +82,27 @@ def utilization(flops: float, seconds: float, peak_tflops: Optional[float]) -> O
 
 class MetricsWriter:
     """TensorBoard writer that knows our tag names, plus metrics.jsonl (one JSON object per logged step and per
-    evaluation); a no-op off rank 0."""
+    evaluation); a no-op off rank 0. The event file is made at the first value logged, not at construction: a run
+    refused before it trains (a resume onto other data) leaves no event file in the run's tb/."""
 
     def __init__(self, log_dir: Optional[Path], jsonl_path: Optional[Path] = None):
-        self.writer = None
+        self.log_dir = log_dir
+        self._writer: Any = None
         self.jsonl_path = jsonl_path
-        if log_dir is not None:
+
+    @property
+    def writer(self) -> Any:
+        """The SummaryWriter (None off rank 0), made on first use in a tb/ that is no link."""
+        if self._writer is None and self.log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+            refuse_link(self.log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            # an unguessable name: an event file is opened with "wb" by a writer that follows links, so no link
+            # can be planted under the name it will open
+            suffix = f".{secrets.token_hex(4)}"
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), filename_suffix=suffix)
+        return self._writer
 
     def scalars(self, values: dict, step: int, kind: str = "train") -> None:
         """Log each metric: train keys under their stable tag (unknown ones under `extra/`), other kinds under
@@ -101,7 +119,7 @@ class MetricsWriter:
         if self.jsonl_path is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.jsonl_path, "a") as f:
+        with open_output(self.jsonl_path, "a") as f:
             f.write(json.dumps(clean) + "\n")
 
     def text(self, tag: str, text: str, step: int) -> None:
@@ -110,13 +128,18 @@ class MetricsWriter:
             self.writer.add_text(tag, text, step)
 
     def truncate_after(self, step: int) -> None:
-        """Drop metrics.jsonl records past `step` (a resumed run repeats the steps after its checkpoint)."""
+        """Drop metrics.jsonl records past `step` (a resumed run repeats the steps after its checkpoint), and any
+        line that is not a JSON record (a power cut or a full disk leaves the last one cut), each named in a
+        warning."""
         if self.jsonl_path is None or not self.jsonl_path.is_file():
             return
-        lines = self.jsonl_path.read_text().splitlines()
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(lines):
-            self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+        refuse_link(self.jsonl_path)
+        text = self.jsonl_path.read_text(errors="replace")
+        records = _json_records(self.jsonl_path, text)
+        kept = [line for line, record in records if record.get("step", 0) <= step]
+        new_text = "".join(line + "\n" for line in kept)
+        if new_text != text:  # past records, torn lines, or a last line without its newline
+            write_text_atomic(self.jsonl_path, new_text)
 
     def section(self, prefix: str, values: dict, step: int) -> None:
         """Log the numeric entries of a report under `<prefix>/<key>` (e.g. the packing report at step 0)."""
@@ -135,5 +158,24 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Flush and close the event file."""
-        if self.writer is not None:
-            self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _json_records(path: Path, text: Optional[str] = None) -> list[tuple[str, dict]]:
+    """(line, record) of each JSON object line of an append-only log; a line that is not one (cut by a crash,
+    overwritten) is dropped with a warning naming the file and the line, never a traceback."""
+    text = path.read_text(errors="replace") if text is None else text
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            log.warning("%s:%d is not a JSON record (cut by a crash or a full disk?): dropped: %.80r", path, number, line)
+            continue
+        records.append((line, record))
+    return records

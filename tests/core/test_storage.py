@@ -235,3 +235,53 @@ def test_read_only_output_dir_is_one_paragraph_naming_the_path(tmp_path, monkeyp
     message = str(err.value)
     assert f"failed at {tmp_path / 'out'}/.write_test_" in message and "Read-only file system" in message
     assert "\n" not in message
+
+
+def test_a_symlinked_lock_is_refused_and_its_target_stays_intact(tmp_path):
+    """Before: open(.lock, "a+") followed the link, truncated its target and wrote `pid N on host H` into it."""
+    out, target = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("do not touch\n")
+    (out / RUN_LOCK).symlink_to(target)
+    with pytest.raises(UserError, match=rf"{out / RUN_LOCK} is a symbolic link.*remove it"), hold_output_dir(out, None):
+        pass
+    assert target.read_text() == "do not touch\n"
+
+
+def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / RUN_LOCK)  # a FIFO would block the open, a device would be written to
+    with pytest.raises(UserError, match=rf"{out / RUN_LOCK} is not a regular file"), hold_output_dir(out, None):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["a", "w"])
+def test_files_written_in_an_output_dir_follow_no_link(tmp_path, mode):
+    target = tmp_path / "precious.txt"
+    target.write_text("do not touch\n")
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        storage.open_output(tmp_path / "metrics.jsonl", mode)
+    assert target.read_text() == "do not touch\n"
+    with storage.open_output(tmp_path / "plain.txt", mode) as f:  # a plain file is written as open() would
+        f.write("x\n")
+    assert (tmp_path / "plain.txt").read_text() == "x\n"
+
+
+def test_an_atomic_write_never_writes_through_a_planted_temp_link(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("do not touch\n")
+    planted = tmp_path / f".summary.json.tmp_{socket.gethostname()}_{os.getpid()}"
+    planted.symlink_to(target)
+    (tmp_path / "summary.json").symlink_to(target)  # the final name: replaced as a name, never written through
+    write_json_atomic(tmp_path / "summary.json", {"a": 1})
+    assert target.read_text() == "do not touch\n"
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"a": 1}
+    assert not (tmp_path / "summary.json").is_symlink()
+
+
+def test_sizes_below_a_gib_are_shown_in_mib():
+    assert storage.size_text(12 << 20) == "12 MiB" and storage.size_text(3 << 30) == "3.00 GiB"
+    message = storage.disk_full_message(Path("/nowhere"), 10 << 20, 3 << 19)
+    assert "needs 10 MiB, 1.5 MiB free" in message, message  # before: "needs 0.01 GiB, 0.00 free"

@@ -133,3 +133,30 @@ def test_allocator_figures_reach_tensorboard_metrics_and_summary(tmp_path, monke
         assert [e.value for e in ea.Scalars(tag)] == [float(_expected(s)[key]) for s in fake.reads[:2]], tag
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert {k: saved[k] for k in ALLOCATOR_TAGS} == {k: summary[k] for k in ALLOCATOR_TAGS} == _expected(fake.reads[2])
+
+
+def test_a_symlinked_metrics_file_is_never_written_through(tmp_path):
+    """Before: metrics.jsonl was opened with "a" and rewritten by truncate_after through any link."""
+    target = tmp_path / "precious.txt"
+    target.write_text('{"step": 9}\n')
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    writer = metrics.MetricsWriter(None, tmp_path / "metrics.jsonl")
+    from flexengine.core.errors import UserError
+
+    with pytest.raises(UserError, match="metrics.jsonl is a symbolic link"):
+        writer.record({"type": "train", "step": 1})
+    with pytest.raises(UserError, match="metrics.jsonl is a symbolic link"):
+        writer.truncate_after(0)
+    assert target.read_text() == '{"step": 9}\n'
+
+
+def test_a_symlinked_tensorboard_dir_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "tb").symlink_to(elsewhere)
+    from flexengine.core.errors import UserError
+
+    writer = metrics.MetricsWriter(tmp_path / "tb", None)
+    with pytest.raises(UserError, match="tb is a symbolic link"):
+        writer.scalars({"loss": 1.0}, 1)
+    assert not list(elsewhere.iterdir())
