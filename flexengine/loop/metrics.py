@@ -175,7 +175,9 @@ def _json_records(path: Path, text: Optional[str] = None) -> list[tuple[str, dic
         except ValueError:
             record = None
         if not isinstance(record, dict):
-            log.warning("%s:%d is not a JSON record (cut by a crash or a full disk?): dropped: %.80r", path, number, line)
+            log.warning(
+                "%s:%d is not a JSON record (cut by a crash or a full disk?): dropped: %.80r", path, number, line
+            )
             continue
         records.append((line, record))
     return records

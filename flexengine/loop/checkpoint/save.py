@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import resource
 import shutil
 from functools import partial
 from pathlib import Path
@@ -24,6 +25,7 @@ from flexengine.core.storage import (
     fsync_dir,
     list_checkpoints,
     seal_files,
+    size_text,
     temp_dir_name,
     tree_bytes,
     write_manifest,
@@ -192,6 +194,9 @@ def _write_rank0_part(
 
 
 _DISK_FULL_TEXT = ("os error 28", "No space left on device", "os error 122", "Disk quota exceeded")
+# a write past `ulimit -f`: write(2)'s EFBIG (Python ignores SIGXFSZ), or the short write torch.save's zip writer
+# reports as `[enforce fail at inline_container.cc:...] unexpected pos ...`
+_SIZE_LIMIT_TEXT = ("os error 27", "File too large", "unexpected pos")
 _NEARLY_FULL = 64 << 20  # bytes: after a failed write, less than this free is a full disk whatever was estimated
 
 
@@ -202,6 +207,14 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
     Measured before the partial save is removed, so the space it took still counts as used."""
     if isinstance(e, UserError):
         return e
+    limit = _file_size_limit(e)
+    if limit is not None:
+        return UserError(
+            f"saving the checkpoint into {root} hit the file-size limit: this process may write files of at most "
+            f"{size_text(limit)} (ulimit -f), and this checkpoint needs {size_text(needed)}. Raise the limit "
+            "(ulimit -f unlimited, or the job scheduler's file-size limit) and resume with train.resume=auto; the "
+            "previous checkpoint (if any) is intact."
+        )
     written = tree_bytes(tmp) if tmp.is_dir() else 0
     try:
         free = shutil.disk_usage(root).free
@@ -217,6 +230,15 @@ def _save_failure(root: Path, tmp: Path, e: BaseException, needed: int) -> UserE
     if isinstance(e, OSError):
         return UserError(os_error_message(e, "saving a checkpoint"))
     return UserError(f"saving the checkpoint into {root} failed: {type(e).__name__}: {first_line(e)}")
+
+
+def _file_size_limit(e: BaseException) -> Optional[int]:
+    """The process's file-size limit in bytes when `e` is a write that ran into it, else None."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    hit = (isinstance(e, OSError) and e.errno == errno.EFBIG) or any(text in str(e) for text in _SIZE_LIMIT_TEXT)
+    return soft if hit else None
 
 
 def _weights_to_write(model: nn.Module, weights: Optional[dict], merged: bool, rank: int) -> tuple[Optional[dict], int]:
@@ -394,6 +416,13 @@ def prune_checkpoints(root: Path, keep_last: int, protect: tuple = ()) -> list[P
         keep.add(best.resolve())
     deleted = []
     for _, path in steps:
+        if path.is_symlink():  # someone linked it in: not this run's to delete (rmtree refuses links anyway)
+            log.warning(
+                "train.keep_last=%d: %s is a symbolic link, not a checkpoint this run wrote; left as it is",
+                keep_last,
+                path,
+            )
+            continue
         if path.resolve() not in keep:
             shutil.rmtree(path)
             deleted.append(path)

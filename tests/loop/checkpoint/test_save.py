@@ -238,3 +238,39 @@ def test_exports_drop_in_from_another_directory(tmp_path, monkeypatch):
         [sys.executable, "-c", _LOAD_AND_GENERATE, *steps], cwd=elsewhere, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_pruning_skips_a_symlinked_step_with_a_warning(tmp_path, caplog):
+    """Before: shutil.rmtree on a linked step_N raised OSError at the first keep_last prune and killed the run."""
+    from flexengine.loop.checkpoint.save import prune_checkpoints
+
+    root, elsewhere = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    for d in (root / "step_2", root / "step_3", elsewhere):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"w")
+    (root / "step_1").symlink_to(elsewhere, target_is_directory=True)
+    with caplog.at_level("WARNING"):
+        deleted = prune_checkpoints(root, keep_last=1)
+    assert deleted == [root / "step_2"]
+    assert (elsewhere / "model.safetensors").read_bytes() == b"w" and (root / "step_1").is_symlink()
+    assert f"{root / 'step_1'} is a symbolic link" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(27, "File too large"), RuntimeError(_TORCH_WRITE_FAILED)],  # write(2)'s EFBIG; torch.save's short write
+)
+def test_a_file_size_limit_is_reported_like_a_full_disk(run, model, monkeypatch, error):
+    """Under `ulimit -f` torch.save reported `[enforce fail at inline_container.cc:672] unexpected pos ...`."""
+    import resource
+
+    monkeypatch.setattr(checkpoint_save.resource, "getrlimit", lambda what: (8 << 20, resource.RLIM_INFINITY))
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint_save.torch, "save", broken)
+    limit = r"this process may write files of at most 8\.0 MiB \(ulimit -f\).*ulimit -f unlimited"
+    with pytest.raises(UserError, match=rf"^saving the checkpoint into .*checkpoints hit the file-size limit: {limit}"):
+        save_checkpoint(run, 3, model, None, checkpoint_state(model, 3))
+    assert sorted(p.name for p in run.iterdir()) == ["step_1", "step_2"]
