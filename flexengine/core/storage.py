@@ -164,7 +164,7 @@ def read_manifest(directory: Path) -> dict:
             raise TypeError("every file needs {bytes, sha256}")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{path} is not a valid manifest ({type(e).__name__}: {e})") from None
-    outside = [name for name in files if not _inside(name)]
+    outside = [name for name in files if not inside_directory(name)]
     if outside:
         raise UserError(
             f"{path} names files outside its checkpoint ({', '.join(map(repr, outside[:3]))}): a manifest lists the "
@@ -174,8 +174,9 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def _inside(name: str) -> bool:
-    """Whether a manifest's file name stays inside its directory: relative, no `..`, no empty or `.` part."""
+def inside_directory(name: str) -> bool:
+    """Whether a file name a listing gives (a manifest's, a weight index's) stays inside its directory: relative,
+    no `..`, no empty or `.` part."""
     parts = name.split("/")
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 

@@ -49,7 +49,7 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
                 f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
                 "(expected config.json, tokenizer files and *.safetensors)."
             )
-        read_config_json(path)
+        check_remote_code(read_config_json(path), model)
         if model.loads_weights:
             stored_tensors(path)
         try:
@@ -76,6 +76,23 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
     resolve_family(config)  # a family flexengine does not know fails here, before any tokenizing or allocating
     apply_rope_scaling(config, model.rope_scaling.as_hf())
     return config
+
+
+def check_remote_code(config_json: dict, model: ModelConfig) -> None:
+    """A config.json whose family transformers does not ship and that names its own Python code (auto_map) is
+    refused in one paragraph unless model.trust_remote_code (transformers' own refusal linked to hf.co/<path>)."""
+    from transformers import CONFIG_MAPPING
+
+    code = config_json.get("auto_map")
+    if model.trust_remote_code or not code or config_json.get("model_type") in CONFIG_MAPPING:
+        return
+    names = ", ".join(sorted(map(str, code.values() if isinstance(code, dict) else code)))
+    raise UserError(
+        f"model.path={model.path!r}: its config.json is of model_type {config_json.get('model_type')!r}, which "
+        f"transformers does not ship, and names Python code in that directory to build it (auto_map: {names}). "
+        "Loading it would run that code: if you trust the directory, set model.trust_remote_code=true (the "
+        "family must still be one flexengine knows); otherwise use a model of a family transformers ships."
+    )
 
 
 def check_arch_fields(arch: dict, config: PretrainedConfig) -> None:
@@ -156,6 +173,7 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
     # the tensors of the files transformers read (their headers, read once before it); *.bin only: no header
     n_stored = len(stored) if stored is not None else len(lm.state_dict())
     lm = lm.to(device)
+    check_finite_weights(lm, path)  # on the device: one fast pass there
     log.info(
         "model %s: loaded %d tensors from %s (%s, %.1fM parameters, %s on %s)%s",
         model.name,
@@ -168,6 +186,22 @@ def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = to
         f"; {unexpected} tensors in the checkpoint were not used" if unexpected else "",
     )
     return lm
+
+
+def check_finite_weights(lm: torch.nn.Module, path: Path) -> None:
+    """Refuse weights that are NaN or Inf as stored (UserError naming them): otherwise the run's non-finite check
+    would blame the first update. One pass over the weights, one host sync."""
+    tensors = [(name, t) for name, t in lm.state_dict().items() if t.is_floating_point() and t.numel()]
+    if not tensors:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).tolist()
+    bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise UserError(
+            f"model.path={str(path)!r}: {', '.join(bad[:3])}{more} hold NaN or Inf values as stored in {path}: "
+            "these weights cannot train. Use an intact copy of the model (or an earlier checkpoint)."
+        )
 
 
 def _from_pretrained(

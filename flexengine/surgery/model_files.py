@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from flexengine.core.errors import UserError
-from flexengine.core.storage import MANIFEST, read_manifest, sha256_file
+from flexengine.core.storage import MANIFEST, inside_directory, read_manifest, sha256_file
 
 SAFE_WEIGHTS = "model.safetensors"  # what transformers reads first; the index only when it is absent
 SAFE_INDEX = "model.safetensors.index.json"
@@ -111,6 +111,13 @@ def _index_shards(directory: Path) -> dict[str, list[str]]:
             f"{index} is damaged: it must be JSON with a weight_map of tensor name -> shard file "
             f"({type(e).__name__}: {e}); {COPY_AGAIN} with the shards it belongs to."
         ) from None
+    outside = sorted({shard for shard in weight_map.values() if not inside_directory(shard)})
+    if outside:  # transformers joins the name to the directory: `../x` or an absolute path reads from anywhere
+        raise UserError(
+            f"{index} names shard files outside {directory} ({', '.join(map(repr, outside[:3]))}): an index lists "
+            "the model directory's own files by relative name only. Put the shards beside the index and name them "
+            f"there, or {COPY_AGAIN}."
+        )
     shards: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         shards.setdefault(shard, []).append(name)

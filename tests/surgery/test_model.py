@@ -128,3 +128,27 @@ def test_every_shipped_arch_key_is_a_field_its_config_class_knows(path):
     arch = (raw.get("model") or raw)["arch"]
     config = build_hf_config(ModelConfig(init="random", arch=arch))
     assert config.num_hidden_layers == arch["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_nonfinite_weights_in_model_path_are_named_at_load(rigged_dir, value):
+    """Before: they loaded, and the run's later refusal blamed "the last update" for weights that came this way."""
+    weights = load_file(rigged_dir / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(weights, rigged_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"model.layers.1.mlp.up_proj.weight.*NaN or Inf.*as stored in .*rigged"):
+        load_model(ModelConfig(path=str(rigged_dir)), CPU)
+
+
+def test_a_config_that_needs_remote_code_gets_one_message(rigged_dir):
+    """Before: our prefix, transformers' two sentences and a broken https://hf.co//<absolute dir> link."""
+    import json
+
+    config = json.loads((rigged_dir / "config.json").read_text())
+    config.update(model_type="mycustom", auto_map={"AutoConfig": "configuration_my.MyConfig"})
+    (rigged_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as err:
+        build_hf_config(ModelConfig(path=str(rigged_dir)))
+    message = str(err.value)
+    assert "configuration_my.MyConfig" in message and "model.trust_remote_code=true" in message, message
+    assert "hf.co" not in message and "repository" not in message and message.count("model.path") == 1, message

@@ -238,3 +238,20 @@ def test_train_stops_with_one_paragraph_and_exit_2(copy_of, tmp_path, kind, dama
     assert "Traceback" not in proc.stderr
     error = proc.stderr[proc.stderr.index("flexengine: error: ") :].strip()
     assert said in error and str(named) in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("outside", ["../elsewhere/model-00001.safetensors", "ABSOLUTE"])
+def test_an_index_naming_shards_outside_the_model_directory_is_refused(copy_of, outside):
+    """Before: `../../x.safetensors` or an absolute path in the weight_map loaded silently from wherever it was."""
+    d = copy_of("sharded")
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = _shards(d)[0]
+    target = d.parent / "elsewhere" / "model-00001.safetensors"
+    target.parent.mkdir()
+    shutil.copy(first, target)
+    name = str(target) if outside == "ABSOLUTE" else outside
+    data["weight_map"] = {k: (name if v == first.name else v) for k, v in data["weight_map"].items()}
+    index.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=rf"{index} names shard files outside {d} \({name!r}"):
+        stored_tensors(d)
