@@ -220,12 +220,6 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     trainer.plan = fit
     trainer.data_report = data_report
     trainer.memory_report = memory_report
-    trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    trainer.metrics.section(
-        "memory",
-        {f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])},
-        0,
-    )
 
 
 def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
@@ -322,10 +316,10 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         # another node removes the saves its previous node left unfinished)
         clean_stale_temp_dirs(out_dir / CHECKPOINTS, owned=job.train.resume == "auto")
     trainer = build_trainer(job, out_dir, record)
-    if trainer.dist.is_main:
-        _write_record(record, out_dir, trainer)
     with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
         trainer.checkpointer.resume()  # train.resume: auto or a step_<N> dir (none: a fresh run)
+        if trainer.dist.is_main:  # after the resume's checks: a refused resume leaves the run's record as it was
+            _write_record(record, out_dir, trainer)
         summary = trainer.train()
         summary["data"] = trainer.data_report
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
@@ -358,11 +352,16 @@ def done_line(summary: dict, summary_path: Path) -> str:
 
 def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None:
     """The configuration as it runs: out_dir/resolved_config.yaml (each value's source as a comment) and
-    TensorBoard's config text, written before step 1 (a run that fails or is stopped still says what it ran)."""
+    TensorBoard's config text and start-up reports, written once the resume (if any) has been verified and before
+    step 1 (a run that fails or is stopped later still says what it ran)."""
     path = record.write(out_dir / RESOLVED_CONFIG_FILE)
     changed = sorted(k for k, kind in record.kinds().items() if kind in ("first-contact", "auto"))
     log.info("config as it runs (each value's source beside it): %s; set at start-up: %s", path, ", ".join(changed))
-    trainer.metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
+    metrics = trainer.metrics
+    metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
+    metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
+    per_block = trainer.memory_report["activation_bytes_per_block"]
+    metrics.section("memory", {f"activation_bytes_block_{i}": b for i, b in enumerate(per_block)}, 0)
 
 
 def _fmt_loss(loss: Optional[float]) -> str:

@@ -147,3 +147,55 @@ def test_cfg_job_says_it_is_the_composition_and_where_the_effective_config_is(tm
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["optim"]["lr"] == 1e-3
     assert "plan.format=resolved" in proc.stderr and "resolved_config.yaml" in proc.stderr
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in directory.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_a_refused_resume_leaves_the_runs_files_byte_identical(tmp_path):
+    """A train.resume=auto onto another data stream is refused (rc 2). Before: resolved_config.yaml (and a new
+    TensorBoard event file) were written before the resume compared the data, so the run's record described the
+    refused launch. Every file of the run dir is hashed before and after; the refused launch may add only its own
+    Hydra folder (.hydra/, train.log, error.json), and .lock names the last holder."""
+    out = tmp_path / "run"
+    fast = ("debug=fast", "train.progress=false", f"train.output_dir={out}", "data.demo_max_files=24")
+    first = subprocess.run(
+        [sys.executable, "-m", "flexengine.train", *fast, "train.max_steps=2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _hashes(out)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flexengine.train",
+            *fast,
+            "data.demo_max_files=12",
+            "optim.lr=0.05",
+            "train.max_steps=4",
+            "train.resume=auto",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert refused.returncode == 2 and "another data stream" in refused.stderr, refused.stderr[-3000:]
+    after = _hashes(out)
+    changed = sorted(name for name in before if name != ".lock" and after.get(name) != before[name])
+    assert not changed, changed
+    launches = {Path(name).parts[:2] for name in before if Path(name).parts[0][:2] == "20"}
+    added = sorted(name for name in after if name not in before and Path(name).parts[:2] not in launches)
+    assert added and all(Path(name).parts[0][:2] == "20" for name in added), added  # only the launch's own folder
+    assert "tb" not in {Path(n).parts[0] for n in added}
