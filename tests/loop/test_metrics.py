@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -160,3 +161,24 @@ def test_a_symlinked_tensorboard_dir_is_refused(tmp_path):
     with pytest.raises(UserError, match="tb is a symbolic link"):
         writer.scalars({"loss": 1.0}, 1)
     assert not list(elsewhere.iterdir())
+
+
+def test_a_resume_survives_a_torn_and_a_garbage_line_in_metrics_jsonl(tmp_path, caplog):
+    """What a power cut or a full disk leaves: a cut last line, and a line of garbage. Before: every
+    train.resume=auto died in truncate_after with a JSONDecodeError traceback, so a requeue loop failed forever."""
+    out = tmp_path / "run"
+    first = _tiny_job(out, steps=2)
+    first = dataclasses.replace(first, train=dataclasses.replace(first.train, save_final=True))
+    run_training(first, out)
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    torn = len(lines) + 1  # the garbage line goes before the cut one
+    path.write_text("\n".join(lines) + "\n\x00\x00garbage\n" + lines[-1][: len(lines[-1]) // 2])
+    resumed = _tiny_job(out, steps=3)
+    resumed = dataclasses.replace(resumed, train=dataclasses.replace(resumed.train, resume="auto"))
+    with caplog.at_level("WARNING", logger="flexengine.loop.metrics"):
+        summary = run_training(resumed, out)
+    assert summary["steps"] == 3
+    assert f"{path}:{torn} is not a JSON record" in caplog.text and f"{path}:{torn + 1} is not" in caplog.text
+    records = [json.loads(line) for line in path.read_text().splitlines()]  # every line a record again
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3]
