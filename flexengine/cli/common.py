@@ -34,7 +34,8 @@ ERROR_FILE = "error.json"
 def register_schema(node: type = JobConfig) -> None:
     """Make `node` (JobConfig or a subclass with a tool's own options) the schema conf/config.yaml composes on, and
     register `flexengine_output_root` (`${flexengine_output_root:${train.output_dir}}`: the value, or outputs when
-    it is null), which hydra.run.dir uses (conf/config.yaml and the torchrun workers' override)."""
+    it is null), which hydra.run.dir uses (conf/config.yaml and the torchrun workers' override), and
+    `flexengine_pid` (this process's id: launches started in the same second get a folder each)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -42,6 +43,8 @@ def register_schema(node: type = JobConfig) -> None:
     if not OmegaConf.has_resolver("flexengine_output_root"):
         # "" too: run_dir treats an empty train.output_dir as unset, and "" here would put the run at /<date>/
         OmegaConf.register_new_resolver("flexengine_output_root", lambda value: value or "outputs")
+    if not OmegaConf.has_resolver("flexengine_pid"):
+        OmegaConf.register_new_resolver("flexengine_pid", os.getpid)
 
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:

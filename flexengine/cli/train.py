@@ -33,7 +33,7 @@ from flexengine.cli.common import (
     write_job_error,
 )
 from flexengine.core.config import JobConfig
-from flexengine.core.errors import OutputDirTaken, UserError
+from flexengine.core.errors import OutputDirTaken, UserError, os_error_message
 
 __all__ = ["main", "run_dir", "to_job_config", "worker_overrides"]
 
@@ -142,7 +142,10 @@ def main() -> None:
     quiet_third_party()
     register_schema(JobConfig)
     sys.argv += worker_overrides(sys.argv[1:])
-    run_hydra_app(_main)
+    try:
+        run_hydra_app(_main)
+    except OSError as e:  # Hydra's own files, before the task (which reports its own): the run dir, .hydra/, the log
+        fail(UserError(os_error_message(e, "creating this launch's directory (Hydra's run dir, inside train.output_dir)")))
     if {"--cfg", "-c"} & set(sys.argv[1:]) or any(a.startswith("--cfg=") for a in sys.argv[1:]):
         print(CFG_JOB_NOTE, file=sys.stderr)  # stdout stays Hydra's YAML
 

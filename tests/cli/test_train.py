@@ -607,3 +607,38 @@ def test_the_output_root_resolver_reads_null_and_empty_as_unset():
     for value, want in ((None, "outputs"), ("", "outputs"), ("/runs/a", "/runs/a")):
         cfg = OmegaConf.create({"train": {"output_dir": value}, "d": "${flexengine_output_root:${train.output_dir}}"})
         assert cfg.d == want
+
+
+def test_launches_in_the_same_second_get_a_folder_each(tmp_path):
+    """Before: both resolved ${now:%H-%M-%S} to the same <date>/<time>/ and shared one .hydra/ and train.log. A
+    config error is the quickest launch that still makes its folder (its error.json)."""
+    args = [sys.executable, "-m", "flexengine.train", "attn.mode=nope", f"train.output_dir={tmp_path / 'out'}"]
+    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    for proc in procs:
+        proc.communicate(timeout=600)
+        assert proc.returncode == 2
+    folders = sorted(p.parent for p in (tmp_path / "out").glob("*/*/error.json"))
+    assert [f.name.rsplit("-", 1)[1] for f in folders] == sorted(str(p.pid) for p in procs), folders
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (a tmpfs mounted ro: permissions do not stop root); skipped where mounting is not
+    allowed."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_read_only_output_dir_is_one_paragraph_and_exit_2(read_only_dir, tmp_path):
+    """Before: Hydra made <dir>/<date>/<time>/ before flexengine's own check, and died in a 60-line traceback, rc 1."""
+    proc = run_cli("debug=fast", f"train.output_dir={read_only_dir / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"failed at {read_only_dir / 'run'}: Read-only file system" in proc.stderr
