@@ -275,6 +275,18 @@ def _check_token_ids(record: dict) -> tuple[Optional[str], str]:
     return None, ""
 
 
+def _needed_fields(data: DataConfig, record: dict) -> tuple[str, ...]:
+    """The fields data.format reads from this record (a null in one of them is named as a null, not as absent)."""
+    if data.format == "text":
+        return (data.text_field,)
+    if data.format == "chat":
+        return (data.messages_field,)
+    if data.format == "mixed":
+        kind = record.get(data.format_field)
+        return (data.format_field, {"text": data.text_field, "chat": data.messages_field}.get(kind, data.format_field))
+    return ("input_ids",)
+
+
 _FORMAT_HINT = "Set data.format={fmt} (in a data.mix, format: {fmt} on that source)"
 
 
@@ -282,6 +294,9 @@ def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any
     """(reason, message, payload) for one parsed record: reason None means good and payload is what to encode."""
     if not isinstance(record, dict):
         return "not_an_object", f"record is {type(record).__name__}, not an object", None
+    for name in _needed_fields(data, record):
+        if name in record and record[name] is None:  # present, but null: not the "no such field" below
+            return "null_field", f"{name!r} is null (JSON null): the field is there, without a value", None
     if data.format == "text":
         value = record.get(data.text_field)
         reason, message = _check_text(value, data.text_field)

@@ -19,6 +19,7 @@ BAD_TEXT_LINES = [
     ("{not json", "malformed_json", "not valid JSON"),
     (json.dumps({"body": "x"}), "missing_field", "no 'text' field"),
     (json.dumps({"text": 42}), "not_a_string", "'text' is int"),
+    (json.dumps({"text": None}), "null_field", "'text' is null"),  # before: "no 'text' field"
     (json.dumps({"text": "   \n"}), "empty_document", "'text' is empty"),
     (json.dumps(["text"]), "not_an_object", "record is list"),
 ]
@@ -83,9 +84,9 @@ def test_parquet_text_and_row_location(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": ["a = 1", None, "b = 2", ""]}), path)
     docs, counts = _read(DataConfig(source="parquet", path=str(path), on_error="skip"))
-    assert [d.payload for d in docs] == ["a = 1", "b = 2"] and counts == {"missing_field": 1, "empty_document": 1}
+    assert [d.payload for d in docs] == ["a = 1", "b = 2"] and counts == {"null_field": 1, "empty_document": 1}
     assert docs[1].where == f"{path}:row 2"
-    with pytest.raises(UserError, match=f"{path}:row 1: no 'text' field"):
+    with pytest.raises(UserError, match=f"{path}:row 1: 'text' is null"):
         _read(DataConfig(source="parquet", path=str(path)))
 
 
