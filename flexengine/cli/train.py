@@ -145,7 +145,11 @@ def main() -> None:
     try:
         run_hydra_app(_main)
     except OSError as e:  # Hydra's own files, before the task (which reports its own): the run dir, .hydra/, the log
-        fail(UserError(os_error_message(e, "creating this launch's directory (Hydra's run dir, inside train.output_dir)")))
+        fail(
+            UserError(
+                os_error_message(e, "creating this launch's directory (Hydra's run dir, inside train.output_dir)")
+            )
+        )
     if {"--cfg", "-c"} & set(sys.argv[1:]) or any(a.startswith("--cfg=") for a in sys.argv[1:]):
         print(CFG_JOB_NOTE, file=sys.stderr)  # stdout stays Hydra's YAML
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ import numpy as np
 
 from flexengine.core.config import DataConfig
 from flexengine.core.storage import pid_alive
+
+log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # bump when the layout or the encoding rules change
 _NPY_HEADER_BYTES = 128  # numpy pads a 1-D v1.0 header to 64-byte multiples: 128 fits any length
@@ -204,3 +207,32 @@ def load_entry(directory: Path) -> Optional[tuple[np.ndarray, np.ndarray, Option
     mask_path = directory / "loss_mask.npy"
     loss_mask = np.load(mask_path, mmap_mode="r", allow_pickle=False) if mask_path.exists() else None
     return tokens, offsets, loss_mask, meta
+
+
+def entry_problem(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int) -> Optional[str]:
+    """Why an entry's arrays cannot be trained on (None: they can): offsets that do not span the tokens, or ids
+    outside the tokenizer's vocabulary (which would fail the first forward with an IndexError). Two passes over the
+    tokens (min, max), once per load."""
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens) or bool(np.any(np.diff(offsets) < 0)):
+        return f"its offsets.npy does not span its {len(tokens):,} tokens"
+    if len(tokens):
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab_size:
+            return f"its tokens.npy holds ids {low}..{high}, outside the tokenizer's vocabulary of {vocab_size:,}"
+    return None
+
+
+def load_checked_entry(
+    directory: Path, vocab_size: int
+) -> Optional[tuple[np.ndarray, np.ndarray, Optional[np.ndarray], dict]]:
+    """load_entry, with its arrays checked against the tokenizer (entry_problem): a damaged or tampered entry is
+    named in a warning and removed (None: the caller tokenizes again)."""
+    entry = load_entry(directory)
+    if entry is None:
+        return None
+    problem = entry_problem(entry[0], entry[1], vocab_size)
+    if problem is None:
+        return entry
+    log.warning("data: the cache entry %s is damaged (%s): removed, tokenizing again", directory, problem)
+    shutil.rmtree(directory, ignore_errors=True)
+    return None

@@ -27,6 +27,7 @@ from flexengine.data.cache import (
     cache_key_inputs,
     corpus_cache_dir,
     corpus_digest,
+    load_checked_entry,
     load_entry,
 )
 from flexengine.data.encode import Dropped, Encoder, Rejected, encode_in_worker, init_worker
@@ -185,7 +186,7 @@ def build_corpus(data: DataConfig, tokenizer) -> Corpus:
     key_inputs = cache_key_inputs(data, files, tokenizer)
     directory = corpus_cache_dir(data.cache_dir) / cache_key(key_inputs)
     start = time.perf_counter()
-    entry = load_entry(directory)
+    entry = load_checked_entry(directory, len(tokenizer))  # a tampered entry is tokenized again
     hit = entry is not None
     if entry is not None:
         log.info("data: cache hit %s (loaded in %.3f s, no tokenization)", directory, time.perf_counter() - start)

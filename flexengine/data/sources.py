@@ -283,7 +283,10 @@ def _needed_fields(data: DataConfig, record: dict) -> tuple[str, ...]:
         return (data.messages_field,)
     if data.format == "mixed":
         kind = record.get(data.format_field)
-        return (data.format_field, {"text": data.text_field, "chat": data.messages_field}.get(kind, data.format_field))
+        return (
+            data.format_field,
+            {"text": data.text_field, "chat": data.messages_field}.get(str(kind), data.format_field),
+        )
     return ("input_ids",)
 
 

@@ -137,3 +137,24 @@ def test_a_tokenizer_killed_by_sigterm_leaves_no_temp_entry_behind(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.parametrize("damage", ["id_past_the_vocabulary", "negative_id", "offsets_past_the_tokens"])
+def test_a_tampered_entry_is_named_and_tokenized_again(jsonl_data, demo_tokenizer, caplog, damage):
+    """Before: ids >= the vocabulary were trusted and crashed the first forward with an IndexError."""
+    first = build_corpus(jsonl_data, demo_tokenizer)
+    entry, expected = first.cache_path, np.array(first.tokens)  # a copy: the memory map sees the tampering
+    if damage == "offsets_past_the_tokens":
+        offsets = np.load(entry / "offsets.npy")
+        offsets[-1] += 7
+        np.save(entry / "offsets.npy", offsets)
+    else:
+        tokens = np.load(entry / "tokens.npy", mmap_mode="r+")
+        tokens[5] = len(demo_tokenizer) + 3 if damage == "id_past_the_vocabulary" else -1
+        tokens.flush()
+        del tokens
+    with caplog.at_level("WARNING"):
+        again = build_corpus(jsonl_data, demo_tokenizer)
+    assert not again.cache_hit and f"data: the cache entry {entry} is damaged" in caplog.text
+    np.testing.assert_array_equal(again.tokens, expected)
+    assert build_corpus(jsonl_data, demo_tokenizer).cache_hit  # the fresh entry stands
