@@ -21,6 +21,7 @@ from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
 from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord, from_config_file
 from flexengine.core.errors import UserError
+from flexengine.core.storage import write_json_atomic
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -260,7 +261,7 @@ def write_job_error(job_dir: Path, exc: BaseException) -> Path:
         "message": str(exc).strip(),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
     }
-    path.write_text(json.dumps(record, indent=2))
+    write_json_atomic(path, record)  # through no link a shared output directory may hold
     return path
 
 

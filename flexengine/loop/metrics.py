@@ -150,11 +150,18 @@ class MetricsWriter:
                 self.writer.add_scalar(f"{prefix}/{key}", float(value), step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        """Hyper-parameters for TensorBoard's HPARAMS tab (compare runs of a sweep)."""
+        """Hyper-parameters for TensorBoard's HPARAMS tab (compare runs of a sweep), in the run's own event file:
+        SummaryWriter.add_hparams opens a second writer whose file name is predictable (no link check there)."""
         if self.writer is None:
             return
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-        self.writer.add_hparams(clean, {f"hparam/{k}": float(v) for k, v in metrics.items()}, run_name=".")
+        values = {f"hparam/{k}": float(v) for k, v in metrics.items()}
+        for summary in hparams_summaries(clean, values):  # experiment, session start, session end
+            self.writer.file_writer.add_summary(summary)
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value)
 
     def close(self) -> None:
         """Flush and close the event file."""

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from flexengine.core.storage import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 TOP_OPS = 20
@@ -39,7 +41,7 @@ def start_profiler(out_dir: Path, max_steps: int, profile_steps: int, device: to
     def on_trace_ready(prof: profile) -> None:
         write_trace(prof)
         table = top_ops_table(prof, device)
-        (out_dir / "profile_top_ops.txt").write_text(table)
+        write_text_atomic(out_dir / "profile_top_ops.txt", table)  # through no link
         log.info("profile: trace in %s; top ops by self time:\n%s", trace_dir, table)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

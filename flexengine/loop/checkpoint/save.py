@@ -266,6 +266,8 @@ def _prepare_temp_dir(root: Path, final: Path, step: int, needed: int) -> str:
         )
     check_free_space(root, needed)
     tmp = root / temp_dir_name(step)
+    if tmp.is_symlink():  # planted at this process's name: the save goes into a directory made here, not there
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)  # our own pid: a leftover of this very process
     try:
         tmp.mkdir()

@@ -274,3 +274,11 @@ def test_a_file_size_limit_is_reported_like_a_full_disk(run, model, monkeypatch,
     with pytest.raises(UserError, match=rf"^saving the checkpoint into .*checkpoints hit the file-size limit: {limit}"):
         save_checkpoint(run, 3, model, None, checkpoint_state(model, 3))
     assert sorted(p.name for p in run.iterdir()) == ["step_1", "step_2"]
+
+
+def test_a_link_planted_at_the_temp_dir_name_is_not_written_through(run, model, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / storage.temp_dir_name(3)).symlink_to(elsewhere, target_is_directory=True)
+    path = save_checkpoint(run, 3, model, None, checkpoint_state(model, 3))
+    assert not list(elsewhere.iterdir()) and verify_checkpoint(path) is None
