@@ -334,7 +334,9 @@ def _writable_dir(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".write_test_{socket.gethostname()}_{os.getpid()}"
-        probe.write_bytes(b"")
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()  # a leftover, or a link planted at this predictable name: never written through
+        open_output(probe, "x").close()
         probe.unlink()
     except OSError as e:
         raise UserError(os_error_message(e, f"preparing the output directory {out_dir}")) from None

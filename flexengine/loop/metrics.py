@@ -169,10 +169,9 @@ class MetricsWriter:
             self._writer.close()
 
 
-def _json_records(path: Path, text: Optional[str] = None) -> list[tuple[str, dict]]:
-    """(line, record) of each JSON object line of an append-only log; a line that is not one (cut by a crash,
-    overwritten) is dropped with a warning naming the file and the line, never a traceback."""
-    text = path.read_text(errors="replace") if text is None else text
+def _json_records(path: Path, text: str) -> list[tuple[str, dict]]:
+    """(line, record) of each JSON object line of an append-only log (`text`, read from `path`); a line that is not
+    one (cut by a crash, overwritten) is dropped with a warning naming the file and the line, never a traceback."""
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

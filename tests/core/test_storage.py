@@ -226,10 +226,10 @@ def test_output_dir_that_is_a_file(tmp_path):
 
 
 def test_read_only_output_dir_is_one_paragraph_naming_the_path(tmp_path, monkeypatch):
-    def read_only(self, data):
-        raise OSError(errno.EROFS, "Read-only file system", str(self))
+    def read_only(path, mode="w"):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(Path, "write_bytes", read_only)  # root ignores chmod; a read-only mount is simulated
+    monkeypatch.setattr(storage, "open_output", read_only)  # root ignores chmod; a read-only mount is simulated
     with pytest.raises(UserError) as err:
         check_output_dir(tmp_path / "out", None)
     message = str(err.value)
@@ -285,3 +285,12 @@ def test_sizes_below_a_gib_are_shown_in_mib():
     assert storage.size_text(12 << 20) == "12 MiB" and storage.size_text(3 << 30) == "3.00 GiB"
     message = storage.disk_full_message(Path("/nowhere"), 10 << 20, 3 << 19)
     assert "needs 10 MiB, 1.5 MiB free" in message, message  # before: "needs 0.01 GiB, 0.00 free"
+
+
+def test_the_write_probe_never_writes_through_a_planted_link(tmp_path):
+    out, target = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("do not touch\n")
+    (out / f".write_test_{socket.gethostname()}_{os.getpid()}").symlink_to(target)
+    check_output_dir(out, None)
+    assert target.read_text() == "do not touch\n" and not list(out.iterdir())
