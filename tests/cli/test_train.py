@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -385,7 +386,7 @@ def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
     assert not (tmp_path / "checkpoints" / "step_2").exists()
 
 
-def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch):
+def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch, caplog):
     """Before: a SIGTERM during the final save of a run that had done all its steps reported status
     "interrupted" and exit 143, so a scheduler would requeue a finished job."""
     import os
@@ -400,9 +401,34 @@ def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatc
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpointer, "save_checkpoint", signal_during_the_final_save)
+    caplog.set_level(logging.WARNING, logger="flexengine.loop.signals")
     summary = run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
     assert summary["steps"] == 2 and summary["status"] == "ok" and summary["exit_code"] == 0
     assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+    # the message says what the exit status is (before: "finishing step 3, then ... exiting with status 143")
+    assert "finishing the final save (step 2)" in caplog.text and "status 0" in caplog.text
+    assert "143" not in caplog.text and "step 3" not in caplog.text
+
+
+def test_a_signal_during_a_periodic_save_names_that_save_and_stops_after_it(tmp_path, monkeypatch, caplog):
+    """Before: a SIGTERM while step 3's checkpoint was written said "finishing step 4", a step that never ran."""
+    import os
+    import signal
+
+    from flexengine.loop import checkpointer
+
+    real_save = checkpointer.save_checkpoint
+
+    def signal_during_the_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "save_checkpoint", signal_during_the_save)
+    caplog.set_level(logging.WARNING, logger="flexengine.loop.signals")
+    summary = run_training(make_job(tmp_path, "train.max_steps=6", "train.save_every=3"), tmp_path)
+    assert summary["steps"] == 3 and summary["exit_code"] == 143 and summary["status"] == "interrupted"
+    assert "signal 15: finishing the checkpoint save of step 3, then exiting with status 143" in caplog.text
+    assert "step 4" not in caplog.text
 
 
 @pytest.mark.parametrize(
