@@ -59,9 +59,8 @@ class StopSignals:
         if self.saving_step is not None:
             doing = f"finishing the checkpoint save of step {self.saving_step}"
             if torch.distributed.is_initialized():  # the ranks vote in the next step: they all stop after it
-                return f"signal {signum}: {doing}; the ranks stop together after step {self.saving_step + 1}, " + (
-                    f"then saving and exiting with status {status}"
-                )
+                after = f"the ranks stop together after step {self.saving_step + 1}"
+                return f"signal {signum}: {doing}; {after}, then saving and exiting with status {status}"
             return f"signal {signum}: {doing}, then exiting with status {status}"
         if self.pause:
             unit = "batch" if self.pause == "evaluation" else "token"
