@@ -20,8 +20,8 @@ from flexengine.surgery.family import hf_causal_lm, resolve_family
 from flexengine.surgery.model_files import (
     StoredTensor,
     check_against_manifest,
+    check_model_dir,
     check_shapes,
-    read_config_json,
     stored_tensors,
     tokenizer_problem,
 )
@@ -41,17 +41,7 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
             model.path or model.tokenizer or "the model directory",
         )
     if model.path is not None:
-        path = Path(model.path)
-        if not path.is_dir():
-            raise UserError(f"model.path={model.path!r} is not a directory. Point it at a local HF model directory.")
-        if not (path / "config.json").is_file():
-            raise UserError(
-                f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
-                "(expected config.json, tokenizer files and *.safetensors)."
-            )
-        read_config_json(path)
-        if model.loads_weights:
-            stored_tensors(path)
+        check_model_dir(model.path, model.loads_weights)
         try:
             config = AutoConfig.from_pretrained(base_name_or_path(model), trust_remote_code=model.trust_remote_code)
         except (ValueError, OSError) as e:  # JSON, but not a config transformers knows (e.g. its model_type)

@@ -633,3 +633,31 @@ def test_the_output_root_resolver_reads_null_and_empty_as_unset():
     for value, want in ((None, "outputs"), ("", "outputs"), ("/runs/a", "/runs/a")):
         cfg = OmegaConf.create({"train": {"output_dir": value}, "d": "${flexengine_output_root:${train.output_dir}}"})
         assert cfg.d == want
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("model.path={tmp}/absent", "is not a directory"),
+        ("data.path={tmp}/absent.jsonl", "matches no jsonl file"),
+        ("model.path={tmp}/damaged", "model.safetensors"),
+    ],
+)
+def test_missing_paths_and_damaged_model_files_stop_before_torch_is_imported(tmp_path, override, said):
+    """Before: a wrong model.path or data.path was found only after torch and transformers were imported (12-40 s
+    on a loaded machine). Now exit 2 with the message, and neither was imported."""
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text('{"model_type": "llama"}')
+    (damaged / "model.safetensors").write_bytes(b"\x10\x00")  # cut short inside the header length
+    argv = ["flexengine-train", "data=jsonl", override.format(tmp=tmp_path), f"hydra.run.dir={tmp_path}/run"]
+    if "data.path" not in override:
+        argv.append(f"data.path={Path(__file__)}")  # any existing file: the model check comes first
+    code = (
+        "import sys\nfrom flexengine.cli.train import main\n"
+        f"sys.argv = {argv!r}\n"
+        "try:\n    main()\nexcept SystemExit as e:\n"
+        "    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert said in proc.stderr and "exit 2 False False" in proc.stderr, proc.stderr[-3000:]
