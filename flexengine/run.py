@@ -145,11 +145,8 @@ def _load_weights(
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
     # rank 0's weights by broadcast once wrapped (apply_parallel).
     from_rank0 = dist_info.world_size > 1 and job.model.loads_weights
-    if from_rank0 and not loads_weights(dist_info):
-        log.info("model: rank %d skips reading %s; its weights come from rank 0", dist_info.rank, job.model.path)
-        model = load_model(dataclasses.replace(job.model, init="random"), device, fit.precision.param_dtype)
-    else:
-        model = load_model(job.model, device, fit.precision.param_dtype)
+    placeholder = from_rank0 and not loads_weights(dist_info)  # this rank reads no checkpoint (its log says so)
+    model = load_model(job.model, device, fit.precision.param_dtype, placeholder=placeholder)
     check_vocab(model, tokenizer)
     return model, from_rank0
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
+from flexengine.cli.common import format_params
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
 from flexengine.core.config_record import ConfigRecord
 
@@ -117,10 +118,6 @@ def _schema_default(group: str, key: str) -> Any:
     raise ValueError(f"the schema gives {group}.{key} no default")
 
 
-def _explain(params: int) -> str:
-    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-
-
 def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
     """train.max_steps is kept, never taken from a 7B config (the step count follows the user's data, not the model's
     size), but the demo's count is one of the settings that wreck a 7B run: say so where the defaults are listed."""
@@ -150,8 +147,8 @@ def apply_pretrained_defaults(
         rows_kept = _rows_kept(job, explicit, defaults, source, notes)
     else:
         notes.append(
-            f"{_explain(params)} parameters: no shipped model config is within {SAME_SIZE}x of that size (nearest: "
-            f"{source}, {_explain(source_params)}), so generic fine-tuning defaults apply and "
+            f"{format_params(params)} parameters: no shipped model config is within {SAME_SIZE}x of that size "
+            f"(nearest: {source}, {format_params(source_params)}), so generic fine-tuning defaults apply and "
             f"{_whose_rows(job, explicit)} stay"
         )
         defaults, source = dict(GENERIC_FINETUNE), GENERIC_SOURCE
@@ -167,7 +164,7 @@ def apply_pretrained_defaults(
         "none; yours are kept. Name a model group (model=deepseek7b, ...) or set any of these keys to choose "
         "yourself:\n  %s",
         model.path,
-        _explain(params),
+        format_params(params),
         DEMO_MODEL,
         _schema_default("optim", "lr"),  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
         _schema_default("optim", "weight_decay"),

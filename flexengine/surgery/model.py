@@ -111,13 +111,30 @@ def _n_params(lm: torch.nn.Module) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
-def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`."""
+def load_model(
+    model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, placeholder: bool = False
+) -> torch.nn.Module:
+    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`.
+    placeholder: build the shapes only; the weights of model.path come later by broadcast from rank 0 (a rank > 0
+    of a job, which reads no checkpoint of its own)."""
     config = build_hf_config(model)
-    if not model.loads_weights:
+    if placeholder or not model.loads_weights:
         with device:
             lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
         source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
+        if placeholder:  # random values for the moment: not what trains, so no RANDOM warning
+            log.info(
+                "model %s: shapes built from %s (%s, %.1fM parameters, %s on %s); its weights come by broadcast "
+                "from rank 0, which reads %s",
+                model.name,
+                source,
+                config.model_type,
+                _n_params(lm) / 1e6,
+                dtype,
+                device,
+                model.path,
+            )
+            return lm
         log.warning(
             "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
             "%s. Nothing pretrained is loaded%s.",
