@@ -41,7 +41,7 @@ from flexengine.loop.components import Components, build_components
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
-from flexengine.planning.report import activation_summary
+from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
@@ -161,7 +161,7 @@ def _apply_surgery(
     context_parallel: Optional[ContextParallel],
 ) -> tuple[nn.Module, dict]:
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
-    LoRA) and the activation summary measured before compile."""
+    LoRA) and the planner's activation summary (the first training forward may measure it: _attach_reports)."""
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     apply_precision(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
@@ -213,16 +213,22 @@ def fit_of(trainer: Trainer) -> FitPlan:
 
 
 def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
-    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports."""
+    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports. Where
+    the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its bytes replace
+    the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
     trainer.plan = fit
     trainer.data_report = data_report
     trainer.memory_report = memory_report
     trainer.metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    trainer.metrics.section(
-        "memory",
-        {f"activation_bytes_block_{i}": b for i, b in enumerate(memory_report["activation_bytes_per_block"])},
-        0,
-    )
+
+    def write_memory_section(report: dict) -> None:
+        blocks = {f"activation_bytes_block_{i}": b for i, b in enumerate(report["activation_bytes_per_block"])}
+        trainer.metrics.section("memory", blocks, 0)
+
+    if meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):
+        FirstForwardMeter(trainer.forward.train_module, trainer.model, memory_report, write_memory_section)
+    else:
+        write_memory_section(memory_report)
 
 
 def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
