@@ -98,11 +98,6 @@ def to_job_record(
     return apply_pretrained_defaults(job, given, record), record
 
 
-def format_params(params: int) -> str:
-    """A parameter count as people say it: 6.74B, or 4.2M below a billion (a small model is not "0.00B")."""
-    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-
-
 def check_inputs_early(job: JobConfig) -> None:
     """model.path's files and the data's paths, checked before torch and transformers are imported (10-25 s on a
     loaded machine): a wrong path or a damaged model file stops within seconds, not after the imports. The same

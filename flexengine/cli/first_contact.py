@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
-from flexengine.cli.common import format_params
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
 from flexengine.core.config_record import ConfigRecord
 
@@ -59,6 +58,11 @@ def holds_weights(path: str) -> bool:
 def command_line_keys(overrides: Iterable[str]) -> set[str]:
     """The dotted keys a list of Hydra overrides sets (`optim.lr=1e-4`, `+train.x=1`; group choices too)."""
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+def format_params(params: int) -> str:
+    """A parameter count as people say it: 6.74B, or 4.2M below a billion (a small model is not "0.00B")."""
+    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
 
 
 def config_json_params(config: dict) -> Optional[int]:

@@ -20,15 +20,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import hydra
 from omegaconf import DictConfig
 
-from flexengine.cli.common import (
-    CONFIG_PATH,
-    fail,
-    format_params,
-    register_schema,
-    run_hydra_app,
-    to_job_config,
-    to_job_record,
-)
+from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
+from flexengine.cli.first_contact import format_params
 from flexengine.core.config import HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,

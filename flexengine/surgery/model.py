@@ -111,6 +111,41 @@ def _n_params(lm: torch.nn.Module) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
+def _built_from_config(
+    model: ModelConfig, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, placeholder: bool
+) -> torch.nn.Module:
+    """The architecture with fresh weights: random ones said loudly, or a rank's placeholders said as such."""
+    with device:
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
+    source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
+    if placeholder:  # random values for the moment: not what trains, so no RANDOM warning
+        log.info(
+            "model %s: shapes built from %s (%s, %.1fM parameters, %s on %s); its weights come by broadcast "
+            "from rank 0, which reads %s",
+            model.name,
+            source,
+            config.model_type,
+            _n_params(lm) / 1e6,
+            dtype,
+            device,
+            model.path,
+        )
+        return lm
+    log.warning(
+        "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
+        "%s. Nothing pretrained is loaded%s.",
+        model.name,
+        model.init,
+        source,
+        config.model_type,
+        _n_params(lm) / 1e6,
+        dtype,
+        device,
+        "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
+    )
+    return lm
+
+
 def load_model(
     model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, placeholder: bool = False
 ) -> torch.nn.Module:
@@ -119,35 +154,7 @@ def load_model(
     of a job, which reads no checkpoint of its own)."""
     config = build_hf_config(model)
     if placeholder or not model.loads_weights:
-        with device:
-            lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
-        source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
-        if placeholder:  # random values for the moment: not what trains, so no RANDOM warning
-            log.info(
-                "model %s: shapes built from %s (%s, %.1fM parameters, %s on %s); its weights come by broadcast "
-                "from rank 0, which reads %s",
-                model.name,
-                source,
-                config.model_type,
-                _n_params(lm) / 1e6,
-                dtype,
-                device,
-                model.path,
-            )
-            return lm
-        log.warning(
-            "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
-            "%s. Nothing pretrained is loaded%s.",
-            model.name,
-            model.init,
-            source,
-            config.model_type,
-            _n_params(lm) / 1e6,
-            dtype,
-            device,
-            "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
-        )
-        return lm
+        return _built_from_config(model, config, device, dtype, placeholder)
     assert model.path is not None  # loads_weights: weights come from model.path
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):

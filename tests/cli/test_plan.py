@@ -92,7 +92,7 @@ def test_plan_table_and_nothing_fits():
 
 def test_plan_counts_small_models_in_millions_and_7b_in_billions():
     """Before: the demo model's table said "(0.00B parameters)"."""
-    from flexengine.cli.common import format_params
+    from flexengine.cli.first_contact import format_params
 
     assert (format_params(4_194_304), format_params(6_738_415_616)) == ("4.2M", "6.74B")
     proc = _plan()  # the demo model
