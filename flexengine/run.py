@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from flexengine.loop.components import Components, build_components
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
-from flexengine.planning.report import activation_summary
+from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
@@ -145,11 +145,8 @@ def _load_weights(
     # One host copy of the checkpoint per job: ranks > 0 build the same shapes (random, on their device) and get
     # rank 0's weights by broadcast once wrapped (apply_parallel).
     from_rank0 = dist_info.world_size > 1 and job.model.loads_weights
-    if from_rank0 and not loads_weights(dist_info):
-        log.info("model: rank %d skips reading %s; its weights come from rank 0", dist_info.rank, job.model.path)
-        model = load_model(dataclasses.replace(job.model, init="random"), device, fit.precision.param_dtype)
-    else:
-        model = load_model(job.model, device, fit.precision.param_dtype)
+    placeholder = from_rank0 and not loads_weights(dist_info)  # this rank reads no checkpoint (its log says so)
+    model = load_model(job.model, device, fit.precision.param_dtype, placeholder=placeholder)
     check_vocab(model, tokenizer)
     return model, from_rank0
 
@@ -164,7 +161,7 @@ def _apply_surgery(
     context_parallel: Optional[ContextParallel],
 ) -> tuple[nn.Module, dict]:
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
-    LoRA) and the activation summary measured before compile."""
+    LoRA) and the planner's activation summary (the first training forward may measure it: _attach_reports)."""
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     apply_precision(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
@@ -216,10 +213,24 @@ def fit_of(trainer: Trainer) -> FitPlan:
 
 
 def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
-    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports."""
+    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports. Where
+    the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its bytes replace
+    the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
     trainer.plan = fit
     trainer.data_report = data_report
     trainer.memory_report = memory_report
+    if meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):  # written when measured
+        FirstForwardMeter(trainer.forward.train_module, trainer.model, memory_report, _write_memory_section(trainer))
+
+
+def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
+    """TensorBoard's memory section from a memory report (the planner's, or the first forward's measurement)."""
+
+    def write(report: dict) -> None:
+        blocks = {f"activation_bytes_block_{i}": b for i, b in enumerate(report["activation_bytes_per_block"])}
+        trainer.metrics.section("memory", blocks, 0)
+
+    return write
 
 
 def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
@@ -360,8 +371,8 @@ def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None
     metrics = trainer.metrics
     metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
     metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    per_block = trainer.memory_report["activation_bytes_per_block"]
-    metrics.section("memory", {f"activation_bytes_block_{i}": b for i, b in enumerate(per_block)}, 0)
+    if not meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):  # else at the first forward
+        _write_memory_section(trainer)(trainer.memory_report)
 
 
 def _fmt_loss(loss: Optional[float]) -> str:

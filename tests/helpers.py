@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -25,6 +26,39 @@ DEBUG_FAST = ("debug=fast", "optim.warmup_steps=1")
 def make_job(out_dir: Path, *overrides: str) -> JobConfig:
     """conf/ composed exactly like the entry point does: FAST, train.output_dir=out_dir, then the overrides."""
     return compose_job([*FAST, f"train.output_dir={out_dir}", *overrides])
+
+
+# ChatML, with HF's {% generation %} markers so transformers' own assistant mask can serve as a reference. The
+# block closes at <|im_end|>: the newline after it is the template's trailer, which the model never generates.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
+    "{% endgeneration %}{{ '\\n' }}"  # an expression: jinja's trim_blocks would eat a literal newline here
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_chatml(tokenizer, eos: Optional[str] = None):
+    """`tokenizer` with ChatML's special tokens and chat template; eos: make that token its eos (an instruct
+    tokenizer's, e.g. <|im_end|>, where the base model's end-of-text stays in the vocabulary)."""
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    if eos is not None:
+        tokenizer.eos_token = eos
+    return tokenizer
+
+
+def save_pretrained_instruct(path: Path) -> Path:
+    """A tiny instruct-model directory like SmolLM2-135M-Instruct's: LLaMA weights and a ChatML tokenizer whose eos
+    is <|im_end|> (the chat end-of-turn), with the base model's <|endoftext|> in its vocabulary."""
+    from flexengine.data.demo import load_demo_tokenizer
+
+    tokenizer = with_chatml(load_demo_tokenizer(), eos="<|im_end|>")
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer)})).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def save_pretrained_llama(path: Path) -> Path:

@@ -94,10 +94,13 @@ def test_wheel_ships_conf_and_composes_from_it(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     build = _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(dist), str(src)],
         cwd=tmp_path,
     )
     assert build.returncode == 0, build.stderr[-3000:]
+    # setuptools warns (~300 lines, shown by scripts/setup.sh's pip) about each importable directory that
+    # [tool.setuptools] packages does not list: every conf/ group must be listed there
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr, "list it in pyproject.toml"
     (wheel,) = dist.glob("flexengine-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())

@@ -102,6 +102,21 @@ def to_job_record(
     return apply_pretrained_defaults(job, given, record), record
 
 
+def check_inputs_early(job: JobConfig) -> None:
+    """model.path's files and the data's paths, checked before torch and transformers are imported (10-25 s on a
+    loaded machine): a wrong path or a damaged model file stops within seconds, not after the imports. The same
+    checks run again where the files are read."""
+    from flexengine.data.sources import source_files
+    from flexengine.data.split import eval_source
+    from flexengine.surgery.model_files import check_model_dir
+
+    if job.model.path is not None:
+        check_model_dir(str(job.model.path), job.model.loads_weights)
+    source_files(job.data)
+    if job.data.eval_path:
+        source_files(eval_source(job.data))
+
+
 def group_options(group: str) -> tuple[str, ...]:
     """The shipped options of a config group (conf/<group>/*.yaml names), sorted. precision.mode is checked
     against them at composition: surgery/precision.SPECS holds torch dtypes, and composing a job must not import

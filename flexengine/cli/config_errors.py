@@ -41,6 +41,12 @@ def _unknown_in(node: Any, prefix: str) -> Iterable[str]:
             yield from _unknown_in(child, f"{prefix}{key}.")
 
 
+def keys_typed_under(key: str, command_line_keys: Iterable[str]) -> list[str]:
+    """The command line's keys at or under `key`: the whole key typed finds the nearest real one
+    (`trian.max_steps` -> train.max_steps), where the unknown part alone would not (`trian` -> data.train_on)."""
+    return sorted(k for k in command_line_keys if k == key or k.startswith(key + "."))
+
+
 def check_known_keys(cfg: Any, command_line_keys: set[str]) -> None:
     """Refuse keys of the composed config that its schema does not have (added with + or ++, or from a config
     file), naming each, where it came from, and the nearest real key."""
@@ -50,10 +56,10 @@ def check_known_keys(cfg: Any, command_line_keys: set[str]) -> None:
     if not unknown:
         return
 
-    def typed(key: str) -> bool:  # `+foo.bar=1` adds the key foo
-        return any(k == key or k.startswith(key + ".") for k in command_line_keys)
-
-    origin = {key: "the command line" if typed(key) else "a config file" for key in unknown}
+    origin = {}
+    for key in unknown:  # `+trian.max_steps=1` adds the unknown key trian: the key typed is named
+        typed = keys_typed_under(key, command_line_keys)
+        origin.update(dict.fromkeys(typed, "the command line") if typed else {key: "a config file"})
     schema = OmegaConf.get_type(cfg)
     assert schema is not None  # keys are found unknown only below a dataclass schema, the root's first
     raise UserError(unknown_key_message(origin, schema))
@@ -87,7 +93,10 @@ def composition_error(e: BaseException, schema: type, overrides: Sequence[str]) 
             return UserError(f"{key} is not one of Hydra's settings (see `--cfg hydra` for them).")
         config_file = re.match(r"In '([^']+)'", str(e))
         origin = f"config {config_file.group(1)}" if config_file else "a config file"
-        origin = "the command line" if key in command_line_keys(overrides) else origin
+        # Hydra names the first unknown part: `trian` for `trian.max_steps=3`
+        typed = keys_typed_under(key, command_line_keys(overrides))
+        if typed:
+            key, origin = typed[0], "the command line"
         return UserError(unknown_key_message({key: origin}, schema))
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
         group, _, option = e.missing_cfg_file.rpartition("/")

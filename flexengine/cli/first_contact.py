@@ -60,18 +60,55 @@ def command_line_keys(overrides: Iterable[str]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
-def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
-    """(file, yaml, parameter count) of every shipped model config that carries fine-tuning defaults."""
+def format_params(params: int) -> str:
+    """A parameter count as people say it: 6.74B, or 4.2M below a billion (a small model is not "0.00B")."""
+    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+
+
+def config_json_params(config: dict) -> Optional[int]:
+    """Parameters of a LLaMA-style decoder counted from its config.json numbers, as planning.shapes.ModelShape counts
+    them but without torch or transformers (importing them takes 10-25 s on a loaded machine, and the run's first
+    line must not wait for them); None when a dimension is missing or nested (a multimodal text_config). The biases
+    a family always carries whatever its config says (Qwen2's q/k/v) are left out: under 0.01 % of a model, far
+    inside SAME_SIZE."""
+    dims = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+    if not all(isinstance(config.get(key), int) and config[key] > 0 for key in dims):
+        return None
+    h, a, f, L, V = (config[key] for key in dims)
+    k = config.get("num_key_value_heads") or a
+    d = config.get("head_dim") or h // a
+    per_layer = h * (a * d + 2 * k * d) + a * d * h + 3 * h * f + 2 * h  # q, k, v, o; gate, up, down; two norms
+    if config.get("attention_bias"):  # q, k, v and o
+        per_layer += a * d + 2 * k * d + h
+    embeddings = V * h * (1 if config.get("tie_word_embeddings") else 2)  # absent: untied, the LLaMA classes' default
+    return L * per_layer + embeddings + h  # + the final norm
+
+
+def _counted_params(model: ModelConfig) -> int:
+    """model's parameter count: from config.json arithmetic (model.path) or model.arch when they hold every
+    dimension, else through its HF config (importing torch and transformers)."""
+    if model.path is not None:  # its files checked first: a damaged one stops here, before any heavy import
+        from flexengine.surgery.model_files import check_model_dir, read_config_json
+
+        counted = config_json_params(read_config_json(check_model_dir(str(model.path), model.loads_weights)))
+    else:
+        counted = config_json_params(dict(model.arch))
+    if counted is not None:
+        return counted
     from flexengine.planning.shapes import ModelShape
     from flexengine.surgery.model import build_hf_config
 
+    return ModelShape.from_hf_config(build_hf_config(model)).params
+
+
+def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
+    """(file, yaml, parameter count) of every shipped model config that carries fine-tuning defaults."""
     out = []
     for path in sorted((conf_dir() / "model").glob("*.yaml")):
         raw = yaml.safe_load(path.read_text())
         if "optim" not in raw or "arch" not in raw.get("model", {}):
             continue
-        arch = raw["model"]["arch"]
-        params = ModelShape.from_hf_config(build_hf_config(ModelConfig(init="random", arch=arch))).params
+        params = _counted_params(ModelConfig(init="random", arch=raw["model"]["arch"]))
         out.append((f"conf/model/{path.name}", raw, params))
     return out
 
@@ -83,10 +120,6 @@ def _schema_default(group: str, key: str) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     raise ValueError(f"the schema gives {group}.{key} no default")
-
-
-def _explain(params: int) -> str:
-    return f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
 
 
 def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
@@ -107,10 +140,7 @@ def apply_pretrained_defaults(
     model = job.model
     if model.name != DEMO_MODEL or not model.loads_weights or not holds_weights(str(model.path)):
         return job
-    from flexengine.planning.shapes import ModelShape
-    from flexengine.surgery.model import build_hf_config
-
-    params = ModelShape.from_hf_config(build_hf_config(model)).params
+    params = _counted_params(model)
     source, raw, source_params = min(_shipped_finetune_configs(), key=lambda c: abs(math.log(c[2] / params)))
     explicit = command_line_keys(given)
     notes = [f"model.name={Path(str(model.path)).name} (the directory name of model.path)"]
@@ -121,9 +151,9 @@ def apply_pretrained_defaults(
         rows_kept = _rows_kept(job, explicit, defaults, source, notes)
     else:
         notes.append(
-            f"{_explain(params)} parameters: no shipped model config is within {SAME_SIZE}x of that size (nearest: "
-            f"{source}, {_explain(source_params)}), so generic fine-tuning defaults apply and the demo's "
-            f"train.micro_batch={job.train.micro_batch} x train.grad_accum={job.train.grad_accum} stays"
+            f"{format_params(params)} parameters: no shipped model config is within {SAME_SIZE}x of that size "
+            f"(nearest: {source}, {format_params(source_params)}), so generic fine-tuning defaults apply and "
+            f"{_whose_rows(job, explicit)} stay"
         )
         defaults, source = dict(GENERIC_FINETUNE), GENERIC_SOURCE
     others = {k: v for k, v in defaults.items() if k not in rows_kept}
@@ -133,14 +163,15 @@ def apply_pretrained_defaults(
     changes = {**_taken_defaults(job, explicit, others, sources, notes), **rows_kept}
     notes.append(_step_count_note(job, explicit))
     log.warning(
-        "model.path=%s holds pretrained weights (%s parameters) and no model group is named, so the demo's "
-        "from-scratch settings (model=%s: lr %g, weight decay %g) are replaced by fine-tuning defaults; name a "
-        "model group (model=deepseek7b, ...) or set any of these keys to choose yourself:\n  %s",
+        "model.path=%s holds pretrained weights (%s parameters) and no model group is named, so fine-tuning "
+        "defaults replace the demo's from-scratch settings (model=%s: lr %g, weight decay %g) wherever you set "
+        "none; yours are kept. Name a model group (model=deepseek7b, ...) or set any of these keys to choose "
+        "yourself:\n  %s",
         model.path,
-        _explain(params),
+        format_params(params),
         DEMO_MODEL,
-        job.optim.lr,
-        job.optim.weight_decay,
+        _schema_default("optim", "lr"),  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
+        _schema_default("optim", "weight_decay"),
         "\n  ".join(notes),
     )
     groups: dict[str, dict] = {}
@@ -152,6 +183,18 @@ def apply_pretrained_defaults(
         labels = {key: f"first-contact: from {sources.get(key, source)}" for key in changes}
         record.update(job, {**labels, "model.name": "first-contact: model.path's directory name"})
     return job
+
+
+def _whose_rows(job: JobConfig, explicit: set[str]) -> str:
+    """train.micro_batch and train.grad_accum, each said to be the user's (typed, or changed from the demo's by a
+    config of theirs) or the demo's."""
+    parts = []
+    for key in SIZE_KEYS:
+        group, field = key.split(".")
+        value = getattr(job.train, field)
+        yours = key in explicit or value != _schema_default(group, field)
+        parts.append(f"{key}={value} " + ("(yours)" if yours else "(the demo's)"))
+    return " x ".join(parts)
 
 
 def _rows_kept(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:

@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
+from flexengine.cli.first_contact import format_params
 from flexengine.core.config import HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
@@ -93,8 +94,9 @@ def format_table(report: PlanReport) -> str:
     from flexengine.planning.fit import format_fit
 
     plan = report.plan
+    model = f"{plan.hf_config.get('model_type')} ({format_params(report.params)} parameters)"
     lines = [
-        f"model: {plan.hf_config.get('model_type')} ({report.params / 1e9:.2f}B parameters)  seq_len={plan.seq_len}",
+        f"model: {model}  seq_len={plan.seq_len}",
         format_fit(report.fit),
         "",
         "  every term of the chosen policy's step:",

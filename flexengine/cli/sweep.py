@@ -298,11 +298,21 @@ class SweepSummary(Callback):
             sys.exit(1)
 
 
+SWEEP_USAGE = "usage: python -m flexengine.sweep <sweep_dir>   (e.g. multirun/2026-01-01/12-00-00)"
+SWEEP_HELP = (
+    "(Re)build sweep_summary.{csv,md,png} of a sweep directory from its jobs' summary.json / error.json and print "
+    "the table. A sweep itself runs with `python -m flexengine.train -m key=a,b`, which writes the summary at its end."
+)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """`python -m flexengine.sweep <sweep_dir>`: (re)build the summary of a sweep directory."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):  # asked for: the usage on stdout, success
+        print(f"{SWEEP_USAGE}\n{SWEEP_HELP}")
+        return
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m flexengine.sweep <sweep_dir>   (e.g. multirun/2026-01-01/12-00-00)", file=sys.stderr)
+        print(SWEEP_USAGE, file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if summarize_sweep(Path(argv[0])):

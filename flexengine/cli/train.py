@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import (
     CONFIG_PATH,
+    check_inputs_early,
     fail,
     format_job_short,
     free_memory,
@@ -55,6 +56,7 @@ def _main(cfg: DictConfig) -> dict:
     job_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         job, record = to_job_record(cfg)  # config mistakes fail here, before the heavy imports below
+        check_inputs_early(job)  # so do missing paths and damaged model files
         if job.train.resume == "auto" and not job.train.output_dir and _pinned_run_dir(hydra_cfg):
             # the user's hydra.run.dir is the same directory at every launch: resume=auto has a run to look for
             job = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(job_dir)))

@@ -59,7 +59,12 @@ class DataConfig:
     # (data order) | none (one document per row, padded to the batch's longest)
     long_docs: str = "split"  # documents longer than seq_len: split | truncate | drop (always counted)
     bucket: bool = False  # packing=none: group documents of similar length into batches (less padding)
-    add_eos: bool = True  # format=text: append the tokenizer's EOS to every document (chat: the template decides)
+    add_eos: bool = True  # format=text: append the document separator (data.separator) to every document (chat:
+    # the template decides)
+    separator: Optional[str] = None  # format=text: the token that ends each document, as its text in the
+    # vocabulary (e.g. '<|endoftext|>') | eos: the tokenizer's EOS | null: the base model's end-of-text
+    # (<|endoftext|>, <|end_of_text|> or </s>) where the vocabulary has one and the EOS is another token (an instruct
+    # tokenizer's EOS ends chat turns: <|im_end|>, <|eot_id|>), else the EOS. The log says which token it is
     cache_dir: Optional[str] = None  # tokenized-corpus cache; None = $FLEXENGINE_CACHE or ~/.cache/flexengine
     num_workers: int = 2  # tokenization processes; 0 or 1 = in this process (the Rust tokenizer's own threads)
     shuffle: bool = True  # shuffle packed rows each epoch (seeded by train.seed, resumable)

@@ -17,6 +17,7 @@ from flexengine.core.config import DataConfig, JobConfig
 from flexengine.core.distributed import DistInfo, main_rank_first
 from flexengine.core.errors import UserError
 from flexengine.data.corpus import Corpus, build_corpus
+from flexengine.data.encode import describe_separator
 from flexengine.data.loader import HeldOut, RowLoader
 from flexengine.data.mix import build_sources, format_mix_report, mix_documents
 from flexengine.data.packing import PackPlan, has_targets, plan_packing
@@ -39,6 +40,9 @@ def _documents(
 ) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[list[dict]]]:
     """The tokenized corpora (cached) and which documents train and which are held out:
     (corpus, eval corpus, training documents, held-out documents, the mix report or None)."""
+    separated = describe_separator(tokenizer, job.data)
+    if separated and dist_info.is_main:
+        log.info("data: %s", separated)
     with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
         corpus, source_of = build_sources(job.data, tokenizer)
         eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus

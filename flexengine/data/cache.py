@@ -29,7 +29,8 @@ from flexengine.core.storage import pid_alive
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the layout or the encoding rules change
+CACHE_VERSION = 2  # bump when the layout or the encoding rules change (2: text documents end with the
+# base model's end-of-text, not an instruct tokenizer's end-of-turn EOS)
 _NPY_HEADER_BYTES = 128  # numpy pads a 1-D v1.0 header to 64-byte multiples: 128 fits any length
 
 
@@ -56,6 +57,7 @@ def cache_key_inputs(data: DataConfig, files: list[Path], tokenizer) -> dict:
     """Everything the tokenized corpus depends on, as a JSON-able dict."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     keys = ["source", "format", "text_field", "messages_field", "max_docs", "on_error", "add_eos", "max_record_bytes"]
+    keys.append("separator")  # null resolves from the tokenizer alone, which the fingerprint covers
     if data.source == "hf":  # one saved DatasetDict holds several splits: each is its own corpus
         keys.append("hf_split")
     if data.format in ("chat", "mixed"):  # what the chat encoding depends on (text caches ignore seq_len)

@@ -1,6 +1,8 @@
 """Turn checked records into token ids (+ which tokens are trained on): text, chat, pretokenized or mixed.
 
-- text: the tokenizer's own special tokens (e.g. LLaMA's BOS) + EOS appended when data.add_eos.
+- text: the tokenizer's own special tokens (e.g. LLaMA's BOS) + the document separator appended when
+  data.add_eos: data.separator, else the base model's end-of-text (document_separator: an instruct tokenizer's
+  EOS is its chat end-of-turn, which raw text must not teach after every document), else the tokenizer's EOS.
 - chat: the conversation through the tokenizer's own chat template (`apply_chat_template`). With
   data.train_on=assistant only the assistant replies (and their end-of-turn markers) are trained on: found by
   the template's {% generation %} markers (transformers' `return_assistant_tokens_mask`), or, for a template
@@ -30,6 +32,62 @@ log = logging.getLogger(__name__)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 TOKEN_DTYPE = np.int32  # every real vocabulary fits; halves the cache and the page cache it occupies
+
+
+# What base models end a document with, in order of preference. An instruct tokenizer's EOS is its chat
+# end-of-turn instead (Qwen2.5- and SmolLM2-Instruct: <|im_end|>; Llama-3-Instruct: <|eot_id|>): appended to raw
+# text, continued pre-training would teach the model to end its turn after every document
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+TOKENIZER_EOS = "eos"  # data.separator=eos: the tokenizer's EOS, whatever it is
+
+
+class Separator(NamedTuple):
+    """The token appended to every text document (data.add_eos), and why it is that one (for the log)."""
+
+    id: Optional[int]  # None: the tokenizer has no EOS and none was named: nothing is appended
+    token: Optional[str]
+    why: str
+
+
+def document_separator(tokenizer, separator: Optional[str] = None) -> Separator:
+    """The token that ends each text document: data.separator (a token of the vocabulary, or `eos`), else the base
+    model's end-of-text (END_OF_TEXT_TOKENS) where the vocabulary has one and the EOS is something else (a chat
+    end-of-turn), else the tokenizer's EOS."""
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if separator == TOKENIZER_EOS:
+        return Separator(eos_id, eos, "the tokenizer's eos (data.separator=eos)")
+    vocab = tokenizer.get_vocab()
+    if separator is not None:
+        if separator not in vocab:
+            near = [t for t in END_OF_TEXT_TOKENS if t in vocab] + ([eos] if eos else [])
+            raise UserError(
+                f"data.separator={separator!r} is not a token of this tokenizer's vocabulary; give one token's "
+                f"text ({', '.join(dict.fromkeys(near)) or 'e.g. its end-of-text'}), `eos` for the tokenizer's EOS, "
+                "or null for the base model's end-of-text."
+            )
+        return Separator(vocab[separator], separator, "data.separator")
+    if eos in END_OF_TEXT_TOKENS:
+        return Separator(eos_id, eos, "the tokenizer's eos, an end-of-text")
+    found = next((t for t in END_OF_TEXT_TOKENS if t in vocab), None)
+    if found is not None and eos_id is not None:
+        why = f"the base model's end-of-text; the tokenizer's eos {eos} ends chat turns (data.separator chooses)"
+        return Separator(vocab[found], found, why)
+    if found is not None:
+        return Separator(vocab[found], found, "the base model's end-of-text (the tokenizer names no eos)")
+    return Separator(
+        eos_id, eos, "the tokenizer's eos (no end-of-text token in its vocabulary; data.separator chooses)"
+    )
+
+
+def describe_separator(tokenizer, data: DataConfig) -> Optional[str]:
+    """Which token separates text documents, for the log; None where none is appended (chat or pretokenized data,
+    or data.add_eos=false)."""
+    if not data.add_eos or not data.formats & {"text", "mixed"}:
+        return None
+    sep = document_separator(tokenizer, data.separator)
+    if sep.id is None:
+        return "text documents end with no separator token: the tokenizer has no eos (set data.separator)"
+    return f"text documents end with {sep.token} (id {sep.id}: {sep.why})"
 
 
 class Encoded(NamedTuple):
@@ -72,8 +130,10 @@ class Encoder:
         assistant_mask: str = "auto",
         max_len: Optional[int] = None,
         long_chats: str = "split",
+        separator: Optional[str] = None,
     ):
         self.tokenizer, self.format, self.add_eos = tokenizer, fmt, add_eos
+        self.separator_id = document_separator(tokenizer, separator).id if fmt in ("text", "mixed") else None
         self.train_on, self.max_len, self.long_chats = train_on, max_len, long_chats
         self.mask_source = assistant_mask
         if fmt in ("chat", "mixed"):
@@ -121,6 +181,7 @@ class Encoder:
             assistant_mask=data.assistant_mask,
             max_len=data.seq_len,
             long_chats=data.long_chats,
+            separator=data.separator,
         )
 
     def encode_batch(self, docs: Sequence[RawDoc]) -> list[Any]:
@@ -141,7 +202,7 @@ class Encoder:
         return [self._encode_pretokenized(doc) for doc in docs]
 
     def _encode_texts(self, docs: Sequence[RawDoc]) -> list[Any]:
-        eos = self.tokenizer.eos_token_id
+        eos = self.separator_id
         texts = [d.payload for d in docs]
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and hasattr(backend, "encode_batch_fast"):
@@ -153,7 +214,7 @@ class Encoder:
         out = []
         for ids in batch:
             if self.add_eos and eos is not None and (not ids or ids[-1] != eos):
-                ids = ids + [eos]  # some tokenizers already end with EOS; never two
+                ids = ids + [eos]  # some tokenizers already end with it; never two
             out.append(Encoded(np.asarray(ids, dtype=TOKEN_DTYPE), None))
         return out
 

@@ -120,5 +120,6 @@ def build_components(
         checkpointer=checkpointer,
         block_size=job.attn.block_size,
         is_main=main,
+        data=job.data,  # a chat run's sample prompts go through the chat template
     )
     return Components(forward, optimizer, scheduler, state, metrics, progress, signals, checkpointer, evaluator, dist)

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from flexengine.core.config import TrainConfig
+from flexengine.core.config import DataConfig, TrainConfig
 from flexengine.core.errors import UserError
 from flexengine.data.build import pad_token_id
+from flexengine.data.encode import document_separator
 from flexengine.data.loader import HeldOut
 from flexengine.data.targets import batch_valid_targets
 from flexengine.loop.checkpointer import Checkpointer
@@ -61,6 +62,7 @@ class Evaluator:
         checkpointer: Checkpointer,
         block_size: int,
         is_main: bool = True,
+        data: Optional[DataConfig] = None,
     ) -> None:
         if train.sample_prompts and tokenizer is None:  # refused now, not at the run's end before its final save
             raise UserError(
@@ -71,6 +73,10 @@ class Evaluator:
         self.forward, self.tokenizer, self.state, self.progress = forward, tokenizer, state, progress
         self.metrics, self.signals, self.checkpointer = metrics, signals, checkpointer
         self.block_size = block_size  # attn.block_size: sampled rows are padded to whole blocks per cp rank
+        # a chat run (every source data.format=chat) samples its prompts as user turns through the chat template,
+        # the form it trains on; a sample ends at the tokenizer's eos or, for text data, at the document separator
+        self.chat_prompts = data is not None and data.formats == {"chat"}
+        self.end_ids = sample_end_ids(tokenizer, data) if tokenizer is not None else frozenset()
         self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.last_sample_step = -1
         self.stopped_early = False  # train.early_stop_patience ran out
@@ -220,6 +226,8 @@ class Evaluator:
                 fwd.device,
                 pad_to=self.block_size * fwd.cp,
                 stop=self.signals.requested,
+                chat=self.chat_prompts,
+                end_ids=self.end_ids,
             )
         fwd.model.train()
         if texts is None:
@@ -343,6 +351,27 @@ def _padded_length(n: int, multiple: int) -> int:
 
 
 @torch.no_grad()
+def sample_end_ids(tokenizer: PreTrainedTokenizerBase, data: Optional[DataConfig]) -> frozenset[int]:
+    """The tokens a sample ends at: the tokenizer's eos, and for text data the token the run ends its documents
+    with (data.separator; an instruct tokenizer's eos is its end-of-turn, not the end-of-text the run trains)."""
+    ends = {tokenizer.eos_token_id}
+    if data is not None and data.add_eos and data.formats & {"text", "mixed"}:
+        ends.add(document_separator(tokenizer, data.separator).id)
+    return frozenset(e for e in ends if e is not None)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
+    """A sample prompt's token ids: as text, or (chat) as one user turn rendered by the chat template with the
+    assistant's generation prompt after it, so the model continues as the assistant it is trained to be."""
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(text, str)  # tokenize=False renders one conversation to one string
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template wrote its own BOS, if any
+
+
 def greedy_continue(
     logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     tokenizer: PreTrainedTokenizerBase,
@@ -352,9 +381,12 @@ def greedy_continue(
     *,
     pad_to: int = 128,
     stop: Optional[Callable[[], bool]] = None,
+    chat: bool = False,
+    end_ids: Optional[Collection[int]] = None,
 ) -> Optional[list[str]]:
-    """Each prompt continued greedily by `new_tokens` tokens (stops at EOS); returns the continuations, or None
-    when `stop()` (asked before each token, the same answer on every rank) said to stop.
+    """Each prompt continued greedily by `new_tokens` tokens (stops at one of end_ids, default the EOS); returns the
+    continuations, or None when `stop()` (asked before each token, the same answer on every rank) said to stop.
+    chat: each prompt is a user turn through the chat template (prompt_ids).
 
     logits_of(input_ids, position_ids) -> [1, width, vocab]. No KV cache: each token re-runs the prompt so far,
     right-padded to one width for the whole call (the longest prompt plus `new_tokens`, rounded up to `pad_to`;
@@ -367,10 +399,11 @@ def greedy_continue(
     """
     distributed = torch.distributed.is_initialized()
     pad_id = pad_token_id(tokenizer)
-    prompt_ids = [list(tokenizer(prompt)["input_ids"]) for prompt in prompts]
-    width = _padded_length(max(map(len, prompt_ids), default=0) + new_tokens, pad_to)
+    rows = [prompt_ids(tokenizer, prompt, chat) for prompt in prompts]
+    ends = {tokenizer.eos_token_id} if end_ids is None else set(end_ids)
+    width = _padded_length(max(map(len, rows), default=0) + new_tokens, pad_to)
     outputs: list[str] = []
-    for ids in prompt_ids:
+    for ids in rows:
         start = len(ids)
         for _ in range(new_tokens):
             if stop is not None and stop():
@@ -382,7 +415,7 @@ def greedy_continue(
             if distributed:
                 torch.distributed.broadcast(token, src=0)
             ids.append(int(token))
-            if ids[-1] == tokenizer.eos_token_id:
+            if ids[-1] in ends:
                 break
         text = tokenizer.decode(ids[start:], skip_special_tokens=False)
         assert isinstance(text, str)  # one flat list of ids decodes to one string (a batch would give a list)

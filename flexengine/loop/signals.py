@@ -25,6 +25,8 @@ class StopSignals:
         self.handling = False  # handle() is active (it nests)
         self.agreed = False  # some rank had a signal at the start of the last step (all ranks agree)
         self.pause: Optional[str] = None  # "evaluation" / "sampling" while one runs (a signal cuts it short)
+        self.saving_step: Optional[int] = None  # the step whose checkpoint is being written (a signal waits for it)
+        self.save_completes_run = False  # that save is the end of a finished run: a signal then changes nothing
 
     @contextlib.contextmanager
     def pausing(self, activity: str) -> Iterator[None]:
@@ -34,6 +36,38 @@ class StopSignals:
             yield
         finally:
             self.pause = None
+
+    @contextlib.contextmanager
+    def saving(self, step: int, completes_run: bool) -> Iterator[None]:
+        """Mark a checkpoint save of `step` (a signal then says it waits for that save). completes_run: the save
+        ends a run that did all its steps, so a signal during it leaves a complete run (exit status 0)."""
+        self.saving_step, self.save_completes_run = step, completes_run
+        try:
+            yield
+        finally:
+            self.saving_step, self.save_completes_run = None, False
+
+    def first_signal_message(self, signum: int) -> str:
+        """What the first signal does now, in words: which step, pause or save it waits for, and the exit status
+        that follows (the Trainer's exit_code gives the same number)."""
+        status = 128 + signum
+        if self.saving_step is not None and self.save_completes_run:
+            return (
+                f"signal {signum}: finishing the final save (step {self.saving_step}); the run has done all its "
+                "steps, so it ends complete with status 0"
+            )
+        if self.saving_step is not None:
+            doing = f"finishing the checkpoint save of step {self.saving_step}"
+            if torch.distributed.is_initialized():  # the ranks vote in the next step: they all stop after it
+                after = f"the ranks stop together after step {self.saving_step + 1}"
+                return f"signal {signum}: {doing}; {after}, then saving and exiting with status {status}"
+            return f"signal {signum}: {doing}, then exiting with status {status}"
+        if self.pause:
+            unit = "batch" if self.pause == "evaluation" else "token"
+            doing = f"stopping the {self.pause} at its next {unit}"
+        else:
+            doing = f"finishing step {self.step() + 1}"
+        return f"signal {signum}: {doing}, then saving and exiting with status {status}"
 
     def requested(self) -> bool:
         """Asked between eval batches and sampled tokens: whether a stop signal came. Under torchrun the ranks agree
@@ -69,14 +103,7 @@ class StopSignals:
             self.count += 1
             if self.signal is None:
                 self.signal = signum
-                log.warning(
-                    "signal %d: %s, then saving and exiting with status %d",
-                    signum,
-                    f"stopping the {self.pause} at its next {'batch' if self.pause == 'evaluation' else 'token'}"
-                    if self.pause
-                    else f"finishing step {self.step() + 1}",
-                    128 + signum,
-                )
+                log.warning("%s", self.first_signal_message(signum))
             elif self.count == 2:
                 log.warning(
                     "signal %d again: still finishing and saving (step %d); exiting when the checkpoint "

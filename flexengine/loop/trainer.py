@@ -312,7 +312,7 @@ class Trainer:
             # interrupted run saves even without save_final: the requeue resumes from it
             unsaved = self.checkpointer.saved_step != state.step and state.step > 0
             if (cfg.save_final or self._interrupted) and unsaved:
-                self.save()
+                self.save(completes_run=not self._interrupted)
             result = self.summary()
             self.metrics.hparams(hparams(self.job, self.attn), hparam_metrics(result))
             self.metrics.close()
@@ -420,9 +420,11 @@ class Trainer:
         """Everything besides the weights that an exact resume needs (Checkpointer.state_dict)."""
         return self.checkpointer.state_dict()
 
-    def save(self) -> Path:
-        """Checkpoint this step to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights)."""
-        return self.checkpointer.save(self.state.step)
+    def save(self, completes_run: bool = False) -> Path:
+        """Checkpoint this step to out_dir/checkpoints/step_<N> (every rank calls this; rank 0 writes the weights).
+        completes_run: the final save of a run that did all its steps (a signal during it names that save)."""
+        with self.signals.saving(self.state.step, completes_run):
+            return self.checkpointer.save(self.state.step)
 
     def resume(self, spec: Optional[str] = None) -> Optional[Path]:
         """train.resume (or `spec`): auto (newest verifying checkpoint under out_dir/checkpoints, if any) or a

@@ -90,7 +90,8 @@ def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, J
                 model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r)),
                 train=dataclasses.replace(job.train, grad_accum=accum),
             )
-            label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} GPU{'s' if n > 1 else ''}"
+            unit = "GPU" if hardware.on_cuda else "CPU"  # the device the rows are planned for, never "GPU" on CPU
+            label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} {unit}{'s' if n > 1 else ''}"
             out.append((label, variant, dataclasses.replace(hardware, world_size=n)))
     return out
 
@@ -102,7 +103,7 @@ def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) ->
         "time, not a measurement)"
     )
     columns = (
-        f"  {'':<26} {'GPUs':>4} {'precision':<16} {'policy':<24} {'rows/step':>9} {'steps':>7} {'s/step':>7} "
+        f"  {'':<26} {'devs':>4} {'precision':<16} {'policy':<24} {'rows/step':>9} {'steps':>7} {'s/step':>7} "
         f"{'useful tok/s':>12} {'hours':>7}"
     )
     lines = [head, columns]

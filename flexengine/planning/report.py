@@ -1,9 +1,11 @@
-"""Glue for a training run: report the activation bytes per block (measured, or the planner's estimate)."""
+"""Glue for a training run: report the activation bytes per block (the meter on the first training forward, or the
+planner's estimate)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -14,7 +16,6 @@ from flexengine.planning.shapes import ModelShape, rank_workload
 from flexengine.planning.specs import plan_inputs, plan_specs
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.spec import AttnBackend, resolve_attention_spec
-from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory.meter import measure_activations
 from flexengine.surgery.precision import PrecisionSpec
 
@@ -22,20 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpec, device: torch.device) -> dict:
-    """activation_bytes(_per_block) for summary.json: measured by the meter on one synthetic forward when the
-    blocks run eagerly with dense/sdpa attention (the dispatch mode neither mixes with compiled blocks nor has a
-    rule for the flex_attention higher-order op), else the planner's estimate."""
+    """activation_bytes(_per_block) for summary.json: the planner's estimate, which a FirstForwardMeter replaces
+    with the meter's measurement of the first training forward where the meter can see the blocks
+    (meters_first_forward). No forward runs here: a synthetic one of a whole micro-batch before step 1 cost about a
+    step's forward (17-45 s on CPU at 1-2 x 1,024 tokens; on a GPU a full 7B forward at 8K)."""
     memory = job.memory
     spec = attention_spec(model)
-    flex = spec is not None and spec.backend is AttnBackend.FLEX
-    if not job.train.compile and not flex:
-        B, S = job.train.micro_batch, job.data.seq_len
-        ids = torch.zeros(B, S, dtype=torch.long, device=device)
-        batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(S, device=device).expand(B, S)}
-        with precision.compute_context(device):  # before sharding: one device's context
-            report, out = measure_activations(model, lambda: forward_loss_sum(model, batch, job.loss.chunk_size))
-        del out
-        return {**report.as_dict(), "activation_bytes_source": "meter", "memory_policy": dataclasses.asdict(memory)}
     # the spec the surgery applied (run.py resolved it once); a model with HF's own attention: attn.* here
     attention = spec if spec is not None else resolve_attention_spec(job.attn, model.config, device=device)
     x = plan_inputs(plan_specs(job, model.config, attention), job.hardware, precision, on_cuda=device.type == "cuda")
@@ -47,5 +40,40 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
         "activation_other_bytes": est.other_bytes,
         "activation_offloaded_bytes": est.offloaded_bytes,
         "activation_bytes_source": "planner",
+        "activation_measured_on": None,
         "memory_policy": dataclasses.asdict(memory),
     }
+
+
+def meters_first_forward(model: nn.Module, job: JobConfig, world_size: int) -> bool:
+    """Whether the meter can measure the run's own first forward: eager blocks with dense/sdpa attention (its
+    dispatch mode neither mixes with compiled blocks nor has a rule for the flex_attention higher-order op) in one
+    process (under FSDP/DDP the forward also gathers and frees parameters)."""
+    spec = attention_spec(model)
+    flex = spec is not None and spec.backend is AttnBackend.FLEX
+    return not job.train.compile and not flex and world_size == 1
+
+
+class FirstForwardMeter:
+    """Measures what the first training forward through `module` leaves alive for its backward (the meter around
+    that one real forward, no extra one), then writes it into `report` (activation_bytes_source "meter",
+    activation_measured_on saying which forward) and calls `measured(report)`; later forwards run untouched."""
+
+    def __init__(self, module: nn.Module, model: nn.Module, report: dict, measured: Callable[[dict], None]):
+        self.module, self.model, self.report, self.measured = module, model, report, measured
+        module.forward = self._forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+
+    def _forward(self, batch: dict, **kwargs: Any) -> torch.Tensor:
+        forward = type(self.module).forward  # inside the module's own __call__ already: its hooks have run
+        if kwargs.get("logits"):  # a sampling forward (no backward follows): the next one is measured
+            return forward(self.module, batch, **kwargs)
+        del self.module.forward  # once: the class's forward from now on
+        meter, out = measure_activations(self.model, lambda: forward(self.module, batch, **kwargs))
+        tokens = "x".join(map(str, batch["input_ids"].shape))
+        self.report.update(
+            meter.as_dict(),
+            activation_bytes_source="meter",
+            activation_measured_on=f"the first training forward (one micro-batch of {tokens} tokens)",
+        )
+        self.measured(self.report)
+        return out

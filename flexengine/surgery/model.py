@@ -20,6 +20,7 @@ from flexengine.surgery.family import hf_causal_lm, resolve_family
 from flexengine.surgery.model_files import (
     StoredTensor,
     check_against_manifest,
+    check_model_dir,
     check_shapes,
     read_config_json,
     stored_tensors,
@@ -41,17 +42,8 @@ def build_hf_config(model: ModelConfig) -> PretrainedConfig:
             model.path or model.tokenizer or "the model directory",
         )
     if model.path is not None:
-        path = Path(model.path)
-        if not path.is_dir():
-            raise UserError(f"model.path={model.path!r} is not a directory. Point it at a local HF model directory.")
-        if not (path / "config.json").is_file():
-            raise UserError(
-                f"model.path={model.path!r} has no config.json, so it is not a Hugging Face model directory "
-                "(expected config.json, tokenizer files and *.safetensors)."
-            )
+        path = check_model_dir(model.path, model.loads_weights)
         check_remote_code(read_config_json(path), model)
-        if model.loads_weights:
-            stored_tensors(path)
         try:
             config = AutoConfig.from_pretrained(base_name_or_path(model), trust_remote_code=model.trust_remote_code)
         except (ValueError, OSError) as e:  # JSON, but not a config transformers knows (e.g. its model_type)
@@ -138,26 +130,50 @@ def _n_params(lm: torch.nn.Module) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
-def load_model(model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`."""
-    config = build_hf_config(model)
-    if not model.loads_weights:
-        with device:
-            lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
-        source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
-        log.warning(
-            "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
-            "%s. Nothing pretrained is loaded%s.",
+def _built_from_config(
+    model: ModelConfig, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, placeholder: bool
+) -> torch.nn.Module:
+    """The architecture with fresh weights: random ones said loudly, or a rank's placeholders said as such."""
+    with device:
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model.trust_remote_code)
+    source = f"{model.path}/config.json" if model.path else f"model.arch of model={model.name}"
+    if placeholder:  # random values for the moment: not what trains, so no RANDOM warning
+        log.info(
+            "model %s: shapes built from %s (%s, %.1fM parameters, %s on %s); its weights come by broadcast "
+            "from rank 0, which reads %s",
             model.name,
-            model.init,
             source,
             config.model_type,
             _n_params(lm) / 1e6,
             dtype,
             device,
-            "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
+            model.path,
         )
         return lm
+    log.warning(
+        "model %s: RANDOM weights (model.init=%s), architecture from %s: %s, %.1fM parameters, %s on "
+        "%s. Nothing pretrained is loaded%s.",
+        model.name,
+        model.init,
+        source,
+        config.model_type,
+        _n_params(lm) / 1e6,
+        dtype,
+        device,
+        "" if model.path else "; give model.path=<HF directory> to fine-tune real weights",
+    )
+    return lm
+
+
+def load_model(
+    model: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32, placeholder: bool = False
+) -> torch.nn.Module:
+    """Load model.path's architecture and weights (or build random weights when asked) on `device` in `dtype`.
+    placeholder: build the shapes only; the weights of model.path come later by broadcast from rank 0 (a rank > 0
+    of a job, which reads no checkpoint of its own)."""
+    config = build_hf_config(model)
+    if placeholder or not model.loads_weights:
+        return _built_from_config(model, config, device, dtype, placeholder)
     assert model.path is not None  # loads_weights: weights come from model.path
     path = Path(model.path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):

@@ -196,6 +196,24 @@ def read_config_json(directory: Path) -> dict:
     return config
 
 
+def check_model_dir(model_path: str, loads_weights: bool) -> Path:
+    """model.path as a Hugging Face model directory: it exists, holds a config.json that parses and (loads_weights)
+    weight files whose headers, index and sizes hold together; a UserError naming what is wrong. Torch-free and
+    cheap: the entry point runs it before the heavy imports, build_hf_config again where the files are read."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise UserError(f"model.path={model_path!r} is not a directory. Point it at a local HF model directory.")
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.path={model_path!r} has no config.json, so it is not a Hugging Face model directory "
+            "(expected config.json, tokenizer files and *.safetensors)."
+        )
+    read_config_json(path)
+    if loads_weights:
+        stored_tensors(path)
+    return path
+
+
 # config.json keys that describe the file rather than the network: transformers' bookkeeping, the storage dtype
 # (precision.* decides the training one), the cache switch (training turns it off), classification labels
 NOT_ARCHITECTURE: tuple[str, ...] = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype")

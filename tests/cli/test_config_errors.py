@@ -75,6 +75,14 @@ def test_top_level_typo_points_at_the_nested_key(tmp_path):
     assert "lr (from the command line: did you mean optim.lr?)" in message
 
 
+@pytest.mark.parametrize("prefix", ["", "+"])
+def test_a_misspelled_group_names_the_key_typed_and_the_nearest_group(tmp_path, prefix):
+    """Before: `trian.max_steps=3` was blamed on "a config file" with the hint data.train_on."""
+    message = _one_paragraph_error(_train(f"{prefix}trian.max_steps=3", cwd=tmp_path))
+    assert "trian.max_steps (from the command line: did you mean train.max_steps?)" in message
+    assert "config file:" not in message and "data.train_on" not in message
+
+
 def test_set_key_is_told_the_same_and_not_advised_to_add_it(tmp_path):
     message = _one_paragraph_error(_train("train.batch_size=4", cwd=tmp_path))
     assert "did you mean train.micro_batch?" in message and "+train.batch_size" not in message
@@ -95,7 +103,7 @@ def test_every_unknown_added_key_is_listed_in_process():
     text = str(e.value)
     assert "train.batch_size (from the command line: did you mean train.micro_batch?)" in text
     assert "optim.learning_rate (from the command line: did you mean optim.lr?)" in text
-    assert "foo (from the command line: no key of the config is close)" in text
+    assert "foo.bar (from the command line: no key of the config is close)" in text  # the key typed
 
 
 def test_open_ended_keys_are_accepted():

@@ -197,3 +197,58 @@ def test_a_lora_run_gets_a_lora_learning_rate(checkpoint, tmp_path, caplog):
     assert compose_job([f"model.path={seven}", "model.lora.r=16"]).optim.lr == LORA_LR  # not llama2_7b.yaml's 2e-5
     assert compose_job([f"model.path={seven}"]).optim.lr == SHIPPED["optim"]["lr"]  # a full fine-tune keeps it
     assert compose_job([f"model.path={checkpoint}", "model.lora.r=8", "optim.lr=3e-4"]).optim.lr == 3e-4
+
+
+def test_the_header_shows_the_demos_values_and_labels_the_users_as_theirs(checkpoint, caplog):
+    """Before: "the demo's from-scratch settings (model=tiny: lr 0.0005, ...) are replaced" named the user's own
+    lr as the demo's, and typed train.micro_batch=1 train.grad_accum=1 were "the demo's ... stays"."""
+    typed = ["optim.lr=5e-4", "train.micro_batch=1", "train.grad_accum=1"]
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        job = compose_job([f"model.path={checkpoint}", *typed])
+    assert (job.optim.lr, job.train.micro_batch, job.train.grad_accum) == (5e-4, 1, 1)
+    log = caplog.text
+    assert "the demo's from-scratch settings (model=tiny: lr 0.001, weight decay 0.1)" in log
+    assert "optim.lr=0.0005 (yours)" in log and "yours are kept" in log
+    assert "train.micro_batch=1 (yours) x train.grad_accum=1 (yours) stay" in log and "the demo's train." not in log
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.first_contact"):
+        compose_job([f"model.path={checkpoint}", "train.micro_batch=1"])
+    assert "train.micro_batch=1 (yours) x train.grad_accum=2 (the demo's) stay" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        {},  # LLaMA, grouped KV heads
+        {"tie_word_embeddings": True},
+        {"attention_bias": True, "head_dim": 32},
+        {"num_key_value_heads": 4},  # plain multi-head
+    ],
+)
+def test_parameters_counted_from_config_json_equal_the_built_model(tmp_path, arch):
+    """The first line's count comes from config.json arithmetic (no torch import): it equals the parameters of the
+    model transformers builds from that file, and ModelShape's count."""
+    from flexengine.cli.first_contact import config_json_params
+    from flexengine.planning.shapes import ModelShape
+
+    config = LlamaConfig(**{**TINY_LLAMA, **arch})
+    config.save_pretrained(tmp_path)
+    written = yaml.safe_load((tmp_path / "config.json").read_text())
+    built = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert config_json_params(written) == built == ModelShape.from_hf_config(config).params
+    assert config_json_params({k: v for k, v in written.items() if k != "hidden_size"}) is None  # not counted
+
+
+def test_first_contact_imports_neither_torch_nor_transformers(checkpoint):
+    """Before: the HF config was built (torch and transformers imported, 9-26 s on a loaded machine) to count the
+    parameters before the run's first line."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from flexengine.cli.common import compose_job; "
+        f"job = compose_job(['model.path={checkpoint}']); "
+        "print(job.optim.lr, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["2e-05", "False", "False"], out.stderr[-2000:]

@@ -90,6 +90,16 @@ def test_plan_table_and_nothing_fits():
     assert "k (of 32)" in proc.stdout and "block k=32/32" in proc.stdout
 
 
+def test_plan_counts_small_models_in_millions_and_7b_in_billions():
+    """Before: the demo model's table said "(0.00B parameters)"."""
+    from flexengine.cli.first_contact import format_params
+
+    assert (format_params(4_194_304), format_params(6_738_415_616)) == ("4.2M", "6.74B")
+    proc = _plan()  # the demo model
+    assert proc.returncode == 0, proc.stderr
+    assert "M parameters)" in proc.stdout and "0.00B" not in proc.stdout, proc.stdout[:2000]
+
+
 def test_plan_rejects_bad_format():
     proc = _plan("plan.format=yaml")
     assert proc.returncode == 2 and "plan.format" in proc.stderr

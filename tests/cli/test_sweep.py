@@ -318,3 +318,12 @@ def test_ctrl_c_stops_the_whole_multirun_and_marks_the_job_interrupted(tmp_path)
     assert [r["status"] for r in table] == ["interrupted"]  # the second job never started
     assert int(table[0]["steps"]) < 200
     assert not (tmp_path / "1").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_and_exits_0(flag):
+    """Before: `flexengine-sweep --help` printed the usage as an error and exited 2."""
+    proc = subprocess.run([sys.executable, "-m", "flexengine.sweep", flag], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m flexengine.sweep <sweep_dir>"), proc
+    wrong = subprocess.run([sys.executable, "-m", "flexengine.sweep"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "usage:" in wrong.stderr  # no directory given: still a usage error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -385,7 +386,7 @@ def test_a_third_signal_gives_up_the_save(tmp_path, monkeypatch):
     assert not (tmp_path / "checkpoints" / "step_2").exists()
 
 
-def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch):
+def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatch, caplog):
     """Before: a SIGTERM during the final save of a run that had done all its steps reported status
     "interrupted" and exit 143, so a scheduler would requeue a finished job."""
     import os
@@ -400,9 +401,34 @@ def test_a_signal_after_the_last_step_leaves_a_complete_run(tmp_path, monkeypatc
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpointer, "save_checkpoint", signal_during_the_final_save)
+    caplog.set_level(logging.WARNING, logger="flexengine.loop.signals")
     summary = run_training(make_job(tmp_path, "train.max_steps=2"), tmp_path)
     assert summary["steps"] == 2 and summary["status"] == "ok" and summary["exit_code"] == 0
     assert (tmp_path / "checkpoints" / "step_2" / "manifest.json").is_file()
+    # the message says what the exit status is (before: "finishing step 3, then ... exiting with status 143")
+    assert "finishing the final save (step 2)" in caplog.text and "status 0" in caplog.text
+    assert "143" not in caplog.text and "step 3" not in caplog.text
+
+
+def test_a_signal_during_a_periodic_save_names_that_save_and_stops_after_it(tmp_path, monkeypatch, caplog):
+    """Before: a SIGTERM while step 3's checkpoint was written said "finishing step 4", a step that never ran."""
+    import os
+    import signal
+
+    from flexengine.loop import checkpointer
+
+    real_save = checkpointer.save_checkpoint
+
+    def signal_during_the_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "save_checkpoint", signal_during_the_save)
+    caplog.set_level(logging.WARNING, logger="flexengine.loop.signals")
+    summary = run_training(make_job(tmp_path, "train.max_steps=6", "train.save_every=3"), tmp_path)
+    assert summary["steps"] == 3 and summary["exit_code"] == 143 and summary["status"] == "interrupted"
+    assert "signal 15: finishing the checkpoint save of step 3, then exiting with status 143" in caplog.text
+    assert "step 4" not in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -642,3 +668,29 @@ def test_a_read_only_output_dir_is_one_paragraph_and_exit_2(read_only_dir, tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert f"failed at {read_only_dir / 'run'}: Read-only file system" in proc.stderr
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("model.path={tmp}/absent", "is not a directory"),
+        ("data.path={tmp}/absent.jsonl", "matches no jsonl file"),
+        ("model.path={tmp}/damaged", "model.safetensors"),
+    ],
+)
+def test_missing_paths_and_damaged_model_files_stop_before_torch_is_imported(tmp_path, override, said):
+    """Before: a wrong model.path or data.path was found only after torch and transformers were imported (12-40 s
+    on a loaded machine). Now exit 2 with the message, and neither was imported."""
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text('{"model_type": "llama"}')
+    (damaged / "model.safetensors").write_bytes(b"\x10\x00")  # cut short inside the header length
+    argv = ["flexengine-train", "data=jsonl", override.format(tmp=tmp_path), f"hydra.run.dir={tmp_path}/run"]
+    if "data.path" not in override:
+        argv.append(f"data.path={Path(__file__)}")  # any existing file: the model check comes first
+    code = (
+        "import sys\nfrom flexengine.cli.train import main\n"
+        f"sys.argv = {argv!r}\n"
+        "try:\n    main()\nexcept SystemExit as e:\n"
+        "    print('exit', e.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert said in proc.stderr and "exit 2 False False" in proc.stderr, proc.stderr[-3000:]

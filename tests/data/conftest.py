@@ -8,17 +8,7 @@ from pathlib import Path
 import pytest
 
 from flexengine.data.demo import load_demo_tokenizer
-
-# ChatML, with HF's {% generation %} markers so transformers' own assistant mask can serve as a reference. The
-# block closes at <|im_end|>: the newline after it is the template's trailer, which the model never generates.
-CHATML_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>"
-    "{% endgeneration %}{{ '\\n' }}"  # an expression: jinja's trim_blocks would eat a literal newline here
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from tests.helpers import with_chatml
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +26,14 @@ def demo_tokenizer(cache_root):
 @pytest.fixture
 def chat_tokenizer(cache_root):
     """The demo tokenizer with ChatML special tokens and chat template, like an instruct model's."""
-    tok = load_demo_tokenizer(cache_root)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
+    return with_chatml(load_demo_tokenizer(cache_root))
+
+
+@pytest.fixture
+def instruct_tokenizer(cache_root):
+    """Like an instruct model's (SmolLM2-, Qwen2.5-Instruct): ChatML, and its eos is the chat end-of-turn
+    <|im_end|>, while the base model's end-of-text <|endoftext|> stays in the vocabulary."""
+    return with_chatml(load_demo_tokenizer(cache_root), eos="<|im_end|>")
 
 
 def _write_lines(path: Path, lines: list[str]) -> Path:

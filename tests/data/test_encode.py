@@ -155,3 +155,35 @@ def test_template_without_markers_falls_back_to_the_prefix_mask_and_says_so(chat
     result = encoder.encode_batch([RawDoc("f:1", CONVERSATION)])[0]
     assert result.ids.tolist() == reference["input_ids"]
     assert result.loss_mask.tolist() == [bool(m) for m in reference["assistant_masks"]]
+
+
+def _text_ids(tokenizer, **kwargs) -> list[int]:
+    (enc,) = Encoder(tokenizer, "text", **kwargs).encode_batch([RawDoc("doc", "def f(x): return x")])
+    return enc.ids.tolist()
+
+
+def test_text_documents_end_with_the_base_models_end_of_text_not_the_chat_end_of_turn(instruct_tokenizer):
+    """Before: every document ended with tokenizer.eos_token_id, for an instruct tokenizer the chat end-of-turn
+    <|im_end|>: continued pre-training on raw text taught the model to end its turn after every document."""
+    from flexengine.data.encode import document_separator
+
+    vocab = instruct_tokenizer.get_vocab()
+    end_of_text, end_of_turn = vocab["<|endoftext|>"], vocab["<|im_end|>"]
+    assert instruct_tokenizer.eos_token_id == end_of_turn != end_of_text
+    ids = _text_ids(instruct_tokenizer)
+    assert ids[-1] == end_of_text and end_of_turn not in ids
+    assert document_separator(instruct_tokenizer).why.startswith("the base model's end-of-text")
+    # named: a token of the vocabulary, or `eos` for the tokenizer's own
+    assert _text_ids(instruct_tokenizer, separator="<|im_end|>")[-1] == end_of_turn
+    assert _text_ids(instruct_tokenizer, separator="eos")[-1] == end_of_turn
+    assert _text_ids(instruct_tokenizer, separator="<|endoftext|>", add_eos=False)[-1] not in (end_of_text, end_of_turn)
+    with pytest.raises(UserError, match=r"data.separator='<\|end\|>' is not a token .*<\|endoftext\|>, <\|im_end\|>"):
+        Encoder(instruct_tokenizer, "text", separator="<|end|>")
+
+
+def test_a_base_tokenizer_keeps_its_eos_as_the_separator(demo_tokenizer):
+    """A base tokenizer's eos is its end-of-text: what every document ended with before, unchanged."""
+    from flexengine.data.encode import document_separator
+
+    assert _text_ids(demo_tokenizer)[-1] == demo_tokenizer.eos_token_id
+    assert document_separator(demo_tokenizer).why == "the tokenizer's eos, an end-of-text"

@@ -3,6 +3,7 @@ evaluations and samples are due and what the evaluations still due cost."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flexengine.loop.evaluator import greedy_continue
@@ -90,3 +91,86 @@ def test_the_evaluator_says_when_evaluations_and_samples_are_due(tmp_path):
     assert evaluator.seconds_left(4, step_s=3.0) == 3 * 15.0  # 4 (its line comes before it), 6 and the end
     evaluator.cut_short = True  # a signal cut one short: no more samples
     assert not evaluator.should_sample(4) and not evaluator.samples_at_end(7)
+
+
+def _instruct_run(tmp_path, fmt: str, *overrides: str):
+    """A tiny instruct model (SmolLM2-Instruct's tokenizer shape: eos <|im_end|>, <|endoftext|> in the vocabulary)
+    trained for one step on text or chat records through the real loop; returns the job and its tokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tests.helpers import make_job, save_pretrained_instruct
+
+    model = save_pretrained_instruct(tmp_path / "instruct")
+    if fmt == "chat":
+        rows = [
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(40)
+        ]
+    else:
+        rows = [{"text": f"def f{i}(x):\n    return x + {i}\n"} for i in range(40)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = make_job(
+        tmp_path / "run",
+        f"model.path={model}",
+        "data=jsonl",
+        f"data.path={data}",
+        f"data.format={fmt}",
+        "data.seq_len=128",
+        "data.num_workers=0",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=1",
+        "train.save_final=false",
+        *overrides,
+    )
+    return job, AutoTokenizer.from_pretrained(model)
+
+
+def test_a_chat_run_samples_its_prompts_through_the_chat_template(tmp_path, monkeypatch):
+    """Before: train.sample_prompts were tokenized as raw text in a chat run, a form it never trains on."""
+    from flexengine.loop import evaluator as evaluator_module
+    from flexengine.run import run_training
+
+    rendered = []
+    real = evaluator_module.prompt_ids
+
+    def spy(tokenizer, prompt, chat):
+        ids = real(tokenizer, prompt, chat)
+        rendered.append(tokenizer.decode(ids))
+        return ids
+
+    monkeypatch.setattr(evaluator_module, "prompt_ids", spy)
+    job, tokenizer = _instruct_run(tmp_path, "chat", "train.sample_prompts=[hello]", "train.sample_tokens=2")
+    assert run_training(job, tmp_path / "run")["steps"] == 1
+    assert rendered == ["<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"]
+    assert evaluator_module.sample_end_ids(tokenizer, job.data) == {tokenizer.eos_token_id}  # <|im_end|>
+
+
+@pytest.mark.parametrize(
+    ("typed", "separator", "why"),
+    [([], "<|endoftext|>", "the base model's end-of-text"), (["data.separator=eos"], "<|im_end|>", "the tokenizer's")],
+)
+def test_a_text_run_on_an_instruct_tokenizer_ends_documents_and_samples_at_end_of_text(
+    tmp_path, caplog, typed, separator, why
+):
+    """Before: every document ended with the instruct tokenizer's eos, the chat end-of-turn <|im_end|>; the log
+    now names the separator, the corpus ends each document with <|endoftext|> (or what data.separator names), and
+    samples stop there too."""
+    import logging
+
+    from flexengine.data.corpus import build_corpus
+    from flexengine.loop.evaluator import sample_end_ids
+    from flexengine.run import run_training
+
+    job, tokenizer = _instruct_run(tmp_path, "text", *typed)
+    with caplog.at_level(logging.INFO, logger="flexengine.data.build"):
+        assert run_training(job, tmp_path / "run")["steps"] == 1
+    end_of_text, end_of_turn = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    sep = tokenizer.convert_tokens_to_ids(separator)
+    assert f"data: text documents end with {separator} (id {sep}: {why}" in caplog.text
+    corpus = build_corpus(job.data, tokenizer)  # the run's cache entry
+    assert (corpus.tokens[corpus.offsets[1:] - 1] == sep).all()
+    assert ({end_of_text, end_of_turn} - {sep}).isdisjoint(corpus.tokens.tolist())
+    assert sample_end_ids(tokenizer, job.data) == {sep, end_of_turn}

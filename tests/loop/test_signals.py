@@ -71,3 +71,21 @@ def test_handlers_are_restored_on_leaving():
         assert signal.getsignal(signal.SIGTERM) not in before
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert not stop.should_stop()  # no signal came
+
+
+@pytest.mark.parametrize(
+    ("completes_run", "said"),
+    [
+        (False, "signal 15: finishing the checkpoint save of step 3, then exiting with status 143"),
+        (True, "signal 15: finishing the final save (step 3); the run has done all its steps, so it ends complete"),
+    ],
+)
+def test_a_signal_during_a_save_names_the_save_and_its_exit_status(caplog, completes_run, said):
+    """Before: "finishing step 4, then saving and exiting with status 143" for a step that never runs, and the
+    same during a finished run's final save, which then exited 0."""
+    caplog.set_level(logging.WARNING, logger="flexengine.loop.signals")
+    stop = _signals(step=3)
+    with stop.handle(), stop.saving(3, completes_run=completes_run):
+        _send(signal.SIGTERM)
+    assert said in caplog.text and "step 4" not in caplog.text
+    assert stop.saving_step is None and not stop.save_completes_run  # the mark ends with the save

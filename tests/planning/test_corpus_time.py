@@ -47,3 +47,4 @@ def test_on_cpu_only_the_job_and_its_lora_twin():
     job = compose_job(["debug=fast", "hardware=cpu"])
     rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), Corpus(100, 20_000))
     assert [(r["lora_r"], r["world_size"]) for r in rows] == [(0, 1), (16, 1)]
+    assert rows[1]["label"] == "LoRA r=16, 1 CPU"  # before: "1 GPU" on a CPU

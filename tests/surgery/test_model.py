@@ -51,6 +51,16 @@ def test_the_loaded_count_is_of_the_files_transformers_reads(rigged_dir, caplog)
     assert f"loaded {len(saved)} tensors" in caplog.text
 
 
+def test_a_placeholder_says_its_weights_come_from_rank_0(rigged_dir, caplog):
+    """Before: a rank > 0 of a pretrained run warned "RANDOM weights ... Nothing pretrained is loaded", although
+    rank 0's weights reach it by broadcast."""
+    with caplog.at_level(logging.INFO, logger="flexengine.surgery.model"):
+        lm = load_model(ModelConfig(path=str(rigged_dir)), CPU, placeholder=True)
+    assert lm.config.num_hidden_layers == 3  # the directory's shapes, no weights read
+    assert f"its weights come by broadcast from rank 0, which reads {rigged_dir}" in caplog.text
+    assert "RANDOM" not in caplog.text and "loaded" not in caplog.text
+
+
 def test_random_init_only_when_asked_and_said_loudly(rigged_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="flexengine.surgery.model"):
         lm = load_model(ModelConfig(path=str(rigged_dir), init="random"), CPU)

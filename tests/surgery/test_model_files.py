@@ -193,6 +193,24 @@ def test_config_json_that_is_not_json(copy_of):
         build_hf_config(ModelConfig(path=str(directory)))
 
 
+def test_the_model_dir_check_names_each_problem_and_passes_an_intact_one(copy_of, tmp_path):
+    """check_model_dir (torch-free: the entry point runs it before the heavy imports) refuses what build_hf_config
+    refuses: no directory, no config.json, a config.json that is not JSON, damaged weights."""
+    from flexengine.surgery.model_files import check_model_dir
+
+    directory = copy_of("single")
+    assert check_model_dir(str(directory), loads_weights=True) == directory
+    with pytest.raises(UserError, match="is not a directory"):
+        check_model_dir(str(tmp_path / "absent"), loads_weights=True)
+    (directory / "model.safetensors").write_bytes(b"\x10")
+    check_model_dir(str(directory), loads_weights=False)  # model.init=random reads no weights
+    with pytest.raises(UserError, match="too short for a safetensors file"):
+        check_model_dir(str(directory), loads_weights=True)
+    (directory / "config.json").unlink()
+    with pytest.raises(UserError, match="has no config.json"):
+        check_model_dir(str(directory), loads_weights=True)
+
+
 def test_tokenizer_files_missing_or_broken(copy_of):
     directory = copy_of("single")
     (directory / "tokenizer.json").write_text("{garbage")
