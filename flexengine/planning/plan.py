@@ -115,6 +115,13 @@ class StepTime:
     reduce_exposed_s: float  # reduce-scatter seconds backward does not hide
     step_s: float
     cost: float  # (recompute + exposed offload seconds) / compute seconds: the overhead the policy adds
+    # the step's seconds by term (all micro-batches): what a measured step is compared with, term by term
+    matmul_s: float = 0.0  # the matmuls, forward and backward
+    attention_s: float = 0.0  # the attention core (its attended pairs)
+    pointwise_s: float = 0.0  # eager blocks' unfused pointwise ops (priced with a measured speed)
+    loss_s: float = 0.0  # the chunked loss's lm_head re-run and cross-entropy passes (priced with a measured speed)
+    recompute_s: float = 0.0  # what the memory policy re-runs (FLOPs and pointwise bytes)
+    source: str = "assumed MFU x datasheet peak"  # where the seconds come from (planning/costs: MEASURED, ...)
 
     def to_json(self) -> JsonDict:
         """The step-time part of a candidate's JSON row (the reduction by its config name)."""
