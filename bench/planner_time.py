@@ -5,7 +5,7 @@ depth) at reduced width, over a grid: memory policies (none, full, op-level SAC 
 with a tiled MLP), row lengths, micro-batches, precision modes CPU runs, attention backends and packed documents of
 several length mixes. Each point's planned step (the planner, priced with this machine's speed measured in this
 process right before the grid: core/device_speed) is compared with the median of its measured steps after one
-warm-up step, and term by term where the planner has terms:
+warm-up step (both in this process's CPU seconds: the machine is shared, and wall time would count the others' load), and term by term where the planner has terms:
 - optimizer: the measured optimizer phase (AdamW; the gradient norm runs outside it, in "other") vs the planned
   optimizer step;
 - compute: the measured forward + backward phases vs matmul + attention + pointwise + loss + recompute;
@@ -110,11 +110,16 @@ def measure(point: Point, corpora: dict[str, str], out: Path) -> dict:
     hooks = DoctorHooks()
     trainer.add_hooks(hooks)
     trainer.model.train()
+    cpu_s = []
     for _ in range(WARMUP + STEPS):
+        t0 = time.process_time()
         trainer.train_step()
+        cpu_s.append(time.process_time() - t0)
     trainer.metrics.close()
-    steps = hooks.steps[WARMUP:]
-    phases = {p: statistics.median(s["phases"][p] for s in steps) for p in steps[0]["phases"]}
+    steps, cpu_s = hooks.steps[WARMUP:], cpu_s[WARMUP:]
+    # the phases are wall-clock (the trainer's hooks): scaled to the step's CPU seconds, the clock compared
+    share = statistics.median(c / s["time_s"] for c, s in zip(cpu_s, steps))
+    phases = {p: share * statistics.median(s["phases"][p] for s in steps) for p in steps[0]["phases"]}
     plan = trainer.plan.plan
     return {
         "name": point.name,
@@ -125,7 +130,8 @@ def measure(point: Point, corpora: dict[str, str], out: Path) -> dict:
         "backend": trainer.attn.backend.value,
         "planned_s": plan.step_s,
         "source": plan.time.source,
-        "measured_s": statistics.median(s["time_s"] for s in steps),
+        "measured_s": statistics.median(cpu_s),  # this process's CPU seconds: other jobs' load left out
+        "measured_wall_s": statistics.median(s["time_s"] for s in steps),
         "terms_s": planned_step(trainer.plan).terms,
         "phases_s": phases,
         "attended_fraction": plan.attention_pairs.as_dict()["fraction_of_row_squared"],
@@ -154,7 +160,9 @@ def term_checks(rows: list[dict]) -> list[dict]:
     for r in rows:
         t, p = r["terms_s"], r["phases_s"]
         compute = t["matmul"] + t["attention"] + t["pointwise"] + t["loss"] + t["recompute"]
-        out.append({"point": r["name"], "term": "compute", "planned": compute, "measured": p["forward"] + p["backward"]})
+        out.append(
+            {"point": r["name"], "term": "compute", "planned": compute, "measured": p["forward"] + p["backward"]}
+        )
         out.append({"point": r["name"], "term": "optimizer", "planned": t["optimizer"], "measured": p["optimizer"]})
     for name, base in (("full", "none S=512"), ("ops k=30", "none S=512"), ("S=1024 full", "S=1024")):
         if name in by and base in by:
@@ -165,7 +173,9 @@ def term_checks(rows: list[dict]) -> list[dict]:
         if long in by and short in by:
             planned = by[long]["planned_s"] - 2 * by[short]["planned_s"]
             measured = by[long]["measured_s"] - 2 * by[short]["measured_s"]
-            out.append({"point": f"{long} - 2 x {short}", "term": "attention", "planned": planned, "measured": measured})
+            out.append(
+                {"point": f"{long} - 2 x {short}", "term": "attention", "planned": planned, "measured": measured}
+            )
     return out
 
 
@@ -182,7 +192,12 @@ def summarize(rows: list[dict]) -> dict:
         measured_best = min(members, key=lambda r: r["measured_s"])
         within = planned_best["measured_s"] <= 1.05 * measured_best["measured_s"]
         agreement.append(
-            {"set": name, "planned_fastest": planned_best["name"], "measured_fastest": measured_best["name"], "ok": within}
+            {
+                "set": name,
+                "planned_fastest": planned_best["name"],
+                "measured_fastest": measured_best["name"],
+                "ok": within,
+            }
         )
     return {
         "median_abs_error": statistics.median(errors),
@@ -197,17 +212,24 @@ def to_markdown(rows: list[dict], summary: dict, terms: list[dict], speed: dict,
     lines = [
         "## Planned against measured step time (CPU, 30 blocks at width 128)",
         "",
-        f"`OMP_NUM_THREADS=1 python bench/planner_time.py`: {len(rows)} points, {STEPS} measured steps each after "
-        f"{WARMUP} warm-up step, {wall_s / 60:.1f} min on a shared, loaded 2-core machine (timings vary with the "
-        "load: the device speed was measured in the same process right before the grid).",
+        (
+            f"`OMP_NUM_THREADS=1 python bench/planner_time.py`: {len(rows)} points, {STEPS} measured steps each "
+            f"after {WARMUP} warm-up step, {wall_s / 60:.1f} min on a shared, loaded 2-core machine. Steps and the "
+            "device speed (measured in the same process right before the grid) are both timed in this process's CPU "
+            "seconds (FLEXENGINE_SPEED_CLOCK=process), so the other jobs' load is left out of both."
+        ),
         "",
-        f"Device speed: {speed.get('source', 'none')}: matmul {speed.get('matmul_tflops', 0) * 1e3:.1f} GFLOP/s, "
-        f"attention {(speed.get('attention_tflops') or 0) * 1e3:.1f} GFLOP/s, memory {speed.get('memory_gb_s', 0):.1f}"
-        f" GB/s, AdamW {speed.get('optimizer_ns_per_param') or 0:.1f} ns/param.",
+        (
+            f"Device speed: {speed.get('source', 'none')}: matmul {speed.get('matmul_tflops', 0) * 1e3:.1f} "
+            f"GFLOP/s, attention {(speed.get('attention_tflops') or 0) * 1e3:.1f} GFLOP/s, memory "
+            f"{speed.get('memory_gb_s', 0):.1f} GB/s, AdamW {speed.get('optimizer_ns_per_param') or 0:.1f} ns/param."
+        ),
         "",
-        f"**median |error| {summary['median_abs_error']:.1%}** (target <= 20 %), **Spearman {summary['spearman']:.3f}** "
-        f"(>= 0.9), **fastest-plan agreement {summary['agreement_rate']:.0%}** of {len(summary['choice_sets'])} choice "
-        "sets (>= 90 %).",
+        (
+            f"**median |error| {summary['median_abs_error']:.1%}** (target <= 20 %), **Spearman "
+            f"{summary['spearman']:.3f}** (>= 0.9), **fastest-plan agreement {summary['agreement_rate']:.0%}** of "
+            f"{len(summary['choice_sets'])} choice sets (>= 90 %)."
+        ),
         "",
         "| point | policy | precision | backend | planned s | measured s | error |",
         "|---|---|---|---|---:|---:|---:|",
@@ -218,9 +240,17 @@ def to_markdown(rows: list[dict], summary: dict, terms: list[dict], speed: dict,
             f"| {r['name']} | {r['policy']} | {r['precision']} | {r['backend']} | {r['planned_s']:.3f} | "
             f"{r['measured_s']:.3f} | {err:+.0%} |"
         )
-    lines += ["", "### Choice sets", "", "| set | planner's fastest | measured fastest | within 5 % |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "### Choice sets",
+        "",
+        "| set | planner's fastest | measured fastest | within 5 % |",
+        "|---|---|---|---|",
+    ]
     for a in summary["choice_sets"]:
-        lines.append(f"| {a['set']} | {a['planned_fastest']} | {a['measured_fastest']} | {'yes' if a['ok'] else 'no'} |")
+        lines.append(
+            f"| {a['set']} | {a['planned_fastest']} | {a['measured_fastest']} | {'yes' if a['ok'] else 'no'} |"
+        )
     lines += ["", "### Term by term", "", "| term | point | planned s | measured s |", "|---|---|---:|---:|"]
     for t in terms:
         lines.append(f"| {t['term']} | {t['point']} | {t['planned']:.3f} | {t['measured']:.3f} |")
@@ -259,6 +289,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["FLEXENGINE_SPEED_CACHE"] = str(root / "speed.json")  # measured now, in this process
+        os.environ["FLEXENGINE_SPEED_CLOCK"] = "process"  # CPU seconds, as the steps are timed
         corpora = write_corpora(root)
         rows = []
         for i, point in enumerate(p for p in GRID if not args.quick or p.name in QUICK):

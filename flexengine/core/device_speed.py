@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 SPEED_ENV = "FLEXENGINE_DEVICE_SPEED"  # "off": measure nothing
 CACHE_ENV = "FLEXENGINE_SPEED_CACHE"  # the cache file (default ~/.cache/flexengine/device_speed.json)
+# "process": time this process's CPU seconds instead of the wall clock (CPU only; a machine shared with other jobs
+# would otherwise lend their load to the measurement: bench/planner_time.py times its steps the same way)
+CLOCK_ENV = "FLEXENGINE_SPEED_CLOCK"
 MIN_TIMED_S = 0.05  # each figure is the best of several repeats of at least this long (a shared machine's noise)
 REPEATS = 3
 COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # the bandwidth copy's size: beyond the caches
@@ -103,7 +106,9 @@ def device_key(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"cpu {torch.get_num_threads()} thread(s)"
+        name = f"cpu {torch.get_num_threads()} thread(s)" + (
+            " CPU time" if os.environ.get(CLOCK_ENV) == "process" else ""
+        )
     return f"{name} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
 
 
@@ -167,19 +172,25 @@ def _fill(
     return measured
 
 
+def clock() -> Callable[[], float]:
+    """The timer measurements use: the wall clock, or this process's CPU time under FLEXENGINE_SPEED_CLOCK=process."""
+    return time.process_time if os.environ.get(CLOCK_ENV) == "process" else time.perf_counter
+
+
 def best_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """The fastest timing of fn after one warm-up call: calls batched to at least MIN_TIMED_S each, REPEATS of them
     (a shared machine's noise); a call slower than that is timed alone, and at most REPEATS times in all."""
     fn()
     _sync(device)
+    now = clock()
     best, spent = float("inf"), 0.0
     for _ in range(REPEATS):
-        loops = 1 if best == float("inf") else max(1, int(MIN_TIMED_S / best))
-        t0 = time.perf_counter()
+        loops = 1 if best == float("inf") else max(1, int(MIN_TIMED_S / max(best, 1e-9)))
+        t0 = now()
         for _ in range(loops):
             fn()
         _sync(device)
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         best, spent = min(best, elapsed / loops), spent + elapsed
         if spent > REPEATS * MIN_TIMED_S and loops == 1:  # slow calls: three are enough
             break

@@ -266,7 +266,7 @@ def _step_time(
     recompute_fraction = act.recompute_flops / step_flops if step_flops else 0.0  # extra FLOPs / step FLOPs
     # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
     pointwise_s = act.recompute_pointwise_bytes / rates.memory_bytes_s
-    recompute_s = recompute_fraction * compute_s + pointwise_s
+    recompute_s = recompute_seconds(recompute_fraction, compute_s, pointwise_s)
     host_s, host_pcie_bytes = host_optimizer_seconds(m, x, compute_s)
     optimizer_s = host_s + (device_optimizer_seconds(m, x, rates) if rates.measured else 0.0)
     eager_s = eager_pointwise_s(m, x)
@@ -300,6 +300,12 @@ def _step_time(
         recompute_s=x.grad_accum * recompute_s,
         source=rates.source,
     )
+
+
+def recompute_seconds(flops_fraction: float, compute_s: float, pointwise_s: float) -> float:
+    """What a memory policy's recompute adds to one micro-batch: its share of the FLOPs at the compute's own rate
+    (the matmuls and attention it re-runs), and the pointwise ops it re-runs at the memory bandwidth."""
+    return flops_fraction * compute_s + pointwise_s
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
