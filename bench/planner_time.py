@@ -5,7 +5,8 @@ depth) at reduced width, over a grid: memory policies (none, full, op-level SAC 
 with a tiled MLP), row lengths, micro-batches, precision modes CPU runs, attention backends and packed documents of
 several length mixes. Each point's planned step (the planner, priced with this machine's speed measured in this
 process right before the grid: core/device_speed) is compared with the median of its measured steps after one
-warm-up step (both in this process's CPU seconds: the machine is shared, and wall time would count the others' load), and term by term where the planner has terms:
+warm-up step (both in this process's CPU seconds: the machine is shared, and wall time would count the others'
+load), and term by term where the planner has terms:
 - optimizer: the measured optimizer phase (AdamW; the gradient norm runs outside it, in "other") vs the planned
   optimizer step;
 - compute: the measured forward + backward phases vs matmul + attention + pointwise + loss + recompute;

@@ -33,6 +33,7 @@ from flexengine.loop.hooks import PHASES as STEP_PHASES
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.metrics import allocator_stats, utilization
 from flexengine.planning.budget import reserved_limit_bytes
+from flexengine.planning.costs import UNKNOWN
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import ModelShape
 from flexengine.planning.specs import plan_inputs, plan_specs
@@ -246,8 +247,9 @@ def likely_term(t: dict) -> str:
 def step_time_check(job: JobConfig, n: dict) -> dict:
     """The measured step against the planned one: beyond RATIO_LIMIT either way, the likely term named."""
     t = n["step_time"]
-    if t["ratio"] is None:
-        return _check("step time vs plan", "info", f"{t['measured_s']:.2f} s measured (no plan to compare with)")
+    if t["ratio"] is None or t["planned_source"] == UNKNOWN:
+        why = "no plan to compare with" if t["ratio"] is None else "the plan's seconds rest on an unknown device speed"
+        return _check("step time vs plan", "info", f"{t['measured_s']:.2f} s measured ({why})")
     value = (
         f"{t['measured_s']:.2f} s measured vs {t['planned_s']:.2f} s planned ({t['ratio']:.2f}x; planned from "
         f"{t['planned_source']})"
