@@ -8,6 +8,7 @@ Measured, each in the compute dtype and at the shapes the caller names:
   counts it (3 x the forward's 4 x H x S^2 x D x 1/2) (`attention_tflops`);
 - memory bandwidth: a copy of a large tensor, read + write bytes / seconds (`memory_gb_s`);
 - the optimizer: torch AdamW plus the gradient norm over as many elements as the caller asks, ns per parameter;
+- one eager op's fixed cost (dispatch and autograd on tiny tensors), which uncompiled blocks pay per kernel;
 - on CUDA, pinned host <-> device copies one way each and both at once on two streams (`h2d_gb_s`, `d2h_gb_s`,
   `duplex_gb_s`: each direction's rate while the other runs).
 
@@ -83,6 +84,7 @@ class DeviceSpeed:
     dtype_bytes: int  # the compute dtype's bytes per element (2: bf16, 4: fp32): the plans it applies to
     attention_tflops: Optional[float] = None  # causal SDPA forward + backward, as the planner counts its FLOPs
     optimizer_ns_per_param: Optional[float] = None  # AdamW step + gradient norm, per parameter
+    op_us: Optional[float] = None  # one eager op's fixed cost (dispatch + autograd), forward or backward, in us
     h2d_gb_s: Optional[float] = None  # pinned host -> device
     d2h_gb_s: Optional[float] = None  # device -> pinned host
     duplex_gb_s: Optional[float] = None  # each direction while the other runs
@@ -138,6 +140,7 @@ def measure_device_speed(
         dtype_bytes=dtype.itemsize,
         attention_tflops=entry.get(attention.name) if attention is not None else None,
         optimizer_ns_per_param=entry.get("optimizer_ns_per_param"),
+        op_us=entry.get("op_us"),
         h2d_gb_s=entry.get("h2d_gb_s"),
         d2h_gb_s=entry.get("d2h_gb_s"),
         duplex_gb_s=entry.get("duplex_gb_s"),
@@ -160,6 +163,7 @@ def _fill(
     if attention is not None:
         todo[attention.name] = lambda: _attention_tflops(attention, device, dtype)
     todo["memory_gb_s"] = lambda: _copy_gb_s(device)
+    todo["op_us"] = lambda: _op_us(device)
     if optimizer_params:
         todo["optimizer_ns_per_param"] = lambda: _optimizer_ns(optimizer_params, device, dtype)
     if device.type == "cuda":
@@ -244,6 +248,25 @@ def _copy_gb_s(device: torch.device) -> float:
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), device) / 1e9
+
+
+OP_CHAIN = 8  # ops in the timed chain (forward), each with its backward
+
+
+def _op_us(device: torch.device) -> float:
+    """The fixed cost of one eager op on tiny tensors, forward and backward (dispatch, autograd's bookkeeping): what
+    an uncompiled block pays per kernel whatever its size, in us per op."""
+    import torch
+
+    x = torch.randn(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(OP_CHAIN // 2):
+            y = torch.nn.functional.silu(y * 1.5)
+        y.sum().backward()
+
+    return best_seconds(chain, device) / (2 * (OP_CHAIN + 1)) * 1e6  # OP_CHAIN + the sum, each forward + backward
 
 
 def _optimizer_ns(params: int, device: torch.device, dtype: torch.dtype) -> float:

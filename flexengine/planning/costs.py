@@ -42,6 +42,11 @@ FALLBACK_PEAK_TFLOPS = 100.0  # only to rank policies when the device's speed is
 # 4 n V bytes): forward casts to fp32, log-softmax (read, write), the target gather; its recompute in backward the
 # same again; backward's softmax gradient (read two, write one) and the cast back. Eager torch's kernels on CPU.
 LOSS_POINTWISE_PASSES = 12
+# Eager kernels per decoder block and micro-batch, forward and backward: HF's LLaMA block counted with a
+# TorchDispatchMode (torch 2.13, transformers 5.24: 73 forward, 138 backward). Each pays the device's fixed cost per
+# op (DeviceSpeed.op_us) whatever its size: at reduced width or short rows a third of a CPU step. A block that
+# recomputes runs its forward's ops again; compiled blocks fuse them (not priced).
+EAGER_OPS_PER_BLOCK = (73, 138)
 # Where a plan's seconds come from (StepTime.source; the plan's table, "how long" and the run's summary say it)
 MEASURED = "measured device speed"
 ASSUMED = "assumed MFU x datasheet peak"
@@ -160,6 +165,16 @@ def loss_seconds(m: ModelShape, w: Workload, rates: Rates) -> float:
     rerun = 2 * n * m.hidden * m.vocab if 0 < w.chunk_size < n else 0
     passes = LOSS_POINTWISE_PASSES if rerun else LOSS_POINTWISE_PASSES - 4  # unchunked: no recomputed forward
     return rerun / rates.matmul_flops_s + passes * 4 * n * m.vocab / rates.memory_bytes_s
+
+
+def dispatch_seconds(m: ModelShape, x: PlanInputs, rates: Rates, recomputed_blocks: int) -> float:
+    """One micro-batch's fixed per-op cost of eager blocks (EAGER_OPS_PER_BLOCK at the measured op cost); 0 for
+    compiled blocks or without a measurement."""
+    op_us = rates.speed.op_us if rates.speed is not None else None
+    if x.compiled or not op_us:
+        return 0.0
+    forward, backward = EAGER_OPS_PER_BLOCK
+    return (m.layers * (forward + backward) + recomputed_blocks * forward) * op_us * 1e-6
 
 
 def device_optimizer_seconds(m: ModelShape, x: PlanInputs, rates: Rates) -> float:

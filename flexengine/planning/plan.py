@@ -118,7 +118,7 @@ class StepTime:
     # the step's seconds by term (all micro-batches): what a measured step is compared with, term by term
     matmul_s: float = 0.0  # the matmuls, forward and backward
     attention_s: float = 0.0  # the attention core (its attended pairs)
-    pointwise_s: float = 0.0  # eager blocks' unfused pointwise ops (priced with a measured speed)
+    pointwise_s: float = 0.0  # eager blocks' unfused pointwise bytes and per-op cost (priced with a measured speed)
     loss_s: float = 0.0  # the chunked loss's lm_head re-run and cross-entropy passes (priced with a measured speed)
     recompute_s: float = 0.0  # what the memory policy re-runs (FLOPs and pointwise bytes)
     source: str = "assumed MFU x datasheet peak"  # where the seconds come from (planning/costs: MEASURED, ...)

@@ -36,6 +36,7 @@ from flexengine.planning.costs import (
     autocast_copies,
     device_optimizer_seconds,
     device_rates,
+    dispatch_seconds,
     eager_pointwise_s,
     fsdp_bytes,
     host_optimizer_bytes,
@@ -272,6 +273,7 @@ def _step_time(
     eager_s = eager_pointwise_s(m, x)
     # priced per micro-batch only with a measured speed: an assumed MFU is an all-in figure
     unfused_s = eager_s / x.grad_accum if rates.measured and not x.compiled else 0.0
+    unfused_s += dispatch_seconds(m, x, rates, act.recomputed_blocks)
     loss_s = loss_seconds(m, w, rates) if rates.measured else 0.0
     # FSDP2 reduce-scatters each block's gradient while the blocks before it run backward: only what the
     # backward (2/3 of a micro-batch's compute) cannot cover is exposed, per reduction
