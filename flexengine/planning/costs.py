@@ -177,6 +177,12 @@ def dispatch_seconds(m: ModelShape, x: PlanInputs, rates: Rates, recomputed_bloc
     return (m.layers * (forward + backward) + recomputed_blocks * forward) * op_us * 1e-6
 
 
+def recompute_seconds(flops_fraction: float, compute_s: float, pointwise_s: float) -> float:
+    """What a memory policy's recompute adds to one micro-batch: its share of the FLOPs at the compute's own rate
+    (the matmuls and attention it re-runs), and the pointwise ops it re-runs at the memory bandwidth."""
+    return flops_fraction * compute_s + pointwise_s
+
+
 def device_optimizer_seconds(m: ModelShape, x: PlanInputs, rates: Rates) -> float:
     """An on-device optimizer step with the gradient norm (the measured AdamW rate x trainable parameters); 0 for
     the host optimizer (host_optimizer_seconds) or without a measurement."""

@@ -32,6 +32,7 @@ from flexengine.planning.activations import (
 from flexengine.planning.budget import device_budget
 from flexengine.planning.costs import (
     HOST_STEP_NS_PER_PARAM,
+    Rates,
     assumptions,
     autocast_copies,
     device_optimizer_seconds,
@@ -44,6 +45,7 @@ from flexengine.planning.costs import (
     interconnect_gb_s,
     loss_seconds,
     pinned_bound_bytes,
+    recompute_seconds,
     reduce_scatter_traffic,
     static_bytes,
 )
@@ -240,15 +242,10 @@ def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationE
     return max(loss["forward"], loss["backward"] - released, block - released - lm_head)
 
 
-def _step_time(
-    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
-) -> StepTime:
-    """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
-    traffic, the optimizer step and the gradient reduce-scatter not hidden by backward. With the device's measured
-    speed (costs.device_rates) the matmuls and the attention core run at their own measured rates and the eager
-    pointwise ops, the loss's passes and the device optimizer are priced too; at an assumed MFU those are folded
-    into the MFU."""
-    rates = device_rates(x.hardware, x.dtype_bytes)
+def _compute_seconds(
+    m: ModelShape, x: PlanInputs, w: Workload, attended: float | tuple[float, ...], rates: Rates
+) -> tuple[float, float, float]:
+    """(FLOPs, matmul seconds, attention seconds) of one micro-batch's forward and backward."""
     # per-layer shares: the blocks' attention cores sum to L x the mean layer's (linear in the share)
     mean = attended if isinstance(attended, (int, float)) else sum(attended) / len(attended)
     forward = block_forward_flops(m, w, mean)
@@ -258,9 +255,24 @@ def _step_time(
     # attention core's two (dQ, dK/dV: 2x)
     weight_grads = 1 if x.trainable_fraction >= 1.0 else 0
     attention_flops = 3 * m.layers * forward["attention_core"]
-    step_flops = (2 + weight_grads) * matmuls + attention_flops
-    matmul_s = (2 + weight_grads) * matmuls / rates.matmul_flops_s
-    attention_s = attention_flops / rates.attention_flops_s
+    matmul_flops = (2 + weight_grads) * matmuls
+    return (
+        matmul_flops + attention_flops,
+        matmul_flops / rates.matmul_flops_s,
+        attention_flops / rates.attention_flops_s,
+    )
+
+
+def _step_time(
+    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
+) -> StepTime:
+    """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
+    traffic, the optimizer step and the gradient reduce-scatter not hidden by backward. With the device's measured
+    speed (costs.device_rates) the matmuls and the attention core run at their own measured rates and the eager
+    pointwise ops, the loss's passes and the device optimizer are priced too; at an assumed MFU those are folded
+    into the MFU."""
+    rates = device_rates(x.hardware, x.dtype_bytes)
+    step_flops, matmul_s, attention_s = _compute_seconds(m, x, w, attended, rates)
     compute_s = matmul_s + attention_s
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds
     exposed_s = max(0.0, traffic - compute_s / 3) + max(0.0, traffic - 2 * compute_s / 3)  # D2H || fwd, H2D || bwd
@@ -302,12 +314,6 @@ def _step_time(
         recompute_s=x.grad_accum * recompute_s,
         source=rates.source,
     )
-
-
-def recompute_seconds(flops_fraction: float, compute_s: float, pointwise_s: float) -> float:
-    """What a memory policy's recompute adds to one micro-batch: its share of the FLOPs at the compute's own rate
-    (the matmuls and attention it re-runs), and the pointwise ops it re-runs at the memory bandwidth."""
-    return flops_fraction * compute_s + pointwise_s
 
 
 def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
