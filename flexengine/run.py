@@ -39,9 +39,12 @@ from flexengine.data.build import build_data
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.loop.components import Components, build_components
 from flexengine.loop.forward import ForwardPath
+from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
+from flexengine.planning.costs import ASSUMED, ASSUMED_MFU
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
+from flexengine.planning.specs import with_measured_speed
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
@@ -107,12 +110,13 @@ def _check_attention_backend(attention: AttentionSpec, dist_info: DistInfo, devi
         )
 
 
-def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo) -> HardwareConfig:
-    """hardware.* resolved on this device, with the process group's world size: what the planner fits to."""
+def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo, hf_config) -> HardwareConfig:
+    """hardware.* resolved on this device, with the process group's world size and the device's measured speed at
+    this model's shapes: what the planner fits to and prices steps with."""
     hardware = resolve_hardware(job.hardware, device)
     if dist_info.world_size > 1:
         hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
-    return hardware
+    return with_measured_speed(hardware, job, hf_config, device)
 
 
 def _build_checked_data(
@@ -217,6 +221,7 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its bytes replace
     the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
     trainer.plan = fit
+    trainer.progress.planned = planned_step(fit)
     trainer.data_report = data_report
     trainer.memory_report = memory_report
     if meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):  # written when measured
@@ -231,6 +236,21 @@ def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
         trainer.metrics.section("memory", blocks, 0)
 
     return write
+
+
+def planned_step(fit: FitPlan) -> PlannedStep:
+    """The plan's step time as the run's clock compares its steps with it, by term."""
+    t = fit.plan.time
+    terms = {
+        "matmul": t.matmul_s,
+        "attention": t.attention_s,
+        "pointwise": t.pointwise_s,
+        "loss": t.loss_s,
+        "recompute": t.recompute_s,
+        "optimizer": t.optimizer_s,
+        "exposed_transfers": fit.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
+    }
+    return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms)
 
 
 def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
@@ -260,7 +280,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     _check_attention_backend(attention, dist_info, device)
     context_parallel = build_context_parallel(dist_info, device)
-    hardware = _run_hardware(job, device, dist_info)
+    hardware = _run_hardware(job, device, dist_info, hf_config)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
     job, fit = fit_job(job, hf_config, hardware, attention)  # the spec resolved above: planned as it runs
@@ -356,8 +376,20 @@ def done_line(summary: dict, summary_path: Path) -> str:
     return (
         f"{head} {summary['steps']} steps, loss {_fmt_loss(summary['initial_loss'])} -> "
         f"{_fmt_loss(summary['final_loss'])}, {speed}, {summary['wall_s']:.1f} s ({summary['train_s']:.1f} s "
-        f"training, {summary['eval_s']:.1f} s evaluating); summary: {summary_path}"
+        f"training, {summary['eval_s']:.1f} s evaluating){_step_vs_plan(summary.get('step_time'))}; summary: "
+        f"{summary_path}"
         + (f"; stopped by a signal, exit status {summary['exit_code']}" if summary["exit_code"] else "")
+    )
+
+
+def _step_vs_plan(report: Optional[dict]) -> str:
+    """', step 1.9 s measured vs 1.7 s planned (1.12x; planned from measured device speed)' for the done line."""
+    if not report or report["measured_s"] is None or report["planned_s"] is None:
+        return ""
+    ratio = f"{report['ratio']:.2f}x" if report["ratio"] is not None else "n/a"
+    return (
+        f", step {report['measured_s']:.2f} s measured vs {report['planned_s']:.2f} s planned ({ratio}; planned from "
+        f"{report['planned_source']}; median after the first {report['excluded_first_steps']} step(s))"
     )
 
 

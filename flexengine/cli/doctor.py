@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from flexengine.cli.common import compose_job, fail, quiet_third_party
+from flexengine.cli.doctor_time import epoch_check, step_time_check, step_time_numbers
 from flexengine.core.config import JobConfig, MemoryConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
@@ -180,6 +181,7 @@ def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
         "hfu": utilization(sum(s["hardware_flops"] for s in measured), wall, job.hardware.peak_tflops),
         "peak_tflops": job.hardware.peak_tflops,
         "time_split": {p: phase_s[p] / wall for p in PHASES},
+        "step_time": step_time_numbers(trainer, measured),
         "memory": memory,
         "losses": [s["loss"] for s in per_step],
     }
@@ -407,6 +409,8 @@ CHECKS = (
     block_density_check,
     time_split_check,
     throughput_check,
+    step_time_check,
+    epoch_check,
     memory_check,
     allocator_check,
 )

@@ -166,16 +166,15 @@ def context_report(job: JobConfig, hf_config) -> dict:
 
 def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
-    from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.budget import device_budget
     from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
-    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, whole_row_pairs
+    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, target_hardware, whole_row_pairs
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.rope import context_limits
 
     hf_config = build_hf_config(job.model)
-    hardware = assumed_hardware(job.hardware)
+    hardware = target_hardware(job, hf_config)
     attention = planned_attention(job, hf_config, hardware)
     precision = plan_job(job, hf_config, hardware, attention=attention).precision
     x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
@@ -257,14 +256,13 @@ def build_plan(
 ) -> PlanReport:
     """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed). attention: attn.*
     resolved for that hardware (None: here); pairs: the attended pairs of a known corpus's packed rows."""
-    from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
     from flexengine.planning.shapes import ModelShape
-    from flexengine.planning.specs import planned_attention
+    from flexengine.planning.specs import planned_attention, target_hardware
     from flexengine.surgery.model import build_hf_config
 
     hf_config = build_hf_config(job.model)
-    hardware = assumed_hardware(job.hardware)
+    hardware = target_hardware(job, hf_config)
     attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
     fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
     node = None
@@ -369,12 +367,12 @@ def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, 
     Rows of known documents give both the attention pairs their masks allow (else each layer's mask over one
     whole-row document)."""
     from flexengine.cli.plan_corpus import corpus_rows, wants_corpus_time
-    from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.corpus_time import corpus_hours
-    from flexengine.planning.specs import packed_pairs, planned_attention
+    from flexengine.planning.specs import packed_pairs, planned_attention, target_hardware
     from flexengine.surgery.model import build_hf_config
 
-    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    hf_config = build_hf_config(job.model)
+    hardware = target_hardware(job, hf_config)
     attention = planned_attention(job, hf_config, hardware)  # once, for the plan and every alternative
     if not wants_corpus_time(options):
         return build_plan(job, attention), None
@@ -415,9 +413,8 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
     the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
     as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
-    from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job, resolved_job
-    from flexengine.planning.specs import planned_attention
+    from flexengine.planning.specs import planned_attention, target_hardware
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.model_files import architecture_of
 
@@ -426,7 +423,7 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     for key, value in plan_only.items():
         record.set(key, value, PLAN_ONLY)
     hf_config = build_hf_config(job.model)
-    hardware = assumed_hardware(job.hardware)
+    hardware = target_hardware(job, hf_config)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
     attention = planned_attention(job, hf_config, hardware)  # as the run resolves it on that device
     job = resolved_job(job, plan_job(job, hf_config, hardware, attention=attention))

@@ -41,6 +41,7 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
 )
 from flexengine.core.config_data import DataConfig, MixSource  # noqa: F401 (re-exported)
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
+from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
 
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
@@ -229,6 +230,9 @@ class HardwareConfig:
     interconnect_gb_s: Optional[float] = None  # GPU<->GPU bandwidth per GPU (GB/s, one direction, what NCCL's
     # reduce-scatter achieves) for FSDP's gradient reduction time; None = by hardware.name (NVLink estimates in
     # planning/costs.INTERCONNECT_GB_S), else pcie_gb_s
+    # The device's measured speed, one per compute dtype (flexengine.core.device_speed): filled in when a run or a
+    # plan is for the device it runs on, never from a config file (a measurement is this machine's, not a setting)
+    speed: tuple[DeviceSpeed, ...] = field(default=(), metadata={"omegaconf_ignore": True})
 
     @property
     def on_cuda(self) -> bool:

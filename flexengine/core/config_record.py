@@ -56,9 +56,12 @@ def _plain(value: Any) -> Any:
 
 def flat_config(config: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> plain value of a config dataclass; nested config dataclasses are flattened, dict- and
-    list-typed fields (model.arch, data.mix) stay one value each, as the schema declares them."""
+    list-typed fields (model.arch, data.mix) stay one value each, as the schema declares them. Fields outside
+    the schema (omegaconf_ignore: hardware.speed, a measurement) are no config and stay out."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
+        if f.metadata.get("omegaconf_ignore"):
+            continue
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             out.update(flat_config(value, f"{prefix}{f.name}."))

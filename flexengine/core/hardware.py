@@ -139,9 +139,16 @@ def _at_most(given: Optional[float], measured: float, key: str, tolerance: float
     return given
 
 
+def plans_this_machine(hw: HardwareConfig) -> bool:
+    """Whether a plan of `hw` is for the device this process runs on (hardware=auto, a CPU, a card given by name
+    without its memory): `assumed_hardware` resolves it here, and its speed can be measured. A named card
+    (hardware=a100_80g) is planned from its datasheet wherever the plan runs."""
+    return not (hw.on_cuda and hw.memory_gb is not None)
+
+
 def assumed_hardware(hw: HardwareConfig) -> HardwareConfig:
     """The hardware a plan targets without touching any device: named configs as given, auto as this machine."""
-    if hw.on_cuda and hw.memory_gb is not None:
+    if not plans_this_machine(hw):
         return dataclasses.replace(
             hw, host_memory_gb=hw.host_memory_gb if hw.host_memory_gb is not None else available_host_memory_gb()
         )

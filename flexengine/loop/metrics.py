@@ -31,6 +31,10 @@ TAGS = {
     "useful_token_fraction": "data/useful_token_fraction",
     # fraction of a causal mask's blocks the document mask computes (FlexAttention's "sparsity" is 1 - this)
     "block_density": "attn/block_density",
+    # the step's seconds against the plan's (loop/progress.py: the ratio is the measured median so far / planned)
+    "step_s": "perf/step_s",
+    "planned_step_s": "perf/planned_step_s",
+    "step_time_ratio": "perf/step_time_ratio",
 }
 
 # What the CUDA caching allocator holds (torch.cuda.memory_stats), logged on CUDA only: on CPU there is no such

@@ -10,9 +10,10 @@ hyperparameters TensorBoard compares runs by.
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,22 @@ class _Window:
     hardware_flops: float = 0.0
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the plan promised for one optimizer step (run.py hands it over: the loop reads no plan)."""
+
+    step_s: float  # the planner's step time
+    source: str  # where its seconds come from: measured device speed, assumed MFU x datasheet peak, unknown
+    assumed_mfu: Optional[float] = None  # the MFU the estimate assumed (None: its speed is measured, or unknown)
+    terms: dict[str, float] = field(default_factory=dict)  # its seconds by term (the doctor names the likely one)
+
+
+def warmup_steps(compiled: bool) -> int:
+    """Steps of a launch left out of its measured step time: the first (allocator, caches, the token cache's pages),
+    and under train.compile the second too (a recompile of the backward's graph can land there)."""
+    return 2 if compiled else 1
+
+
 class Progress:
     """The run clock and the reports made against it (see the module docstring)."""
 
@@ -50,6 +67,9 @@ class Progress:
         self._in_loop = False  # inside the loop: its running time is training time not yet added to train_s
         self._paused_s = 0.0  # evaluation/sampling time inside this loop (not training)
         self._window = _Window(time.perf_counter())
+        self.planned: Optional[PlannedStep] = None  # run.py sets it once the plan exists
+        self.step_times: list[float] = []  # this launch's optimizer steps, each from its start to its metrics
+        self._step_start = time.perf_counter()
 
     # -- the clock ------------------------------------------------------------------------------------------------
     def start_run(self) -> None:
@@ -65,6 +85,19 @@ class Progress:
         """The loop is done: its training time joins train_s."""
         self.train_s, self._in_loop = self.elapsed_train(), False
         self._paused_s = 0.0
+
+    def start_step(self) -> None:
+        """An optimizer step begins (its time ends at `count`)."""
+        self._step_start = time.perf_counter()
+
+    def measured_step_s(self) -> tuple[Optional[float], int]:
+        """(the median of this launch's steps after the warm-up ones, the steps left out); all steps' median when
+        no more ran; None before any."""
+        skip = warmup_steps(self.train.compile)
+        kept = self.step_times[skip:] or self.step_times
+        if not kept:
+            return None, 0
+        return statistics.median(kept), len(self.step_times) - len(kept)
 
     def pause(self, seconds: float) -> None:
         """An evaluation or sampling inside the loop took `seconds`: not training time."""
@@ -101,6 +134,7 @@ class Progress:
     # -- what is reported as the run goes ---------------------------------------------------------------------------
     def count(self, m: dict) -> None:
         """Add one step's metrics to the log window."""
+        self.step_times.append(time.perf_counter() - self._step_start)
         w = self._window
         w.tokens += m["tokens"]
         w.useful += m["useful_tokens"]
@@ -126,12 +160,41 @@ class Progress:
                 **allocator_stats(device),  # None off CUDA: left out of TensorBoard and metrics.jsonl
                 "useful_token_fraction": m["useful_tokens"] / m["tokens"],
                 "block_density": m["block_density"],
+                **self._step_time_scalars(),
             },
             step,
         )
         if self.is_main:
             log.info("%s", format_step_line(step, self.train.max_steps, m, useful_per_s, eta_s))
         self._window = _Window(time.perf_counter())
+
+    def _step_time_scalars(self) -> dict[str, Optional[float]]:
+        """The latest step's time, the plan's and the ratio of the measured median so far to it (TensorBoard)."""
+        measured, _ = self.measured_step_s()
+        planned = self.planned.step_s if self.planned is not None else None
+        return {
+            "step_s": self.step_times[-1] if self.step_times else None,
+            "planned_step_s": planned,
+            "step_time_ratio": measured / planned if measured and planned else None,
+        }
+
+    def step_time_report(self) -> dict[str, Any]:
+        """summary.json's step_time: planned against measured step seconds, their ratio, and the measured MFU
+        against the one the plan assumed."""
+        measured, skipped = self.measured_step_s()
+        planned = self.planned
+        ratio = measured / planned.step_s if measured and planned is not None and planned.step_s else None
+        return {
+            "planned_s": planned.step_s if planned is not None else None,
+            "planned_source": planned.source if planned is not None else None,
+            "measured_s": measured,  # the median of this launch's steps after the warm-up ones
+            "measured_steps": len(self.step_times) - skipped,
+            "excluded_first_steps": skipped,
+            "ratio": ratio,  # measured / planned: 1.0 is a plan held to
+            "mfu": utilization(self.state.model_flops, self.train_s, self.peak_tflops),
+            "assumed_mfu": planned.assumed_mfu if planned is not None else None,
+            "planned_terms_s": dict(planned.terms) if planned is not None else {},
+        }
 
     def bar(self, step: int):
         """tqdm only on a terminal: in a job log its carriage returns are noise (the log lines carry it all)."""
@@ -176,6 +239,7 @@ class Progress:
             **allocator_stats(device),  # the run's allocator peaks and counters (null off CUDA)
             "wall_s": self.elapsed_wall(),  # the whole run, evaluations included
             "train_s": self.train_s,  # training steps only (tokens/s, MFU)
+            "step_time": self.step_time_report(),
         }
 
 

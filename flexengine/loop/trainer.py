@@ -339,6 +339,7 @@ class Trainer:
         self.progress.start_loop(self.state.step)
         with tqdm_logging() if bar is not None else contextlib.nullcontext():
             while self.state.step < cfg.max_steps and not self.signals.should_stop() and not self.stopped_early:
+                self.progress.start_step()
                 m = self.train_step()
                 if profiler is not None:
                     profiler.step()

@@ -2,9 +2,12 @@
 run would take and for the alternatives a user weighs before renting hardware (full fine-tune vs LoRA, one card vs
 a node of them).
 
-Every number here is an estimate: the step time is the planner's (its FLOPs at an assumed MFU plus the transfers it
-cannot hide, flexengine/planning/costs.py), not a measurement. The rows come from the caller (the packed plan of the
-real documents, or of documents of one length), so packing's padding is counted, not assumed away.
+Every number here is an estimate: the step time is the planner's, priced with this machine's measured speed when
+the plan is for the device it runs on (core/device_speed), else with a named card's datasheet peak at an assumed MFU
+(flexengine/planning/costs.py); each row names its source. Where the device's speed is unknown there are no hours
+(no number is better than a wrong one): the table says so and names the options that give one. The rows come from
+the caller (the packed plan of the real documents, or of documents of one length), so packing's padding is
+counted, not assumed away. `flexengine-doctor` measures the epoch from real steps instead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig
+from flexengine.planning.costs import UNKNOWN
 from flexengine.planning.fit import plan_job
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -52,7 +56,8 @@ def corpus_hours(
         data_ranks = max(1, hw.world_size // variant.parallel.cp)
         rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
         steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
-        seconds = steps * fit.plan.step_s
+        known = fit.plan.time.source != UNKNOWN  # an unknown speed ranks policies, but is no time
+        seconds = steps * fit.plan.step_s if known else None
         rows.append(
             {
                 "label": label,
@@ -65,9 +70,10 @@ def corpus_hours(
                 "grad_accum": fit.grad_accum,
                 "rows_per_step": rows_per_step,
                 "steps": steps,
-                "step_s": fit.plan.step_s,
+                "step_s": fit.plan.step_s if known else None,
                 "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
-                "hours": seconds / 3600,
+                "hours": seconds / 3600 if seconds is not None else None,
+                "time_source": fit.plan.time.source,
             }
         )
     return rows
@@ -96,11 +102,19 @@ def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, J
     return out
 
 
+NO_SPEED = (
+    "no hours: this device's speed is unknown. Plan for a named card (hardware=a100_80g, h100_80g, h200_141g: its "
+    "datasheet peak at the assumed MFU), give hardware.peak_tflops, or plan on the machine itself with hardware=auto "
+    "(its speed is measured), or measure the epoch from real steps: flexengine-doctor <the same overrides>"
+)
+
+
 def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) -> str:
-    """The table flexengine-plan prints: one line per alternative, labelled as the estimate it is."""
+    """The table flexengine-plan prints: one line per alternative, labelled as the estimate it is and its source."""
+    sources = sorted({r["time_source"] for r in rows if r["hours"] is not None})
     head = (
         f"how long: {corpus.describe}; {corpus.epochs:g} epoch(s) on {hardware_name} (estimates: the planner's step "
-        "time, not a measurement)"
+        f"time from {' / '.join(sources) if sources else 'no known speed'}, not a measured run)"
     )
     columns = (
         f"  {'':<26} {'devs':>4} {'precision':<16} {'policy':<24} {'rows/step':>9} {'steps':>7} {'s/step':>7} "
@@ -109,9 +123,13 @@ def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) ->
     lines = [head, columns]
     for r in rows:
         fits = "" if r["fits"] else "  (does not fit)"
+        step = f"{r['step_s']:>7.2f}" if r["step_s"] is not None else f"{'n/a':>7}"
+        rate = f"{r['useful_tokens_per_s']:>12,.0f}" if r["useful_tokens_per_s"] is not None else f"{'n/a':>12}"
+        hours = f"{r['hours']:>7.1f}" if r["hours"] is not None else f"{'n/a':>7}"
         lines.append(
             f"  {r['label']:<26} {r['world_size']:>4} {r['precision']:<16} {r['policy'][:24]:<24} "
-            f"{r['rows_per_step']:>9} {r['steps']:>7,} {r['step_s']:>7.2f} {r['useful_tokens_per_s'] or 0:>12,.0f} "
-            f"{r['hours']:>7.1f}{fits}"
+            f"{r['rows_per_step']:>9} {r['steps']:>7,} {step} {rate} {hours}{fits}"
         )
+    if any(r["hours"] is None for r in rows):
+        lines.append(f"  {NO_SPEED}")
     return "\n".join(lines)

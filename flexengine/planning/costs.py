@@ -4,13 +4,15 @@ assumed constants (MFU, bandwidths) that turn bytes and FLOPs into seconds."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig
+from flexengine.core.device_speed import AttentionShape, DeviceSpeed, Gemm
 from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.planning.activations import pointwise_bytes
 from flexengine.planning.budget import device_budget
-from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
+from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 
 # The constants below are not derived from our code path; each names its source and is printed with every plan
 # (`assumptions` in the JSON, the last lines of the table).
@@ -35,7 +37,20 @@ INTERCONNECT_GB_S = {"h200": 360.0, "h100": 360.0, "a100": 230.0}
 # block (compile.apply_compile), about a minute of inductor on a GPU host (assumed; CPU aot_eager: 1-3 s).
 EAGER_POINTWISE_PASSES = 3
 COMPILE_S = 60.0
-FALLBACK_PEAK_TFLOPS = 100.0  # only to weigh recompute against PCIe time when the device's peak is unknown
+FALLBACK_PEAK_TFLOPS = 100.0  # only to rank policies when the device's speed is unknown: never turned into hours
+# The chunked loss's pointwise work, in passes over the fp32 [tokens, vocab] logits (each pass writes or reads
+# 4 n V bytes): forward casts to fp32, log-softmax (read, write), the target gather; its recompute in backward the
+# same again; backward's softmax gradient (read two, write one) and the cast back. Eager torch's kernels on CPU.
+LOSS_POINTWISE_PASSES = 12
+# Eager kernels per decoder block and micro-batch, forward and backward: HF's LLaMA block counted with a
+# TorchDispatchMode (torch 2.13, transformers 5.24: 73 forward, 138 backward). Each pays the device's fixed cost per
+# op (DeviceSpeed.op_us) whatever its size: at reduced width or short rows a third of a CPU step. A block that
+# recomputes runs its forward's ops again; compiled blocks fuse them (not priced).
+EAGER_OPS_PER_BLOCK = (73, 138)
+# Where a plan's seconds come from (StepTime.source; the plan's table, "how long" and the run's summary say it)
+MEASURED = "measured device speed"
+ASSUMED = "assumed MFU x datasheet peak"
+UNKNOWN = "unknown device speed"
 # adamw_cpu_offload's host step per trainable parameter (flexengine.loop.host_adamw: bf16 slot -> fp32 scratch, fused
 # AdamW, fp32 master -> bf16 slot, the copies): measured on this project's CPU, 1.19 ns of one core per parameter
 # (bench/results/host_optimizer.json: 207M parameters, CPU seconds on one thread of a shared 2-core VM; the replaced
@@ -139,7 +154,42 @@ def eager_pointwise_s(m: ModelShape, x: PlanInputs) -> float:
     """Seconds per optimizer step that unfused pointwise ops add to eager (uncompiled) blocks: their bytes at the
     device's memory bandwidth (see EAGER_POINTWISE_PASSES)."""
     per_block = 2 * sum(pointwise_bytes(m, rank_workload(x)).values())
-    return x.grad_accum * m.layers * per_block * EAGER_POINTWISE_PASSES / (hbm_gb_s(x.hardware) * 1e9)
+    bandwidth = device_rates(x.hardware, x.dtype_bytes).memory_bytes_s
+    return x.grad_accum * m.layers * per_block * EAGER_POINTWISE_PASSES / bandwidth
+
+
+def loss_seconds(m: ModelShape, w: Workload, rates: Rates) -> float:
+    """One micro-batch's loss beyond lm_head's forward and backward matmuls (in the matmul term): the chunked
+    loss's lm_head forward again in backward, and the cross-entropy's pointwise passes over the fp32 logits."""
+    n = w.micro_batch * (w.seq_len - 1)
+    rerun = 2 * n * m.hidden * m.vocab if 0 < w.chunk_size < n else 0
+    passes = LOSS_POINTWISE_PASSES if rerun else LOSS_POINTWISE_PASSES - 4  # unchunked: no recomputed forward
+    return rerun / rates.matmul_flops_s + passes * 4 * n * m.vocab / rates.memory_bytes_s
+
+
+def dispatch_seconds(m: ModelShape, x: PlanInputs, rates: Rates, recomputed_blocks: int) -> float:
+    """One micro-batch's fixed per-op cost of eager blocks (EAGER_OPS_PER_BLOCK at the measured op cost); 0 for
+    compiled blocks or without a measurement."""
+    op_us = rates.speed.op_us if rates.speed is not None else None
+    if x.compiled or not op_us:
+        return 0.0
+    forward, backward = EAGER_OPS_PER_BLOCK
+    return (m.layers * (forward + backward) + recomputed_blocks * forward) * op_us * 1e-6
+
+
+def recompute_seconds(flops_fraction: float, compute_s: float, pointwise_s: float) -> float:
+    """What a memory policy's recompute adds to one micro-batch: its share of the FLOPs at the compute's own rate
+    (the matmuls and attention it re-runs), and the pointwise ops it re-runs at the memory bandwidth."""
+    return flops_fraction * compute_s + pointwise_s
+
+
+def device_optimizer_seconds(m: ModelShape, x: PlanInputs, rates: Rates) -> float:
+    """An on-device optimizer step with the gradient norm (the measured AdamW rate x trainable parameters); 0 for
+    the host optimizer (host_optimizer_seconds) or without a measurement."""
+    ns = rates.speed.optimizer_ns_per_param if rates.speed is not None else None
+    if x.host_bytes_per_param or not ns:
+        return 0.0
+    return m.params * x.trainable_fraction / max(1, x.hardware.world_size) * ns * 1e-9
 
 
 def interconnect_gb_s(hardware: HardwareConfig) -> float:
@@ -160,6 +210,52 @@ def reduce_scatter_traffic(m: ModelShape, x: PlanInputs) -> tuple[int, float]:
     reduces = x.grad_accum if x.reduce_every is ReduceEvery.MICRO_BATCH else 1
     sent = int(reduces * m.params * x.trainable_fraction * x.fsdp_reduce_bytes * (world - 1) / world)
     return sent, sent / (interconnect_gb_s(x.hardware) * 1e9)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What turns a step's FLOPs and bytes into seconds on the target, and where the figures come from."""
+
+    matmul_flops_s: float  # the matmuls' achieved FLOP/s (measured; or peak x ASSUMED_MFU, which folds in the rest)
+    attention_flops_s: float  # the attention core's, counted as the planner counts its FLOPs
+    memory_bytes_s: float
+    source: str  # MEASURED | ASSUMED | UNKNOWN (ranking only: FALLBACK_PEAK_TFLOPS)
+    speed: Optional[DeviceSpeed] = None  # the measurement, where it is one
+
+    @property
+    def measured(self) -> bool:
+        """Per-term seconds: the pointwise ops, the loss and the optimizer step are priced on their own (an assumed
+        MFU is an all-in figure that folds them in)."""
+        return self.speed is not None
+
+    @property
+    def known(self) -> bool:
+        """Whether the seconds are worth printing as time (an unknown speed still ranks policies)."""
+        return self.source != UNKNOWN
+
+
+def device_rates(hardware: HardwareConfig, dtype_bytes: int) -> Rates:
+    """The target's rates in this compute dtype: its measured speed (core/device_speed), else the datasheet peak at
+    ASSUMED_MFU, else FALLBACK_PEAK_TFLOPS, named UNKNOWN."""
+    speed = next((s for s in hardware.speed if s.dtype_bytes == dtype_bytes), None)
+    if speed is not None:
+        attention = speed.attention_tflops or speed.matmul_tflops
+        return Rates(speed.matmul_tflops * 1e12, attention * 1e12, speed.memory_gb_s * 1e9, MEASURED, speed)
+    if hardware.peak_tflops:
+        flops = hardware.peak_tflops * 1e12 * ASSUMED_MFU
+        return Rates(flops, flops, hbm_gb_s(hardware) * 1e9, ASSUMED)
+    flops = FALLBACK_PEAK_TFLOPS * 1e12 * ASSUMED_MFU
+    return Rates(flops, flops, hbm_gb_s(hardware) * 1e9, UNKNOWN)
+
+
+def speed_shapes(m: ModelShape, tokens: int, seq_len: int, chunk_size: int) -> tuple[list[Gemm], AttentionShape]:
+    """The GEMMs of one micro-batch's forward (q, k, v, o, gate, up, down in every block; lm_head over a loss chunk)
+    and its attention call: what core/device_speed measures for this model."""
+    q, kv, h, f, L = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, m.intermediate, m.layers
+    gemms = [Gemm(tokens, q, h, L), Gemm(tokens, kv, h, 2 * L), Gemm(tokens, h, q, L), Gemm(tokens, f, h, 2 * L)]
+    rows = min(tokens, chunk_size) if chunk_size > 0 else tokens
+    gemms += [Gemm(tokens, h, f, L), Gemm(rows, m.vocab, h, -(-tokens // rows))]
+    return gemms, AttentionShape(m.heads, seq_len, m.head_dim)
 
 
 def hbm_gb_s(hardware: HardwareConfig) -> float:

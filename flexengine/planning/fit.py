@@ -19,6 +19,7 @@ from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, Prec
 from flexengine.core.errors import UserError
 from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.core.units import GiB
+from flexengine.planning.costs import UNKNOWN
 from flexengine.planning.plan import Candidate, Plan
 from flexengine.planning.planner import candidate_family, k_table, offloads, plan_memory
 from flexengine.planning.shapes import AttendedPairs
@@ -377,6 +378,13 @@ def pairs_line(pairs: AttendedPairs) -> str:
 RUNNERS_UP = 2
 
 
+def _step_phrase(plan: Plan) -> str:
+    """'~1.23 s/step (measured device speed)', or no number where the device's speed is unknown."""
+    if plan.time.source == UNKNOWN:
+        return "step time unknown (no device speed: hardware=<card> plans a named card, hardware=auto measures here)"
+    return f"~{plan.step_s:.2f} s/step ({plan.time.source})"
+
+
 def format_fit_summary(fit: FitPlan) -> str:
     """The plan in one line: the chosen configuration, the precision modes tried, and the cheapest runners-up of
     other policy families (what a training run logs; flexengine-plan prints the whole table)."""
@@ -384,7 +392,7 @@ def format_fit_summary(fit: FitPlan) -> str:
     chosen = (
         f"precision={fit.precision.name}, {p.policy}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
         f"{_gib(p.total_bytes)} GiB peak of {p.budget.describe()}, host {_gib(usage.host_bytes)} of "
-        f"{_gib(usage.host_budget_bytes)} GiB, ~{p.step_s:.2f} s/step" + ("" if fit.fits else " -- DOES NOT FIT")
+        f"{_gib(usage.host_budget_bytes)} GiB, {_step_phrase(p)}" + ("" if fit.fits else " -- DOES NOT FIT")
     )
     if len(fit.precision_table) > 1:
         chosen += (

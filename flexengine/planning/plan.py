@@ -115,11 +115,26 @@ class StepTime:
     reduce_exposed_s: float  # reduce-scatter seconds backward does not hide
     step_s: float
     cost: float  # (recompute + exposed offload seconds) / compute seconds: the overhead the policy adds
+    # the step's seconds by term (all micro-batches): what a measured step is compared with, term by term
+    matmul_s: float = 0.0  # the matmuls, forward and backward
+    attention_s: float = 0.0  # the attention core (its attended pairs)
+    pointwise_s: float = 0.0  # eager blocks' unfused pointwise bytes and per-op cost (priced with a measured speed)
+    loss_s: float = 0.0  # the chunked loss's lm_head re-run and cross-entropy passes (priced with a measured speed)
+    recompute_s: float = 0.0  # what the memory policy re-runs (FLOPs and pointwise bytes)
+    source: str = "assumed MFU x datasheet peak"  # where the seconds come from (planning/costs: MEASURED, ...)
 
     def to_json(self) -> JsonDict:
-        """The step-time part of a candidate's JSON row (the reduction by its config name)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The step-time part of a candidate's JSON row (the reduction by its config name), without the terms."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TERM_FIELDS}
         return fields | {"reduce_every": self.reduce_every.value}  # in place: the key keeps its position
+
+    def terms_json(self) -> JsonDict:
+        """The seconds by term and their source (the JSON adds them after its older keys)."""
+        return {name: getattr(self, name) for name in TERM_FIELDS}
+
+
+# StepTime's seconds by term and their source: written after the rows' older keys (their order is a contract)
+TERM_FIELDS = ("matmul_s", "attention_s", "pointwise_s", "loss_s", "recompute_s", "source")
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,7 @@ class Candidate:
             **self.usage.to_json(),
             **self.time.to_json(),
             **static,
+            **self.time.terms_json(),
         }
 
 
@@ -305,6 +321,7 @@ class Plan:
             "pcie_seconds_per_step": self.pcie_seconds_per_step,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": list(self.suggestions),
+            "step_time_terms": time.terms_json(),  # the chosen step's seconds by term and where they come from
         }
 
 

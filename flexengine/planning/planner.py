@@ -31,18 +31,21 @@ from flexengine.planning.activations import (
 )
 from flexengine.planning.budget import device_budget
 from flexengine.planning.costs import (
-    ASSUMED_MFU,
-    FALLBACK_PEAK_TFLOPS,
     HOST_STEP_NS_PER_PARAM,
+    Rates,
     assumptions,
     autocast_copies,
+    device_optimizer_seconds,
+    device_rates,
+    dispatch_seconds,
     eager_pointwise_s,
     fsdp_bytes,
-    hbm_gb_s,
     host_optimizer_bytes,
     host_optimizer_seconds,
     interconnect_gb_s,
+    loss_seconds,
     pinned_bound_bytes,
+    recompute_seconds,
     reduce_scatter_traffic,
     static_bytes,
 )
@@ -239,11 +242,10 @@ def _workspace_bytes(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationE
     return max(loss["forward"], loss["backward"] - released, block - released - lm_head)
 
 
-def _step_time(
-    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
-) -> StepTime:
-    """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
-    traffic, the host optimizer and the gradient reduce-scatter not hidden by backward."""
+def _compute_seconds(
+    m: ModelShape, x: PlanInputs, w: Workload, attended: float | tuple[float, ...], rates: Rates
+) -> tuple[float, float, float]:
+    """(FLOPs, matmul seconds, attention seconds) of one micro-batch's forward and backward."""
     # per-layer shares: the blocks' attention cores sum to L x the mean layer's (linear in the share)
     mean = attended if isinstance(attended, (int, float)) else sum(attended) / len(attended)
     forward = block_forward_flops(m, w, mean)
@@ -252,22 +254,45 @@ def _step_time(
     # LoRA's frozen base weights and lm_head get none, ~4N instead of 6N, as loop/flops.py counts), and the
     # attention core's two (dQ, dK/dV: 2x)
     weight_grads = 1 if x.trainable_fraction >= 1.0 else 0
-    step_flops = (2 + weight_grads) * matmuls + 3 * m.layers * forward["attention_core"]
-    peak = x.hardware.peak_tflops or FALLBACK_PEAK_TFLOPS
-    compute_s = step_flops / (peak * 1e12 * ASSUMED_MFU)
+    attention_flops = 3 * m.layers * forward["attention_core"]
+    matmul_flops = (2 + weight_grads) * matmuls
+    return (
+        matmul_flops + attention_flops,
+        matmul_flops / rates.matmul_flops_s,
+        attention_flops / rates.attention_flops_s,
+    )
+
+
+def _step_time(
+    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, attended: float | tuple[float, ...]
+) -> StepTime:
+    """The optimizer step's estimated seconds: compute, recompute (FLOPs and pointwise bytes), exposed offload
+    traffic, the optimizer step and the gradient reduce-scatter not hidden by backward. With the device's measured
+    speed (costs.device_rates) the matmuls and the attention core run at their own measured rates and the eager
+    pointwise ops, the loss's passes and the device optimizer are priced too; at an assumed MFU those are folded
+    into the MFU."""
+    rates = device_rates(x.hardware, x.dtype_bytes)
+    step_flops, matmul_s, attention_s = _compute_seconds(m, x, w, attended, rates)
+    compute_s = matmul_s + attention_s
     traffic = act.offloaded_bytes / (x.hardware.pcie_gb_s * 1e9)  # one way, seconds
     exposed_s = max(0.0, traffic - compute_s / 3) + max(0.0, traffic - 2 * compute_s / 3)  # D2H || fwd, H2D || bwd
     recompute_fraction = act.recompute_flops / step_flops if step_flops else 0.0  # extra FLOPs / step FLOPs
     # Recomputed pointwise ops are memory-bound: their time is bytes / bandwidth, not FLOPs (SAC's whole cost).
-    pointwise_s = act.recompute_pointwise_bytes / (hbm_gb_s(x.hardware) * 1e9)
-    recompute_s = recompute_fraction * compute_s + pointwise_s
-    optimizer_s, host_pcie_bytes = host_optimizer_seconds(m, x, compute_s)
+    pointwise_s = act.recompute_pointwise_bytes / rates.memory_bytes_s
+    recompute_s = recompute_seconds(recompute_fraction, compute_s, pointwise_s)
+    host_s, host_pcie_bytes = host_optimizer_seconds(m, x, compute_s)
+    optimizer_s = host_s + (device_optimizer_seconds(m, x, rates) if rates.measured else 0.0)
+    eager_s = eager_pointwise_s(m, x)
+    # priced per micro-batch only with a measured speed: an assumed MFU is an all-in figure
+    unfused_s = eager_s / x.grad_accum if rates.measured and not x.compiled else 0.0
+    unfused_s += dispatch_seconds(m, x, rates, act.recomputed_blocks)
+    loss_s = loss_seconds(m, w, rates) if rates.measured else 0.0
     # FSDP2 reduce-scatters each block's gradient while the blocks before it run backward: only what the
     # backward (2/3 of a micro-batch's compute) cannot cover is exposed, per reduction
     reduce_bytes, reduce_s = reduce_scatter_traffic(m, x)
     reduces = x.grad_accum if x.reduce_every is ReduceEvery.MICRO_BATCH else 1
     reduce_exposed_s = reduces * max(0.0, reduce_s / reduces - 2 * compute_s / 3) if reduce_bytes else 0.0
-    step_s = x.grad_accum * (compute_s + recompute_s + exposed_s) + optimizer_s + reduce_exposed_s
+    step_s = x.grad_accum * (compute_s + recompute_s + exposed_s + unfused_s + loss_s) + optimizer_s + reduce_exposed_s
     return StepTime(
         recompute_flops_fraction=recompute_fraction,
         recompute_pointwise_s=pointwise_s,
@@ -276,12 +301,18 @@ def _step_time(
         optimizer_s=optimizer_s,
         host_optimizer_pcie_bytes_per_step=host_pcie_bytes,
         reduce_every=x.reduce_every,
-        eager_pointwise_s=eager_pointwise_s(m, x),
+        eager_pointwise_s=eager_s,
         reduce_scatter_bytes_per_step=reduce_bytes,
         reduce_scatter_s=reduce_s,
         reduce_exposed_s=reduce_exposed_s,
         step_s=step_s,
         cost=(recompute_s + exposed_s) / max(compute_s, 1e-12),
+        matmul_s=x.grad_accum * matmul_s,
+        attention_s=x.grad_accum * attention_s,
+        pointwise_s=x.grad_accum * unfused_s,
+        loss_s=x.grad_accum * loss_s,
+        recompute_s=x.grad_accum * recompute_s,
+        source=rates.source,
     )
 
 

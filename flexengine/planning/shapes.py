@@ -195,6 +195,8 @@ class PlanInputs:
     autocast: bool = False  # the forward runs under autocast over fp32 weights (PrecisionSpec.compute_context:
     # bf16_mixed unless FSDP2 casts): activations follow it (Workload.autocast)
     pairs: AttendedPairs = AttendedPairs()  # the attention core's share of seq_len^2 per layer, and its source
+    compiled: bool = True  # train.compile: the blocks' pointwise ops are fused (eager ones cost their bytes twice
+    # more: costs.eager_pointwise_s, priced where the device's speed is measured)
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:

@@ -197,3 +197,11 @@ def test_an_allocator_oom_is_a_failed_check():
     assert c["verdict"] == "bad" and "ran out of memory 1 time(s)" in c["detail"]
     assert all(k in c["suggestion"] for k in KNOBS)
     assert exit_status(report) == 1
+
+
+def test_the_doctor_reports_the_epoch_of_the_corpus_from_the_measured_steps(healthy):
+    report, _ = healthy
+    t = report["numbers"]["step_time"]
+    assert t["measured_s"] > 0 and t["planned_s"] > 0 and t["steps_per_epoch"] >= 1
+    assert t["epoch_s"] == pytest.approx(t["steps_per_epoch"] * t["measured_s"])
+    assert "per epoch of this corpus" in check(report, "epoch time")["value"]

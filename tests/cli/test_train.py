@@ -668,6 +668,8 @@ def test_a_read_only_output_dir_is_one_paragraph_and_exit_2(read_only_dir, tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert f"failed at {read_only_dir / 'run'}: Read-only file system" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "override, said",
     [

@@ -79,3 +79,40 @@ def test_the_run_clock_leaves_pauses_out_of_training_time(monkeypatch):
     clock.end_loop()
     now[0] += 5.0  # the final save: wall time, not training
     assert clock.train_s == 46.0 and clock.elapsed_train() == 46.0 and clock.elapsed_wall() == 65.0
+
+
+def test_the_step_time_report_holds_the_plan_to_account(monkeypatch):
+    """Each step from start_step to count; the median leaves the warm-up step out (two under compile), the ratio
+    is measured / planned, TensorBoard gets the step, the plan and the ratio so far."""
+    import torch
+
+    from flexengine.core.config import TrainConfig
+    from flexengine.loop import progress
+    from flexengine.loop.state import TrainState
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Progress(TrainConfig(max_steps=10), TrainState(), peak_tflops=None)
+    assert clock.step_time_report()["measured_s"] is None and clock.step_time_report()["ratio"] is None
+    clock.planned = progress.PlannedStep(2.0, "measured device speed", None, {"matmul": 1.5, "optimizer": 0.5})
+    clock.start_loop(0)
+    logged = {}
+
+    class Metrics:
+        def scalars(self, values, step):
+            logged.update(values)
+
+    m = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 8, "useful_tokens": 8, "block_density": None}
+    for seconds in (9.0, 2.0, 3.0, 2.5):  # the first step warms up
+        clock.start_step()
+        now[0] += seconds
+        clock.count({**m, "model_flops": 0.0, "hardware_flops": 0.0})
+        clock.log_step(Metrics(), m, len(clock.step_times), eta_s=0.0, device=torch.device("cpu"))
+    report = clock.step_time_report()
+    assert report["measured_s"] == 2.5 and report["excluded_first_steps"] == 1 and report["measured_steps"] == 3
+    assert (
+        report["ratio"] == 1.25 and report["planned_s"] == 2.0 and report["planned_source"] == "measured device speed"
+    )
+    assert report["planned_terms_s"] == {"matmul": 1.5, "optimizer": 0.5}
+    assert logged["step_s"] == 2.5 and logged["planned_step_s"] == 2.0 and logged["step_time_ratio"] == 1.25
+    assert progress.warmup_steps(compiled=True) == 2

@@ -48,3 +48,40 @@ def test_on_cpu_only_the_job_and_its_lora_twin():
     rows = corpus_hours(job, build_hf_config(job.model), assumed_hardware(job.hardware), Corpus(100, 20_000))
     assert [(r["lora_r"], r["world_size"]) for r in rows] == [(0, 1), (16, 1)]
     assert rows[1]["label"] == "LoRA r=16, 1 CPU"  # before: "1 GPU" on a CPU
+
+
+def test_no_hours_without_a_known_speed_and_the_options_named():
+    job = compose_job(["debug=fast", "hardware=auto"])  # this CPU, its speed unmeasured (tests turn it off)
+    hardware = assumed_hardware(job.hardware)
+    assert hardware.speed == () and hardware.peak_tflops is None
+    rows = corpus_hours(job, build_hf_config(job.model), hardware, Corpus(100, 20_000))
+    assert all(r["hours"] is None and r["step_s"] is None and r["useful_tokens_per_s"] is None for r in rows)
+    assert {r["time_source"] for r in rows} == {"unknown device speed"}
+    text = format_corpus_hours(rows, Corpus(100, 20_000, 1.0, "the demo"), "cpu")
+    assert "0.0" not in text.split("\n")[2] and "n/a" in text
+    assert "no hours" in text and "hardware=a100_80g" in text and "flexengine-doctor" in text
+
+
+def test_a_measured_speed_gives_hours_and_says_so(monkeypatch, tmp_path):
+    from flexengine.planning.specs import target_hardware
+
+    monkeypatch.delenv("FLEXENGINE_DEVICE_SPEED")
+    monkeypatch.setenv("FLEXENGINE_SPEED_CACHE", str(tmp_path / "speed.json"))
+    job = compose_job(["debug=fast", "hardware=auto"])
+    hf_config = build_hf_config(job.model)
+    hardware = target_hardware(job, hf_config)
+    assert len(hardware.speed) == 1 and hardware.speed[0].dtype_bytes == 4  # CPU: the mode auto takes, fp32
+    rows = corpus_hours(job, hf_config, hardware, Corpus(100, 20_000))
+    assert rows[0]["hours"] > 0 and rows[0]["time_source"] == "measured device speed"
+    text = format_corpus_hours(rows, Corpus(100, 20_000, 1.0, "the demo"), "cpu")
+    assert "from measured device speed" in text and "no hours" not in text
+
+
+def test_a_named_card_keeps_its_datasheet_wherever_it_is_planned():
+    from flexengine.planning.specs import target_hardware
+
+    job, hf_config, _ = _seed_job()
+    hardware = target_hardware(job, hf_config)
+    assert hardware.speed == () and hardware.peak_tflops == 312.0
+    rows = corpus_hours(job, hf_config, hardware, Corpus(rows=20_000, useful_tokens=120_000_000))
+    assert {r["time_source"] for r in rows} == {"assumed MFU x datasheet peak"}

@@ -134,3 +134,41 @@ def test_host_optimizer_bytes_and_seconds_by_hand():
 @pytest.mark.parametrize(("budget", "state", "bound"), [(None, 5, None), (10, 3, 7), (3, 10, 0)])
 def test_pinned_bound_is_what_the_host_budget_leaves(budget, state, bound):
     assert costs.pinned_bound_bytes(budget, state) == bound
+
+
+def _speed(dtype_bytes: int = 4, **kw) -> "costs.DeviceSpeed":
+    figures = dict(matmul_tflops=0.02, memory_gb_s=5.0, attention_tflops=0.01, optimizer_ns_per_param=10.0)
+    return costs.DeviceSpeed(**(figures | kw), dtype_bytes=dtype_bytes, source="measured on this machine (test)")
+
+
+def test_the_rates_come_from_the_measured_speed_else_the_datasheet_else_nowhere():
+    measured = costs.device_rates(dataclasses.replace(CUDA, peak_tflops=312.0, speed=(_speed(),)), 4)
+    assert measured.source == costs.MEASURED and measured.measured and measured.known
+    assert (measured.matmul_flops_s, measured.attention_flops_s, measured.memory_bytes_s) == (2e10, 1e10, 5e9)
+    # a measurement in another dtype does not price this one: the datasheet does, at the assumed MFU
+    assumed = costs.device_rates(dataclasses.replace(CUDA, peak_tflops=312.0, speed=(_speed(2),)), 4)
+    assert assumed.source == costs.ASSUMED and not assumed.measured
+    assert assumed.matmul_flops_s == pytest.approx(312e12 * costs.ASSUMED_MFU)
+    unknown = costs.device_rates(HardwareConfig(name="cpu", device="cpu"), 4)
+    assert unknown.source == costs.UNKNOWN and not unknown.known
+    assert unknown.matmul_flops_s == pytest.approx(costs.FALLBACK_PEAK_TFLOPS * 1e12 * costs.ASSUMED_MFU)
+
+
+def test_the_speed_shapes_are_the_blocks_matmuls_and_the_loss_chunks():
+    gemms, attention = costs.speed_shapes(M, tokens=1000, seq_len=500, chunk_size=256)
+    flops = sum(2 * g.m * g.n * g.k * g.count for g in gemms)
+    q, kv = M.heads * M.head_dim, M.kv_heads * M.head_dim
+    block = 2 * 1000 * M.hidden * (2 * q + 2 * kv + 3 * M.intermediate)
+    assert flops == M.layers * block + 2 * 256 * 4 * M.hidden * M.vocab  # lm_head: 4 chunks of 256 rows
+    assert (attention.heads, attention.seq_len, attention.head_dim) == (M.heads, 500, M.head_dim)
+
+
+def test_a_measured_speed_prices_the_loss_and_the_device_optimizer():
+    x = PlanInputs(seq_len=128, micro_batch=1, dtype_bytes=4, hardware=dataclasses.replace(CUDA, speed=(_speed(),)))
+    rates = costs.device_rates(x.hardware, 4)
+    n = 127
+    w = dataclasses.replace(costs.rank_workload(x), chunk_size=64)  # two chunks: lm_head runs again in backward
+    rerun = 2 * n * M.hidden * M.vocab / 2e10
+    assert costs.loss_seconds(M, w, rates) == pytest.approx(rerun + costs.LOSS_POINTWISE_PASSES * 4 * n * M.vocab / 5e9)
+    assert costs.device_optimizer_seconds(M, x, rates) == pytest.approx(M.params * 10e-9)
+    assert costs.device_optimizer_seconds(M, dataclasses.replace(x, host_bytes_per_param=16.0), rates) == 0.0

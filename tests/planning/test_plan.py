@@ -68,6 +68,7 @@ PLAN_KEYS = [
     "pcie_seconds_per_step",
     "candidates",
     "suggestions",
+    "step_time_terms",
 ]
 # One candidate row's keys; adamw_8bit adds embedding_optimizer_bytes and autocast compute_copy_bytes at the end
 CANDIDATE_KEYS = [
@@ -107,6 +108,9 @@ CANDIDATE_KEYS = [
     "grads_bytes",
     "optimizer_bytes",
 ]
+# the seconds by term and their source, after every older key (and after the optional byte terms)
+STEP_TERM_KEYS = ["matmul_s", "attention_s", "pointwise_s", "loss_s", "recompute_s", "source"]
+CANDIDATE_KEYS += STEP_TERM_KEYS
 TERM_KEYS = ["weights_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "backward_workspace_bytes"]
 TERM_KEYS += ["offload_in_flight_bytes"]
 FSDP_TERM_KEYS = ["fsdp_gathered_weights_bytes", "fsdp_unsharded_grads_bytes"]
@@ -134,7 +138,8 @@ def test_optional_terms_appear_only_where_they_arise():
     terms = TERM_KEYS[:3] + ["embedding_optimizer_bytes", "compute_copy_bytes"] + TERM_KEYS[3:] + FSDP_TERM_KEYS
     assert list(body["terms"]) == terms
     row = body["candidates"][0]
-    assert list(row) == CANDIDATE_KEYS + ["embedding_optimizer_bytes", "compute_copy_bytes"]
+    optional = ["embedding_optimizer_bytes", "compute_copy_bytes"]
+    assert list(row) == CANDIDATE_KEYS[: -len(STEP_TERM_KEYS)] + optional + STEP_TERM_KEYS
     assert row["embedding_optimizer_bytes"] == row["terms"]["embedding_optimizer_bytes"] > 0
 
 

@@ -20,7 +20,7 @@ input is the [B, S] document ids (a new layout is new data, not a recompile). Th
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -208,6 +208,11 @@ def _varlen_forward(
         _put(out_BHSD, o, where, q_len, accumulate=False)
         _put(lse_BHS1, o_lse[..., None], where, q_len, accumulate=False)
     return out, lse
+
+
+def varlen_attention_op() -> Any:
+    """The forward custom op as dispatch modes see it (op-level SAC keeps its outputs)."""
+    return torch.ops.flexengine.varlen_attention.default
 
 
 @_varlen_forward.register_fake

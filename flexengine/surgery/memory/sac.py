@@ -8,6 +8,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from flexengine.surgery.attention import varlen
+
 
 def _saved_ops() -> set[Callable[..., Any]]:
     """Ops whose outputs op-level SAC keeps: matmuls and fused attention (expensive to recompute, cheap to hold
@@ -23,6 +25,9 @@ def _saved_ops() -> set[Callable[..., Any]]:
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     ops.add(torch.ops.higher_order.flex_attention)  # torchtitan #1631: flex must be saved, not recomputed
+    # CPU's per-document attention is one custom op: saved too, or SAC re-runs every document's attention in
+    # backward (measured: op-level SAC then cost more than recomputing whole blocks, bench/planner_time.py)
+    ops.add(varlen.varlen_attention_op())
     return ops
 
 

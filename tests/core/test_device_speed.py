@@ -1,0 +1,72 @@
+"""The device's measured speed: real measurements on this CPU, the cache they land in and are read back from, the
+aggregate over GEMM shapes, and the switch that turns it off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flexengine.core import device_speed
+from flexengine.core.device_speed import AttentionShape, Gemm, device_key, measure_device_speed
+
+CPU = torch.device("cpu")
+GEMMS = [Gemm(64, 64, 64, 2), Gemm(64, 128, 64)]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(device_speed.SPEED_ENV, raising=False)
+    monkeypatch.setattr(device_speed, "MIN_TIMED_S", 0.005)  # quick: the test checks plumbing, not the machine
+    path = tmp_path / "speed.json"
+    monkeypatch.setenv(device_speed.CACHE_ENV, str(path))
+    return path
+
+
+def test_measures_this_cpu_and_reads_the_cache_back(cache, monkeypatch):
+    speed = measure_device_speed(CPU, torch.float32, GEMMS, AttentionShape(2, 64, 16), optimizer_params=4096)
+    assert speed is not None and speed.dtype_bytes == 4
+    assert speed.matmul_tflops > 0 and speed.memory_gb_s > 0 and speed.attention_tflops > 0
+    assert speed.optimizer_ns_per_param > 0 and speed.h2d_gb_s is None  # CPU: no host link
+    assert str(cache) in speed.source and "measured on this machine" in speed.source
+    entry = json.loads(cache.read_text())[device_key(CPU, torch.float32)]
+    assert {"64x64x64", "64x128x64", "attn2x64x16", "memory_gb_s", "optimizer_ns_per_param"} <= set(entry)
+
+    def never(*args):
+        raise AssertionError("measured again although cached")
+
+    for name in ("_gemm_tflops", "_attention_tflops", "_copy_gb_s", "_optimizer_ns"):
+        monkeypatch.setattr(device_speed, name, never)
+    again = measure_device_speed(CPU, torch.float32, GEMMS, AttentionShape(2, 64, 16), optimizer_params=4096)
+    assert again == speed
+
+
+def test_the_matmul_rate_is_total_flops_over_total_time(cache):
+    key = device_key(CPU, torch.float32)
+    cache.write_text(json.dumps({key: {"64x64x64": 1.0, "64x128x64": 4.0, "memory_gb_s": 3.0}}))
+    speed = measure_device_speed(CPU, torch.float32, GEMMS)
+    flops = {"64x64x64": 6 * 64**3 * 2, "64x128x64": 6 * 64 * 128 * 64}
+    seconds = flops["64x64x64"] / 1e12 + flops["64x128x64"] / 4e12
+    assert speed.matmul_tflops == pytest.approx(sum(flops.values()) / seconds / 1e12)
+    assert speed.memory_gb_s == 3.0 and speed.attention_tflops is None and speed.optimizer_ns_per_param is None
+
+
+def test_off_measures_nothing(cache, monkeypatch):
+    monkeypatch.setenv(device_speed.SPEED_ENV, "off")
+    assert measure_device_speed(CPU, torch.float32, GEMMS) is None
+    assert not cache.exists()
+
+
+def test_an_unreadable_cache_is_measured_again_and_rewritten(cache):
+    cache.write_text("{not json")
+    speed = measure_device_speed(CPU, torch.float32, GEMMS[:1])
+    assert speed is not None and speed.matmul_tflops > 0
+    assert device_key(CPU, torch.float32) in json.loads(cache.read_text())
+
+
+def test_each_dtype_and_clock_has_its_own_entry(cache, monkeypatch):
+    assert device_key(CPU, torch.float32) != device_key(CPU, torch.bfloat16)
+    wall = device_key(CPU, torch.float32)
+    monkeypatch.setenv(device_speed.CLOCK_ENV, "process")
+    assert device_key(CPU, torch.float32) != wall and device_speed.clock() is device_speed.time.process_time
