@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
-from flexengine.core.config import HardwareConfig, JobConfig, check_context_parallel
+from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_HARDWARE,
@@ -35,6 +35,7 @@ from flexengine.core.units import GiB
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
     from flexengine.planning.fit import FitPlan
     from flexengine.planning.plan import Plan
+    from flexengine.planning.row_length import RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.surgery.attention.spec import AttentionSpec
 
@@ -384,6 +385,31 @@ def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, 
     return build_plan(job, attention, pairs), {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
 
 
+def auto_row_length(
+    job: JobConfig, options: PlanOptions, has_documents: bool = True
+) -> tuple[JobConfig, Optional[RowLengthChoice]]:
+    """data.seq_len=auto: the row length chosen over plan.documents x plan.doc_tokens or the job's own documents
+    (flexengine.planning.row_length), and the job with it; any other data.seq_len: the job as it is, None.
+    has_documents: False when the job names no data (the command planned the demo corpus in its place): without
+    plan.documents the rows are then the model's supported context, said so."""
+    from flexengine.cli.plan_corpus import document_lengths
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.row_length import choose_row_length, context_rows, with_seq_len
+    from flexengine.planning.specs import planned_attention
+    from flexengine.surgery.model import build_hf_config
+
+    if job.data.fixed_seq_len is not None:
+        return job, None
+    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    if options.documents is None and (options.tokens is not None or not has_documents):
+        return with_seq_len(job, context_rows(hf_config, job.parallel.cp)), None
+    lengths, describe = document_lengths(job, options, "data.seq_len=auto")
+    attention = planned_attention(job, hf_config, hardware)
+    epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
+    choice = choose_row_length(job, hf_config, hardware, attention, lengths, epochs=epochs, describe=describe)
+    return with_seq_len(job, choice.seq_len), choice
+
+
 def plan_job_config(cfg: DictConfig) -> JobConfig:
     """The job to plan, at plan.cp (default parallel.cp). plan.max_seq_len searches row lengths of its own
     (multiples of cp x 128), so there data.seq_len, which it never uses, need not split into cp x 128 blocks."""
@@ -443,6 +469,7 @@ FORMATS = ("table", "json", "resolved")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
     from flexengine.planning.corpus_time import Corpus, format_corpus_hours
+    from flexengine.planning.row_length import CONTEXT_ROWS, format_row_length, mfu_ladder
 
     plan_only = {}
     if cfg.model.path is None:
@@ -461,14 +488,20 @@ def main(cfg: DictConfig) -> None:
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
+        job, rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
         plan, hours = plan_with_corpus(job, cfg.plan)
     except UserError as e:
         fail(e)
     if fmt == "json":
-        print(
-            json.dumps({**plan_json(plan, cfg.plan.candidates), **({"corpus_time": hours} if hours else {})}, indent=1)
-        )
+        extra = {"corpus_time": hours} if hours else {}
+        if rows is not None:
+            extra["row_length"] = rows.to_json()
+        print(json.dumps({**plan_json(plan, cfg.plan.candidates), **extra}, indent=1))
     else:
+        if rows is not None:
+            print(format_row_length(rows) + "\n" + mfu_ladder(rows.chosen) + "\n")
+        elif cfg.data.seq_len == SEQ_LEN_AUTO:
+            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({job.data.seq_len:,} tokens)\n")
         print(format_table(plan))
         if hours:
             print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))

@@ -15,7 +15,6 @@ from flexengine.core.config_checks import (
 )
 from flexengine.core.errors import UserError
 
-
 SEQ_LEN_AUTO = "auto"  # data.seq_len=auto: the row length is chosen from the corpus (planning/row_length.py)
 
 

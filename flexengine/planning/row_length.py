@@ -33,7 +33,7 @@ from flexengine.data.packing import plan_packing
 from flexengine.planning.fit import FitPlan, plan_job
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
-from flexengine.surgery.rope import ContextLimits
+from flexengine.surgery.rope import ContextLimits, context_limits
 
 KEEP_WHOLE = 0.99  # the share of documents a row must hold whole (the rest are split per data.long_docs)
 QUANTILES = (0.5, 0.9, 0.99, 1.0)  # document-length quantiles tried as row lengths
@@ -123,6 +123,19 @@ class RowLengthChoice:
         }
 
 
+CONTEXT_ROWS = (
+    "planned at the model's supported context; plan.documents=N plan.doc_tokens=T or data.path choose from the "
+    "documents"
+)
+
+
+def context_rows(hf_config, cp: int = 1) -> int:
+    """Rows of the model's supported context (a multiple of cp x 128): what data.seq_len=auto plans where no
+    document lengths are known."""
+    block = CP_BLOCK_SIZE * cp
+    return max(block, context_limits(hf_config).supported // block * block)
+
+
 def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:
     """The job with rows of `seq_len` tokens."""
     return dataclasses.replace(job, data=dataclasses.replace(job.data, seq_len=seq_len))
@@ -176,12 +189,12 @@ def choose_row_length(
     attention: AttentionSpec,
     lengths: Sequence[int] | np.ndarray,
     *,
-    limits: ContextLimits,
     epochs: float = 1.0,
     describe: str = "",
 ) -> RowLengthChoice:
     """data.seq_len=auto: every candidate weighed, the fastest eligible one that keeps documents whole taken (else
     the longest eligible one: the fewest documents split). UserError when none fits."""
+    limits = context_limits(hf_config)
     if len(lengths) == 0:
         raise UserError("data.seq_len=auto chooses from the documents' lengths, and there are no documents.")
     block = CP_BLOCK_SIZE * job.parallel.cp
@@ -213,8 +226,10 @@ def format_row_length(choice: RowLengthChoice) -> str:
     """The lengths weighed, as the plan prints them."""
     lines = [
         f"rows: data.seq_len=auto -> {choice.seq_len:,} tokens ({choice.why}); {choice.describe}",
-        f"  {'seq_len':>9} {'useful':>7} {'split':>7} {'rows':>9} {'steps':>8} {'s/step':>7} {'hours':>7}  "
-        f"{'precision':<16} policy",
+        (
+            f"  {'seq_len':>9} {'useful':>7} {'split':>7} {'rows':>9} {'steps':>8} {'s/step':>7} {'hours':>7}  "
+            f"{'precision':<16} policy"
+        ),
     ]
     for o in choice.options:
         notes = [note for ok, note in ((o.fits, "does not fit"), (o.within_context, "past the context")) if not ok]
@@ -243,3 +258,22 @@ def mfu_for_hours(option: RowOption, hours: float, assumed_mfu: float) -> Option
     if target_step_s <= fixed_s:
         return None
     return assumed_mfu * flops_bound_s / (target_step_s - fixed_s)
+
+
+def mfu_ladder(option: RowOption, targets: Sequence[float] = ()) -> str:
+    """One line: the MFU each target epoch time would need (default: the whole hours below the planned one), from
+    the MFU the plan assumed."""
+    assumed_mfu = option.fit.plan.assumptions.get("assumed_mfu")
+    if not assumed_mfu:
+        return "  (no MFU assumed: the step time is not FLOPs-bound here)"
+    if not targets:
+        targets = [h for h in range(math.floor(option.hours), max(0, math.floor(option.hours) - 4), -1) if h > 0]
+    parts = []
+    for hours in targets:
+        mfu = mfu_for_hours(option, hours, assumed_mfu)
+        parts.append(f"{hours:g} h needs {'more than the compute' if mfu is None else f'{mfu:.0%} MFU'}")
+    return (
+        f"  {option.hours:.2f} h at the assumed {assumed_mfu:.0%} MFU; "
+        + ", ".join(parts)
+        + " (compute scaled, the host optimizer and exposed transfers held)"
+    )
