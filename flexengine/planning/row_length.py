@@ -198,27 +198,35 @@ def choose_row_length(
     if len(lengths) == 0:
         raise UserError("data.seq_len=auto chooses from the documents' lengths, and there are no documents.")
     block = CP_BLOCK_SIZE * job.parallel.cp
-    options = tuple(
-        weigh_row_length(with_seq_len(job, n), hf_config, hardware, attention, lengths, limits=limits, epochs=epochs)
-        for n in candidate_lengths(lengths, block, limits)
-    )
+
+    def weigh(lengths_to_try: Sequence[int]) -> tuple[RowOption, ...]:
+        return tuple(
+            weigh_row_length(
+                with_seq_len(job, n), hf_config, hardware, attention, lengths, limits=limits, epochs=epochs
+            )
+            for n in lengths_to_try
+        )
+
+    options = weigh(candidate_lengths(lengths, block, limits))
     whole = [o for o in options if o.eligible and o.keeps_whole]
     if whole:
         chosen = min(whole, key=lambda o: (o.hours, o.seq_len))
         why = f"the least estimated epoch time of the lengths that hold {KEEP_WHOLE:.0%} of the documents whole"
-    else:
-        eligible = [o for o in options if o.eligible]
-        if not eligible:
-            raise UserError(
-                f"data.seq_len=auto: no row length from {options[0].seq_len:,} to {options[-1].seq_len:,} tokens "
-                f"fits {hardware.name} within the model's context ({limits.describe()}). Set data.seq_len to a "
-                "number and see what `python -m flexengine.plan` suggests."
-            )
-        chosen = max(eligible, key=lambda o: o.seq_len)
-        why = (
-            f"no length holding {KEEP_WHOLE:.0%} of the documents whole fits {hardware.name} or the model's "
-            "context: the longest that does (the fewest documents split)"
+        return RowLengthChoice(chosen, options, describe, why)
+    shorter = [block << k for k in range(MAX_ROW_TOKENS.bit_length()) if block << k < options[0].seq_len]
+    options = weigh(shorter) + options  # the fallback may need rows shorter than any candidate
+    eligible = [o for o in options if o.eligible]
+    if not eligible:
+        raise UserError(
+            f"data.seq_len=auto: no row length from {options[0].seq_len:,} to {options[-1].seq_len:,} tokens "
+            f"fits {hardware.name} within the model's context ({limits.describe()}). Set data.seq_len to a "
+            "number and see what `python -m flexengine.plan` suggests."
         )
+    chosen = max(eligible, key=lambda o: o.seq_len)
+    why = (
+        f"no length holding {KEEP_WHOLE:.0%} of the documents whole fits {hardware.name}'s memory with no piece past "
+        f"the {limits.supported:,} positions the model supports: the longest that does (the fewest documents split)"
+    )
     return RowLengthChoice(chosen, options, describe, why)
 
 
