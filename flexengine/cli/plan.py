@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that 
     from flexengine.planning.plan import Plan
     from flexengine.planning.row_length import RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
+    from flexengine.planning.work import WorkPerToken
     from flexengine.surgery.attention.spec import AttentionSpec
 
 
@@ -81,6 +82,7 @@ class PlanReport:
     context: dict[str, Any]  # context_report: the model's trained/supported context against data.seq_len
     cp: int  # ranks sharing each row
     node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
+    work: Optional[WorkPerToken] = None  # executed FLOPs per useful token against the model's own count
 
     @property
     def plan(self) -> Plan:
@@ -129,6 +131,8 @@ def format_table(report: PlanReport) -> str:
             f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
             f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
         )
+    if report.work is not None:
+        lines.append(report.work.describe())
     if report.node_of_8 is not None:
         node = report.node_of_8.plan
         lines.append(
@@ -167,14 +171,23 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.budget import device_budget
+    from flexengine.planning.corpus_time import LORA_RANK
     from flexengine.planning.fit import plan_job
-    from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
+    from flexengine.planning.max_seq_len import (
+        longest_over_modes,
+        max_seq_len_table,
+        memory_curves,
+        plot_memory_vs_seq_len,
+    )
+    from flexengine.planning.row_length import context_rows, with_seq_len
     from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, whole_row_pairs
     from flexengine.surgery.model import build_hf_config
     from flexengine.surgery.rope import context_limits
 
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
+    if job.data.fixed_seq_len is None:  # auto: the policy table's precision is fit's at the supported context
+        job = with_seq_len(job, context_rows(hf_config, job.parallel.cp))
     attention = planned_attention(job, hf_config, hardware)
     precision = plan_job(job, hf_config, hardware, attention=attention).precision
     x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
@@ -185,6 +198,8 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
         return whole_row_pairs(attention, n)
 
     rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
+    ranks = sorted({0, job.model.lora.r or LORA_RANK})  # full fine-tuning and LoRA, whichever the job is
+    modes = longest_over_modes(job, hf_config, hardware, attention, lora_ranks=ranks, pairs_at=pairs_at)
     longest = max((r["max_seq_len"] for r in rows), default=0)
     lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
     curves = memory_curves(hf_config, x, lengths, tiled, pairs_at=pairs_at)
@@ -198,7 +213,9 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
         "trainable_fraction": x.trainable_fraction,
         "budget_bytes": device_budget(x.hardware).usable_bytes,
         "budget": device_budget(x.hardware).describe(),
+        "precision": precision.name,
         "policies": rows,
+        "modes": modes,  # the longest row per (LoRA rank, precision mode), over every policy
         "lengths": lengths,
         "curves_gib": curves,
         "context": context_limits(hf_config).describe(),
@@ -240,14 +257,46 @@ def format_max_seq_len(report: dict) -> str:
     best = max(report["policies"], key=lambda r: r["max_seq_len"])
     lines += [
         "",
-        (
-            f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
-            "(rows past it need model.rope_scaling, or documents within it)"
-        ),
+        f"longest with precision={report['precision']}: {best['max_seq_len']:,} tokens with {best['label']}",
+        "",
+        format_longest_over_modes(report["modes"]),
+        "",
+        f"model {report['context']} (rows past it need model.rope_scaling, or documents within it)",
         "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
     ]
     if "png" in report:
         lines.append(f"memory vs seq_len: {report['png']}")
+    return "\n".join(lines)
+
+
+def format_longest_over_modes(modes: list[dict]) -> str:
+    """The longest row per (LoRA rank, precision mode), and per rank the longest a mode that trains correctly
+    reaches: the mode, the policy, and what the host must hold there."""
+    from flexengine.planning.max_seq_len import longest_of
+
+    lines = [
+        "longest data.seq_len per precision mode (every memory policy searched):",
+        f"  {'':<16} {'precision':<16} {'max seq_len':>12} {'device':>10} {'host':>10} {'step (est.)':>12}  policy",
+    ]
+    for row in modes:
+        what = f"LoRA r={row['lora_r']}" if row["lora_r"] else "full fine-tune"
+        if not row["max_seq_len"]:
+            lines.append(f"  {what:<16} {row['precision']:<16} {'-':>12}   (not even 128 tokens fit)")
+            continue
+        note = "" if row["trains_correctly"] else "  (fails the long-horizon numerics check: precision=auto skips it)"
+        lines.append(
+            f"  {what:<16} {row['precision']:<16} {row['max_seq_len']:>12,} {row['total_bytes'] / GiB:>6.1f} GiB "
+            f"{row['host_bytes'] / GiB:>6.1f} GiB {row['step_s']:>11.0f}s  {row['policy']}{note}"
+        )
+    for r in sorted({row["lora_r"] for row in modes}):
+        top = longest_of(modes, r)
+        if top is not None:
+            lines.append(
+                f"longest, {'LoRA r=' + str(r) if r else 'full fine-tune'}: {top['max_seq_len']:,} tokens with "
+                f"precision={top['precision']} and {top['policy']}; the host holds {top['host_bytes'] / GiB:.1f} GiB "
+                f"({(top['host_bytes'] - top['offloaded_bytes']) / GiB:.1f} GiB of optimizer state and masters, "
+                f"{top['offloaded_bytes'] / GiB:.1f} GiB of offloaded activations)"
+            )
     return "\n".join(lines)
 
 
@@ -349,6 +398,8 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
         "context": report.context,
         "cp": report.cp,
     }
+    if report.work is not None:
+        out["work_per_useful_token"] = report.work.to_json()
     if report.node_of_8 is not None:
         node = report.node_of_8.plan
         out["node_of_8"] = {
@@ -376,13 +427,43 @@ def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, 
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
     attention = planned_attention(job, hf_config, hardware)  # once, for the plan and every alternative
     if not wants_corpus_time(options):
-        return build_plan(job, attention), None
+        report = build_plan(job, attention)
+        return dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention)), None
     corpus, rows = corpus_rows(job, options)
     pairs = None
     if rows:
         pairs = packed_pairs(attention, rows, job.data.seq_len, f"the mask of the packed rows of {corpus.describe}")
     hours = corpus_hours(job, hf_config, hardware, corpus, attention=attention, pairs=pairs)
-    return build_plan(job, attention, pairs), {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
+    report = build_plan(job, attention, pairs)
+    report = dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention, pairs, rows))
+    return report, {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
+
+
+def plan_work(
+    job: JobConfig,
+    fit: FitPlan,
+    hf_config,
+    attention: AttentionSpec,
+    pairs: Optional[AttendedPairs] = None,
+    rows: Optional[list[list[int]]] = None,
+) -> WorkPerToken:
+    """The plan's executed FLOPs per useful token (flexengine.planning.work) at its precision, micro-batch and
+    policy; rows: the packed rows' document pieces (None: rows of one whole-row document, no padding)."""
+    from flexengine.planning.fit import resolved_job
+    from flexengine.planning.shapes import ModelShape
+    from flexengine.planning.specs import plan_inputs, plan_specs
+    from flexengine.planning.work import document_pair_fractions, work_per_token
+
+    planned = resolved_job(job, fit)  # the fit's micro-batch and accumulation
+    x = plan_inputs(plan_specs(planned, hf_config, attention, pairs), fit.hardware, fit.precision)
+    m, seq_len = ModelShape.from_hf_config(hf_config), planned.data.seq_len
+    if not rows:  # whole rows of one document: the documents' pairs are the row's, as the plan counted them
+        fractions = x.pairs.of_rank(1)
+        whole = list(fractions) if isinstance(fractions, tuple) else [fractions] * m.layers
+        return work_per_token(m, x, fit.memory_specs, 1.0, whole)
+    useful = sum(map(sum, rows)) / (len(rows) * seq_len)
+    documents = document_pair_fractions(attention, rows, seq_len)
+    return work_per_token(m, x, fit.memory_specs, useful, documents)
 
 
 def auto_row_length(

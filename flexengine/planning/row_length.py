@@ -279,7 +279,7 @@ def mfu_ladder(option: RowOption, targets: Sequence[float] = ()) -> str:
     parts = []
     for hours in targets:
         mfu = mfu_for_hours(option, hours, assumed_mfu)
-        parts.append(f"{hours:g} h needs {'more than the compute' if mfu is None else f'{mfu:.0%} MFU'}")
+        parts.append(f"{hours:g} h needs {'more than the compute' if mfu is None else f'{mfu:.1%} MFU'}")
     return (
         f"  {option.hours:.2f} h at the assumed {assumed_mfu:.0%} MFU; "
         + ", ".join(parts)

@@ -205,7 +205,7 @@ def test_plan_json_leads_with_a_summary_and_stays_small():
 def test_how_long_for_the_seed_workload():
     """The seed question: 20,000 documents of ~6,000 tokens, one epoch, one A100-80G (and a node of eight, and
     LoRA): hours printed as estimates, and the same numbers in the JSON."""
-    seed = ["experiment=deepseek7b_6k_a100", "plan.documents=20000", "plan.doc_tokens=6000", "plan.epochs=1"]
+    seed = ["experiment=deepseek7b_6k_a100", "plan.documents=20000", "plan.doc_tokens=6000", "plan.epochs=1", "data.seq_len=8192"]
     table = _plan(*seed)
     assert table.returncode == 0, table.stderr
     assert "how long: 20,000 documents of 6,000 tokens -> 20,000 rows of 8,192" in table.stdout
