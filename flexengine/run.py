@@ -39,6 +39,7 @@ from flexengine.core.storage import (
 from flexengine.data.build import build_data, training_lengths
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.loop.components import Components, build_components
+from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.fit import FitPlan, fit_job
@@ -363,6 +364,8 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = fit_of(trainer).plan
         summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
+        slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
+        summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs
         summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)

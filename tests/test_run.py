@@ -162,3 +162,9 @@ def test_data_seq_len_auto_is_chosen_before_the_fit_and_recorded_as_it_runs(tmp_
     assert summary["config_sources"]["data.seq_len"].startswith("auto: row length")
     weighed = {o["seq_len"]: o for o in summary["data"]["row_length"]["options"]}
     assert all(not o["within_context"] for n, o in weighed.items() if n > 512) and len(weighed) > 3
+    # the run's work per useful token: its hardware FLOPs against its model FLOPs, the parts named
+    work = summary["work_per_useful_token"]
+    assert work["model_flops"] * summary["useful_tokens_seen"] == pytest.approx(summary["model_flops"])
+    assert work["ratio"] == pytest.approx(summary["hardware_flops"] / summary["model_flops"]) and work["ratio"] > 1
+    assert work["recompute_flops"] == 0 and work["loss_recompute_flops"] == 0  # no checkpoint; one loss chunk
+    assert work["padding_and_attention_flops"] == pytest.approx(work["executed_flops"] - work["model_flops"])
