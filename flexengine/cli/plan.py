@@ -26,6 +26,7 @@ from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_HARDWARE,
     AUTO_PLANNER,
+    AUTO_ROW_LENGTH,
     FROM_MODEL_PATH,
     ConfigRecord,
 )
@@ -398,8 +399,6 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
         "context": report.context,
         "cp": report.cp,
     }
-    if report.work is not None:
-        out["work_per_useful_token"] = report.work.to_json()
     if report.node_of_8 is not None:
         node = report.node_of_8.plan
         out["node_of_8"] = {
@@ -410,6 +409,8 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
             "policy": node.policy,
             "recompute_flops_fraction": node.time.recompute_flops_fraction,
         }
+    if report.work is not None:
+        out["work_per_useful_token"] = report.work.to_json()
     return out
 
 
@@ -533,6 +534,9 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
+    if job.data.fixed_seq_len is None:  # before the fit, as the run resolves it
+        job, _rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
+        record.set("data.seq_len", job.data.seq_len, AUTO_ROW_LENGTH)
     attention = planned_attention(job, hf_config, hardware)  # as the run resolves it on that device
     job = resolved_job(job, plan_job(job, hf_config, hardware, attention=attention))
     record.update(job, AUTO_PLANNER)

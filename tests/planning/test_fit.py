@@ -242,7 +242,12 @@ def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_p
     from flexengine.surgery.model import build_hf_config
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
-    common = ["experiment=deepseek7b_6k_a100", "model.init=random", f"data.path={tmp_path / 'd.jsonl'}", "data.seq_len=8192"]
+    common = [
+        "experiment=deepseek7b_6k_a100",
+        "model.init=random",
+        f"data.path={tmp_path / 'd.jsonl'}",
+        "data.seq_len=8192",
+    ]
     shipped = compose_job(common)
     assert shipped.train.compile
     eager = compose_job([*common, "train.compile=false"])

@@ -110,6 +110,13 @@ def test_nothing_fits_names_the_way_out():
 
 
 def test_without_documents_the_rows_are_the_supported_context():
-    assert context_rows(build_hf_config(compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"]).model)) == 8192
+    assert (
+        context_rows(
+            build_hf_config(
+                compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"]).model
+            )
+        )
+        == 8192
+    )
     with pytest.raises(UserError, match="no documents"):
         _choose(compose_job(["data.seq_len=auto"]), np.array([], dtype=int))

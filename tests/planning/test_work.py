@@ -49,7 +49,7 @@ def test_the_models_count_is_loop_flops_model_count_of_the_same_documents():
     job = compose_job(["hardware=a100_80g", "attn=packed_doc", "data.seq_len=1024", "memory=none"])
     hf_config = build_hf_config(job.model)
     model = AutoModelForCausalLM.from_config(hf_config)
-    apply_memory_policy(model, block_memory_specs(job.memory, hf_config.num_hidden_layers))  # the record TrainFlops reads
+    apply_memory_policy(model, block_memory_specs(job.memory, hf_config.num_hidden_layers))  # what TrainFlops reads
     attention = planned_attention(job, hf_config, assumed_hardware(job.hardware))
     flops = TrainFlops(model)
     useful = sum(map(sum, ROWS))
