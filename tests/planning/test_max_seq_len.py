@@ -118,7 +118,7 @@ def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
     """parallel.cp reaches the planner (no separate plan option needed), and every longest row is a multiple of
     cp x 128 tokens (a row training could run), exact to that step."""
     from flexengine.cli.doctor import compose_job
-    from flexengine.cli.plan import build_max_seq_len
+    from flexengine.cli.plan_max_seq_len import build_max_seq_len
 
     job = compose_job(
         [
