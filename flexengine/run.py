@@ -38,6 +38,7 @@ from flexengine.core.storage import (
 )
 from flexengine.data.build import build_data, training_lengths
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
+from flexengine.data.packing import packer
 from flexengine.loop.components import Components, build_components
 from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
@@ -135,7 +136,8 @@ def _resolve_row_length(
         return job, None
     lengths = training_lengths(job, load_tokenizer(job.model), dist_info)
     where = f"{len(lengths):,} training documents of {job.data.path or 'the demo corpus'}"
-    choice = choose_row_length(job, hf_config, hardware, attention, lengths, epochs=1.0, describe=where)
+    pack = packer(lengths, job.data.packing, job.data.long_docs)
+    choice = choose_row_length(job, hf_config, hardware, attention, lengths, pack=pack, describe=where)
     log.info("%s", format_row_length(choice))
     job = with_seq_len(job, choice.seq_len)
     record.set("data.seq_len", choice.seq_len, AUTO_ROW_LENGTH)

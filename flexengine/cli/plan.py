@@ -343,6 +343,7 @@ def auto_row_length(
     plan.documents the rows are then the model's supported context, said so."""
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.core.hardware import assumed_hardware
+    from flexengine.data.packing import packer
     from flexengine.planning.row_length import choose_row_length, context_rows, with_seq_len
     from flexengine.planning.specs import planned_attention
     from flexengine.surgery.model import build_hf_config
@@ -355,7 +356,10 @@ def auto_row_length(
     lengths, describe = document_lengths(job, options, "data.seq_len=auto")
     attention = planned_attention(job, hf_config, hardware)
     epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
-    choice = choose_row_length(job, hf_config, hardware, attention, lengths, epochs=epochs, describe=describe)
+    pack = packer(lengths, job.data.packing, job.data.long_docs)
+    choice = choose_row_length(
+        job, hf_config, hardware, attention, lengths, pack=pack, epochs=epochs, describe=describe
+    )
     return with_seq_len(job, choice.seq_len), choice
 
 

@@ -6,14 +6,12 @@ with memory-vs-length curves as a PNG.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from flexengine.core.config import JobConfig
 from flexengine.core.units import GiB
-
-if TYPE_CHECKING:  # the planner imports torch: loaded inside the command
-    from flexengine.planning.shapes import AttendedPairs
 
 
 def _gib(n: float) -> str:
@@ -47,8 +45,7 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     cp = x.cp
     tiled = job.memory.tiled_mlp or "auto"
 
-    def pairs_at(n: int) -> AttendedPairs:  # each length's own count: a window's share of n^2 shrinks as n grows
-        return whole_row_pairs(attention, n)
+    pairs_at = partial(whole_row_pairs, attention)  # each length's own count: a window's share of n^2 shrinks
 
     rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
     ranks = sorted({0, job.model.lora.r or LORA_RANK})  # full fine-tuning and LoRA, whichever the job is

@@ -23,13 +23,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
-from flexengine.data.packing import plan_packing
 from flexengine.planning.fit import FitPlan, plan_job
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -40,6 +39,11 @@ QUANTILES = (0.5, 0.9, 0.99, 1.0)  # document-length quantiles tried as row leng
 GRID_BITS = 4  # a length rounds up to a multiple of 2^(floor(log2 n) - GRID_BITS): <= 6.25 % past it
 ABOVE_KEEP_WHOLE = 4  # longer rows tried up to this many times the keep-whole length (packing fills them)
 MAX_ROW_TOKENS = 1 << 20  # past any card's memory for a 1B+ model
+
+# The documents packed at a row length, as data/packing.packer packs them (the composition root hands it down: the
+# planner does not reach into data): the packing's statistics (rows, useful_token_fraction, documents_split /
+# _truncated / _dropped, longest_piece) and each row as its document pieces' lengths
+Pack = Callable[[int], tuple[Any, list[list[int]]]]
 
 
 def on_grid(n: int, block: int) -> int:
@@ -153,14 +157,13 @@ def weigh_row_length(
     attention: AttentionSpec,
     lengths: Sequence[int] | np.ndarray,
     *,
+    pack: Pack,
     limits: ContextLimits,
     epochs: float = 1.0,
 ) -> RowOption:
-    """One candidate: `job` (at its data.seq_len) over documents of these lengths, packed and planned."""
-    seq_len, data = job.data.seq_len, job.data
-    packed = plan_packing(lengths, seq_len, data.packing, data.long_docs)
-    stats = packed.stats
-    pieces = [[length for _doc, _start, length in row] for row in packed.rows]
+    """One candidate: `job` (at its data.seq_len) over documents of these lengths, packed by `pack` and planned."""
+    seq_len = job.data.seq_len
+    stats, pieces = pack(seq_len)
     pairs = packed_pairs(attention, pieces, seq_len, f"the mask of the packed rows of {seq_len:,} tokens")
     fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
     steps = epoch_steps(fit, stats.rows, epochs, hardware.world_size // job.parallel.cp)
@@ -189,6 +192,7 @@ def choose_row_length(
     attention: AttentionSpec,
     lengths: Sequence[int] | np.ndarray,
     *,
+    pack: Pack,
     epochs: float = 1.0,
     describe: str = "",
 ) -> RowLengthChoice:
@@ -202,7 +206,7 @@ def choose_row_length(
     def weigh(lengths_to_try: Sequence[int]) -> tuple[RowOption, ...]:
         return tuple(
             weigh_row_length(
-                with_seq_len(job, n), hf_config, hardware, attention, lengths, limits=limits, epochs=epochs
+                with_seq_len(job, n), hf_config, hardware, attention, lengths, pack=pack, limits=limits, epochs=epochs
             )
             for n in lengths_to_try
         )

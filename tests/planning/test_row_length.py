@@ -11,6 +11,7 @@ import pytest
 from flexengine.cli.common import compose_job
 from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
+from flexengine.data.packing import packer
 from flexengine.planning.row_length import (
     KEEP_WHOLE,
     candidate_lengths,
@@ -30,7 +31,8 @@ from flexengine.surgery.rope import context_limits
 def _choose(job, lengths):
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
     attention = planned_attention(job, hf_config, hardware)
-    return choose_row_length(job, hf_config, hardware, attention, lengths, describe="test documents")
+    pack = packer(lengths, job.data.packing, job.data.long_docs)
+    return choose_row_length(job, hf_config, hardware, attention, lengths, pack=pack, describe="test documents")
 
 
 @pytest.mark.parametrize("n", [1, 127, 128, 129, 1000, 4097, 6000, 8192, 100_000, 333_333])
