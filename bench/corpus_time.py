@@ -1,6 +1,7 @@
 """How long the seed workload takes, as flexengine-plan estimates it: 20,000 documents of ~6,000 tokens, one epoch,
-DeepSeek-7B (experiment=deepseek7b_6k_a100) on one A100-80G and on eight, full fine-tune and LoRA r=16, at the
-experiment's 8,192-token rows and at 6,144 (one document fills a row: far less padding).
+DeepSeek-7B (experiment=deepseek7b_6k_a100) on one A100-80G and on eight, full fine-tune and LoRA r=16, at the row
+length the experiment's data.seq_len=auto chooses (every length it weighed listed: 6,144, one document fills a row)
+and at 8,192 (one document per row too, 27 % of the slots padding).
 
 Estimates, not measurements: the step time is the planner's (its FLOPs at 40 % MFU plus the transfers backward
 cannot hide). The same numbers as `python -m flexengine.plan experiment=deepseek7b_6k_a100 plan.documents=20000
@@ -15,12 +16,13 @@ import json
 from pathlib import Path
 
 from flexengine.cli.common import compose_job
-from flexengine.cli.plan import PlanOptions, plan_with_corpus
+from flexengine.cli.plan import PlanOptions, auto_row_length, plan_with_corpus
 from flexengine.planning.corpus_time import Corpus, format_corpus_hours
+from flexengine.planning.row_length import format_row_length, mfu_ladder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED = PlanOptions(documents=20_000, doc_tokens=6_000, epochs=1)
-ROWS = {"8192 (the experiment)": [], "6144": ["data.seq_len=6144"]}
+ROWS = {"data.seq_len=auto (the experiment)": [], "8192": ["data.seq_len=8192"]}
 
 
 def main() -> None:
@@ -28,20 +30,27 @@ def main() -> None:
     report, sections = [], []
     for name, extra in ROWS.items():
         job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", *extra])
-        plan, hours = plan_with_corpus(job, SEED)  # the plan command's path: the packed rows' attended pairs too
-        assert hours is not None
+        job, choice = auto_row_length(job, SEED)  # the plan command's path: auto weighs the seed's documents
+        plan, hours = plan_with_corpus(job, SEED)  # the packed rows' attended pairs too
+        assert hours is not None and plan.work is not None
         corpus, rows = Corpus(**hours["corpus"]), hours["alternatives"]
         pairs = plan.plan.attention_pairs.as_dict()["fraction_of_row_squared"]
-        report.append(
-            {"seq_len": job.data.seq_len, "corpus": corpus.describe, "attended_fraction": pairs, "alternatives": rows}
-        )
-        sections.append(f"### rows of {name}\n\n```\n{format_corpus_hours(rows, corpus, job.hardware.name)}\n```")
+        entry = {"seq_len": job.data.seq_len, "corpus": corpus.describe, "attended_fraction": pairs}
+        entry.update(alternatives=rows, work_per_useful_token=plan.work.to_json())
+        weighed = ""
+        if choice is not None:
+            entry["row_length"] = choice.to_json()
+            weighed = f"{format_row_length(choice)}\n{mfu_ladder(choice.chosen)}\n\n"
+        report.append(entry)
+        table = format_corpus_hours(rows, corpus, job.hardware.name)
+        sections.append(f"### rows of {name}\n\n```\n{weighed}{table}\n{plan.work.describe()}\n```")
     intro = (
         "`python bench/corpus_time.py` (= `python -m flexengine.plan experiment=deepseek7b_6k_a100 "
         "plan.documents=20000 plan.doc_tokens=6000 plan.epochs=1`). Step times are the planner's (FLOPs at "
         "40 % MFU plus exposed transfers), not measured; no GPU run of this workload is recorded yet. The attention "
         "core counts the pairs each packed row's mask allows (its document's and its padding's, each causal), not "
         "the whole row's causal half. The 8-GPU and LoRA rows keep the experiment's 8 rows per optimizer step."
+        " data.seq_len=auto weighs full fine-tuning on one card (the job as configured)."
     )
     title = "## How long: 20,000 documents of ~6,000 tokens, one epoch, DeepSeek-7B (estimates)"
     text = "\n\n".join([title, intro, *sections])

@@ -19,6 +19,7 @@ from flexengine.core.config_record import (
     AUTO_EPOCHS,
     AUTO_HARDWARE,
     AUTO_PLANNER,
+    AUTO_ROW_LENGTH,
     FROM_CALLER,
     FROM_MODEL_PATH,
     RESOLVED_CONFIG_FILE,
@@ -35,15 +36,18 @@ from flexengine.core.storage import (
     hold_output_dir,
     write_json_atomic,
 )
-from flexengine.data.build import build_data
+from flexengine.data.build import build_data, training_lengths
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
+from flexengine.data.packing import packer
 from flexengine.loop.components import Components, build_components
+from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import ASSUMED, ASSUMED_MFU
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
+from flexengine.planning.row_length import RowLengthChoice, choose_row_length, format_row_length, with_seq_len
 from flexengine.planning.specs import with_measured_speed
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
@@ -81,8 +85,11 @@ def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
 
 
 def _check_checkpoint_rope(job: JobConfig, hf_config: PretrainedConfig) -> None:
-    """The RoPE scaling a checkpoint carries, against context parallelism and packed documents."""
+    """The RoPE scaling a checkpoint carries, against context parallelism and packed documents (data.seq_len=auto:
+    once the length is chosen)."""
     # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
+    if job.data.fixed_seq_len is None:
+        return
     limits = context_limits(hf_config)
     check_fixed_rope(
         limits.rope_type,
@@ -117,6 +124,30 @@ def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo, hf_
     if dist_info.world_size > 1:
         hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
     return with_measured_speed(hardware, job, hf_config, device)
+
+
+def _resolve_row_length(
+    job: JobConfig,
+    hf_config: PretrainedConfig,
+    hardware: HardwareConfig,
+    attention: AttentionSpec,
+    dist_info: DistInfo,
+    record: ConfigRecord,
+) -> tuple[JobConfig, Optional[RowLengthChoice]]:
+    """data.seq_len=auto: the row length chosen over the training documents (tokenized through the cache the data
+    stage reads), recorded with its source and checked as a given one is; a number: the job as it is."""
+    if job.data.fixed_seq_len is not None:
+        return job, None
+    lengths = training_lengths(job, load_tokenizer(job.model), dist_info)
+    where = f"{len(lengths):,} training documents of {job.data.path or 'the demo corpus'}"
+    pack = packer(lengths, job.data.packing, job.data.long_docs)
+    choice = choose_row_length(job, hf_config, hardware, attention, lengths, pack=pack, describe=where)
+    log.info("%s", format_row_length(choice))
+    job = with_seq_len(job, choice.seq_len)
+    record.set("data.seq_len", choice.seq_len, AUTO_ROW_LENGTH)
+    resolve_attention_rules(job)  # the window and RoPE rules that needed the length
+    _check_checkpoint_rope(job, hf_config)
+    return job, choice
 
 
 def _build_checked_data(
@@ -282,6 +313,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     context_parallel = build_context_parallel(dist_info, device)
     hardware = _run_hardware(job, device, dist_info, hf_config)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
+    job, rows = _resolve_row_length(job, hf_config, hardware, attention, dist_info, record)
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
     job, fit = fit_job(job, hf_config, hardware, attention)  # the spec resolved above: planned as it runs
     record.update(job, AUTO_PLANNER)
@@ -289,6 +321,8 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     job, loader, eval_data, data_report = _build_checked_data(
         job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
     )
+    if rows is not None:
+        data_report["row_length"] = rows.to_json()  # every length weighed: summary.json's data section
     _record_what_runs(record, job, attention)
     model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
     model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
@@ -357,6 +391,8 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = fit_of(trainer).plan
         summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
+        slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
+        summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs
         summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
             write_json_atomic(out_dir / "summary.json", summary)

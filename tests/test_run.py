@@ -14,7 +14,7 @@ import yaml
 
 from flexengine.cli.common import compose_job_record
 from flexengine.core.config import MemoryConfig
-from flexengine.run import build_trainer
+from flexengine.run import build_trainer, run_training
 from flexengine.surgery.applied import applied
 from flexengine.surgery.memory.spec import block_memory_specs
 from tests.helpers import save_pretrained_llama
@@ -199,3 +199,24 @@ def test_a_refused_resume_leaves_the_runs_files_byte_identical(tmp_path):
     added = sorted(name for name in after if name not in before and Path(name).parts[:2] not in launches)
     assert added and all(Path(name).parts[0][:2] == "20" for name in added), added  # only the launch's own folder
     assert "tb" not in {Path(n).parts[0] for n in added}
+
+
+def test_data_seq_len_auto_is_chosen_before_the_fit_and_recorded_as_it_runs(tmp_path):
+    """data.seq_len=auto through the real loop: the length is chosen from the demo corpus's training documents
+    (within the 512 positions the model is given), the fit and the rows use it, and resolved_config.yaml and
+    summary.json record that number with its source, beside every length weighed."""
+    overrides = ["debug=fast", "hardware.device=cpu", "train.max_steps=2", "data.seq_len=auto"]
+    job, record = compose_job_record([*overrides, "model.arch.max_position_embeddings=512"])
+    summary = run_training(job, tmp_path / "run", record)
+    recorded = yaml.safe_load((tmp_path / "run" / "resolved_config.yaml").read_text())["data"]["seq_len"]
+    assert recorded == summary["data"]["seq_len"] == summary["data"]["row_length"]["seq_len"] == 512
+    assert summary["config"]["data"]["seq_len"] == recorded and summary["steps"] == 2
+    assert summary["config_sources"]["data.seq_len"].startswith("auto: row length")
+    weighed = {o["seq_len"]: o for o in summary["data"]["row_length"]["options"]}
+    assert all(not o["within_context"] for n, o in weighed.items() if n > 512) and len(weighed) > 3
+    # the run's work per useful token: its hardware FLOPs against its model FLOPs, the parts named
+    work = summary["work_per_useful_token"]
+    assert work["model_flops"] * summary["useful_tokens_seen"] == pytest.approx(summary["model_flops"])
+    assert work["ratio"] == pytest.approx(summary["hardware_flops"] / summary["model_flops"]) and work["ratio"] > 1
+    assert work["recompute_flops"] == 0 and work["loss_recompute_flops"] == 0  # no checkpoint; one loss chunk
+    assert work["padding_and_attention_flops"] == pytest.approx(work["executed_flops"] - work["model_flops"])

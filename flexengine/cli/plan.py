@@ -22,11 +22,12 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.cli.first_contact import format_params
-from flexengine.core.config import HardwareConfig, JobConfig, check_context_parallel
+from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_HARDWARE,
     AUTO_PLANNER,
+    AUTO_ROW_LENGTH,
     FROM_MODEL_PATH,
     ConfigRecord,
 )
@@ -36,7 +37,9 @@ from flexengine.core.units import GiB
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
     from flexengine.planning.fit import FitPlan
     from flexengine.planning.plan import Plan
+    from flexengine.planning.row_length import RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
+    from flexengine.planning.work import WorkPerToken
     from flexengine.surgery.attention.spec import AttentionSpec
 
 
@@ -81,6 +84,7 @@ class PlanReport:
     context: dict[str, Any]  # context_report: the model's trained/supported context against data.seq_len
     cp: int  # ranks sharing each row
     node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
+    work: Optional[WorkPerToken] = None  # executed FLOPs per useful token against the model's own count
 
     @property
     def plan(self) -> Plan:
@@ -130,6 +134,8 @@ def format_table(report: PlanReport) -> str:
             f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
             f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
         )
+    if report.work is not None:
+        lines.append(report.work.describe())
     if report.node_of_8 is not None:
         node = report.node_of_8.plan
         lines.append(
@@ -162,93 +168,6 @@ def context_report(job: JobConfig, hf_config) -> dict:
         lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
         report["documents"] = {**length_summary(lengths), **context_summary(lengths, limits.trained, limits.supported)}
     return report
-
-
-def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
-    """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
-    from flexengine.planning.budget import device_budget
-    from flexengine.planning.fit import plan_job
-    from flexengine.planning.max_seq_len import max_seq_len_table, memory_curves, plot_memory_vs_seq_len
-    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, target_hardware, whole_row_pairs
-    from flexengine.surgery.model import build_hf_config
-    from flexengine.surgery.rope import context_limits
-
-    hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
-    attention = planned_attention(job, hf_config, hardware)
-    precision = plan_job(job, hf_config, hardware, attention=attention).precision
-    x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
-    cp = x.cp
-    tiled = job.memory.tiled_mlp or "auto"
-
-    def pairs_at(n: int) -> AttendedPairs:  # each length's own count: a window's share of n^2 shrinks as n grows
-        return whole_row_pairs(attention, n)
-
-    rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
-    longest = max((r["max_seq_len"] for r in rows), default=0)
-    lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
-    curves = memory_curves(hf_config, x, lengths, tiled, pairs_at=pairs_at)
-    report = {
-        "model": job.model.name,
-        "hardware": job.hardware.name,
-        "world_size": x.hardware.world_size,
-        "cp": cp,
-        "micro_batch": x.micro_batch,
-        "dtype_bytes": x.dtype_bytes,
-        "trainable_fraction": x.trainable_fraction,
-        "budget_bytes": device_budget(x.hardware).usable_bytes,
-        "budget": device_budget(x.hardware).describe(),
-        "policies": rows,
-        "lengths": lengths,
-        "curves_gib": curves,
-        "context": context_limits(hf_config).describe(),
-    }
-    if png is not None:
-        lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
-        cp_label = f", context parallel x{cp}" if cp > 1 else ""
-        plot_memory_vs_seq_len(
-            curves,
-            lengths,
-            device_budget(x.hardware).usable_bytes / GiB,
-            png,
-            f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}",
-        )
-        report["png"] = str(png)
-    return report
-
-
-def format_max_seq_len(report: dict) -> str:
-    """The max_seq_len report as a table."""
-    head = f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"
-    lines = [
-        (
-            f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
-            f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
-            f"budget {report['budget']}"
-        ),
-        "",
-        head,
-    ]
-    for r in report["policies"]:
-        if not r["max_seq_len"]:
-            lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
-            continue
-        lines.append(
-            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
-            f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%"
-        )
-    best = max(report["policies"], key=lambda r: r["max_seq_len"])
-    lines += [
-        "",
-        (
-            f"longest: {best['max_seq_len']:,} tokens with {best['label']}; model {report['context']} "
-            "(rows past it need model.rope_scaling, or documents within it)"
-        ),
-        "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
-    ]
-    if "png" in report:
-        lines.append(f"memory vs seq_len: {report['png']}")
-    return "\n".join(lines)
 
 
 def build_plan(
@@ -358,6 +277,8 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
             "policy": node.policy,
             "recompute_flops_fraction": node.time.recompute_flops_fraction,
         }
+    if report.work is not None:
+        out["work_per_useful_token"] = report.work.to_json()
     return out
 
 
@@ -375,13 +296,72 @@ def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, 
     hardware = target_hardware(job, hf_config)
     attention = planned_attention(job, hf_config, hardware)  # once, for the plan and every alternative
     if not wants_corpus_time(options):
-        return build_plan(job, attention), None
+        report = build_plan(job, attention)
+        return dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention)), None
     corpus, rows = corpus_rows(job, options)
     pairs = None
     if rows:
         pairs = packed_pairs(attention, rows, job.data.seq_len, f"the mask of the packed rows of {corpus.describe}")
     hours = corpus_hours(job, hf_config, hardware, corpus, attention=attention, pairs=pairs)
-    return build_plan(job, attention, pairs), {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
+    report = build_plan(job, attention, pairs)
+    report = dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention, pairs, rows))
+    return report, {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
+
+
+def plan_work(
+    job: JobConfig,
+    fit: FitPlan,
+    hf_config,
+    attention: AttentionSpec,
+    pairs: Optional[AttendedPairs] = None,
+    rows: Optional[list[list[int]]] = None,
+) -> WorkPerToken:
+    """The plan's executed FLOPs per useful token (flexengine.planning.work) at its precision, micro-batch and
+    policy; rows: the packed rows' document pieces (None: rows of one whole-row document, no padding)."""
+    from flexengine.planning.fit import resolved_job
+    from flexengine.planning.shapes import ModelShape
+    from flexengine.planning.specs import plan_inputs, plan_specs
+    from flexengine.planning.work import document_pair_fractions, work_per_token
+
+    planned = resolved_job(job, fit)  # the fit's micro-batch and accumulation
+    x = plan_inputs(plan_specs(planned, hf_config, attention, pairs), fit.hardware, fit.precision)
+    m, seq_len = ModelShape.from_hf_config(hf_config), planned.data.seq_len
+    if not rows:  # whole rows of one document: the documents' pairs are the row's, as the plan counted them
+        fractions = x.pairs.of_rank(1)
+        whole = list(fractions) if isinstance(fractions, tuple) else [fractions] * m.layers
+        return work_per_token(m, x, fit.memory_specs, 1.0, whole)
+    useful = sum(map(sum, rows)) / (len(rows) * seq_len)
+    documents = document_pair_fractions(attention, rows, seq_len)
+    return work_per_token(m, x, fit.memory_specs, useful, documents)
+
+
+def auto_row_length(
+    job: JobConfig, options: PlanOptions, has_documents: bool = True
+) -> tuple[JobConfig, Optional[RowLengthChoice]]:
+    """data.seq_len=auto: the row length chosen over plan.documents x plan.doc_tokens or the job's own documents
+    (flexengine.planning.row_length), and the job with it; any other data.seq_len: the job as it is, None.
+    has_documents: False when the job names no data (the command planned the demo corpus in its place): without
+    plan.documents the rows are then the model's supported context, said so."""
+    from flexengine.cli.plan_corpus import document_lengths
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.data.packing import packer
+    from flexengine.planning.row_length import choose_row_length, context_rows, with_seq_len
+    from flexengine.planning.specs import planned_attention
+    from flexengine.surgery.model import build_hf_config
+
+    if job.data.fixed_seq_len is not None:
+        return job, None
+    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    if options.documents is None and (options.tokens is not None or not has_documents):
+        return with_seq_len(job, context_rows(hf_config, job.parallel.cp)), None
+    lengths, describe = document_lengths(job, options, "data.seq_len=auto")
+    attention = planned_attention(job, hf_config, hardware)
+    epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
+    pack = packer(lengths, job.data.packing, job.data.long_docs)
+    choice = choose_row_length(
+        job, hf_config, hardware, attention, lengths, pack=pack, epochs=epochs, describe=describe
+    )
+    return with_seq_len(job, choice.seq_len), choice
 
 
 def plan_job_config(cfg: DictConfig) -> JobConfig:
@@ -425,6 +405,9 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     hf_config = build_hf_config(job.model)
     hardware = target_hardware(job, hf_config)
     record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
+    if job.data.fixed_seq_len is None:  # before the fit, as the run resolves it
+        job, _rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
+        record.set("data.seq_len", job.data.seq_len, AUTO_ROW_LENGTH)
     attention = planned_attention(job, hf_config, hardware)  # as the run resolves it on that device
     job = resolved_job(job, plan_job(job, hf_config, hardware, attention=attention))
     record.update(job, AUTO_PLANNER)
@@ -442,6 +425,7 @@ FORMATS = ("table", "json", "resolved")
 def main(cfg: DictConfig) -> None:
     """Hydra task: compose -> JobConfig -> plan -> print."""
     from flexengine.planning.corpus_time import Corpus, format_corpus_hours
+    from flexengine.planning.row_length import CONTEXT_ROWS, format_row_length, mfu_ladder
 
     plan_only = {}
     if cfg.model.path is None:
@@ -457,17 +441,25 @@ def main(cfg: DictConfig) -> None:
             return
         job = plan_job_config(cfg)
         if cfg.plan.max_seq_len:
+            from flexengine.cli.plan_max_seq_len import build_max_seq_len, format_max_seq_len
+
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
+        job, rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
         plan, hours = plan_with_corpus(job, cfg.plan)
     except UserError as e:
         fail(e)
     if fmt == "json":
-        print(
-            json.dumps({**plan_json(plan, cfg.plan.candidates), **({"corpus_time": hours} if hours else {})}, indent=1)
-        )
+        extra = {"corpus_time": hours} if hours else {}
+        if rows is not None:
+            extra["row_length"] = rows.to_json()
+        print(json.dumps({**plan_json(plan, cfg.plan.candidates), **extra}, indent=1))
     else:
+        if rows is not None:
+            print(format_row_length(rows) + "\n" + mfu_ladder(rows.chosen) + "\n")
+        elif cfg.data.seq_len == SEQ_LEN_AUTO:
+            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({job.data.seq_len:,} tokens)\n")
         print(format_table(plan))
         if hours:
             print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import numpy as np
+
 from flexengine.core.config import JobConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.corpus_time import Corpus
@@ -38,11 +40,7 @@ def corpus_rows(job: JobConfig, options: Any) -> tuple[Corpus, Optional[list[lis
         raise UserError(f"plan.epochs={epochs} must be positive.")
     seq_len, data = job.data.seq_len, job.data
     if options.documents is not None:
-        if not options.doc_tokens or options.documents <= 0 or options.doc_tokens <= 0:
-            raise UserError(
-                "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
-                "plan.doc_tokens=6000), both positive."
-            )
+        _check_documents(options)
         packed = plan_packing([options.doc_tokens] * options.documents, seq_len, data.packing, data.long_docs)
         stats = packed.stats
         what = f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
@@ -56,19 +54,43 @@ def corpus_rows(job: JobConfig, options: Any) -> tuple[Corpus, Optional[list[lis
     return _corpus_of_data(job, epochs)
 
 
-def _corpus_of_data(job: JobConfig, epochs: float) -> tuple[Corpus, list[list[int]]]:
-    """The job's own documents, tokenized (cached) and packed as a run would (held-out documents included)."""
+def document_lengths(job: JobConfig, options: Any, what: str = "plan.epochs") -> tuple[np.ndarray, str]:
+    """The documents' lengths in tokens and where they come from: plan.documents x plan.doc_tokens, else the job's
+    data tokenized through the training cache. `what`: the option that needs them (for the error)."""
+    if options.documents is not None:
+        _check_documents(options)
+        lengths = np.full(options.documents, options.doc_tokens, dtype=np.int64)
+        return lengths, f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
+    return _data_lengths(job, what), job.data.path or "the demo corpus"
+
+
+def _check_documents(options: Any) -> None:
+    if not options.doc_tokens or options.documents <= 0 or options.doc_tokens <= 0:
+        raise UserError(
+            "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
+            "plan.doc_tokens=6000), both positive."
+        )
+
+
+def _data_lengths(job: JobConfig, what: str) -> np.ndarray:
+    """The job's own documents' lengths (held-out documents included), tokenized through the training cache."""
     from flexengine.data.corpus import build_corpus
-    from flexengine.data.packing import plan_packing
     from flexengine.surgery.model import load_tokenizer
 
     if job.data.source != "demo" and not (job.model.path or job.model.tokenizer):
         raise UserError(
-            f"plan.epochs with data.path={job.data.path} counts its tokens with the model's tokenizer: give "
+            f"{what} with data.path={job.data.path} counts its tokens with the model's tokenizer: give "
             "model.path (or model.tokenizer), or the size instead: plan.tokens=N, or plan.documents=N "
             "plan.doc_tokens=T."
         )
-    lengths = build_corpus(job.data, load_tokenizer(job.model)).lengths
+    return build_corpus(job.data, load_tokenizer(job.model)).lengths
+
+
+def _corpus_of_data(job: JobConfig, epochs: float) -> tuple[Corpus, list[list[int]]]:
+    """The job's own documents, tokenized (cached) and packed as a run would (held-out documents included)."""
+    from flexengine.data.packing import plan_packing
+
+    lengths = _data_lengths(job, "plan.epochs")
     packed = plan_packing(lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
     stats, where = packed.stats, job.data.path or "the demo corpus"
     corpus = Corpus(stats.rows, stats.tokens, epochs, f"{where}: {stats.documents:,} documents -> {_rows(stats)}")

@@ -39,7 +39,7 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
     check_fixed_rope,
     parse_tiled_mlp,
 )
-from flexengine.core.config_data import DataConfig, MixSource  # noqa: F401 (re-exported)
+from flexengine.core.config_data import SEQ_LEN_AUTO, DataConfig, MixSource  # noqa: F401 (re-exported)
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
 from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
@@ -389,7 +389,9 @@ class JobConfig:
         # attn.mode's rules against data.packing, the window and RoPE: surgery/attention/job_rules.py (they need the
         # mode table, which core does not see), applied by every entry point after composition
         if self.parallel.cp > 1:
-            check_context_parallel(self.parallel.cp, self.attn, self.data.seq_len, self.model.rope_scaling.rope_type)
+            check_context_parallel(
+                self.parallel.cp, self.attn, self.data.fixed_seq_len, self.model.rope_scaling.rope_type
+            )
         positions = self.model.arch.get("max_position_embeddings") if self.model.path is None else None
         if positions and self.train.sample_prompts and self.train.sample_tokens > positions:
             raise UserError(

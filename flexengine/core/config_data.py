@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from flexengine.core.config_checks import (
     DATA_FORMATS,
@@ -14,6 +14,19 @@ from flexengine.core.config_checks import (
     check_choice,
 )
 from flexengine.core.errors import UserError
+
+SEQ_LEN_AUTO = "auto"  # data.seq_len=auto: the row length is chosen from the corpus (planning/row_length.py)
+
+
+def check_seq_len(seq_len: Any) -> None:
+    """data.seq_len is a positive whole number of tokens or auto (UserError naming the key otherwise)."""
+    if seq_len == SEQ_LEN_AUTO:
+        return
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise UserError(
+            f"data.seq_len={seq_len!r} must be a positive number of tokens, e.g. data.seq_len=4096, or auto (the "
+            "length with the least estimated epoch time over the corpus's documents)."
+        )
 
 
 @dataclass
@@ -54,7 +67,9 @@ class DataConfig:
     on_error: str = "raise"  # raise: stop at the first bad record with file:line | skip: skip and count
     max_record_bytes: int = 64 << 20  # a JSONL line (one record) longer than this is a bad record (data.on_error),
     # read no further than this: a runaway single-line file would otherwise be held and tokenized whole
-    seq_len: int = 1024  # tokens per packed row
+    seq_len: Any = 1024  # tokens per packed row | auto: the length with the least estimated epoch time over this
+    # corpus's documents, within the memory budget and the model's context (flexengine/planning/row_length.py;
+    # resolved before the fit, recorded in resolved_config.yaml)
     packing: str = "auto"  # auto (bfd for packed attn modes, none otherwise) | bfd (best-fit decreasing) | greedy
     # (data order) | none (one document per row, padded to the batch's longest)
     long_docs: str = "split"  # documents longer than seq_len: split | truncate | drop (always counted)
@@ -90,8 +105,7 @@ class DataConfig:
         check_choice("data.train_on", self.train_on, ("assistant", "all"))
         check_choice("data.assistant_mask", self.assistant_mask, ("auto", "template", "prefix"))
         check_choice("data.long_chats", self.long_chats, ("truncate", "drop", "split"))
-        if self.seq_len <= 0:
-            raise UserError(f"data.seq_len={self.seq_len} must be a positive number of tokens, e.g. data.seq_len=4096.")
+        check_seq_len(self.seq_len)
         if self.mix:
             if self.path:
                 raise UserError("data.path and data.mix are both set: a mixture names its files in data.mix[*].path.")
@@ -132,6 +146,11 @@ class DataConfig:
                 "data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
                 "splits itself with data.eval_fraction."
             )
+
+    @property
+    def fixed_seq_len(self) -> Optional[int]:
+        """data.seq_len as a number of tokens; None while it is auto (not yet resolved)."""
+        return None if self.seq_len == SEQ_LEN_AUTO else int(self.seq_len)
 
     @property
     def formats(self) -> set:

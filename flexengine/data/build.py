@@ -56,6 +56,13 @@ def _documents(
     return corpus, eval_corpus, train_docs, eval_docs, mix_report
 
 
+def training_lengths(job: JobConfig, tokenizer, dist_info: DistInfo) -> np.ndarray:
+    """The training documents' lengths in tokens (the held-out ones and the mixture's weights applied), tokenized
+    through the cache build_data then reads: what data.seq_len=auto chooses a row length from."""
+    corpus, _eval_corpus, train_docs, _eval_docs, _mix = _documents(job, tokenizer, dist_info)
+    return np.asarray(corpus.lengths)[train_docs]
+
+
 def _plan_training_rows(corpus: Corpus, train_docs: np.ndarray, data: DataConfig) -> PackPlan:
     """The training documents packed into rows, refused when no row would carry a target."""
     plan = plan_packing(corpus.lengths, data.seq_len, data.packing, data.long_docs, train_docs)

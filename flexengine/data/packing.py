@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -269,3 +269,14 @@ def pack_documents(
     tokens, offsets = flatten_documents(docs)
     plan = plan_packing(np.diff(offsets), seq_len, strategy, long_docs)
     return materialise_rows(plan.rows, tokens, offsets, seq_len, pad_id)
+
+
+def packer(lengths: Lengths, packing: str, long_docs: str) -> Callable[[int], tuple[PackStats, list[list[int]]]]:
+    """These documents packed at any row length: (the packing's statistics, each row as its pieces' lengths, what
+    the mask separates). What the planner's data.seq_len=auto weighs, handed down by run.py and the plan command."""
+
+    def pack(seq_len: int) -> tuple[PackStats, list[list[int]]]:
+        plan = plan_packing(lengths, seq_len, packing, long_docs)
+        return plan.stats, [[length for _doc, _start, length in row] for row in plan.rows]
+
+    return pack

@@ -227,9 +227,14 @@ class TrainFlops:
         recomputed = self._per_layer(executed_pairs)
         flops += sum(recomputed[i] for i in self.recompute_attention_layers) * self.heads_dim * ATTN_FWD_FLOPS
         flops += predicting * self.head_flops_per_token
-        if 0 < self.chunk_size < predicting:  # each chunk's lm_head runs again in backward
-            flops += predicting * self.head.flops(False, forward_only=True)
-        return flops
+        return flops + self.loss_recompute_flops(predicting)
+
+    def loss_recompute_flops(self, predicting: float) -> float:
+        """lm_head's forward the chunked loss runs again in backward (each chunk a checkpoint) for a micro-batch of
+        this many predicting positions."""
+        if 0 < self.chunk_size < predicting:
+            return predicting * self.head.flops(False, forward_only=True)
+        return 0.0
 
 
 def attended_pairs(lengths: list[int], window: Optional[int] = None) -> int:
@@ -246,3 +251,28 @@ def layer_attended_pairs(attn: Optional[AttentionSpec], lengths: list[int], n_la
     if attn is None:
         return [attended_pairs(lengths)] * n_layers
     return attn.attended_pairs(lengths)
+
+
+def work_per_useful_token(
+    flops: TrainFlops, summary: Mapping[str, float], micro_batch_slots: int
+) -> Optional[dict[str, float]]:
+    """A run's executed FLOPs per useful token against the model's own count (the summary's hardware and model
+    FLOPs over its useful tokens), with the parts named: recompute (the forwards checkpoints re-ran, per token slot),
+    the chunked loss's lm_head re-run (per useful token: about the predicting positions), and the rest, padding and
+    attention as the backend runs it (flex's computed blocks, the flash backward's score recompute). None before any
+    token trained. micro_batch_slots: train.micro_batch x data.seq_len."""
+    useful, slots = summary["useful_tokens_seen"], summary["tokens_seen"]
+    if not useful or not summary["model_flops"]:
+        return None
+    model, executed = summary["model_flops"] / useful, float(summary["hardware_flops"]) / useful
+    recompute = flops.recompute_per_token * slots / useful
+    predicting = micro_batch_slots * useful / slots  # a mean micro-batch's (about: its useful tokens)
+    loss = flops.loss_recompute_flops(predicting) / predicting
+    return {
+        "model_flops": model,
+        "executed_flops": executed,
+        "ratio": executed / model,
+        "recompute_flops": recompute,
+        "loss_recompute_flops": loss,
+        "padding_and_attention_flops": executed - model - recompute - loss,
+    }

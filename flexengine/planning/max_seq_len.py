@@ -9,15 +9,18 @@ into whole blocks per rank) finds the boundary exactly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from flexengine.core.config import CP_BLOCK_SIZE
+from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.units import GiB
 from flexengine.planning.activations import memory_specs
 from flexengine.planning.planner import candidates_for, evaluate, offloads
 from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
+from flexengine.planning.specs import plan_inputs, plan_specs
+from flexengine.surgery.attention.spec import AttentionSpec
+from flexengine.surgery.precision import auto_order, precision_spec
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
 
@@ -74,10 +77,55 @@ def max_seq_len_table(
                 step_s=at.step_s,
                 tokens_per_s=x.micro_batch * n / at.step_s,
                 offloaded_bytes=at.usage.offloaded_bytes,
+                host_bytes=at.usage.host_bytes,
                 recompute_flops_fraction=at.time.recompute_flops_fraction,
             )
         rows.append(row)
     return rows
+
+
+def longest_over_modes(
+    job: JobConfig,
+    hf_config,
+    hardware: HardwareConfig,
+    attention: AttentionSpec,
+    *,
+    lora_ranks: Sequence[int],
+    pairs_at: Optional[PairsAt] = None,
+) -> list[dict]:
+    """The longest row per (LoRA rank, precision mode), each mode searched over every policy as the memory search
+    searches them: one row each with the mode, the policy that reaches it and what the host holds there (host
+    optimizer state plus offloaded activations), and whether precision=auto may take the mode (it trains correctly).
+    Modes: precision.mode, or under auto the ones auto weighs on this device."""
+    on_cuda = hardware.on_cuda
+    modes = [job.precision.mode] if job.precision.mode != "auto" else list(auto_order(on_cuda, job.optim.name))
+    tiled = job.memory.tiled_mlp or "auto"
+    out = []
+    for r in lora_ranks:
+        variant = dataclasses.replace(
+            job, model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r))
+        )
+        specs = plan_specs(variant, hf_config, attention)
+        for mode in modes:
+            spec = precision_spec(mode, job.optim.name)
+            rows = max_seq_len_table(hf_config, plan_inputs(specs, hardware, spec), tiled, pairs_at=pairs_at)
+            best = max(rows, key=lambda row: row["max_seq_len"])
+            out.append(
+                {
+                    "lora_r": r,
+                    "precision": mode,
+                    "trains_correctly": spec.trains_correctly,
+                    **{k: v for k, v in best.items() if k != "label"},
+                    "policy": best["label"],
+                }
+            )
+    return out
+
+
+def longest_of(modes: Sequence[dict], lora_r: int) -> Optional[dict]:
+    """The longest row of `longest_over_modes` at this LoRA rank among the modes that train correctly."""
+    rows = [row for row in modes if row["lora_r"] == lora_r and row["trains_correctly"] and row["max_seq_len"]]
+    return max(rows, key=lambda row: row["max_seq_len"], default=None)
 
 
 def memory_curves(

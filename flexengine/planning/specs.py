@@ -179,8 +179,12 @@ def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, dev
     if not hardware.on_cuda:  # CPU's auto takes the most exact mode that fits, untimed: its dtype is the one run
         modes = modes[:1]
     specs = [precision_spec(mode, job.optim.name) for mode in modes]
+    from flexengine.planning.row_length import context_rows  # row_length plans with this module's inputs
+
     m = ModelShape.from_hf_config(hf_config)
-    gemms, attention = speed_shapes(m, job.train.micro_batch * job.data.seq_len, job.data.seq_len, job.loss.chunk_size)
+    # data.seq_len=auto is chosen after this (its choice is priced with this speed): measure at the context's rows
+    seq_len = job.data.fixed_seq_len or context_rows(hf_config, job.parallel.cp)
+    gemms, attention = speed_shapes(m, job.train.micro_batch * seq_len, seq_len, job.loss.chunk_size)
     speeds = []
     for dtype in dict.fromkeys(spec.compute_dtype for spec in specs):
         speed = measure_device_speed(device, dtype, gemms, attention, optimizer_params=m.params)

@@ -17,7 +17,7 @@ from flexengine.data.packing import plan_packing
 def test_documents_of_one_length_are_packed_with_their_padding():
     """The seed workload: 20,000 documents of ~6,000 tokens in 8K rows hold one each (two do not fit): 73 % of
     each row is useful, which the hours must count."""
-    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
+    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", "data.seq_len=8192"])
     corpus = corpus_of(job, PlanOptions(documents=20_000, doc_tokens=6_000, epochs=1))
     assert (corpus.rows, corpus.useful_tokens, corpus.epochs) == (20_000, 120_000_000, 1)
     assert "73.2% of slots useful" in corpus.describe

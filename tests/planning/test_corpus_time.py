@@ -14,7 +14,9 @@ from flexengine.surgery.model import build_hf_config
 
 
 def _seed_job(*overrides: str):
-    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", *overrides])
+    job = compose_job(
+        ["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", "data.seq_len=8192", *overrides]
+    )
     return job, build_hf_config(job.model), assumed_hardware(job.hardware)
 
 

@@ -99,7 +99,7 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
         monkeypatch.setattr(
             flexengine.planning.fit, "optimizer_missing", lambda name: "torchao" if name == "adamw_bf16" else ""
         )
-    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
+    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", "data.seq_len=8192"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     rows = {r.precision: r for r in fit.precision_table}
     eligible = [r for r in rows.values() if r.fits and r.trains_correctly and not r.missing]
@@ -126,7 +126,7 @@ def test_auto_skips_a_mode_whose_optimizer_cannot_be_built_here(monkeypatch):
     monkeypatch.setattr(
         flexengine.planning.fit, "optimizer_missing", lambda name: "torchao" if name == "adamw_bf16" else ""
     )
-    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo"])
+    job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", "data.seq_len=8192"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     rows = {r.precision: r for r in fit.precision_table}
     assert fit.fits and fit.precision.name == "bf16_cpu_master"
@@ -242,7 +242,12 @@ def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_p
     from flexengine.surgery.model import build_hf_config
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
-    common = ["experiment=deepseek7b_6k_a100", "model.init=random", f"data.path={tmp_path / 'd.jsonl'}"]
+    common = [
+        "experiment=deepseek7b_6k_a100",
+        "model.init=random",
+        f"data.path={tmp_path / 'd.jsonl'}",
+        "data.seq_len=8192",
+    ]
     shipped = compose_job(common)
     assert shipped.train.compile
     eager = compose_job([*common, "train.compile=false"])

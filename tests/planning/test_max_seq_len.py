@@ -118,7 +118,7 @@ def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
     """parallel.cp reaches the planner (no separate plan option needed), and every longest row is a multiple of
     cp x 128 tokens (a row training could run), exact to that step."""
     from flexengine.cli.doctor import compose_job
-    from flexengine.cli.plan import build_max_seq_len
+    from flexengine.cli.plan_max_seq_len import build_max_seq_len
 
     job = compose_job(
         [
@@ -172,3 +172,29 @@ def test_a_windowed_models_table_prices_each_length_with_its_own_pair_count():
     own = evaluate(m, at_length(x, n, lambda k: whole_row_pairs(attention, k)), memory).step_s
     stale = evaluate(m, at_length(x, n), memory).step_s  # 4096's share (causal 0.5) reused at n
     assert row["step_s"] == own and own < stale
+
+
+def test_the_longest_row_is_searched_over_precision_modes_and_lora():
+    """deepseek-7B on one A100-80G (micro_batch 1, chunked loss): bf16_cpu_master's host-held masters and states
+    reach 158,720 tokens of full fine-tuning and 348,544 under LoRA r=16; each row names the policy reaching it and
+    what the host holds, and `longest_of` skips a mode that does not train correctly."""
+    from flexengine.cli.common import compose_job
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.max_seq_len import longest_of, longest_over_modes
+    from flexengine.planning.specs import planned_attention, whole_row_pairs
+
+    job = compose_job(
+        ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "train.micro_batch=1", "loss.chunk_size=1024"]
+    )
+    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    attention = planned_attention(job, hf_config, hardware)
+    master = dataclasses.replace(job, precision=dataclasses.replace(job.precision, mode="bf16_cpu_master"))
+    rows = longest_over_modes(
+        master, hf_config, hardware, attention, lora_ranks=[0, 16], pairs_at=lambda n: whole_row_pairs(attention, n)
+    )
+    full, lora = longest_of(rows, 0), longest_of(rows, 16)
+    assert full is not None and lora is not None
+    assert full["max_seq_len"] >= 158_720 and lora["max_seq_len"] >= 348_544
+    assert full["precision"] == lora["precision"] == "bf16_cpu_master" and "offload" in full["policy"]
+    assert full["host_bytes"] > full["offloaded_bytes"] > 0  # host optimizer state plus the offloaded activations
+    assert longest_of([{**full, "trains_correctly": False}], 0) is None

@@ -280,7 +280,13 @@ def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(t
     from flexengine.planning.fit import plan_job, resolved_job
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
-    common = ["experiment=deepseek7b_6k_a100", "hardware.world_size=8", "model.init=random", "precision=bf16_mixed"]
+    common = [
+        "experiment=deepseek7b_6k_a100",
+        "hardware.world_size=8",
+        "model.init=random",
+        "precision=bf16_mixed",
+        "data.seq_len=8192",
+    ]
     plans = {}
     for reduce_every in ("window", "auto"):
         job = compose_job([*common, f"data.path={tmp_path / 'd.jsonl'}", f"parallel.reduce_every={reduce_every}"])

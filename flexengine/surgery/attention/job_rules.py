@@ -42,7 +42,8 @@ def resolve_attention_rules(job: JobConfig) -> JobConfig:
     idempotent, returns the job."""
     attn, data = job.attn, job.data
     entry = checked_mode(attn)
-    if attn.window is not None and attn.window > data.seq_len:
+    seq_len = data.fixed_seq_len  # None: data.seq_len=auto, checked again once the length is chosen (flexengine.run)
+    if attn.window is not None and seq_len is not None and attn.window > seq_len:
         raise UserError(
             f"attn.window={attn.window} is longer than data.seq_len={data.seq_len}: the window would never "
             "apply. Lower attn.window or use attn=packed_doc."
@@ -60,7 +61,8 @@ def resolve_attention_rules(job: JobConfig) -> JobConfig:
             f"(data.packing={data.packing}) would let them attend to each other. Use attn=packed_doc, "
             "or data.packing=none for one document per row."
         )
-    if _trained_context(job) is not None:  # else model.path's config.json tells, checked at run time (flexengine.run)
+    # model.path's config.json (or an auto length) is checked at run time (flexengine.run)
+    if seq_len is not None and _trained_context(job) is not None:
         rows = (data.seq_len, _trained_context(job))
         check_fixed_rope(
             job.model.rope_scaling.rope_type,

@@ -1,0 +1,145 @@
+"""`python -m flexengine.plan ... plan.max_seq_len=true [plan.png=maxlen.png]`: how long can a row be? Per memory
+policy the longest data.seq_len that fits at the precision fit picks, then per precision mode and for full
+fine-tuning and LoRA the longest over every policy (which mode and policy reach it, what the host must hold there),
+with memory-vs-length curves as a PNG.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+from flexengine.core.config import JobConfig
+from flexengine.core.units import GiB
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
+    """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
+    from flexengine.planning.budget import device_budget
+    from flexengine.planning.corpus_time import LORA_RANK
+    from flexengine.planning.fit import plan_job
+    from flexengine.planning.max_seq_len import (
+        longest_over_modes,
+        max_seq_len_table,
+        memory_curves,
+        plot_memory_vs_seq_len,
+    )
+    from flexengine.planning.row_length import context_rows, with_seq_len
+    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, target_hardware, whole_row_pairs
+    from flexengine.surgery.model import build_hf_config
+    from flexengine.surgery.rope import context_limits
+
+    hf_config = build_hf_config(job.model)
+    hardware = target_hardware(job, hf_config)
+    if job.data.fixed_seq_len is None:  # auto: the policy table's precision is fit's at the supported context
+        job = with_seq_len(job, context_rows(hf_config, job.parallel.cp))
+    attention = planned_attention(job, hf_config, hardware)
+    precision = plan_job(job, hf_config, hardware, attention=attention).precision
+    x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
+    cp = x.cp
+    tiled = job.memory.tiled_mlp or "auto"
+
+    pairs_at = partial(whole_row_pairs, attention)  # each length's own count: a window's share of n^2 shrinks
+
+    rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
+    ranks = sorted({0, job.model.lora.r or LORA_RANK})  # full fine-tuning and LoRA, whichever the job is
+    modes = longest_over_modes(job, hf_config, hardware, attention, lora_ranks=ranks, pairs_at=pairs_at)
+    longest = max((r["max_seq_len"] for r in rows), default=0)
+    lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
+    curves = memory_curves(hf_config, x, lengths, tiled, pairs_at=pairs_at)
+    budget = device_budget(x.hardware)
+    report = {
+        "model": job.model.name,
+        "hardware": job.hardware.name,
+        "world_size": x.hardware.world_size,
+        "cp": cp,
+        "micro_batch": x.micro_batch,
+        "dtype_bytes": x.dtype_bytes,
+        "trainable_fraction": x.trainable_fraction,
+        "budget_bytes": budget.usable_bytes,
+        "budget": budget.describe(),
+        "precision": precision.name,
+        "policies": rows,
+        "modes": modes,  # the longest row per (LoRA rank, precision mode), over every policy
+        "lengths": lengths,
+        "curves_gib": curves,
+        "context": context_limits(hf_config).describe(),
+    }
+    if png is not None:
+        lora = f", LoRA r={job.model.lora.r}" if job.model.lora.r else ", full fine-tune"
+        cp_label = f", context parallel x{cp}" if cp > 1 else ""
+        title = f"{job.model.name} on {job.hardware.name} x{x.hardware.world_size}{lora}{cp_label}"
+        plot_memory_vs_seq_len(curves, lengths, budget.usable_bytes / GiB, png, title)
+        report["png"] = str(png)
+    return report
+
+
+def format_max_seq_len(report: dict) -> str:
+    """The max_seq_len report as a table."""
+    head = f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"
+    lines = [
+        (
+            f"longest data.seq_len per memory policy: {report['model']} on {report['hardware']} "
+            f"(x{report['world_size']}, context parallel x{report['cp']}), micro_batch={report['micro_batch']}, "
+            f"budget {report['budget']}"
+        ),
+        "",
+        head,
+    ]
+    for r in report["policies"]:
+        if not r["max_seq_len"]:
+            lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
+            continue
+        lines.append(
+            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
+            f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%"
+        )
+    best = max(report["policies"], key=lambda r: r["max_seq_len"])
+    lines += [
+        "",
+        f"longest with precision={report['precision']}: {best['max_seq_len']:,} tokens with {best['label']}",
+        "",
+        format_longest_over_modes(report["modes"]),
+        "",
+        f"model {report['context']} (rows past it need model.rope_scaling, or documents within it)",
+        "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
+    ]
+    if "png" in report:
+        lines.append(f"memory vs seq_len: {report['png']}")
+    return "\n".join(lines)
+
+
+def format_longest_over_modes(modes: list[dict]) -> str:
+    """The longest row per (LoRA rank, precision mode), and per rank the longest a mode that trains correctly
+    reaches: the mode, the policy, and what the host must hold there."""
+    from flexengine.planning.max_seq_len import longest_of
+
+    lines = [
+        "longest data.seq_len per precision mode (every memory policy searched):",
+        f"  {'':<16} {'precision':<16} {'max seq_len':>12} {'device':>10} {'host':>10} {'step (est.)':>12}  policy",
+    ]
+    for row in modes:
+        what = f"LoRA r={row['lora_r']}" if row["lora_r"] else "full fine-tune"
+        if not row["max_seq_len"]:
+            lines.append(f"  {what:<16} {row['precision']:<16} {'-':>12}   (not even 128 tokens fit)")
+            continue
+        note = "" if row["trains_correctly"] else "  (fails the long-horizon numerics check: precision=auto skips it)"
+        lines.append(
+            f"  {what:<16} {row['precision']:<16} {row['max_seq_len']:>12,} {row['total_bytes'] / GiB:>6.1f} GiB "
+            f"{row['host_bytes'] / GiB:>6.1f} GiB {row['step_s']:>11.0f}s  {row['policy']}{note}"
+        )
+    for r in sorted({row["lora_r"] for row in modes}):
+        top = longest_of(modes, r)
+        if top is not None:
+            lines.append(
+                f"longest, {'LoRA r=' + str(r) if r else 'full fine-tune'}: {top['max_seq_len']:,} tokens with "
+                f"precision={top['precision']} and {top['policy']}; the host holds {top['host_bytes'] / GiB:.1f} GiB "
+                f"({(top['host_bytes'] - top['offloaded_bytes']) / GiB:.1f} GiB of optimizer state and masters, "
+                f"{top['offloaded_bytes'] / GiB:.1f} GiB of offloaded activations)"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""Executed FLOPs per useful token: the executed count is the planner's own step FLOPs, the model's count is
+loop/flops.py's model FLOPs of the same rows, and padding and recompute are named where they arise."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexengine.cli.common import compose_job
+from flexengine.cli.plan import plan_work
+from flexengine.core.hardware import assumed_hardware
+from flexengine.planning.costs import ASSUMED_MFU
+from flexengine.planning.fit import plan_job
+from flexengine.planning.specs import packed_pairs, planned_attention
+from flexengine.surgery.model import build_hf_config
+
+ROWS = [[600, 300, 100], [1000], [700]]  # document pieces of three 1,024-token rows (the last padded by 324)
+
+
+def _work(*overrides: str, rows=ROWS):
+    job = compose_job(["hardware=a100_80g", "attn=packed_doc", "data.seq_len=1024", *overrides])
+    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    attention = planned_attention(job, hf_config, hardware)
+    pairs = packed_pairs(attention, rows, 1024, "test rows") if rows else None
+    fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
+    return fit, plan_work(job, fit, hf_config, attention, pairs, rows)
+
+
+def test_executed_flops_are_the_planners_step_flops():
+    """With no recompute, the executed count times the useful tokens is what the planner's compute time is made
+    of (compute_s x peak x MFU): the report reads the planner's terms, it does not keep its own."""
+    fit, work = _work("memory=none", "precision=bf16_mixed")
+    t = fit.plan.time
+    compute_s = (t.step_s - t.optimizer_s - t.reduce_exposed_s) / (fit.grad_accum * (1 + t.cost))
+    useful = sum(map(sum, ROWS)) / 3 * fit.micro_batch
+    planned = compute_s * fit.hardware.peak_tflops * 1e12 * ASSUMED_MFU
+    assert work.recompute_flops == 0 and work.executed_flops * useful == pytest.approx(planned, rel=1e-9)
+
+
+def test_the_models_count_is_loop_flops_model_count_of_the_same_documents():
+    """6N over the useful tokens and 12 FLOPs per allowed (query, key) pair, head and dim within the documents:
+    loop/flops.py's TrainFlops.model_flops on a model built from the same config (lm_head charged at every useful
+    token, as the planner prices it, rather than at the positions that predict)."""
+    from transformers import AutoModelForCausalLM
+
+    from flexengine.loop.flops import TrainFlops, layer_attended_pairs
+    from flexengine.surgery.memory import apply_memory_policy
+    from flexengine.surgery.memory.spec import block_memory_specs
+
+    job = compose_job(["hardware=a100_80g", "attn=packed_doc", "data.seq_len=1024", "memory=none"])
+    hf_config = build_hf_config(job.model)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    apply_memory_policy(model, block_memory_specs(job.memory, hf_config.num_hidden_layers))  # what TrainFlops reads
+    attention = planned_attention(job, hf_config, assumed_hardware(job.hardware))
+    flops = TrainFlops(model)
+    useful = sum(map(sum, ROWS))
+    pairs = [sum(layer) for layer in zip(*(layer_attended_pairs(attention, row, 4) for row in ROWS))]
+    want = flops.model_flops(useful, useful, pairs) / useful
+    _fit, work = _work("memory=none", "precision=bf16_mixed")
+    assert work.model_flops == pytest.approx(want, rel=1e-9)
+
+
+def test_padding_and_recompute_are_named():
+    _fit, whole = _work("memory=none", rows=None)  # rows of one whole-row document: nothing wasted
+    assert whole.ratio == pytest.approx(1.0) and whole.padding_flops == 0
+    _fit, padded = _work("memory=none")
+    slots, useful = 3 * 1024, sum(map(sum, ROWS))
+    # the padding's matmuls, a share of the model's count diluted by the documents' attention (which has no padding)
+    assert 0.8 * (slots - useful) / useful < padded.padding_flops / padded.model_flops < (slots - useful) / useful
+    assert padded.ratio == pytest.approx(1 + padded.padding_flops / padded.model_flops)
+    _fit, full = _work("memory=full", "memory.layers=all")
+    assert 0.2 < full.recompute_flops / full.model_flops < 1 / 3  # every block forward again (not lm_head)
+    assert full.ratio == pytest.approx(1 + (full.padding_flops + full.recompute_flops) / full.model_flops)
+    assert full.loss_recompute_flops == 0 and "loss recompute +0.0 %" in full.describe()
