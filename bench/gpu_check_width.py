@@ -278,9 +278,9 @@ def measured_memory(trainer, mark: dict) -> dict:
 def cpu_step_bytes(trainer) -> int:
     """The CPU analogue of max_memory_allocated over a step: parameters + optimizer states (real tensors) + the
     peak of tensors alive at once during the forward and backward of one more step (surgery/memory/meter.py:
-    measure_peak_bytes). The optimizer's own step runs outside the meter: a dispatch mode around torchao's
-    fullgraph-compiled step makes dynamo refuse it ("found no compiled frames", torch 2.13), and the plan's
-    optimizer term is its states, counted here as real tensors."""
+    measure_peak_bytes, which runs compiled blocks eagerly). The optimizer's own step runs outside the meter and
+    compiled as in training (the default stance): the plan's optimizer term is its states, counted here as real
+    tensors."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from flexengine.surgery.memory.meter import measure_peak_bytes
@@ -292,7 +292,7 @@ def cpu_step_bytes(trainer) -> int:
     step = trainer.optimizer.step
 
     def step_outside_meter(*args, **kwargs):
-        with _disable_current_modes():
+        with _disable_current_modes(), torch.compiler.set_stance("default"):
             return step(*args, **kwargs)
 
     own = vars(trainer.optimizer).get("step")  # an optimizer may carry its own; usually the class's method
