@@ -130,12 +130,13 @@ def verify_compiled_blocks(model: nn.Module, host_bytes: Optional[int] = None) -
     eager = [i for i, n in enumerate(probe.eager_calls) if n]
     if not eager:
         return
-    said = f"decoder block {eager[0]} ({len(eager)} of {len(probe.eager_calls)} blocks) ran uncompiled: {probe.why[eager[0]]}"
+    said = f"decoder block {eager[0]} ({len(eager)} of {len(probe.eager_calls)} blocks) ran uncompiled"
+    said += f": {probe.why[eager[0]]}"
     if probe.must is None:
         log.warning("compile: %s; training continues eagerly (slower)", said)
         return
     if host_bytes:
-        cost = f"up to {host_bytes / 2**30:.2f} GiB per micro-batch that the plan keeps on the host would stay on the device"
+        cost = f"up to {host_bytes / 2**30:.2f} GiB per micro-batch that the plan keeps on the host stay on the device"
     else:
         cost = "flex would run as the eager higher-order op (its scores materialised) and again in backward"
     raise UserError(

@@ -14,8 +14,8 @@ refusal is remembered for the code object, so the same blocks then run uncompile
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
