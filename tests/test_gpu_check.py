@@ -381,26 +381,42 @@ def test_the_verdict_needs_the_decisive_checks_and_lists_later_ones_not_reached(
     assert not gpu_check.summarise(slow, names, 1.0, False)["ok"]  # a decisive one did not pass
 
 
-def test_the_dry_runs_fast_subset_passes_through_the_driver(tmp_path):
-    """The CI's dry run: the real driver and worker on env, the README plan at the A100's budget (planned at
-    grad_accum 8 and 2, pinned, re-planned, built on meta, capped), flex vs dense and the overlap reader. Fails
-    when a check's CPU part breaks (e.g. the plan of experiment=deepseek7b_6k_a100 no longer resolves)."""
+def _dry_run(tmp_path: Path, only: list[str], *flags: str) -> tuple[dict, str]:
+    """bench/gpu_check.py --dry-run through the real driver and worker, cold (no inherited compile cache)."""
     import os
     import subprocess
 
-    only = ["readme_a100", "flex_vs_dense", "offload_overlap"]
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run", "--fast", "--out-dir", str(tmp_path)]
+    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run", *flags, "--out-dir", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
-    proc = subprocess.run([*cmd, "--only", *only], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    proc = subprocess.run([*cmd, "--only", *only], capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
     result = json.loads((tmp_path / "gpu_check_dryrun.json").read_text())
     assert proc.returncode == 0 and result["all_ok"], (proc.stdout[-3000:], result["failed"])
     assert list(result["checks"]) == ["env", *only]
-    call_env = result["env"]["call_env"]  # one compile cache for the whole call, removed at its end
+    return result, proc.stdout
+
+
+def test_the_dry_runs_fast_subset_passes_through_the_driver(tmp_path):
+    """The overlap reader's CPU part through the driver, and the call's environment: one compile cache for the
+    whole call, removed at its end when the driver made it."""
+    result, _ = _dry_run(tmp_path, ["offload_overlap"], "--fast")
+    call_env = result["env"]["call_env"]
     assert call_env["TORCHINDUCTOR_CACHE_DIR"].startswith("/tmp/flexengine-gpu-check-cache-")
     assert not Path(call_env["TORCHINDUCTOR_CACHE_DIR"]).parent.exists()
     assert call_env["PYTORCH_CUDA_ALLOC_CONF"] or call_env["PYTORCH_ALLOC_CONF"] is not None
+
+
+@pytest.mark.slow
+def test_every_decisive_checks_cpu_part_passes_through_the_driver_in_one_worker(tmp_path):
+    """What `bash bench/gpu_check.sh --dry-run` decides, in CI: env, the README plan at the A100's budget (planned
+    at grad_accum 8 and 2, pinned, re-planned, built on meta, capped, then trained at a tiny width with its
+    compiled SAC + offload blocks under the CPU meter), flex vs dense, planner vs allocator, and recompiles after
+    it in the same worker (a frame skip the meter left behind would fail it). Fails when a check's CPU part
+    breaks, e.g. the meter clashing with compiled blocks."""
+    result, _ = _dry_run(tmp_path, DECISIVE[1:])
     check = result["checks"]["readme_a100"]
     assert check["same_choices_as_readme"] and check["replanned"]["same"] and check["model_on_meta"]["layers"] == 30
     assert check["plan"]["grad_accum"] == readme.GRAD_ACCUM and check["readme_plan"]["grad_accum"] == 8
     assert check["plan"]["allocated_gib"] < check["cap"]["cap_gib"] < check["cap"]["device_total_gib"]
     assert "planned: precision=" in check["progress"][0]  # "<seconds into the check> s: planned: ..."
+    assert check["run"]["finite"] and check["compile"]["skipped_blocks"] == 0
+    assert result["checks"]["recompiles"]["recompiles"] == 0

@@ -74,6 +74,12 @@ DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # library use without a plan; a run takes t
 # (costs.pinned_bound_bytes): a 7B at 8K offloads ~51 GB per row, times the ranks of a node
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """Pinned host bytes a request of `nbytes` takes: torch's caching host allocator hands out blocks rounded up
+    to a power of two (a 172 MiB gate/up activation takes 256 MiB), so the bound counts those."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 class _Group:
     """What one block call offloaded; `prev` is the block run just before it in the same forward."""
 
@@ -227,8 +233,11 @@ class OffloadManager:
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
         self.max_pinned_bytes = max_pinned_bytes
         self.blocks_in_flight = blocks_in_flight
-        self.pinned_bytes = 0  # pinned host bytes held by live handles
+        self.pinned_bytes = 0  # pinned host bytes held by live handles, as the host allocator rounds them
         self.pageable_bytes = 0  # bytes that went to pageable memory past the bound (cumulative)
+        self.max_pinned_seen = 0  # the most pinned bytes held at once
+        self.to_host_bytes = 0  # device -> host copies (cumulative; on CPU the host copies made)
+        self.to_device_bytes = 0  # host -> device copies back, prefetched or on demand (cumulative)
         self._streams = streams  # created on the first CUDA tensor unless given
         self._last: Optional[weakref.ref] = None
         self._holding: list[_Group] = []  # forward's blocks that may still hold their saved tensors, oldest first
@@ -288,8 +297,15 @@ class OffloadManager:
         assert self._streams is not None, "activation offload: a CUDA copy without CUDA streams"
         return self._streams
 
+    def counters(self) -> dict:
+        """What offload moved and holds (bench/gpu_check_readme.py reads it per step)."""
+        keys = ("to_host_bytes", "to_device_bytes", "pinned_bytes", "max_pinned_seen", "pageable_bytes")
+        return {k: getattr(self, k) for k in keys}
+
     def _pinned(self, nbytes: int, handle: _Handle) -> bool:
-        """Reserve pinned bytes for a handle within the bound (released when the handle dies)."""
+        """Reserve pinned bytes for a handle within the bound (released when the handle dies), counted as the
+        host allocator's rounded block (pinned_block_bytes)."""
+        nbytes = pinned_block_bytes(nbytes)
         if self.pinned_bytes + nbytes > self.max_pinned_bytes:
             if self.pageable_bytes == 0:
                 log.warning(
@@ -300,6 +316,7 @@ class OffloadManager:
             self.pageable_bytes += nbytes
             return False
         self.pinned_bytes += nbytes
+        self.max_pinned_seen = max(self.max_pinned_seen, self.pinned_bytes)
         weakref.finalize(handle, self._release, nbytes)
         return True
 
@@ -307,6 +324,7 @@ class OffloadManager:
         self.pinned_bytes -= nbytes
 
     def _to_host(self, group: _Group, t: Tensor) -> _Handle:
+        self.to_host_bytes += t.numel() * t.element_size()
         with host_copies():
             streams = self._streams_for(t)
             if streams is None:  # CPU: same path, no pinning, no stream (exact grads)
@@ -342,6 +360,7 @@ class OffloadManager:
         buffers = [streams.device_buffer(h.host_copy(), h.device) for h in todo]
         streams.side_waits_for_compute()
         for handle, buffer in zip(todo, buffers):
+            self.to_device_bytes += buffer.numel() * buffer.element_size()
             with streams.on_side():  # after the block's own device -> host copies, in stream order
                 buffer.copy_(handle.host_copy(), non_blocking=True)
             handle.on_device, handle.prefetched = buffer, streams.record()
@@ -357,6 +376,7 @@ class OffloadManager:
             streams.compute_waits(handle.offloaded)
             handle.on_device = streams.device_buffer(host, handle.device)
             handle.on_device.copy_(host, non_blocking=True)
+            self.to_device_bytes += host.numel() * host.element_size()
         elif handle.unwaited is not None:
             self._cuda().compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
             handle.compute_waited()

@@ -16,7 +16,7 @@ from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
-from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT, OffloadManager
+from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT, OffloadManager, pinned_block_bytes
 from tests.helpers import clone_model, make_llama
 
 LAYERS, B, S = 4, 1, 64
@@ -225,8 +225,11 @@ def test_pinned_host_memory_is_bounded_and_released():
     allocs = [x for x in fake.log if x[0] == "alloc"]
     pinned = [x for x in allocs if x[1]]
     assert pinned and len(pinned) < len(allocs)  # the first ones pinned, then pageable
-    assert sum(x[2] for x in pinned) <= bound == manager.max_pinned_bytes
+    # the bound counts the host allocator's power-of-two blocks, not the nominal bytes
+    assert manager.max_pinned_seen == sum(pinned_block_bytes(x[2]) for x in pinned) <= bound == manager.max_pinned_bytes
+    assert pinned_block_bytes(172 * 2**20) == pinned_block_bytes(256 * 2**20) == 256 * 2**20  # gate/up at 7B, 8K
     assert manager.pageable_bytes == sum(x[2] for x in allocs if not x[1])
+    assert manager.to_host_bytes == sum(x[2] for x in allocs)  # every copy to the host counted
     loss.backward()
     del loss
     gc.collect()
