@@ -167,7 +167,9 @@ CALL_ENV = (
 
 
 def check_env(dry: bool) -> dict:
-    """Import everything, report versions and the device."""
+    """Import everything, report versions, the device and the host's memory."""
+    import gpu_check_width as width
+
     errors, versions = {}, {}
     for name in ENV_MODULES:
         try:
@@ -189,7 +191,7 @@ def check_env(dry: bool) -> dict:
         "versions": versions,
         "call_env": {k: os.environ.get(k) for k in CALL_ENV},
     }
-    env["host_memory_gib"] = host_memory_gib()
+    env["host_memory_gib"] = width.host_memory_gib()
     warnings = {k: v for k, v in errors.items() if k in ENV_OPTIONAL}
     errors = {k: v for k, v in errors.items() if k not in ENV_OPTIONAL}
     ok = not errors and (dry or props is not None)
@@ -200,19 +202,6 @@ def check_env(dry: bool) -> dict:
     if props is None and not dry:
         record["error"] = "no CUDA device visible: nothing else can be checked"
     return record
-
-
-def host_memory_gib() -> dict:
-    """MemTotal and MemAvailable of /proc/meminfo in GiB (the planner's host budget reads MemAvailable)."""
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                out[key] = int(value.split()[0]) * 1024 / 2**30
-    except OSError:
-        pass
-    return out
 
 
 def _context_gib() -> float:
