@@ -201,6 +201,29 @@ def _as_view(storage_bytes: Tensor, view: tuple) -> Tensor:
     )
 
 
+class _Recast:
+    """A saved cast of a weight (autocast's bf16 copy of an fp32 parameter): cast again when backward needs it
+    rather than copied to the host and back (the weight is unchanged until the optimizer steps, after backward)."""
+
+    def __init__(self, weight: torch.nn.Parameter, t: Tensor):
+        self.weight = weight
+        self.view = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+
+    def unpack(self) -> Tensor:
+        return _as_view(_storage_bytes(self.weight.detach().to(self.view[0])), self.view)
+
+
+def _weight_cast_of(t: Tensor) -> Optional[torch.nn.Parameter]:
+    """The parameter `t` (or the tensor it views) is a dtype cast of, as autocast makes them; else None."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    weight = getattr(fn.next_functions[0][0], "variable", None)
+    same_layout = isinstance(weight, torch.nn.Parameter) and weight.shape == base.shape and weight.is_contiguous()
+    return weight if same_layout and base.is_contiguous() and base.dtype != weight.dtype else None
+
+
 def _is_parameter_view(t: Tensor) -> bool:
     base = t._base if t._base is not None else t
     # weights (or views of them) stay resident anyway; frozen ones (LoRA's base) have requires_grad off
@@ -277,6 +300,9 @@ class OffloadManager:
             # kept as is, but detached: a node's own output returned by the hook would hold the node (grad_fn),
             # a cycle Python's collector cannot see, and a graph dropped without backward would never be freed
             return t.detach()
+        weight = _weight_cast_of(t)
+        if weight is not None:  # autocast's weight copy: cast again in backward, no PCIe, no host bytes
+            return _Recast(weight, t)
         storage = t.untyped_storage()
         hit = group.seen.get(storage._cdata)
         handle = hit[1]() if hit is not None and not hit[0].expired() else None
@@ -341,6 +367,8 @@ class OffloadManager:
 
     # -- backward: host -> device, one block ahead ----------------------------------------------------------
     def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _Recast):
+            return packed.unpack()
         if not isinstance(packed, _Packed):
             return packed
         group = packed.handle.group
