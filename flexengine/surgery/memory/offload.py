@@ -220,8 +220,10 @@ def _weight_cast_of(t: Tensor) -> Optional[torch.nn.Parameter]:
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
         return None
     weight = getattr(fn.next_functions[0][0], "variable", None)
-    same_layout = isinstance(weight, torch.nn.Parameter) and weight.shape == base.shape and weight.is_contiguous()
-    return weight if same_layout and base.is_contiguous() and base.dtype != weight.dtype else None
+    if not isinstance(weight, torch.nn.Parameter):
+        return None
+    same_layout = weight.shape == base.shape and weight.is_contiguous() and base.is_contiguous()
+    return weight if same_layout and base.dtype != weight.dtype else None
 
 
 def _is_parameter_view(t: Tensor) -> bool:
