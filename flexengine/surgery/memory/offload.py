@@ -28,7 +28,9 @@ Ordering: every copy runs on one side stream. A device -> host copy starts after
 buffer was given); compute waits on one handle's event, never on the whole side stream, so the prefetch of the
 block before keeps running while this block's backward computes. Pinned host memory is bounded
 (`max_pinned_bytes`): past the bound, copies go to pageable memory (they then block the host) and the manager
-counts them. All CUDA calls go through `CudaStreams`, which a CPU test replaces with a recording fake to check
+counts them; the bound counts the host allocator's power-of-two blocks. Autocast's bf16 copies of the weights
+(saved by the matmuls of precision=bf16_mixed) are not copied at all: backward casts the weight again. All CUDA
+calls go through `CudaStreams`, which a CPU test replaces with a recording fake to check
 the order of copies, events and waits, the stream each buffer comes from, and the blocks in flight.
 """
 
@@ -333,8 +335,8 @@ class OffloadManager:
     def _pinned(self, nbytes: int, handle: _Handle) -> bool:
         """Reserve pinned bytes for a handle within the bound (released when the handle dies), counted as the
         host allocator's rounded block (pinned_block_bytes)."""
-        nbytes = pinned_block_bytes(nbytes)
-        if self.pinned_bytes + nbytes > self.max_pinned_bytes:
+        rounded = pinned_block_bytes(nbytes)
+        if self.pinned_bytes + rounded > self.max_pinned_bytes:
             if self.pageable_bytes == 0:
                 log.warning(
                     "activation offload: %.1f GiB of pinned host memory in use (the bound); further "
@@ -343,9 +345,9 @@ class OffloadManager:
                 )
             self.pageable_bytes += nbytes
             return False
-        self.pinned_bytes += nbytes
+        self.pinned_bytes += rounded
         self.max_pinned_seen = max(self.max_pinned_seen, self.pinned_bytes)
-        weakref.finalize(handle, self._release, nbytes)
+        weakref.finalize(handle, self._release, rounded)
         return True
 
     def _release(self, nbytes: int) -> None:
