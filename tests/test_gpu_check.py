@@ -387,6 +387,7 @@ def _dry_run(tmp_path: Path, only: list[str], *flags: str) -> tuple[dict, str]:
     import subprocess
 
     cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run", *flags, "--out-dir", str(tmp_path)]
+    cmd += ["--budget-s", "2400"]  # bench/gpu_check.sh's dry-run budget (2 shared cores): the caps scale with it
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
     proc = subprocess.run([*cmd, "--only", *only], capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
     result = json.loads((tmp_path / "gpu_check_dryrun.json").read_text())
