@@ -6,12 +6,16 @@ imports only the standard library and watches the worker: a check that outlives 
 estimate while the decisive checks after it keep their turn) is killed (SIGTERM, SIGKILL 10 s later) and recorded
 as `timed_out` with the last progress line it printed (how far it got: built, step 1, ...), never as `fail`; a
 worker that dies (a CUDA error, an abort) has its check recorded as failed; either way a fresh worker resumes at
-the next check. Inductor's and Triton's caches live in one directory for the whole call (set before any worker
-starts), so a fresh worker finds the kernels the killed one compiled. Checks the budget does not reach are
-recorded as `not_run`. At the end <prefix>.json (every record + the environment) and <prefix>.md (a table) are
+the next check. A worker whose check failed resets dynamo (a remembered frame skip would fail the next check
+too) and, after a failure that is not an OOM, probes the device: dead, it exits (DEAD_DEVICE_EXIT) and a fresh
+worker with a new CUDA context takes the next check. Inductor's and Triton's caches live in one directory for
+the whole call (set before any worker starts), so a fresh worker finds the kernels the killed one compiled; a
+directory the caller names (TORCHINDUCTOR_CACHE_DIR) is kept after the call, for a second call on the
+still-warm machine. Checks the budget does not reach are recorded as `not_run`. At the end <prefix>.json (every
+record + the environment) and <prefix>.md (a table) are
 written from the lines; a cut-off run still leaves the .jsonl.
 
-  python bench/gpu_check.py --out-dir $OUT [--budget-s 400] [--only NAME ...] [--dry-run [--fast]]
+  python bench/gpu_check.py --out-dir $OUT [--budget-s 470] [--only NAME ...] [--dry-run [--fast]]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_list import BY_NAME, CALL_BUDGET_S, CHECKS, RESERVE
+from gpu_check_list import BY_NAME, CALL_BUDGET_S, CHECKS, DEAD_DEVICE_EXIT, RESERVE
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "gpu_check_scripts.py"
@@ -176,6 +180,8 @@ def run_checks(names: list[str], args, jsonl: Path, log_path: Path, deadline: fl
                 break
         rc = worker.finish()
         done = {r.get("check") for r in read_records(jsonl)}
+        if rc == DEAD_DEVICE_EXIT:
+            print("the device did not answer after a failed check: a fresh worker takes the next one", flush=True)
         if timed_out and timed_out[0] not in done:
             append_record(jsonl, timed_out_record(*timed_out, worker, deadline))
         elif rc != 0 and (worker.current or pending[0]) not in done:

@@ -35,6 +35,8 @@ from gpu_check_width import (
     TIMED_STEPS,
     allocator_mark,
     allocator_since,
+    host_empty_cache,
+    host_memory_gib,
     progress,
     release_device_memory,
     reserved_verdict,
@@ -50,6 +52,12 @@ GRAD_ACCUM = 2  # >= 2: the accumulating micro-batch, whose gradients exist befo
 A100_PEAK_TFLOPS, H200_PEAK_TFLOPS = 312.0, 989.0  # dense bf16 (flexengine.core.hardware.PEAK_BF16_TFLOPS)
 A100_HBM_GB_S, H200_HBM_GB_S = 2039.0, 4800.0
 PLANNED_MFU = 0.4  # the planner's assumed MFU (planning/costs.py ASSUMED_MFU)
+# max_memory_allocated below this share of the plan: the planner over-counts the step (a plan that leaves this
+# much of the card unused refuses or offloads jobs that fit). The under-count bound is MEMORY_RTOL.
+OVER_COUNT = 0.85
+# bytes offload moved per step below this share of the plan's: what the plan offloads did not reach offload's
+# hooks (e.g. blocks that ran uncompiled, keeping SAC's cache on the device)
+OFFLOAD_SHORT = 0.5
 TINY_LAYERS = 4  # the CPU stand-in: the same job and loop at a size whose steps take a second on a shared core
 TINY = (
     "++model.arch.vocab_size=2048",  # the demo tokenizer's
@@ -218,6 +226,52 @@ def run_capped(overrides: list[str], cap: dict, steps: int) -> dict:
     return run
 
 
+def pcie_bandwidth(nbytes: int = GiB) -> dict:
+    """Pinned host <-> device copy bandwidth, `nbytes` each way (after one warm-up copy), in GB/s: what the plan's
+    offload time assumes (hardware.pcie_gb_s). The buffers are freed, and the pinned block handed back."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {"bytes": nbytes}
+    for name, dst, src in (("h2d", device, host), ("d2h", host, device)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        out[f"{name}_gb_s"] = nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    del host, device
+    torch.cuda.empty_cache()
+    host_empty_cache()
+    return out
+
+
+def offload_report(run: dict) -> dict | None:
+    """Offload's traffic in the timed steps against the plan's: bytes to the host and back per step (the plan
+    counts both ways over every micro-batch), the most pinned bytes held (the host allocator's rounded blocks)
+    against the plan's pinned bound, and bytes that went to pageable memory. None without offload."""
+    steps = run.get("offload") or []
+    timed = steps[1:] or steps
+    if not timed:
+        return None
+    moved = sum(s["to_host_bytes"] + s["to_device_bytes"] for s in timed) / len(timed)
+    planned = run["planned_offload_bytes_per_step"]
+    return {
+        "per_step": steps,
+        "moved_gb_per_step": moved / 1e9,
+        "planned_gb_per_step": planned / 1e9,
+        "moved_over_plan": _over(moved, planned),
+        "to_host_gb_per_step": sum(s["to_host_bytes"] for s in timed) / len(timed) / 1e9,
+        "max_pinned_gib": max(s["max_pinned_seen"] for s in steps) / GiB,
+        "planned_pinned_bound_gib": _gib(run["planned_pinned_bound_bytes"]),
+        "planned_offloaded_gib_per_micro_batch": run["planned_offloaded_bytes"] / GiB,
+        "pageable_gib": sum(s["pageable_bytes"] for s in steps) / GiB,
+    }
+
+
 def _gib(n: int | None) -> float | None:
     return None if n is None else n / GiB
 
@@ -261,21 +315,33 @@ def speed_report(run: dict, expected: dict) -> dict:
         "expected_h200_step_s": expected["h200_step_s"],
         "expected_h200_step_s_pcie5": expected["h200_step_s_pcie5"],
         "step_over_expected": run["step_s"] / expected["h200_step_s"],
+        "step_over_a100_plan": run["step_s"] / run["planned_step_s"],
         "mfu": run["mfu"],  # against this device's own peak (989 on the H200)
         "planned_mfu": PLANNED_MFU,
+        "mfu_over_assumed": run["mfu"] / PLANNED_MFU,
         "expected_ratio": expected,
     }
 
 
-def problems_of(run: dict, memory: dict) -> list[str]:
+def problems_of(run: dict, memory: dict, offload: dict | None = None) -> list[str]:
     """What fails the check: an OOM, a non-finite step, cudaMalloc retries, an allocated peak over the plan by
-    more than MEMORY_RTOL, a reserved peak past the plan's margin (reserved_verdict)."""
+    more than MEMORY_RTOL (an under-count) or under OVER_COUNT of it (an over-count), a reserved peak past the
+    plan's margin (reserved_verdict), a block that must run compiled and did not, and (on a GPU) offload moving
+    under OFFLOAD_SHORT of the plan's bytes."""
     if run.get("oom"):
         return [f"out of memory at {memory['cap_gib']:.2f} GiB, after: {run['reached']}"]
     problems = [] if run["finite"] else ["a non-finite loss or grad norm"]
     over = memory["allocated_over_plan"]
     if over is not None and over > 1 + MEMORY_RTOL:
         problems.append(f"max_memory_allocated {over:.3f}x the plan: the planner under-counts this step")
+    if over is not None and over < OVER_COUNT:
+        problems.append(f"max_memory_allocated {over:.3f}x the plan: the planner over-counts this step")
+    compiled = run.get("compile") or {}
+    if compiled.get("must_compile") and compiled.get("skipped_blocks"):
+        problems.append(f"{compiled['skipped_blocks']} blocks ran uncompiled: {compiled['skip_reason']}")
+    short = None if offload is None else offload["moved_over_plan"]
+    if torch.cuda.is_available() and short is not None and short < OFFLOAD_SHORT:
+        problems.append(f"offload moved {short:.2f}x the plan's bytes per step: what SAC keeps missed its hooks")
     return problems + memory["reserved"]["problems"]
 
 
@@ -356,6 +422,7 @@ def check_readme_a100(dry: bool) -> dict:
         "replanned": replans_the_same(pinned, fit),
         "cap": cap,
         "expected_h200": expected_h200(fit, job),
+        "host_memory_gib": host_memory_gib(),
     }
     problems = [] if record["same_choices_as_readme"] else [f"grad_accum={GRAD_ACCUM} changes the README's choices"]
     problems += [] if record["replanned"]["same"] else ["the pinned overrides do not reproduce the plan"]
@@ -369,13 +436,19 @@ def check_readme_a100(dry: bool) -> dict:
         layers = cpu_overrides(pinned, fit.memory.layers, fit.plan.n_layers)
         run = record["run"] = run_steps(layers, steps=1)
     else:
+        pcie = record["pcie"] = pcie_bandwidth()
+        progress(f"PCIe pinned: {pcie.get('h2d_gb_s', 0):.1f} GB/s h2d, {pcie.get('d2h_gb_s', 0):.1f} d2h")
         run = record["run"] = run_capped(pinned, cap, TIMED_STEPS)
+        host_empty_cache()  # offload's pinned blocks, before the next check
     if run.get("oom"):
         problems += problems_of(run, {"cap_gib": cap["cap_gib"]})
         return _verdict(record, problems, {"oom": True, "reached": run["reached"], "cap_gib": cap["cap_gib"]})
+    record["compile"] = run["compile"]
     record["memory"] = memory_report(run, cap)
+    record["offload"] = offload_report(run)
     record["speed"] = speed_report(run, record["expected_h200"])
-    return _verdict(record, problems + problems_of(run, record["memory"]), headline_of(record, dry))
+    problems += problems_of(run, record["memory"], record["offload"])
+    return _verdict(record, problems, headline_of(record, dry))
 
 
 def _verdict(record: dict, problems: list[str], headline: dict) -> dict:
@@ -386,13 +459,18 @@ def _verdict(record: dict, problems: list[str], headline: dict) -> dict:
 def headline_of(record: dict, dry: bool) -> dict:
     """The check's key numbers: the plan and the cap (dry), or the run against them (GPU)."""
     if dry:
-        return {
+        out = {
             "precision": record["plan"]["precision"],
             "policy": record["plan"]["policy"],
             "planned_gib": record["plan"]["allocated_gib"],
             "cap_gib": record["cap"]["cap_gib"],
             "expected_h200_step_s": record["expected_h200"]["h200_step_s"],
         }
+        if "compile" in record:  # the CPU steps ran (not --fast)
+            out["skipped_blocks"] = record["compile"]["skipped_blocks"]
+            out["allocated_over_plan"] = record["memory"]["allocated_over_plan"]
+            out["offload_over_plan"] = (record["offload"] or {}).get("moved_over_plan")
+        return out
     memory, speed = record["memory"], record["speed"]
     return {
         "oom": memory["oom"],
@@ -400,6 +478,8 @@ def headline_of(record: dict, dry: bool) -> dict:
         "reserved_gib": memory["max_reserved_gib"],
         "cap_gib": memory["cap_gib"],
         "allocated_over_plan": memory["allocated_over_plan"],
+        "skipped_blocks": record["compile"]["skipped_blocks"],
+        "offload_over_plan": (record["offload"] or {}).get("moved_over_plan"),
         "step_s": speed["step_s"],
         "expected_step_s": speed["expected_h200_step_s"],
         "mfu": speed["mfu"],

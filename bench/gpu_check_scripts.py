@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
+from gpu_check_list import DEAD_DEVICE_EXIT  # noqa: E402
 from gpu_check_width import CHECK_STARTED, FAST_DRY, FIRST_STEPS, PROGRESS  # noqa: E402
 
 from tests.helpers import GPU_TINY_LLAMA  # noqa: E402
@@ -152,6 +153,9 @@ ENV_MODULES = (  # everything the checks import: a missing carried wheel fails h
     "gpu_check_readme",
     "gpu_overlap",
 )
+# needed only by checks after the decisive ones (LoRA, parquet sources, FSDP, the overlap trace): a missing one is
+# a warning in env's record, and the check that needs it fails on its own
+ENV_OPTIONAL = ("peft", "pyarrow", "torch.distributed.fsdp", "gpu_overlap")
 # what the checks' compiles and allocations run under (bench/gpu_check.py sets them for the whole call)
 CALL_ENV = (
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -163,7 +167,9 @@ CALL_ENV = (
 
 
 def check_env(dry: bool) -> dict:
-    """Import everything, report versions and the device."""
+    """Import everything, report versions, the device and the host's memory."""
+    import gpu_check_width as width
+
     errors, versions = {}, {}
     for name in ENV_MODULES:
         try:
@@ -185,8 +191,14 @@ def check_env(dry: bool) -> dict:
         "versions": versions,
         "call_env": {k: os.environ.get(k) for k in CALL_ENV},
     }
+    env["host_memory_gib"] = width.host_memory_gib()
+    warnings = {k: v for k, v in errors.items() if k in ENV_OPTIONAL}
+    errors = {k: v for k, v in errors.items() if k not in ENV_OPTIONAL}
     ok = not errors and (dry or props is not None)
-    record = {"ok": ok, "env": env, "import_errors": errors, "headline": {"torch": torch.__version__}}
+    record = {"ok": ok, "env": env, "import_errors": errors, "import_warnings": warnings}
+    record["headline"] = {"torch": torch.__version__, **({"warnings": sorted(warnings)} if warnings else {})}
+    if errors:
+        record["error"] = f"a decisive check's import failed: {', '.join(sorted(errors))}"
     if props is None and not dry:
         record["error"] = "no CUDA device visible: nothing else can be checked"
     return record
@@ -703,6 +715,61 @@ def _headline(record: dict) -> str:
     )
 
 
+def is_oom(record: dict) -> bool:
+    """The failure was an out-of-memory (the device is fine; the next check can run in this process)."""
+    return "OutOfMemoryError" in str(record.get("error")) or "out of memory" in str(record.get("error")).lower()
+
+
+def device_alive() -> bool:
+    """A failed check may leave the CUDA context dead (an illegal address, a device-side assert): every later
+    call would then fail in seconds. True when the device still synchronises and computes (or there is none)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception as e:
+        print(f"@@progress device probe failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return False
+
+
+def after_failure(record: dict) -> bool:
+    """Clean up after a failed check: dynamo's caches dropped (a frame skip it remembers for a block's code would
+    fail the next check too); after a failure that is not an OOM, the device probed. False: exit this worker."""
+    torch._dynamo.reset()
+    return is_oom(record) or device_alive()
+
+
+def run_one(table: dict, name: str, dry: bool, jsonl: Path) -> dict:
+    """Run check `name`, append its record to `jsonl` (before anything else can fail) and return it."""
+    print(f"@@start {name}", flush=True)
+    t0, compiled0 = time.perf_counter(), compile_seconds()
+    FIRST_STEPS.clear()
+    PROGRESS.clear()
+    CHECK_STARTED[0] = t0
+    try:
+        record = table[name](dry)
+    except Exception as e:
+        record = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000], "traceback": traceback.format_exc()[-4000:]}
+    record.setdefault("status", "pass" if record.get("ok") else "fail")
+    seconds = time.perf_counter() - t0
+    # where the seconds went, to re-order the next run by (bench/README.md): compiles in this process, and the
+    # first (warm-up) steps of the trainers and models this check ran
+    record["compile_s"] = round(compile_seconds() - compiled0, 2)
+    if FIRST_STEPS:
+        record["first_step_s"] = [round(x, 2) for x in FIRST_STEPS]
+    record["progress"] = list(PROGRESS)
+    try:
+        record["left_allocated_gib"] = _free_device()  # > 1: this check leaked device memory (dynamo was reset)
+    except Exception as e:  # a dead context fails here too; the record still goes out
+        record["left_allocated_gib"] = f"{type(e).__name__}: {str(e)[:200]}"
+    append_line(jsonl, {"check": name, "seconds": round(seconds, 2), "dry_run": dry, **record})
+    print(f"@@done {name}: {record['status']} ({seconds:.0f} s) {_headline(record)}", flush=True)
+    if record["status"] == "fail" and record.get("error"):
+        print(record.get("traceback", record["error"]), flush=True)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jsonl", type=Path, required=True)
@@ -721,34 +788,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     table = checks()
     for name in args.names:
-        print(f"@@start {name}", flush=True)
-        t0, compiled0 = time.perf_counter(), compile_seconds()
-        FIRST_STEPS.clear()
-        PROGRESS.clear()
-        CHECK_STARTED[0] = t0
-        try:
-            record = table[name](args.dry_run)
-        except Exception as e:
-            record = {
-                "ok": False,
-                "error": f"{type(e).__name__}: {e}"[:3000],
-                "traceback": traceback.format_exc()[-4000:],
-            }
-        record.setdefault("status", "pass" if record.get("ok") else "fail")
-        seconds = time.perf_counter() - t0
-        # where the seconds went, to re-order the next run by (bench/README.md): compiles in this process, and the
-        # first (warm-up) steps of the trainers and models this check ran
-        record["compile_s"] = round(compile_seconds() - compiled0, 2)
-        if FIRST_STEPS:
-            record["first_step_s"] = [round(x, 2) for x in FIRST_STEPS]
-        record["progress"] = list(PROGRESS)
-        record["left_allocated_gib"] = _free_device()  # > 1: this check leaked device memory (dynamo was reset)
-        append_line(args.jsonl, {"check": name, "seconds": round(seconds, 2), "dry_run": args.dry_run, **record})
-        print(f"@@done {name}: {record['status']} ({seconds:.0f} s) {_headline(record)}", flush=True)
-        if record["status"] == "fail" and record.get("error"):
-            print(record.get("traceback", record["error"]), flush=True)
+        record = run_one(table, name, args.dry_run, args.jsonl)
         if name == "env" and record["status"] != "pass":
             return  # nothing else can run (no GPU, a missing wheel): the driver records the rest as not run
+        if record["status"] == "fail" and not after_failure(record):
+            sys.exit(DEAD_DEVICE_EXIT)  # the driver starts a fresh worker (a new CUDA context) for the next check
 
 
 if __name__ == "__main__":

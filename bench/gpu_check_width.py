@@ -28,6 +28,7 @@ TIMED_STEPS = 3  # after one warm-up step (flex compile, optimizer states, alloc
 FIRST_STEPS: list[float] = []  # seconds of each warm-up step of the running check (the worker resets and records it)
 PROGRESS: list[str] = []  # how far the running check got (the worker resets it; the driver also keeps the lines)
 CHECK_STARTED = [time.perf_counter()]  # when the running check started (the worker sets it)
+OFFLOAD_STEPS: list[dict] = []  # offload's traffic in each step of the running trainer (timed_steps)
 FAST_DRY = [False]  # --dry-run --fast (the CI test): the checks' CPU parts without their CPU training steps
 # planner_vs_allocator's rows: at 7B width (bf16_mixed, memory=none) activations are 24.7 % of the planned device
 # bytes at 2 layers and 8K, 30.8 % at 8 layers and 8K, 62.3 % at 8 layers and 32K (planned 91.5 GiB of the H200's
@@ -178,12 +179,34 @@ def release_device_memory() -> float:
     if not torch.cuda.is_available():
         return 0.0
     torch.cuda.empty_cache()
+    host_empty_cache()
     left = torch.cuda.memory_allocated() / 2**30
     if left > 1.0:
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
     return left
+
+
+def host_empty_cache() -> None:
+    """Give the pinned host blocks torch's host allocator caches back (offload's copies of the last check would
+    otherwise stay pinned into the next one)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def host_memory_gib() -> dict:
+    """MemTotal and MemAvailable of /proc/meminfo in GiB (the planner's host budget reads MemAvailable)."""
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(value.split()[0]) * 1024 / 2**30
+    except OSError:
+        pass
+    return out
 
 
 def _sync() -> None:
@@ -196,34 +219,91 @@ def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
     measured numbers next to the plan's. Device memory is counted from this trainer's baseline."""
     from flexengine.cli.common import compose_job
     from flexengine.run import build_trainer
+    from flexengine.surgery.compile import CompileWatch
 
     with tempfile.TemporaryDirectory() as out:
         mark = allocator_mark()
-        t0 = time.perf_counter()
+        t0, watch = time.perf_counter(), CompileWatch()
         trainer = build_trainer(compose_job(overrides), Path(out))
         progress(f"built: plan, data, model, surgery in {time.perf_counter() - t0:.0f} s")
-        metrics, step_times = timed_steps(trainer, steps)
-        result = {**step_numbers(trainer, metrics, step_times), **measured_memory(trainer, mark)}
+        handle = micro_batch_progress(trainer)
+        try:
+            metrics, step_times = timed_steps(trainer, steps)
+        finally:
+            handle.remove()
+        # read before the CPU meter, which runs compiled blocks eagerly
+        observed = {"compile": compile_record(trainer, watch), "offload": OFFLOAD_STEPS[:]}
+        result = {**step_numbers(trainer, metrics, step_times), **observed, **measured_memory(trainer, mark)}
         trainer.metrics.close()
         del trainer  # before the next trainer of this check is built (8 layers at 32K: 87 GiB)
     result["left_allocated_gib"] = release_device_memory()
     return result
 
 
+def micro_batch_progress(trainer):
+    """A progress line at the end of each micro-batch's forward (the decoder's forward hook: the blocks inside
+    may be compiled, the decoder around them is not), so a check killed inside a long first step says where."""
+    from flexengine.surgery.family import hf_causal_lm
+
+    def said(module, args, output) -> None:
+        progress(f"step {trainer.state.step + 1}: a micro-batch's forward done, its backward next")
+
+    return hf_causal_lm(trainer.model).get_decoder().register_forward_hook(said)
+
+
+def compile_record(trainer, watch) -> dict:
+    """What dynamo compiled since `watch` started (graphs, recompiles, graph breaks) and the blocks that ran
+    uncompiled in training (surgery/compile.py's probe: none may, where the blocks must be compiled)."""
+    from flexengine.surgery.applied import applied
+
+    probe = applied(trainer.model).compile_probe
+    eager = [] if probe is None else [i for i, n in enumerate(probe.eager_calls) if n]
+    return {
+        **watch.stats().as_dict(),
+        "compiled_blocks": 0 if probe is None else len(probe.eager_calls),
+        "skipped_blocks": len(eager),
+        "skip_reason": probe.why[eager[0]] if eager else None,
+        "must_compile": None if probe is None else probe.must,
+    }
+
+
+def offload_counters(trainer) -> dict | None:
+    """Activation offload's counters (surgery/memory/offload.py), or None without offload."""
+    from flexengine.surgery.applied import applied
+
+    manager = applied(trainer.model).offload
+    return None if manager is None else manager.counters()
+
+
+def _offload_step(trainer, before: dict | None) -> None:
+    """One step's offload traffic (bytes to host and back, pinned held, pageable) into OFFLOAD_STEPS."""
+    after = offload_counters(trainer)
+    if after is None:
+        return
+    moved = {k: after[k] - (before or {}).get(k, 0) for k in ("to_host_bytes", "to_device_bytes", "pageable_bytes")}
+    OFFLOAD_STEPS.append({**moved, "pinned_bytes": after["pinned_bytes"], "max_pinned_seen": after["max_pinned_seen"]})
+
+
 def timed_steps(trainer, steps: int) -> tuple[list[dict], list[float]]:
     """One warm-up step (compiles, optimizer states, allocator pools), then `steps` timed ones: their metrics
-    (the warm-up's first) and the timed steps' seconds. Each step says so (progress)."""
+    (the warm-up's first) and the timed steps' seconds. Each step says so (progress); offload's traffic of each
+    goes to OFFLOAD_STEPS."""
+    OFFLOAD_STEPS.clear()
+    before = offload_counters(trainer)
     t0 = time.perf_counter()
     metrics = [trainer.train_step()]
     _sync()
+    _offload_step(trainer, before)
     FIRST_STEPS.append(time.perf_counter() - t0)
     progress(f"step 1 (warm-up: compiles) in {FIRST_STEPS[-1]:.1f} s, loss {metrics[0]['loss']:.3f}")
     times = []
     for i in range(steps):
+        before = offload_counters(trainer)
         t0 = time.perf_counter()
         metrics.append(trainer.train_step())
         _sync()
         times.append(time.perf_counter() - t0)
+        _offload_step(trainer, before)
         progress(f"step {i + 2} in {times[-1]:.2f} s, loss {metrics[-1]['loss']:.3f}")
     return metrics, times
 
@@ -253,6 +333,9 @@ def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
         "planned_device_bytes": plan.total_bytes,
         "planned_margin_bytes": plan.budget.margin_bytes,
         "planned_host_bytes": plan.usage.host_bytes,
+        "planned_offloaded_bytes": plan.usage.offloaded_bytes,  # per micro-batch, kept on the host
+        "planned_offload_bytes_per_step": plan.time.offload_bytes_per_step,  # both ways, every micro-batch
+        "planned_pinned_bound_bytes": plan.usage.offload_pinned_bound_bytes,
     }
 
 
@@ -278,9 +361,9 @@ def measured_memory(trainer, mark: dict) -> dict:
 def cpu_step_bytes(trainer) -> int:
     """The CPU analogue of max_memory_allocated over a step: parameters + optimizer states (real tensors) + the
     peak of tensors alive at once during the forward and backward of one more step (surgery/memory/meter.py:
-    measure_peak_bytes). The optimizer's own step runs outside the meter: a dispatch mode around torchao's
-    fullgraph-compiled step makes dynamo refuse it ("found no compiled frames", torch 2.13), and the plan's
-    optimizer term is its states, counted here as real tensors."""
+    measure_peak_bytes, which runs compiled blocks eagerly). The optimizer's own step runs outside the meter and
+    compiled as in training (the default stance): the plan's optimizer term is its states, counted here as real
+    tensors."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from flexengine.surgery.memory.meter import measure_peak_bytes
@@ -292,7 +375,7 @@ def cpu_step_bytes(trainer) -> int:
     step = trainer.optimizer.step
 
     def step_outside_meter(*args, **kwargs):
-        with _disable_current_modes():
+        with _disable_current_modes(), torch.compiler.set_stance("default"):
             return step(*args, **kwargs)
 
     own = vars(trainer.optimizer).get("step")  # an optimizer may carry its own; usually the class's method

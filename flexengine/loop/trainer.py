@@ -30,6 +30,7 @@ from flexengine.loop.profiling import start_profiler
 from flexengine.loop.progress import hparam_metrics, hparams, tqdm_logging
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.patch import MASK_KWARG
+from flexengine.surgery.compile import verify_compiled_blocks
 from flexengine.surgery.context_parallel import ContextParallel
 from flexengine.surgery.parallel import grad_norm_value, gradient_sync
 from flexengine.surgery.precision import PrecisionSpec
@@ -237,6 +238,8 @@ class Trainer:
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             loss_sum += self._forward_backward(batch, mask_kwargs, n_valid, last=i == len(micro_batches) - 1)
+            # blocks that must run compiled did (a silent eager fallback would keep SAC's cache on the device)
+            verify_compiled_blocks(self.model, self.memory_report.get("activation_offloaded_bytes"))
             if mask_kwargs:
                 density.append(mask_kwargs[MASK_KWARG].block_density)
         loss = loss_sum / n_valid

@@ -28,6 +28,7 @@ class Applied:
     attention: Optional["AttentionSpec"] = None  # apply_attention (None: HF's attention untouched)
     memory: tuple["MemorySpec", ...] = ()  # apply_memory_policy: one spec per decoder block
     compile_backend: Optional[str] = None  # apply_compile: the torch.compile backend of the decoder blocks
+    compile_probe: Any = None  # apply_compile: the BlockCompileProbe counting blocks that ran uncompiled
     fsdp_policy: Any = None  # apply_fsdp: the MixedPrecisionPolicy it sharded with (None: no cast by FSDP)
     mask_hook: Any = None  # the decoder's forward pre-hook that builds a batch's masks (RemovableHandle)
     offload: Any = None  # the OffloadManager shared by offloaded blocks (one side stream per model)

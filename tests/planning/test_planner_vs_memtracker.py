@@ -225,3 +225,33 @@ def test_a_compiled_block_keeps_no_more_than_the_eager_inventory(precision, memo
     pointwise outputs instead of keeping them: the eager inventory bounds it from above (measured 0.65-1.0x)."""
     kept = compiled_block.compiled_block_bytes(precision, memory)
     assert 0.5 * kept["planner_eager"] <= kept["compiled"] <= kept["planner_eager"], kept
+
+
+OPS_OFFLOAD = MemoryConfig(policy="selective", granularity="ops", offload=True)  # the README plan's offloaded blocks
+
+
+@pytest.mark.parametrize("backend", ["dense", "varlen"])
+def test_a_compiled_ops_offload_block_hands_what_sac_keeps_to_offloads_pack_hook(backend):
+    """The README plan's memory rests on this: compiled, op-level SAC's kept tensors are the block graph's saved
+    tensors, and offload's pack hook sends exactly those bytes to the host (eager, only the checkpoint's input
+    would go). The planner's offloaded bytes per block bound them from above, within 20 %."""
+    kept = compiled_block.offload_sees_what_compiled_keeps("bf16_sr", OPS_OFFLOAD, backend)
+    assert kept["to_host"] == kept["compiled"] > 0, kept  # byte for byte
+    assert 0.8 * kept["planner_offloaded"] <= kept["compiled"] <= kept["planner_offloaded"], kept
+
+
+def test_the_compiled_graph_scaled_to_another_width_gives_that_widths_saved_bytes_exactly():
+    """compiled_at_width maps each dimension of the small block's saved tensors to another width's: checked here
+    against a real compile at a second small width where every dimension differs (head dim included), before
+    the README's 7B width at 8K rows is derived the same way (bench/results/planner_vs_memtracker.md)."""
+    predicted = compiled_block.compiled_at_width(
+        "bf16_sr", OPS_OFFLOAD, compiled_block.SMALL_2, compiled_block.TOKENS_2
+    )
+    saved, model, _, _ = compiled_block.saved_in_block(
+        "bf16_sr", OPS_OFFLOAD, "flex", compiled_block.SMALL_2, compiled_block.TOKENS_2
+    )
+    kinds = compiled_block.kinds_of(saved, model, compiled_block.TOKENS_2, compiled_block.SMALL_2["hidden_size"])
+    assert (predicted["compiled"], predicted["weight_casts"]) == compiled_block._sums(saved, kinds)
+    at_7b = compiled_block.compiled_at_width("bf16_sr", OPS_OFFLOAD, compiled_block.WIDTH_7B, compiled_block.TOKENS_7B)
+    assert at_7b["planner_held"] == 0  # an offloaded block keeps nothing on the device
+    assert compiled_block.COMPILED_OFFLOAD_TOLERANCE[0] <= at_7b["compiled"] / at_7b["planner_offloaded"] <= 1.0

@@ -154,3 +154,42 @@ def test_sac_with_offload_compiles_the_blocks_so_offload_sees_what_sac_keeps():
         plain, block_memory_specs(MemoryConfig(policy="full", offload=True), plain.config.num_hidden_layers)
     )
     assert needs_compiled_blocks(plain) is None  # a whole-block checkpoint's input is a saved tensor
+
+
+def test_a_must_compile_block_that_runs_uncompiled_stops_training_with_the_block_and_the_cause(tmp_path):
+    """Through the real loop: op-level SAC with offload must run compiled (eager SAC keeps its cache on the
+    device). Forced to run eagerly (the stance stands in for torch 2.11's silent skip of a frame under a dispatch
+    mode), training stops after the first micro-batch naming the block, the cause and what it would cost; the
+    same job compiled trains."""
+    from flexengine.core.errors import UserError
+    from flexengine.run import run_training
+    from tests.helpers import DEBUG_FAST, make_job
+
+    job = [
+        *DEBUG_FAST,
+        "train.max_steps=1",
+        "attn.backend=varlen",
+        "memory.policy=selective",
+        "memory.granularity=ops",
+        "memory.offload=true",
+        "train.compile_backend=aot_eager",
+    ]
+    with torch.compiler.set_stance("force_eager"), pytest.raises(UserError) as stopped:
+        run_training(make_job(tmp_path / "eager", *job), tmp_path / "eager")
+    said = str(stopped.value)
+    assert "decoder block 0" in said and "ran uncompiled" in said and "set_stance('force_eager')" in said
+    assert "must run compiled" in said and "offload" in said and "on the device" in said
+    summary = run_training(make_job(tmp_path / "compiled", *job), tmp_path / "compiled")
+    assert summary["steps"] == 1
+
+
+def test_a_block_compiled_by_choice_that_runs_uncompiled_is_only_a_warning(caplog):
+    from flexengine.surgery.compile import verify_compiled_blocks
+
+    model = patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    apply_compile(model, "aot_eager")
+    with torch.compiler.set_stance("force_eager"):
+        forward_loss_sum(model.train(), _batch())
+    verify_compiled_blocks(model)
+    assert "ran uncompiled" in caplog.text and "force_eager" in caplog.text
+    assert applied(model).compile_probe.eager_calls == [1] * model.config.num_hidden_layers

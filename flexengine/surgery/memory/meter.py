@@ -5,12 +5,18 @@ what is still alive once the forward returns (while its output, hence the autogr
 what backward will read: tensors saved by autograd, SAC's cache and checkpoint closures alike (a
 saved-tensor-hooks count misses the last two). Storages are attributed to the block whose forward created
 them (everything else -- embeddings, rotary tables, the mask, the loss -- is "other").
+
+A dispatch mode sees eager ops only (a compiled graph's kernels never reach it), so the meter runs compiled code
+eagerly: under `torch.compiler.set_stance("force_eager")` dynamo does not try to compile under the mode. Without
+it dynamo refuses the frame ("non-infra torch dispatch mode present"): with fullgraph=True an error, and the
+refusal is remembered for the code object, so the same blocks then run uncompiled after the meter too.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -65,6 +71,13 @@ class _AliveOutputs(TorchDispatchMode):
         return out
 
 
+@contextmanager
+def metering(mode: TorchDispatchMode) -> Iterator[None]:
+    """`mode` on, compiled code run eagerly inside it (the module docstring says why)."""
+    with torch.compiler.set_stance("force_eager"), mode:
+        yield
+
+
 def measure_activations(
     model: nn.Module, forward: Callable[[], Tensor], layers: Optional[nn.ModuleList] = None
 ) -> tuple[ActivationReport, Tensor]:
@@ -84,7 +97,7 @@ def measure_activations(
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     try:
-        with mode:
+        with metering(mode):
             out = forward()
     finally:
         for h in handles:
@@ -130,8 +143,9 @@ class _PeakLive(TorchDispatchMode):
 
 def measure_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes of tensors created inside `fn()` and alive at the same time (forward, recompute and backward
-    alike; tensors that existed before are not counted). Eager only: a dispatch mode skips compiled frames."""
+    alike; tensors that existed before are not counted). Compiled code runs eagerly inside it (metering), so
+    what it measures is the eager working set."""
     mode = _PeakLive()
-    with mode:
+    with metering(mode):
         fn()
     return mode.peak

@@ -28,7 +28,9 @@ Ordering: every copy runs on one side stream. A device -> host copy starts after
 buffer was given); compute waits on one handle's event, never on the whole side stream, so the prefetch of the
 block before keeps running while this block's backward computes. Pinned host memory is bounded
 (`max_pinned_bytes`): past the bound, copies go to pageable memory (they then block the host) and the manager
-counts them. All CUDA calls go through `CudaStreams`, which a CPU test replaces with a recording fake to check
+counts them; the bound counts the host allocator's power-of-two blocks. Autocast's bf16 copies of the weights
+(saved by the matmuls of precision=bf16_mixed) are not copied at all: backward casts the weight again. All CUDA
+calls go through `CudaStreams`, which a CPU test replaces with a recording fake to check
 the order of copies, events and waits, the stream each buffer comes from, and the blocks in flight.
 """
 
@@ -72,6 +74,12 @@ def making_host_copies() -> bool:
 log = logging.getLogger(__name__)
 DEFAULT_MAX_PINNED_BYTES = 32 * GiB  # library use without a plan; a run takes the plan's per-rank host budget
 # (costs.pinned_bound_bytes): a 7B at 8K offloads ~51 GB per row, times the ranks of a node
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Pinned host bytes a request of `nbytes` takes: torch's caching host allocator hands out blocks rounded up
+    to a power of two (a 172 MiB gate/up activation takes 256 MiB), so the bound counts those."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 class _Group:
@@ -195,6 +203,31 @@ def _as_view(storage_bytes: Tensor, view: tuple) -> Tensor:
     )
 
 
+class _Recast:
+    """A saved cast of a weight (autocast's bf16 copy of an fp32 parameter): cast again when backward needs it
+    rather than copied to the host and back (the weight is unchanged until the optimizer steps, after backward)."""
+
+    def __init__(self, weight: torch.nn.Parameter, t: Tensor):
+        self.weight = weight
+        self.view = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+
+    def unpack(self) -> Tensor:
+        return _as_view(_storage_bytes(self.weight.detach().to(self.view[0])), self.view)
+
+
+def _weight_cast_of(t: Tensor) -> Optional[torch.nn.Parameter]:
+    """The parameter `t` (or the tensor it views) is a dtype cast of, as autocast makes them; else None."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    weight = getattr(fn.next_functions[0][0], "variable", None)
+    if not isinstance(weight, torch.nn.Parameter):
+        return None
+    same_layout = weight.shape == base.shape and weight.is_contiguous() and base.is_contiguous()
+    return weight if same_layout and base.dtype != weight.dtype else None
+
+
 def _is_parameter_view(t: Tensor) -> bool:
     base = t._base if t._base is not None else t
     # weights (or views of them) stay resident anyway; frozen ones (LoRA's base) have requires_grad off
@@ -227,8 +260,11 @@ class OffloadManager:
         self.min_bytes = min_bytes  # smaller tensors (norm statistics) are not worth a copy
         self.max_pinned_bytes = max_pinned_bytes
         self.blocks_in_flight = blocks_in_flight
-        self.pinned_bytes = 0  # pinned host bytes held by live handles
+        self.pinned_bytes = 0  # pinned host bytes held by live handles, as the host allocator rounds them
         self.pageable_bytes = 0  # bytes that went to pageable memory past the bound (cumulative)
+        self.max_pinned_seen = 0  # the most pinned bytes held at once
+        self.to_host_bytes = 0  # device -> host copies (cumulative; on CPU the host copies made)
+        self.to_device_bytes = 0  # host -> device copies back, prefetched or on demand (cumulative)
         self._streams = streams  # created on the first CUDA tensor unless given
         self._last: Optional[weakref.ref] = None
         self._holding: list[_Group] = []  # forward's blocks that may still hold their saved tensors, oldest first
@@ -268,6 +304,9 @@ class OffloadManager:
             # kept as is, but detached: a node's own output returned by the hook would hold the node (grad_fn),
             # a cycle Python's collector cannot see, and a graph dropped without backward would never be freed
             return t.detach()
+        weight = _weight_cast_of(t)
+        if weight is not None:  # autocast's weight copy: cast again in backward, no PCIe, no host bytes
+            return _Recast(weight, t)
         storage = t.untyped_storage()
         hit = group.seen.get(storage._cdata)
         handle = hit[1]() if hit is not None and not hit[0].expired() else None
@@ -288,9 +327,16 @@ class OffloadManager:
         assert self._streams is not None, "activation offload: a CUDA copy without CUDA streams"
         return self._streams
 
+    def counters(self) -> dict:
+        """What offload moved and holds (bench/gpu_check_readme.py reads it per step)."""
+        keys = ("to_host_bytes", "to_device_bytes", "pinned_bytes", "max_pinned_seen", "pageable_bytes")
+        return {k: getattr(self, k) for k in keys}
+
     def _pinned(self, nbytes: int, handle: _Handle) -> bool:
-        """Reserve pinned bytes for a handle within the bound (released when the handle dies)."""
-        if self.pinned_bytes + nbytes > self.max_pinned_bytes:
+        """Reserve pinned bytes for a handle within the bound (released when the handle dies), counted as the
+        host allocator's rounded block (pinned_block_bytes)."""
+        rounded = pinned_block_bytes(nbytes)
+        if self.pinned_bytes + rounded > self.max_pinned_bytes:
             if self.pageable_bytes == 0:
                 log.warning(
                     "activation offload: %.1f GiB of pinned host memory in use (the bound); further "
@@ -299,14 +345,16 @@ class OffloadManager:
                 )
             self.pageable_bytes += nbytes
             return False
-        self.pinned_bytes += nbytes
-        weakref.finalize(handle, self._release, nbytes)
+        self.pinned_bytes += rounded
+        self.max_pinned_seen = max(self.max_pinned_seen, self.pinned_bytes)
+        weakref.finalize(handle, self._release, rounded)
         return True
 
     def _release(self, nbytes: int) -> None:
         self.pinned_bytes -= nbytes
 
     def _to_host(self, group: _Group, t: Tensor) -> _Handle:
+        self.to_host_bytes += t.numel() * t.element_size()
         with host_copies():
             streams = self._streams_for(t)
             if streams is None:  # CPU: same path, no pinning, no stream (exact grads)
@@ -323,6 +371,8 @@ class OffloadManager:
 
     # -- backward: host -> device, one block ahead ----------------------------------------------------------
     def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _Recast):
+            return packed.unpack()
         if not isinstance(packed, _Packed):
             return packed
         group = packed.handle.group
@@ -342,6 +392,7 @@ class OffloadManager:
         buffers = [streams.device_buffer(h.host_copy(), h.device) for h in todo]
         streams.side_waits_for_compute()
         for handle, buffer in zip(todo, buffers):
+            self.to_device_bytes += buffer.numel() * buffer.element_size()
             with streams.on_side():  # after the block's own device -> host copies, in stream order
                 buffer.copy_(handle.host_copy(), non_blocking=True)
             handle.on_device, handle.prefetched = buffer, streams.record()
@@ -357,6 +408,7 @@ class OffloadManager:
             streams.compute_waits(handle.offloaded)
             handle.on_device = streams.device_buffer(host, handle.device)
             handle.on_device.copy_(host, non_blocking=True)
+            self.to_device_bytes += host.numel() * host.element_size()
         elif handle.unwaited is not None:
             self._cuda().compute_waits(handle.prefetched)  # this handle's copy only: later prefetches keep running
             handle.compute_waited()

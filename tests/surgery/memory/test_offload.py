@@ -16,7 +16,7 @@ from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
-from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT, OffloadManager
+from flexengine.surgery.memory.offload import OFFLOAD_BLOCKS_IN_FLIGHT, OffloadManager, pinned_block_bytes
 from tests.helpers import clone_model, make_llama
 
 LAYERS, B, S = 4, 1, 64
@@ -225,9 +225,48 @@ def test_pinned_host_memory_is_bounded_and_released():
     allocs = [x for x in fake.log if x[0] == "alloc"]
     pinned = [x for x in allocs if x[1]]
     assert pinned and len(pinned) < len(allocs)  # the first ones pinned, then pageable
-    assert sum(x[2] for x in pinned) <= bound == manager.max_pinned_bytes
+    # the bound counts the host allocator's power-of-two blocks, not the nominal bytes
+    assert manager.max_pinned_seen == sum(pinned_block_bytes(x[2]) for x in pinned) <= bound == manager.max_pinned_bytes
+    assert pinned_block_bytes(172 * 2**20) == pinned_block_bytes(256 * 2**20) == 256 * 2**20  # gate/up at 7B, 8K
     assert manager.pageable_bytes == sum(x[2] for x in allocs if not x[1])
+    assert manager.to_host_bytes == sum(x[2] for x in allocs)  # every copy to the host counted
     loss.backward()
     del loss
     gc.collect()
     assert manager.pinned_bytes == 0  # released with the handles after backward
+
+
+def test_autocasts_weight_copies_are_cast_again_in_backward_not_sent_to_the_host(monkeypatch):
+    """precision=bf16_mixed: autocast's bf16 copies of the fp32 weights are saved for backward; offload casts them
+    again there rather than copying them to the host and back (the weights do not change before backward). The
+    host copies shrink by exactly those copies' bytes, and the gradients equal an unoffloaded autocast run's."""
+    from flexengine.surgery.memory import offload
+
+    recast, real = [], offload._weight_cast_of
+
+    def counted(t):
+        weight = real(t)
+        recast.extend([] if weight is None else [weight])
+        return weight
+
+    monkeypatch.setattr(offload, "_weight_cast_of", counted)
+
+    def host_bytes(model, manager) -> int:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward_loss_sum(model, _batch())
+        loss.backward()
+        return manager.to_host_bytes
+
+    base, model, manager, _ = _offloaded_model()
+    fixed = host_bytes(model, manager)
+    weights = {id(w): w.numel() * 2 for w in recast}  # each weight's bf16 copy, once per block call
+    assert weights and all(w.dim() == 2 for w in recast)
+    reference = clone_model(base)
+    patch_attention(reference, mode="packed_doc", backend="dense")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward_loss_sum(reference.train(), _batch()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    monkeypatch.setattr(offload, "_weight_cast_of", lambda t: None)  # the copies sent to the host, as before
+    _, model, manager, _ = _offloaded_model()
+    assert host_bytes(model, manager) - fixed == sum(weights.values())
