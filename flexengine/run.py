@@ -255,7 +255,7 @@ def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_re
     trainer.progress.planned = planned_step(fit)
     trainer.data_report = data_report
     trainer.memory_report = memory_report
-    if meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):  # written when measured
+    if meters_first_forward(trainer.model, trainer.dist.world_size):  # written when measured
         FirstForwardMeter(trainer.forward.train_module, trainer.model, memory_report, _write_memory_section(trainer))
 
 
@@ -439,7 +439,7 @@ def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None
     metrics = trainer.metrics
     metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
     metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
-    if not meters_first_forward(trainer.model, trainer.job, trainer.dist.world_size):  # else at the first forward
+    if not meters_first_forward(trainer.model, trainer.dist.world_size):  # else at the first forward
         _write_memory_section(trainer)(trainer.memory_report)
 
 

@@ -14,7 +14,7 @@ from flexengine.core.config import JobConfig
 from flexengine.planning.activations import estimate_activations, memory_specs
 from flexengine.planning.shapes import ModelShape, rank_workload
 from flexengine.planning.specs import plan_inputs, plan_specs
-from flexengine.surgery.applied import attention_spec
+from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention.spec import AttnBackend, resolve_attention_spec
 from flexengine.surgery.memory.meter import measure_activations
 from flexengine.surgery.precision import PrecisionSpec
@@ -45,13 +45,14 @@ def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpe
     }
 
 
-def meters_first_forward(model: nn.Module, job: JobConfig, world_size: int) -> bool:
+def meters_first_forward(model: nn.Module, world_size: int) -> bool:
     """Whether the meter can measure the run's own first forward: eager blocks with dense/sdpa attention (its
     dispatch mode neither mixes with compiled blocks nor has a rule for the flex_attention higher-order op) in one
-    process (under FSDP/DDP the forward also gathers and frees parameters)."""
-    spec = attention_spec(model)
-    flex = spec is not None and spec.backend is AttnBackend.FLEX
-    return not job.train.compile and not flex and world_size == 1
+    process (under FSDP/DDP the forward also gathers and frees parameters). Blocks compiled by a memory policy with
+    train.compile=false count as compiled: metered, they would run eagerly and fail the compiled-blocks check."""
+    record = applied(model)
+    flex = record.attention is not None and record.attention.backend is AttnBackend.FLEX
+    return record.compile_backend is None and not flex and world_size == 1
 
 
 class FirstForwardMeter:

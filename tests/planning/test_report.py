@@ -11,6 +11,7 @@ import torch
 from flexengine.cli.common import compose_job
 from flexengine.core.hardware import resolve_hardware
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
+from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.parallel import LossForward
@@ -33,9 +34,10 @@ def test_the_first_training_forward_is_metered_and_agrees_with_the_planner(memor
     model.train()
     planned = activation_summary(model, job, precision_spec("fp32"), CPU)
     assert planned["activation_bytes_source"] == "planner" and planned["activation_measured_on"] is None
-    assert meters_first_forward(model, job, world_size=1)
-    compiled = dataclasses.replace(job, train=dataclasses.replace(job.train, compile=True))
-    assert not meters_first_forward(model, compiled, 1) and not meters_first_forward(model, job, 2)
+    assert meters_first_forward(model, world_size=1) and not meters_first_forward(model, 2)
+    applied(model).compile_backend = "inductor"  # compiled blocks (by train.compile or by the memory policy)
+    assert not meters_first_forward(model, 1)
+    applied(model).compile_backend = None
     report, seen = dict(planned), []
     module = LossForward(model, job.loss.chunk_size)
     FirstForwardMeter(module, model, report, seen.append)
