@@ -3,8 +3,8 @@
 Tiers are markers (pyproject.toml registers them; the default `pytest` deselects all but the unit tests):
 - `integration`: builds a run, trains through the entry point or starts a process. Every test under
   tests/integration/ is one; elsewhere a test is marked when its code, the test module's own functions it calls or
-  the fixtures it uses name `run_training`, `build_trainer`, `subprocess` or a torchrun launch (`tier_of` reads
-  the compiled code, so a new test lands in its tier without a marker).
+  the fixtures it uses name one of RUN_NAMES or a torchrun launch (`tier_of` reads the compiled code, so a new test
+  lands in its tier without a marker).
 - `distributed`: starts several processes that form a process group (torchrun, `mp.spawn`).
 - `packaging`: builds the wheel (tests/test_packaging.py). `lint`: runs ruff or mypy (tests/test_lint.py).
 """
@@ -24,7 +24,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TESTS = Path(__file__).resolve().parent
 INTEGRATION_DIR = TESTS / "integration"
-RUN_NAMES = {"run_training", "build_trainer", "subprocess", "run_grads_script"}  # a run, or a process
+# a run (the doctor's too), or a process
+RUN_NAMES = {"run_training", "build_trainer", "diagnose", "run_doctor", "subprocess", "run_grads_script"}
 LAUNCH_NAMES = {"python_launcher", "spawn"}  # torchrun (tests.helpers) or torch.multiprocessing.spawn
 LAUNCH_TEXT = ("torch.distributed.run", "--nproc_per_node")
 TIER_OF_FILE = {"test_packaging.py": "packaging"}
