@@ -491,7 +491,7 @@ def cp_two_ranks() -> dict:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         cmd = [
             *(launcher if ranks else [sys.executable]),
-            str(REPO / "tests" / "parallel_grads.py"),
+            str(REPO / "tests" / "support" / "parallel_grads.py"),
             str(out),
             *run,
             *extra,

@@ -170,29 +170,44 @@ def assert_same_loss_gradients(model, reference, batch) -> None:
 GRAD_RUN = ["debug=fast", "optim.grad_clip=0", "data.shuffle=true"]  # no clipping: raw gradients compared
 
 
-def python_launcher(ranks: int, port_base: int) -> list:
-    """`python` (ranks 0), or `python -m torch.distributed.run` with `ranks` processes on a port derived from this
-    test process (port_base keeps concurrent launchers of different tests apart)."""
-    import os
+def free_port() -> int:
+    """A TCP port no process listens on now (the OS picks it): concurrent launchers, xdist workers included, never
+    share a rendezvous port the way ports derived from a pid could."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def python_launcher(ranks: int) -> list:
+    """`python` (ranks 0), or `python -m torch.distributed.run` with `ranks` processes on a free port."""
     import sys
 
     if ranks == 0:
         return [sys.executable]
-    port = port_base + os.getpid() % 1000 + ranks
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 def run_grads_script(out, *overrides: str, ranks: int = 0, script: str = "parallel_grads.py") -> dict:
-    """tests/<script> (torchrun with `ranks` processes; 0 = plain): the first step's gradients + collectives."""
+    """tests/support/<script> (torchrun with `ranks` processes; 0 = plain): the first step's gradients +
+    collectives."""
     import os
     import subprocess
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    launcher = python_launcher(ranks, port_base=31500)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
     proc = subprocess.run(
-        [*launcher, str(here / script), str(out), *GRAD_RUN, *overrides],
+        [*python_launcher(ranks), str(here / "support" / script), str(out), *GRAD_RUN, *overrides],
         capture_output=True,
         text=True,
         timeout=600,

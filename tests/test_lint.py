@@ -20,7 +20,7 @@ def _tool(name: str) -> str | None:
     return str(here) if here.is_file() else shutil.which(name)
 
 
-@pytest.mark.slow  # cold (CI's fresh clone) ~40 s of one core, mostly reading torch's annotations; ~2 s cached
+@pytest.mark.lint  # cold (CI's fresh clone) ~40 s of one core, mostly reading torch's annotations; ~2 s cached
 def test_mypy_clean():
     """mypy over flexengine/ as configured in pyproject.toml ([tool.mypy]: the modules not yet clean are listed
     there, every other one is checked, untyped function bodies included)."""
@@ -31,12 +31,13 @@ def test_mypy_clean():
     assert proc.returncode == 0, f"mypy found problems (configured in pyproject.toml):\n{proc.stdout}{proc.stderr}"
 
 
+@pytest.mark.lint
 def test_ruff_clean():
     ruff = _tool("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
     proc = subprocess.run(
-        [ruff, "check", "--no-cache", "--output-format", "concise", str(REPO)],
+        [ruff, "check", "--output-format", "concise", str(REPO)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -45,13 +46,12 @@ def test_ruff_clean():
     assert proc.returncode == 0, f"ruff check found problems (fix them or `ruff check --fix`):\n{proc.stdout}"
 
 
+@pytest.mark.lint
 def test_ruff_format_clean():
     ruff = _tool("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
-    proc = subprocess.run(
-        [ruff, "format", "--check", "--no-cache", str(REPO)], cwd=REPO, capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([ruff, "format", "--check", str(REPO)], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"files ruff would reformat (run `ruff format .`):\n{proc.stdout}"
 
 

@@ -448,10 +448,13 @@ def test_private_write_check_sees_every_form(tmp_path):
 
 # Tests mirror the package: flexengine/<path>/<name>.py is tested in tests/<path>/test_<name>.py (a package's
 # __init__.py in test_init.py, __main__.py in test_main.py), so the tests of a module are found without a search.
-# The modules below hold no code of their own to test; each says why. Anything else without its file fails.
+# A module whose tests all build a run may keep them in the same place under tests/integration/ (the integration
+# tier: tests/integration/test_run.py for run.py). The modules below hold no code of their own to test; each says
+# why. Anything else without its file fails.
 MIRROR_EXEMPT = {
     # package docstrings, nothing else
     "core/__init__.py": "docstring only",
+    "data/__init__.py": "docstring only",
     "loop/__init__.py": "docstring only",
     "loop/checkpoint/__init__.py": "docstring only (the checkpoint layout on disk)",
     "planning/__init__.py": "docstring only",
@@ -465,21 +468,23 @@ MIRROR_EXEMPT = {
     "train.py": "python -m shim for cli/train.py",
 }
 MIN_MIRRORED = 0.90  # of all modules, the exempt ones counted as unmirrored
+INTEGRATION = "integration"  # tests/integration/ mirrors the package as tests/ does
 
 
-def mirror_of(module: Path, package: Path, tests: Path) -> Path:
-    """The test file that mirrors `module` (a file under `package`)."""
+def mirrors_of(module: Path, package: Path, tests: Path) -> tuple[Path, Path]:
+    """The test files that mirror `module` (a file under `package`): its unit tests', and its place in the
+    integration tree."""
     rel = module.relative_to(package)
     name = {"__init__": "init", "__main__": "main"}.get(rel.stem, rel.stem)
-    return tests / rel.parent / f"test_{name}.py"
+    return tests / rel.parent / f"test_{name}.py", tests / INTEGRATION / rel.parent / f"test_{name}.py"
 
 
 def unmirrored(package: Path, tests: Path) -> list[str]:
-    """Modules under `package` (paths relative to it) whose mirror in `tests` does not exist."""
+    """Modules under `package` (paths relative to it) with no mirror in `tests`."""
     return [
         path.relative_to(package).as_posix()
         for path in sorted(package.rglob("*.py"))
-        if not mirror_of(path, package, tests).is_file()
+        if not any(mirror.is_file() for mirror in mirrors_of(path, package, tests))
     ]
 
 
@@ -490,8 +495,9 @@ def test_every_module_has_its_mirrored_test_file():
     assert not stale, f"MIRROR_EXEMPT names modules that no longer need it (remove them): {stale}"
     unexplained = [m for m in missing if m not in MIRROR_EXEMPT]
     assert not unexplained, (
-        "modules without their test file (flexengine/a/b.py -> tests/a/test_b.py; move the tests that exercise "
-        "them there, or write them):\n" + "\n".join(unexplained)
+        "modules without their test file (flexengine/a/b.py -> tests/a/test_b.py, or tests/integration/a/test_b.py "
+        "for tests that build a run; move the tests that exercise them there, or write them):\n"
+        + "\n".join(unexplained)
     )
     total = len(list(PACKAGE.rglob("*.py")))
     assert (total - len(missing)) / total >= MIN_MIRRORED, f"{total - len(missing)} of {total} modules mirrored"
@@ -500,11 +506,51 @@ def test_every_module_has_its_mirrored_test_file():
 def test_mirror_check_maps_dunder_files_and_names_what_is_missing(tmp_path):
     package = _write_package(
         tmp_path / "src",
-        {"__init__.py": "", "__main__.py": "", "loop/__init__.py": "", "loop/trainer.py": "", "loop/hooks.py": ""},
+        {
+            "__init__.py": "",
+            "__main__.py": "",
+            "run.py": "",
+            "loop/__init__.py": "",
+            "loop/trainer.py": "",
+            "loop/hooks.py": "",
+            "loop/optim.py": "",
+        },
     )
     tests = tmp_path / "tests"
-    for test_file in ("test_init.py", "test_main.py", "loop/test_trainer.py"):
+    for test_file in ("test_init.py", "test_main.py", "loop/test_trainer.py", "integration/test_run.py"):
         (tests / test_file).parent.mkdir(parents=True, exist_ok=True)
         (tests / test_file).write_text("")
-    assert mirror_of(package / "loop" / "__init__.py", package, tests) == tests / "loop" / "test_init.py"
-    assert unmirrored(package, tests) == ["loop/__init__.py", "loop/hooks.py"]
+    (tests / "integration" / "test_optim.py").write_text("")  # not loop/optim.py's place in the integration tree
+    assert mirrors_of(package / "loop" / "__init__.py", package, tests)[0] == tests / "loop" / "test_init.py"
+    assert unmirrored(package, tests) == ["loop/__init__.py", "loop/hooks.py", "loop/optim.py"]
+
+
+# A .py file under tests/ is a test module (test_*.py), a package marker, conftest.py (fixtures) or helpers.py (what
+# tests import); a program the tests start, or a library they share with bench/, lives in tests/support/, so that
+# nothing at the top of tests/ looks like a test that is not one.
+TEST_TREE_FILES = {"__init__.py", "conftest.py", "helpers.py"}
+SUPPORT = "support"
+
+
+def stray_test_files(tests: Path) -> list[str]:
+    """Python files under `tests` that are neither tests, markers, fixtures or helpers, nor under tests/support/."""
+    return [
+        path.relative_to(tests).as_posix()
+        for path in sorted(tests.rglob("*.py"))
+        if not (path.name.startswith("test_") or path.name in TEST_TREE_FILES)
+        and path.relative_to(tests).parts[0] != SUPPORT
+    ]
+
+
+def test_programs_the_tests_start_live_in_tests_support():
+    tests = Path(__file__).resolve().parent
+    assert (tests / SUPPORT / "parallel_grads.py").is_file(), "tests/support/ moved: update SUPPORT"
+    stray = stray_test_files(tests)
+    assert not stray, "move these programs or shared libraries to tests/support/: " + ", ".join(stray)
+
+
+def test_stray_check_names_a_script_outside_support(tmp_path):
+    for rel in ("__init__.py", "conftest.py", "helpers.py", "test_a.py", "support/run_me.py", "run_me.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert stray_test_files(tmp_path) == ["run_me.py"]

@@ -1,7 +1,8 @@
-"""Typed configuration: one dataclass per Hydra group plus the top-level `JobConfig`.
+"""Typed configuration: one dataclass per Hydra group plus the top-level `JobConfig` (model.* and data.* live in
+config_model.py and config_data.py, the shared value checks in config_checks.py; all re-exported here).
 
-These classes are the schemas Hydra validates overrides against (registered in `train.py`), and the only
-configuration objects the library sees: the `DictConfig` is converted once at the entry point.
+These classes are the schemas Hydra validates overrides against (registered by `cli/common.register_schema`), and
+the only configuration objects the library sees: the `DictConfig` is converted once at the entry point.
 Cross-field rules live in `__post_init__` and raise `UserError` naming the key to change; the ones that need what an
 attention mode means live beside the mode table (flexengine.surgery.attention.job_rules), applied at composition.
 """
@@ -43,6 +44,7 @@ from flexengine.core.config_data import SEQ_LEN_AUTO, DataConfig, MixSource  # n
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
 from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
+from flexengine.core.optimizers import OPTIMIZERS
 
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
 RESUME_SCHEDULES = ("continue", "rederive")  # train.resume_schedule
@@ -166,7 +168,7 @@ class OptimConfig:
     name: str = "adamw"  # adamw | adamw_8bit | adamw_bf16 (both torchao) | adamw_cpu_offload (states in host RAM)
 
     def __post_init__(self) -> None:
-        check_choice("optim.name", self.name, OPTIM_NAMES)
+        check_choice("optim.name", self.name, tuple(OPTIMIZERS))  # read now: a test may add one
         check_choice("optim.schedule", self.schedule, SCHEDULES)
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise UserError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")

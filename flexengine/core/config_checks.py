@@ -10,6 +10,7 @@ import math
 from typing import Any, Optional
 
 from flexengine.core.errors import UserError
+from flexengine.core.optimizers import OPTIMIZERS
 from flexengine.core.parallel_spec import ReduceEvery, Strategy
 
 ATTN_BACKENDS = ("auto", "flex", "dense", "varlen", "sdpa")
@@ -24,7 +25,7 @@ ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 REDUCE_EVERY = tuple(r.value for r in ReduceEvery)  # auto, window, micro_batch
 PARALLEL_STRATEGIES = tuple(s.value for s in Strategy)
 SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "warmup_stable_decay")
-OPTIM_NAMES = ("adamw", "adamw_8bit", "adamw_bf16", "adamw_cpu_offload")  # flexengine.loop.optim builds each
+OPTIM_NAMES = tuple(OPTIMIZERS)  # the shipped optimizers (core/optimizers.py)
 
 
 def check_choice(key: str, value: Any, choices: tuple) -> None:

@@ -1,38 +1,49 @@
 """Optimizers and the learning-rate schedule: plain AdamW, memory-lean AdamW variants, CPU-offloaded states.
 
-`optim.name` picks the optimizer:
+`optim.name` picks the optimizer: one `OptimizerSpec` in flexengine.core.optimizers.OPTIMIZERS each, naming its
+builder here (what each stores, for the planner, is the spec's too):
   adamw              torch AdamW; two states per parameter in the parameter's dtype
   adamw_8bit         torchao AdamW8bit: block-quantised 8-bit states (~2 bytes/param instead of 8)
   adamw_bf16         torchao AdamW, stochastic rounding of bf16 weights (no fp32 master), bf16 exp_avg and fp32
                      exp_avg_sq (adamw_bf16.py: a bf16 one cannot follow a falling gradient scale)
   adamw_cpu_offload  fp32 master weights and AdamW states in host memory; the step runs on the CPU (host_adamw.py)
-What each choice stores (device and host bytes per parameter) is precision.optimizer_state_bytes_per_param.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Iterable, List, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
-from flexengine.core.config import OPTIM_NAMES, OptimConfig
+from flexengine.core.config import OptimConfig
 from flexengine.core.errors import UserError
+from flexengine.core.optimizers import OptimizerSpec, optimizer_spec
 from flexengine.loop.grad_norm import clip_grad_norm
 from flexengine.loop.host_adamw import CPUOffloadAdamW
-from flexengine.surgery.precision import TORCHAO_OPTIMIZERS
-
-OPTIMIZERS = OPTIM_NAMES  # one list: the schema checks optim.name against it
 
 
-class _AdamArgs(TypedDict):
-    """The hyperparameters every optimizer here takes."""
+class AdamArgs(TypedDict):
+    """The hyperparameters every builder is handed."""
 
     lr: float
     betas: tuple[float, float]
     eps: float
+
+
+@runtime_checkable
+class StepsOnHost(Protocol):
+    """An optimizer whose update runs on the CPU (OptimizerSpec.steps_on_host; CPUOffloadAdamW): it downloads the
+    gradients itself, clips them on the host and holds the fp32 masters the HF export writes."""
+
+    def collecting_grads(self) -> contextlib.AbstractContextManager: ...
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor: ...
+
+    def master_weights(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
 
 
 @runtime_checkable
@@ -51,7 +62,7 @@ def _param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     ]
 
 
-def _import_torchao(name: str):
+def _import_torchao(name: str, cls: str):
     try:
         import torchao.optim as ao_optim
     except ImportError:
@@ -59,28 +70,28 @@ def _import_torchao(name: str):
             f"optim.name={name} needs torchao, which is not installed. Install it with `pip install torchao` "
             "(a build matching your torch), or use optim.name=adamw / adamw_cpu_offload."
         ) from None
-    return getattr(ao_optim, TORCHAO_OPTIMIZERS[name])
+    return getattr(ao_optim, cls)
 
 
 def last_backward(opt: torch.optim.Optimizer, enabled: bool):
-    """Context for the accumulation window's last backward: an optimizer that moves gradients off the device
-    (CPUOffloadAdamW) starts each download as soon as the gradient is final; others need nothing."""
-    return opt.collecting_grads() if enabled and isinstance(opt, CPUOffloadAdamW) else contextlib.nullcontext()
+    """Context for the accumulation window's last backward: an optimizer that steps on the host starts each
+    download as soon as the gradient is final; others need nothing."""
+    return opt.collecting_grads() if enabled and isinstance(opt, StepsOnHost) else contextlib.nullcontext()
 
 
 def clip_gradients(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The gradients' total norm in fp32 (grad_norm.py), clipped to max_norm (inf: none). CPUOffloadAdamW applies
-    the clip on the host in fp32 inside its step (its downloads may have left before the norm was known); others
-    scale the device grads."""
-    if isinstance(opt, CPUOffloadAdamW):
+    """The gradients' total norm in fp32 (grad_norm.py), clipped to max_norm (inf: none). An optimizer that steps
+    on the host applies the clip there in fp32 inside its step (its downloads may have left before the norm was
+    known); others scale the device grads."""
+    if isinstance(opt, StepsOnHost):
         return opt.clip_grad_norm(list(params), max_norm)
     return clip_grad_norm(params, max_norm)
 
 
 def exported_weights(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """Tensors the HF export writes in place of the model's own: CPUOffloadAdamW's fp32 masters (the bf16 device
-    copy rounds away the small updates the masters keep); empty for the other optimizers."""
-    return opt.master_weights(model) if isinstance(opt, CPUOffloadAdamW) else {}
+    """Tensors the HF export writes in place of the model's own: a host-stepping optimizer's fp32 masters (the
+    bf16 device copy rounds away the small updates the masters keep); empty for the other optimizers."""
+    return opt.master_weights(model) if isinstance(opt, StepsOnHost) else {}
 
 
 def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -104,32 +115,49 @@ def _keep_embedding_states_fp32(opt: torch.optim.Optimizer, model: nn.Module) ->
         }
 
 
+# The builders OPTIMIZERS names: (param groups, hyperparameters, *, model, optim, device) -> the optimizer.
+def build_adamw(groups: List[dict], hyper: AdamArgs, *, optim: OptimConfig, device: torch.device, **_):
+    impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
+    return torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")
+
+
+def build_adamw_cpu_offload(groups: List[dict], hyper: AdamArgs, **_):
+    return CPUOffloadAdamW(groups, **hyper)
+
+
+def build_adamw_8bit(groups: List[dict], hyper: AdamArgs, *, model: nn.Module, **_):
+    opt = _import_torchao("adamw_8bit", "AdamW8bit")(groups, **hyper)
+    _keep_embedding_states_fp32(opt, model)
+    return opt
+
+
+def build_adamw_bf16(groups: List[dict], hyper: AdamArgs, **_):
+    _import_torchao("adamw_bf16", "_AdamW")  # a clear error when torchao is missing
+    from flexengine.loop.adamw_bf16 import AdamWBF16  # subclasses torchao's, imported just above
+
+    return AdamWBF16(groups, **hyper)
+
+
+def _check_weights(name: str, spec: OptimizerSpec, groups: List[dict]) -> None:
+    """Refuse trainable weights of a dtype the optimizer does not take, saying what to do instead."""
+    dtypes = {str(p.dtype).removeprefix("torch.") for g in groups for p in g["params"]}
+    if spec.param_dtypes and not dtypes <= set(spec.param_dtypes):
+        raise UserError(
+            f"optim.name={name} takes {' or '.join(spec.param_dtypes)} trainable weights, but the model's are "
+            f"{', '.join(sorted(dtypes))}: {spec.other_dtypes_hint or 'change optim.name'}."
+        )
+
+
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by optim.name over the trainable parameters (decay on matrices only)."""
+    spec = optimizer_spec(optim.name)
     groups = _param_groups(model, optim.weight_decay)
     # OptimConfig checks that betas holds two numbers
-    common: _AdamArgs = {"lr": optim.lr, "betas": (optim.betas[0], optim.betas[1]), "eps": optim.eps}
-    if optim.name == "adamw":
-        impl = optim.impl if optim.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
-        return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
-    if optim.name == "adamw_cpu_offload":
-        return CPUOffloadAdamW(groups, **common)
-    if optim.name in TORCHAO_OPTIMIZERS:
-        cls = _import_torchao(optim.name)
-        if optim.name == "adamw_bf16":
-            dtypes = {p.dtype for g in groups for p in g["params"]}
-            if dtypes != {torch.bfloat16}:
-                raise UserError(
-                    f"optim.name=adamw_bf16 keeps bf16 weights with stochastic rounding, but the model's trainable "
-                    f"weights are {sorted(map(str, dtypes))}: use precision=bf16_sr (bf16 weights with this optimizer)."
-                )
-            from flexengine.loop.adamw_bf16 import AdamWBF16  # subclasses torchao's, imported just above
-
-            return AdamWBF16(groups, **common)
-        opt = cls(groups, **common)
-        _keep_embedding_states_fp32(opt, model)
-        return opt
-    raise UserError(f"optim.name={optim.name!r} is not valid; choose one of {', '.join(OPTIMIZERS)}.")
+    hyper: AdamArgs = {"lr": optim.lr, "betas": (optim.betas[0], optim.betas[1]), "eps": optim.eps}
+    module, function = spec.build.split(":")
+    built = getattr(importlib.import_module(module), function)(groups, hyper, model=model, optim=optim, device=device)
+    _check_weights(optim.name, spec, groups)  # after the builder: a missing package is named first
+    return built
 
 
 def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, max_steps: int):

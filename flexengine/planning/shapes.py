@@ -174,7 +174,7 @@ class PlanInputs:
     optimizer_state_bytes: Optional[float] = None  # bytes per AdamW state element (x2 states); None = param dtype
     trainable_fraction: float = 1.0  # LoRA-style: fraction of parameters with grads and optimizer state
     embedding_state_bytes: Optional[float] = None  # per input-embedding element when its optimizer states differ
-    # from the rest (adamw_8bit keeps them in fp32: precision.EMBEDDING_STATE_BYTES); None = like every parameter
+    # from the rest (adamw_8bit keeps them in fp32: OptimizerSpec.embedding_state_bytes); None = like every parameter
     fsdp_param_bytes: Optional[int] = None  # bytes per element FSDP gathers weights in (bf16 under its mixed
     # precision on CUDA); None = dtype_bytes. Used only when hardware.world_size > 1.
     fsdp_reduce_bytes: int = 4  # bytes per gradient element FSDP reduce-scatters in (fp32 under bf16_mixed's policy,

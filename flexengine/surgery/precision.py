@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from flexengine.core.config import OPTIM_NAMES
 from flexengine.core.errors import UserError
+from flexengine.core.optimizers import OPTIMIZERS, optimizer_spec
 from flexengine.surgery.applied import applied
 from flexengine.surgery.family import hf_causal_lm
 
@@ -42,40 +42,20 @@ log = logging.getLogger(__name__)
 PURE_BF16_MIN_LR = 1e-4  # below this, pure-bf16 AdamW leaves most weights unchanged per step (module docstring)
 
 
-# What each optim.name stores: the planner's optimizer bytes (the optimizers themselves are loop/optim.py)
-# torchao AdamW8bit keeps one fp32 scale per block of 256 values, for each of its two states
-_AO_8BIT_BLOCK = 256
-# optim.name -> the torchao class that implements it (loop/optim.py builds them)
-TORCHAO_OPTIMIZERS = {"adamw_8bit": "AdamW8bit", "adamw_bf16": "_AdamW"}
-
-
-EMBEDDING_STATE_BYTES = 8.0  # adamw_8bit: fp32 exp_avg + exp_avg_sq per input-embedding element
-
-
 def optimizer_missing(name: str) -> str:
     """The package optim.name needs and this environment lacks ("" when it can be built); imports nothing."""
-    if name in TORCHAO_OPTIMIZERS and importlib.util.find_spec("torchao") is None:
-        return "torchao"
-    return ""
+    package = optimizer_spec(name).package
+    return package if package and importlib.util.find_spec(package) is None else ""
 
 
 def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name`.
+    """(device bytes, host bytes) of optimizer state per trainable parameter for `optim.name` (its OptimizerSpec).
 
-    Weights and gradients themselves are not included, except the fp32 master copy that adamw_cpu_offload
+    Weights and gradients themselves are not included, except the fp32 master copy that a host-stepping optimizer
     keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
     """
-    elt = torch.empty((), dtype=param_dtype).element_size()
-    if name == "adamw":
-        return 2.0 * elt, 0.0  # exp_avg + exp_avg_sq in the parameter dtype
-    if name == "adamw_8bit":
-        # the input embedding's fp32 states come on top (EMBEDDING_STATE_BYTES per element; planner counts them)
-        return 2.0 * (1 + 4 / _AO_8BIT_BLOCK), 0.0
-    if name == "adamw_bf16":
-        return 2.0 + 4.0, 0.0  # bf16 exp_avg + fp32 exp_avg_sq (flexengine.loop.adamw_bf16)
-    if name == "adamw_cpu_offload":
-        return 0.0, 4.0 + 8.0  # fp32 master + two fp32 states, all on the host
-    raise UserError(f"optim.name={name!r} is not valid; choose one of {', '.join(OPTIM_NAMES)}.")
+    spec = optimizer_spec(name)
+    return spec.device_state_bytes(torch.empty((), dtype=param_dtype).element_size()), spec.host_bytes
 
 
 @dataclass(frozen=True)
@@ -88,7 +68,6 @@ class PrecisionSpec:
     optimizer: str  # optim.name this mode needs: adamw | adamw_bf16 (torchao SR) | adamw_cpu_offload
     updates_exact: bool  # updates are applied to fp32 values (never rounded away)
     stochastic_rounding: bool = False  # updates rounded to bf16 without bias (exact in expectation)
-    other_optimizers: tuple[str, ...] = ()  # optim.name values accepted besides `optimizer` (adamw_8bit: 8-bit states)
     auto_on_cuda: bool = True  # precision=auto weighs it on CUDA (fp32: no; see auto_order)
 
     @property
@@ -117,7 +96,8 @@ class PrecisionSpec:
         element of the largest trainable tensor; flexengine.loop.host_adamw)."""
         w = torch.empty((), dtype=self.param_dtype).element_size()
         device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
-        transfer = w if host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in
+        on_host = optimizer_spec(self.optimizer).steps_on_host
+        transfer = w if on_host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in
         return {
             "weights": w,
             "grads": w,
@@ -125,9 +105,9 @@ class PrecisionSpec:
             "compute_copy": 2.0 if self.autocast else 0.0,
             "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
             "host": host + transfer,
-            "host_scratch": 4.0 if host and w != 4 else 0.0,
+            "host_scratch": 4.0 if on_host and w != 4 else 0.0,
             # per input-embedding element, in place of "optimizer" there (None: like every parameter)
-            "embedding_optimizer": EMBEDDING_STATE_BYTES if self.optimizer == "adamw_8bit" else None,
+            "embedding_optimizer": optimizer_spec(self.optimizer).embedding_state_bytes,
         }
 
     @property
@@ -177,37 +157,28 @@ class PrecisionSpec:
         return contextlib.nullcontext()
 
 
-_FP32_MASTER_OPTIMIZERS = ("adamw_8bit", "adamw_cpu_offload")  # fp32 parameters: any optimizer but torchao's SR
-
 # Every precision mode, most exact first: the order precision=auto weighs them in (a tie in estimated step time
 # goes to the earlier one; auto_order)
 SPECS = {
-    "fp32": PrecisionSpec(
-        "fp32",
-        torch.float32,
-        torch.float32,
-        "adamw",
-        True,
-        other_optimizers=_FP32_MASTER_OPTIMIZERS,
-        auto_on_cuda=False,
-    ),
-    "bf16_mixed": PrecisionSpec(
-        "bf16_mixed", torch.float32, torch.bfloat16, "adamw", True, other_optimizers=_FP32_MASTER_OPTIMIZERS
-    ),
+    "fp32": PrecisionSpec("fp32", torch.float32, torch.float32, "adamw", True, auto_on_cuda=False),
+    "bf16_mixed": PrecisionSpec("bf16_mixed", torch.float32, torch.bfloat16, "adamw", True),
     "bf16_cpu_master": PrecisionSpec(
         "bf16_cpu_master", torch.bfloat16, torch.bfloat16, "adamw_cpu_offload", updates_exact=True
     ),
     "bf16_sr": PrecisionSpec(
         "bf16_sr", torch.bfloat16, torch.bfloat16, "adamw_bf16", updates_exact=False, stochastic_rounding=True
     ),
-    "bf16_pure": PrecisionSpec(
-        "bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", False, other_optimizers=("adamw_8bit",)
-    ),
+    "bf16_pure": PrecisionSpec("bf16_pure", torch.bfloat16, torch.bfloat16, "adamw", False),
 }
 
 
 def _accepted_optimizers(spec: PrecisionSpec) -> tuple[str, ...]:
-    return (spec.optimizer, *spec.other_optimizers)
+    """The mode's own optimizer, then, if that is AdamW, every other that may stand in for it at the mode's weight
+    dtype (OptimizerSpec.stands_in_for_adamw)."""
+    if spec.optimizer != "adamw":
+        return (spec.optimizer,)
+    dtype = str(spec.param_dtype).removeprefix("torch.")
+    return (spec.optimizer, *(name for name, o in OPTIMIZERS.items() if dtype in o.stands_in_for_adamw))
 
 
 def auto_order(on_cuda: bool, optimizer: str = "adamw") -> tuple[str, ...]:
@@ -235,8 +206,10 @@ def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
             f"precision={mode} needs optim.name={' or '.join(allowed)}, not optim.name={optimizer}; "
             "drop the optim.name override (the precision mode picks the optimizer)."
         )
-    if optimizer == "adamw_8bit":
-        return dataclasses.replace(spec, optimizer="adamw_8bit")
+    # the planner prices the optimizer asked for; a host-stepping one standing in for an fp32-weight mode's AdamW
+    # keeps the mode's device bytes (its host side is priced under bf16_cpu_master, whose own optimizer it is)
+    if optimizer != "adamw" and not optimizer_spec(optimizer).steps_on_host:
+        return dataclasses.replace(spec, optimizer=optimizer)
     return spec
 
 

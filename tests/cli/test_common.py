@@ -122,3 +122,29 @@ def test_a_failed_job_is_recorded_with_its_type_message_and_traceback(tmp_path):
     assert path == tmp_path / "job" / "error.json"
     assert record["type"] == "UserError" and record["message"] == "data.path=/nope does not exist"
     assert record["traceback"].startswith("Traceback") and "test_a_failed_job_is_recorded" in record["traceback"]
+
+
+def test_quiet_third_party_leaves_everything_on_when_asked(monkeypatch):
+    import logging
+    import os
+
+    from flexengine.cli.common import QUIET_ENV, quiet_third_party
+
+    for name in QUIET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLEXENGINE_VERBOSE", "1")
+    level = logging.getLogger("torch.utils._pytree").level
+    quiet_third_party()
+    assert not any(name in os.environ for name in QUIET_ENV)
+    assert logging.getLogger("torch.utils._pytree").level == level
+
+
+def test_the_output_root_resolver_reads_null_and_empty_as_unset():
+    from omegaconf import OmegaConf
+
+    from flexengine.cli.common import register_schema
+
+    register_schema()
+    for value, want in ((None, "outputs"), ("", "outputs"), ("/runs/a", "/runs/a")):
+        cfg = OmegaConf.create({"train": {"output_dir": value}, "d": "${flexengine_output_root:${train.output_dir}}"})
+        assert cfg.d == want

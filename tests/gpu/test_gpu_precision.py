@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.precision_proof import agreement, finetune, learnable_batches, loss_fp32, start_model
+from tests.support.precision_proof import agreement, finetune, learnable_batches, loss_fp32, start_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

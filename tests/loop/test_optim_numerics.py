@@ -10,6 +10,8 @@ import pytest
 from flexengine.loop.optim_numerics import BETA2S, RATIO_BAND, Horizon, step_ratio, within_band
 from flexengine.surgery.precision import SPECS, optimizer_missing, precision_spec
 
+pytestmark = pytest.mark.slow  # 3,000 steps a case: minutes on 2 cores (the full run has them)
+
 # every concrete mode with the optimizer it picks, plus adamw_8bit where a mode accepts it (torchao's 8-bit step
 # compiled: eager it costs ~0.1 s a step on CPU; compiling costs a minute or two: slow)
 CASES = [pytest.param(mode, "adamw", id=mode) for mode in SPECS] + [

@@ -33,6 +33,8 @@ import memtracker_standins as standins
 import memtracker_step as step
 from memtracker_cases import Case
 
+pytestmark = pytest.mark.slow  # real and fake-tensor steps of every case: minutes on 2 cores (the full run has them)
+
 
 def _saved(fn) -> list[tuple]:
     """(shape, dtype) of every floating-point tensor autograd saves while fn() runs, sorted."""

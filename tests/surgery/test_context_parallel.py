@@ -23,13 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _forward_run(tmp_path_factory, ranks: int) -> dict:
-    """tests/context_parallel_forward.py under torchrun --nproc_per_node `ranks` (gloo): rank 0's saved results."""
+    """tests/support/context_parallel_forward.py under torchrun --nproc_per_node `ranks` (gloo): rank 0's saved
+    results."""
     out = tmp_path_factory.mktemp(f"cp{ranks}") / "cp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [
-            *python_launcher(ranks, port_base=32500),
-            str(ROOT / "tests" / "context_parallel_forward.py"),
+            *python_launcher(ranks),
+            str(ROOT / "tests" / "support" / "context_parallel_forward.py"),
             str(out),
         ],
         capture_output=True,

@@ -20,7 +20,7 @@ from flexengine.core.distributed import DistInfo
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.parallel import LossForward, apply_parallel
-from tests.helpers import python_launcher, run_grads_script
+from tests.helpers import free_port, python_launcher, run_grads_script
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
@@ -38,7 +38,7 @@ RUN = [
 def _train(out: Path, *overrides: str, ranks: int = 0) -> dict:
     """One training run (torchrun with `ranks` processes; 0 = a plain process); returns summary.json."""
     cmd = [
-        *python_launcher(ranks, port_base=29500),
+        *python_launcher(ranks),
         "-m",
         "flexengine.train",
         *RUN,
@@ -119,7 +119,7 @@ def test_fsdp_two_ranks_match_one_process_then_resume_on_two_ranks(single, tmp_p
 def _two_nodes(out: Path, *overrides: str) -> tuple[dict, list[str]]:
     """One training run as two torchrun agents of one process each (two "nodes" on this host) that meet through a
     c10d rendezvous, as the README's multi-node launch; returns summary.json and each agent's console output."""
-    port = 33500 + os.getpid() % 1000
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.parent.mkdir(parents=True, exist_ok=True)
     procs, logs = [], [out.parent / f"node{node}.log" for node in (0, 1)]
@@ -177,7 +177,7 @@ def test_ddp_two_ranks_match_one_process(single, tmp_path):
 def test_resume_with_another_world_size_is_refused(single, tmp_path):
     proc = subprocess.run(
         [
-            *python_launcher(2, port_base=30500),
+            *python_launcher(2),
             "-m",
             "flexengine.train",
             *RUN,

@@ -1,5 +1,5 @@
 """Precision proof on CPU: a 32-layer narrow LLaMA fine-tuned at lr 2e-5 from the same start on the same batches
-under each precision mode, against fp32 (tests/precision_proof.py). The cumulative update Δ = final - initial
+under each precision mode, against fp32 (tests/support/precision_proof.py). The cumulative update Δ = final - initial
 is compared by the regression slope <Δ_mode, Δ_fp32> / <Δ_fp32, Δ_fp32>: ~1 when updates arrive (fp32 masters,
 or stochastic rounding in expectation), well below 1 when they round away (pure bf16). The CUDA twin is
 tests/gpu/test_gpu_precision.py."""
@@ -11,7 +11,7 @@ import torch
 
 from flexengine.surgery.applied import applied
 from flexengine.surgery.precision import SPECS, apply_precision
-from tests.precision_proof import finetune, learnable_batches, loss_fp32, start_model, update_slope
+from tests.support.precision_proof import finetune, learnable_batches, loss_fp32, start_model, update_slope
 
 STEPS, VOCAB = 12, 128
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU: the spec only reads its type

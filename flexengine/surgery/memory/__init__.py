@@ -1,4 +1,5 @@
-"""Activation memory per decoder block: checkpoint / SAC / CPU offload policies, a meter, and a planner.
+"""Activation memory per decoder block: checkpoint / SAC / CPU offload applied from one MemorySpec per block, the
+recompute kinds, tiled MLP and a meter of the bytes saved for backward (the planner that chooses is planning/).
 
 The names below are imported on first use (PEP 562, as the attention package does): composing a job checks
 memory.granularity against `kinds.KINDS` (`kinds.check_granularity`), and importing this package for that must not

@@ -3,9 +3,9 @@ parallel.cp and FlexAttention, but with flex's kernel replaced by SDPA on the CP
 (`tests.helpers.sdpa_on_block_mask`: flex has no CPU backward, so build_trainer refuses flex on CPU). Everything
 else is the real path: the loader's rows per data-parallel group, torch's K/V all-gather and its reduce-scatter
 backward, PTRR load balancing, shifted targets, FSDP2 over dp x cp, the trainer's global normalisation over an
-accumulation window. Saves the first step's gradients like tests/parallel_grads.py (one step only).
+accumulation window. Saves the first step's gradients like tests/support/parallel_grads.py (one step only).
 
-usage: torchrun --nproc_per_node {2,4} tests/context_parallel_trainer.py OUT_DIR [train overrides...]
+usage: torchrun --nproc_per_node {2,4} tests/support/context_parallel_trainer.py OUT_DIR [train overrides...]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    """The steps of tests/parallel_grads.py on a context-parallel trainer."""
+    """The steps of tests/support/parallel_grads.py on a context-parallel trainer."""
     import torch.distributed.tensor.experimental._context_parallel._attention as cp_attention
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -34,10 +34,10 @@ def main(out: Path, overrides: list[str]) -> None:
     from flexengine.surgery.model import load_model, load_tokenizer
     from flexengine.surgery.parallel import apply_parallel
     from tests.helpers import sdpa_on_block_mask
-    from tests.parallel_grads import record_steps
+    from tests.support.parallel_grads import record_steps
 
     # torch's CP mask builder, uncompiled: compiling it costs each of up to 4 processes on 2 cores ~10 s, and
-    # the compiled builder is an optimisation of this same function (tests/context_parallel_forward.py runs it)
+    # the compiled builder is an optimisation of this same function (tests/support/context_parallel_forward.py runs it)
     cp_attention._compiled_create_block_mask = create_block_mask
     out.mkdir(parents=True, exist_ok=True)
     # a Trainer built by hand states its gradient sync (run.py takes the planner's choice): once per window

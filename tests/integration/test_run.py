@@ -19,7 +19,7 @@ from flexengine.surgery.applied import applied
 from flexengine.surgery.memory.spec import block_memory_specs
 from tests.helpers import save_pretrained_llama
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # debug=fast on a pretrained directory; a 30 MiB "device" makes the planner halve the micro-batch typed
 OVERRIDES = ("debug=fast", "train.micro_batch=4", "hardware.device=cpu", "hardware.memory_gb=0.03")
 

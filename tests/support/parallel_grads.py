@@ -2,7 +2,7 @@
 (full tensors) of a first grad_accum=2 step, and the collectives of a later grad_accum=2 and grad_accum=1 step.
 Driven by tests/surgery/test_parallel.py.
 
-usage: python tests/parallel_grads.py OUT_DIR [train overrides...]
+usage: python tests/support/parallel_grads.py OUT_DIR [train overrides...]
 """
 
 from __future__ import annotations

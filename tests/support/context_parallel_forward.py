@@ -2,7 +2,7 @@
 batch through torch's context parallel + FSDP2 on the (dp, cp) mesh, for a model with full-attention and
 sliding-window layers (two masks per batch, the window not a multiple of 128); rank 0 saves the whole-row logits
 (ContextParallel.logits), the loss sum and the eval loss next to a single-process reference on the same weights
-(flex without CP, and the dense reference backend). Forward only (gradients: tests/context_parallel_trainer.py;
+(flex without CP, and the dense reference backend). Forward only (gradients: tests/support/context_parallel_trainer.py;
 flex's own backward: bench/gpu_check.py cp_grads). Driven by tests/surgery/test_context_parallel.py.
 
 2 ranks (dp 1 x cp 2): blocks compiled (aot_eager, fullgraph), no recompile for a new layout, greedy samples of
@@ -10,7 +10,7 @@ prompts of different lengths. 4 ranks (dp 2 x cp 2): each data-parallel group ta
 rank // cp, cp groups of consecutive ranks on the mesh), uncompiled and with torch's mask builder run eagerly
 (4 processes on 2 cores; the 2-rank run covers compilation).
 
-usage: torchrun --nproc_per_node {2,4} tests/context_parallel_forward.py OUT_FILE
+usage: torchrun --nproc_per_node {2,4} tests/support/context_parallel_forward.py OUT_FILE
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 from flexengine.run import build_trainer, run_training
 from tests.helpers import make_job
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -71,45 +71,6 @@ def test_checkpoint_is_a_standard_hf_directory_with_equal_logits(tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_resume_continues_with_identical_losses(tmp_path):
-    straight = run_training(make_job(tmp_path / "a", "train.max_steps=6"), tmp_path / "a")
-    # a run killed after step 3: only its step_3 checkpoint survives; resume it in place
-    first_half = make_job(tmp_path / "b", "train.max_steps=6", "train.save_every=3")
-    trainer = build_trainer(first_half, tmp_path / "b")
-    while trainer.state.step < 3:
-        trainer.state.step += 1
-        trainer.state.losses.append(trainer.train_step()["loss"])
-    trainer.save()
-    resumed = run_training(make_job(tmp_path / "b", "train.max_steps=6", "train.resume=auto"), tmp_path / "b")
-    assert resumed["steps"] == 6
-    assert resumed["losses"] == pytest.approx(straight["losses"], abs=1e-6)
-
-
-@pytest.mark.parametrize("packing", ["bfd", "none"])
-def test_accumulation_equals_one_big_batch(tmp_path, packing):
-    attn = "attn=packed_doc" if packing == "bfd" else "attn=causal"
-    grads, losses = [], []
-    for micro, accum in ((1, 4), (4, 1)):
-        trainer = build_trainer(
-            make_job(
-                tmp_path,
-                attn,
-                f"train.micro_batch={micro}",
-                f"train.grad_accum={accum}",
-                "optim.grad_clip=0",
-                "data.shuffle=false",
-            ),
-            tmp_path,
-        )
-        trainer.optimizer.step = lambda *a, **k: None  # keep the grads to compare them
-        trainer.optimizer.zero_grad = lambda *a, **k: None
-        losses.append(trainer.train_step()["loss"])
-        grads.append([p.grad.clone() for p in trainer.model.parameters()])
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
-
-
 # --- bad input: one paragraph, no traceback, non-zero exit, before heavy work -----------------------------
 
 
@@ -155,43 +116,6 @@ def test_bad_input_fails_with_a_clear_message(tmp_path, case):
     assert "Traceback" not in proc.stderr
 
 
-def _nan_on_second_step(trainer):
-    real = trainer.train_module
-    calls = {"n": 0}
-
-    def forward(batch, **kwargs):
-        calls["n"] += 1
-        loss = real(batch, **kwargs)
-        return loss * float("nan") if calls["n"] == 2 else loss
-
-    trainer.train_module = forward
-
-
-def test_nonfinite_loss_stops_naming_the_step(tmp_path):
-    from flexengine.core.errors import UserError
-
-    trainer = build_trainer(make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1"), tmp_path)
-    _nan_on_second_step(trainer)
-    # names the optim.* values it looked at (before: always "Lower optim.lr", whatever the cause)
-    with pytest.raises(UserError, match=r"step 2: loss is nan.*Likely cause: no optim.\* value looks out of range"):
-        trainer.train()
-    assert trainer.state.step == 1
-
-
-def test_nonfinite_step_is_skipped_and_counted(tmp_path):
-    trainer = build_trainer(
-        make_job(tmp_path, "train.max_steps=3", "train.grad_accum=1", "train.skip_nonfinite=true"), tmp_path
-    )
-    _nan_on_second_step(trainer)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    summary = trainer.train()
-    assert summary["skipped_nonfinite_steps"] == 1 and summary["steps"] == 3
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # other steps updated
-    assert trainer.scheduler.last_epoch == 2  # the skipped step did not advance the schedule
-    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lrs[1] == lrs[2]  # step 3 used the lr step 2 would have used
-
-
 def test_a_run_prints_flexengine_lines_and_one_plan_line(tmp_path):
     """Before: torch _pytree warnings, HF's 'Writing model shards' bars and a 31-row plan table at every run."""
     out = tmp_path / "run"
@@ -204,21 +128,6 @@ def test_a_run_prints_flexengine_lines_and_one_plan_line(tmp_path):
     assert len(plan_lines) == 1 and "<- chosen" not in printed, plan_lines
     assert "runners-up:" in plan_lines[0] and "full table: flexengine-plan" in plan_lines[0]
     assert next(line for line in printed.splitlines() if line.strip()).startswith("[")  # a flexengine line first
-
-
-def test_quiet_third_party_leaves_everything_on_when_asked(monkeypatch):
-    import logging
-    import os
-
-    from flexengine.cli.common import QUIET_ENV, quiet_third_party
-
-    for name in QUIET_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("FLEXENGINE_VERBOSE", "1")
-    level = logging.getLogger("torch.utils._pytree").level
-    quiet_third_party()
-    assert not any(name in os.environ for name in QUIET_ENV)
-    assert logging.getLogger("torch.utils._pytree").level == level
 
 
 def _nan_update(trainer, on_step: int, what: str) -> None:
@@ -622,17 +531,6 @@ def test_a_torchrun_worker_without_an_output_dir_does_not_check_the_output_root(
     (tmp_path / "outputs").mkdir()
     (tmp_path / "outputs" / "summary.json").write_text("{}")
     _run_as_rank_1(tmp_path, "train.save_final=false")
-
-
-def test_the_output_root_resolver_reads_null_and_empty_as_unset():
-    from omegaconf import OmegaConf
-
-    from flexengine.cli.common import register_schema
-
-    register_schema()
-    for value, want in ((None, "outputs"), ("", "outputs"), ("/runs/a", "/runs/a")):
-        cfg = OmegaConf.create({"train": {"output_dir": value}, "d": "${flexengine_output_root:${train.output_dir}}"})
-        assert cfg.d == want
 
 
 def test_launches_in_the_same_second_get_a_folder_each(tmp_path):
