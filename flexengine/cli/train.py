@@ -17,6 +17,7 @@ from pathlib import Path
 import hydra
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -147,6 +148,8 @@ def main() -> None:
     try:
         run_hydra_app(_main)
     except OSError as e:  # Hydra's own files, before the task (which reports its own): the run dir, .hydra/, the log
+        if isinstance(e, HydraException):  # MissingConfigException is an OSError: Hydra's report (HYDRA_FULL_ERROR)
+            raise
         fail(
             UserError(
                 os_error_message(e, "creating this launch's directory (Hydra's run dir, inside train.output_dir)")

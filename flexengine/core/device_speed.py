@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from flexengine.core.units import GiB, MiB
+
 if TYPE_CHECKING:  # torch is imported where a measurement runs: composing a job (core/config.py) imports no torch
     import torch
 
@@ -41,8 +43,8 @@ CACHE_ENV = "FLEXENGINE_SPEED_CACHE"  # the cache file (default ~/.cache/flexeng
 CLOCK_ENV = "FLEXENGINE_SPEED_CLOCK"
 MIN_TIMED_S = 0.05  # each figure is the best of several repeats of at least this long (a shared machine's noise)
 REPEATS = 3
-COPY_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # the bandwidth copy's size: beyond the caches
-PINNED_BYTES = 256 << 20
+COPY_BYTES = {"cpu": 64 * MiB, "cuda": GiB}  # the bandwidth copy's size: beyond the caches
+PINNED_BYTES = 256 * MiB
 ATTENTION_MAX_S = 2048  # longer rows are measured at this length (the per-pair rate has settled by then)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from flexengine.core.errors import UserError
+from flexengine.core.units import GiB
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.memory.layers import decoder_layers
@@ -136,7 +137,7 @@ def verify_compiled_blocks(model: nn.Module, host_bytes: Optional[int] = None) -
         log.warning("compile: %s; training continues eagerly (slower)", said)
         return
     if host_bytes:
-        cost = f"up to {host_bytes / 2**30:.2f} GiB per micro-batch that the plan keeps on the host stay on the device"
+        cost = f"up to {host_bytes / GiB:.2f} GiB per micro-batch that the plan keeps on the host stay on the device"
     else:
         cost = "flex would run as the eager higher-order op (its scores materialised) and again in backward"
     raise UserError(

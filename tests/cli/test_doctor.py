@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexengine.cli.doctor import allocator_check, compose_job, diagnose, exit_status, format_report, run_doctor
-from flexengine.core.config import JobConfig, TrainConfig, conf_dir
+from flexengine.core.config import SEQ_LEN_AUTO, JobConfig, TrainConfig, conf_dir
 from flexengine.core.errors import UserError
 from flexengine.loop.hooks import StepHooks
 from flexengine.run import build_trainer
@@ -105,7 +105,8 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")))
 def test_every_experiment_composes(experiment):
     job = compose_job([f"experiment={experiment}", "model.path=/models/any", "data.path=/data/any.jsonl"])
-    assert job.data.seq_len > 0 and job.train.max_steps > 0
+    assert (job.data.fixed_seq_len or 0) > 0 or job.data.seq_len == SEQ_LEN_AUTO  # auto: chosen at the run
+    assert job.train.max_steps > 0
 
 
 def test_console_script_exits_0_on_a_healthy_run_and_prints_no_dict(tmp_path):
