@@ -345,8 +345,8 @@ def auto_row_length(
     machine at its measured speed as the run prices it (flexengine/run.py), so both choose the same length."""
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.data.packing import packer
-    from flexengine.planning.row_length import choose_row_length, context_rows, with_seq_len
-    from flexengine.planning.specs import planned_attention, target_hardware
+    from flexengine.planning.row_length import choose_row_length, with_seq_len
+    from flexengine.planning.specs import context_rows, planned_attention, target_hardware
     from flexengine.surgery.model import build_hf_config
 
     if job.data.fixed_seq_len is not None:

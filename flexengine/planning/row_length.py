@@ -30,6 +30,7 @@ import numpy as np
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.fit import FitPlan, plan_job
+from flexengine.planning.specs import context_rows as context_rows  # re-exported (specs measures at these rows)
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.rope import ContextLimits, context_limits
@@ -133,13 +134,6 @@ CONTEXT_ROWS = (
     "planned at the model's supported context; plan.documents=N plan.doc_tokens=T or data.path choose from the "
     "documents"
 )
-
-
-def context_rows(hf_config, cp: int = 1) -> int:
-    """Rows of the model's supported context (a multiple of cp x 128): what data.seq_len=auto plans where no
-    document lengths are known."""
-    block = CP_BLOCK_SIZE * cp
-    return max(block, context_limits(hf_config).supported // block * block)
 
 
 def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:

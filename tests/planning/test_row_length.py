@@ -18,7 +18,6 @@ from flexengine.planning.row_length import (
     RowOption,
     candidate_lengths,
     choose_row_length,
-    context_rows,
     fastest,
     format_row_length,
     keep_whole_length,
@@ -26,7 +25,7 @@ from flexengine.planning.row_length import (
     mfu_ladder,
     on_grid,
 )
-from flexengine.planning.specs import planned_attention
+from flexengine.planning.specs import context_rows, planned_attention
 from flexengine.surgery.model import build_hf_config
 from flexengine.surgery.rope import context_limits
 
