@@ -25,7 +25,7 @@ from flexengine.core.config_record import (
     RESOLVED_CONFIG_FILE,
     ConfigRecord,
 )
-from flexengine.core.distributed import DistInfo, init_distributed, rank_device, shutdown_distributed
+from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device, resolve_hardware
 from flexengine.core.parallel_spec import resolve_parallel
@@ -39,6 +39,7 @@ from flexengine.core.storage import (
 from flexengine.data.build import build_data, training_lengths
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.packing import packer
+from flexengine.loop.checkpoint.rank_sync import run_on_rank0
 from flexengine.loop.components import Components, build_components
 from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+SPEED_TIMEOUT_S = 1800.0  # the other ranks wait this long for rank 0 to measure (GEMMs at 7B shapes, the optimizer)
 
 
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
@@ -119,11 +121,18 @@ def _check_attention_backend(attention: AttentionSpec, dist_info: DistInfo, devi
 
 def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo, hf_config) -> HardwareConfig:
     """hardware.* resolved on this device, with the process group's world size and the device's measured speed at
-    this model's shapes: what the planner fits to and prices steps with."""
-    hardware = resolve_hardware(job.hardware, device)
-    if dist_info.world_size > 1:
-        hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
-    return with_measured_speed(hardware, job, hf_config, device)
+    this model's shapes: what the planner fits to and prices steps with. Under a process group rank 0 resolves and
+    measures and every rank plans with its result: ranks measuring their own (noisy) speed and free memory could
+    choose different row lengths, policies or micro-batches, and then hang or desynchronise."""
+
+    def measure() -> HardwareConfig:
+        hardware = resolve_hardware(job.hardware, device)
+        if dist_info.world_size > 1:
+            hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
+        return with_measured_speed(hardware, job, hf_config, device)
+
+    with cpu_group(SPEED_TIMEOUT_S) as group:  # None in a single process: measured here
+        return run_on_rank0(group, measure, "resolving hardware.* and measuring the device speed on rank 0")
 
 
 def _resolve_row_length(

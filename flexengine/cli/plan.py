@@ -341,20 +341,21 @@ def auto_row_length(
     """data.seq_len=auto: the row length chosen over plan.documents x plan.doc_tokens or the job's own documents
     (flexengine.planning.row_length), and the job with it; any other data.seq_len: the job as it is, None.
     has_documents: False when the job names no data (the command planned the demo corpus in its place): without
-    plan.documents the rows are then the model's supported context, said so."""
+    plan.documents the rows are then the model's supported context, said so. Priced on `target_hardware`, this
+    machine at its measured speed as the run prices it (flexengine/run.py), so both choose the same length."""
     from flexengine.cli.plan_corpus import document_lengths
-    from flexengine.core.hardware import assumed_hardware
     from flexengine.data.packing import packer
-    from flexengine.planning.row_length import choose_row_length, context_rows, with_seq_len
-    from flexengine.planning.specs import planned_attention
+    from flexengine.planning.row_length import choose_row_length, with_seq_len
+    from flexengine.planning.specs import context_rows, planned_attention, target_hardware
     from flexengine.surgery.model import build_hf_config
 
     if job.data.fixed_seq_len is not None:
         return job, None
-    hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
+    hf_config = build_hf_config(job.model)
     if options.documents is None and (options.tokens is not None or not has_documents):
         return with_seq_len(job, context_rows(hf_config, job.parallel.cp)), None
     lengths, describe = document_lengths(job, options, "data.seq_len=auto")
+    hardware = target_hardware(job, hf_config)  # measured once per process and shape (core/device_speed caches it)
     attention = planned_attention(job, hf_config, hardware)
     epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
     pack = packer(lengths, job.data.packing, job.data.long_docs)

@@ -122,6 +122,7 @@ class DataConfig:
             raise UserError(
                 f"data={self.source} needs data.path, e.g. data={self.source} data.path=/data/train.{self.source}"
             )
+        self._check_auto_rows()
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
         if self.source == "demo" and self.format != "text" and not self.mix:
@@ -145,6 +146,19 @@ class DataConfig:
             raise UserError(
                 "data.eval_path needs a file source (data=jsonl or data=parquet); the demo corpus "
                 "splits itself with data.eval_fraction."
+            )
+
+    def _check_auto_rows(self) -> None:
+        """data.seq_len=auto chooses from the documents' token lengths, and a chat's tokens depend on the row length
+        (data.long_chats truncates, drops or splits conversations at data.seq_len): refused there, by name."""
+        chats = sorted(self.formats & {"chat", "mixed"})
+        if self.seq_len == SEQ_LEN_AUTO and chats:
+            raise UserError(
+                f"data.seq_len=auto with data.format={'/'.join(chats)}: a conversation is encoded to fit the row "
+                "length (data.long_chats), so its length is not known before the row length is. Set data.seq_len "
+                "to a number of tokens (a multiple of 128, e.g. data.seq_len=4096), e.g. from "
+                "`python -m flexengine.plan data.seq_len=auto plan.documents=N plan.doc_tokens=T` with your "
+                "conversations' count and typical length."
             )
 
     @property

@@ -269,10 +269,14 @@ def check_data_plan(data_plan: dict, saved: dict, path: Path, resume_new_data: b
     if not changed:
         return False
     if not resume_new_data:
+        rows = saved.get("data.seq_len")  # data.seq_len=auto may choose another length on another run
+        same_rows = (
+            f" (e.g. data.seq_len={rows}, the checkpoint's row length)" if rows != data_plan.get("data.seq_len") else ""
+        )
         raise UserError(
             f"train.resume: {path} was trained on another data stream; changed: "
             + "; ".join(changed)
-            + ". Resuming would not continue that run's data order. Resume with the original settings, or "
+            + f". Resuming would not continue that run's data order. Resume with the original settings{same_rows}, or "
             "set train.resume_new_data=true to keep the weights, optimizer and step count and read the new "
             "data from its first row."
         )

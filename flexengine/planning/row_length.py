@@ -30,6 +30,7 @@ import numpy as np
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.fit import FitPlan, plan_job
+from flexengine.planning.specs import context_rows as context_rows  # re-exported (specs measures at these rows)
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.rope import ContextLimits, context_limits
@@ -39,6 +40,8 @@ QUANTILES = (0.5, 0.9, 0.99, 1.0)  # document-length quantiles tried as row leng
 GRID_BITS = 4  # a length rounds up to a multiple of 2^(floor(log2 n) - GRID_BITS): <= 6.25 % past it
 ABOVE_KEEP_WHOLE = 4  # longer rows tried up to this many times the keep-whole length (packing fills them)
 MAX_ROW_TOKENS = 1 << 20  # past any card's memory for a 1B+ model
+TIE_BAND = 0.01  # lengths within 1 % of the least epoch time tie, the shortest taken: the estimate is not finer
+# than that (a measured speed's noise, the MFU assumed), and ranks or a plan and its run must not flip between them
 
 # The documents packed at a row length, as data/packing.packer packs them (the composition root hands it down: the
 # planner does not reach into data): the packing's statistics (rows, useful_token_fraction, documents_split /
@@ -133,13 +136,6 @@ CONTEXT_ROWS = (
 )
 
 
-def context_rows(hf_config, cp: int = 1) -> int:
-    """Rows of the model's supported context (a multiple of cp x 128): what data.seq_len=auto plans where no
-    document lengths are known."""
-    block = CP_BLOCK_SIZE * cp
-    return max(block, context_limits(hf_config).supported // block * block)
-
-
 def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:
     """The job with rows of `seq_len` tokens."""
     return dataclasses.replace(job, data=dataclasses.replace(job.data, seq_len=seq_len))
@@ -185,6 +181,12 @@ def weigh_row_length(
     )
 
 
+def fastest(options: Sequence[RowOption]) -> RowOption:
+    """The shortest of the options within TIE_BAND of the least epoch time."""
+    least = min(o.hours for o in options)
+    return min((o for o in options if o.hours <= least * (1 + TIE_BAND)), key=lambda o: o.seq_len)
+
+
 def choose_row_length(
     job: JobConfig,
     hf_config,
@@ -214,8 +216,11 @@ def choose_row_length(
     options = weigh(candidate_lengths(lengths, block, limits))
     whole = [o for o in options if o.eligible and o.keeps_whole]
     if whole:
-        chosen = min(whole, key=lambda o: (o.hours, o.seq_len))
-        why = f"the least estimated epoch time of the lengths that hold {KEEP_WHOLE:.0%} of the documents whole"
+        chosen = fastest(whole)
+        why = (
+            f"the least estimated epoch time (within {TIE_BAND:.0%}: the shortest) of the lengths that hold "
+            f"{KEEP_WHOLE:.0%} of the documents whole"
+        )
         return RowLengthChoice(chosen, options, describe, why)
     shorter = [block << k for k in range(MAX_ROW_TOKENS.bit_length()) if block << k < options[0].seq_len]
     options = weigh(shorter) + options  # the fallback may need rows shorter than any candidate

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from flexengine.core.config import HardwareConfig, JobConfig
+from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.device_speed import measure_device_speed
 from flexengine.core.hardware import assumed_hardware, plans_this_machine
 from flexengine.core.parallel_spec import ParallelSpec, Strategy, resolve_parallel
@@ -26,6 +26,7 @@ from flexengine.surgery.attention.masks import Causal
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
 from flexengine.surgery.family import resolve_family
 from flexengine.surgery.precision import PrecisionSpec, auto_order, precision_spec
+from flexengine.surgery.rope import context_limits
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +171,13 @@ def plan_inputs(
     )
 
 
+def context_rows(hf_config, cp: int = 1) -> int:
+    """Rows of the model's supported context (a multiple of cp x 128): what data.seq_len=auto plans where no
+    document lengths are known."""
+    block = CP_BLOCK_SIZE * cp
+    return max(block, context_limits(hf_config).supported // block * block)
+
+
 def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, device: torch.device) -> HardwareConfig:
     """`hardware` (the device this process runs on) with its speed measured at this model's GEMM shapes, in each
     compute dtype the job's precision modes use (cached: core/device_speed; on CPU only the mode it takes first:
@@ -179,8 +187,6 @@ def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, dev
     if not hardware.on_cuda:  # CPU's auto takes the most exact mode that fits, untimed: its dtype is the one run
         modes = modes[:1]
     specs = [precision_spec(mode, job.optim.name) for mode in modes]
-    from flexengine.planning.row_length import context_rows  # row_length plans with this module's inputs
-
     m = ModelShape.from_hf_config(hf_config)
     # data.seq_len=auto is chosen after this (its choice is priced with this speed): measure at the context's rows
     seq_len = job.data.fixed_seq_len or context_rows(hf_config, job.parallel.cp)

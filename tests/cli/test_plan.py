@@ -269,3 +269,39 @@ def test_the_seed_workload_gets_rows_that_fit_its_documents():
     assert plan["corpus_time"]["alternatives"][0]["hours"] <= 12.2
     assert plan["work_per_useful_token"]["ratio"] <= 1.05
     assert f"{plan['work_per_useful_token']['ratio']:.3f} x the model's FLOPs" in table.stdout
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
+    """data.seq_len=auto: the plan prices the candidate lengths on the hardware the run prices them on (this
+    machine at its measured speed, here off as the tests set it, or a fixed measured speed), so both choose the same
+    length from the same documents, every option's step time the same."""
+    import torch
+
+    from flexengine import run
+    from flexengine.cli.common import compose_job_record
+    from flexengine.cli.plan import PlanOptions, auto_row_length
+    from flexengine.cli.plan_corpus import document_lengths
+    from flexengine.core.distributed import DistInfo
+    from flexengine.planning import specs
+    from flexengine.planning.specs import planned_attention
+    from flexengine.surgery.model import build_hf_config
+    from tests.planning.test_costs import _speed
+
+    if measured:
+        monkeypatch.setattr(specs, "measure_device_speed", lambda *a, **k: _speed(matmul_tflops=0.5))
+    overrides = ["debug=fast", "hardware.device=cpu", "data.seq_len=auto", "model.arch.max_position_embeddings=512"]
+    job, record = compose_job_record(overrides)
+    options = PlanOptions(documents=64, doc_tokens=300)
+    planned, plan_choice = auto_row_length(job, options)
+    lengths, _ = document_lengths(job, options)
+    monkeypatch.setattr(run, "training_lengths", lambda *a: lengths)
+    monkeypatch.setattr(run, "load_tokenizer", lambda model: None)
+    hf_config, device = build_hf_config(job.model), torch.device("cpu")
+    hardware = run._run_hardware(job, device, DistInfo(), hf_config)
+    assert bool(hardware.speed) == measured
+    attention = planned_attention(job, hf_config, hardware)
+    ran, run_choice = run._resolve_row_length(job, hf_config, hardware, attention, DistInfo(), record)
+    assert plan_choice is not None and run_choice is not None
+    assert planned.data.seq_len == ran.data.seq_len == run_choice.seq_len
+    assert [(o.seq_len, o.step_s) for o in plan_choice.options] == [(o.seq_len, o.step_s) for o in run_choice.options]

@@ -69,3 +69,12 @@ def test_bad_mixtures_are_refused_naming_the_entry(kwargs, needle):
 )
 def test_a_held_out_set_comes_from_a_fraction_or_a_file(kwargs, has_eval):
     assert DataConfig(**kwargs).has_eval is has_eval
+
+
+@pytest.mark.parametrize("fmt", ["chat", "mixed"])
+def test_auto_row_length_is_refused_over_conversations(fmt):
+    """A chat's tokens depend on the row length (data.long_chats), so data.seq_len=auto is refused there, by name;
+    text keeps it."""
+    with pytest.raises(UserError, match=f"data.seq_len=auto with data.format={fmt}"):
+        DataConfig(source="jsonl", path="chats.jsonl", format=fmt, seq_len="auto")
+    assert DataConfig(source="jsonl", path="docs.jsonl", format="text", seq_len="auto").fixed_seq_len is None

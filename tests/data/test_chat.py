@@ -109,3 +109,20 @@ def test_template_without_markers_trains_with_the_prefix_mask_and_reports_token_
     assert f"loss on {trained:,} of {total:,} tokens" in caplog.text and f"{total - trained:,} masked" in caplog.text
     with pytest.raises(UserError, match="data.assistant_mask=prefix"):  # the markers, asked for explicitly
         run_training(_job(tmp_path, tok_dir, path, "data.assistant_mask=template"), tmp_path / "run")
+
+
+@pytest.mark.parametrize("fmt", ["chat", "mixed", "mix"])
+def test_auto_row_length_over_chats_is_refused_by_name(chat_dir, fmt):
+    """data.seq_len=auto over conversations (data.format=chat, mixed, or a chat source in data.mix): a clear error
+    naming data.seq_len and data.format and what to set, at composition, never a TypeError from the encoder."""
+    tmp_path, tok_dir, path = chat_dir
+    extra = (
+        [f"data.format={fmt}"]
+        if fmt != "mix"
+        else ["data.format=text", f"data.mix=[{{path: {path}, format: chat}}]", "data.path=null"]
+    )
+    with pytest.raises(UserError) as e:
+        run_training(_job(tmp_path, tok_dir, path, *extra, "data.seq_len=auto"))
+    message = str(e.value)
+    assert "data.seq_len=auto" in message and "data.format=" in message and "data.seq_len=4096" in message
+    assert ("mixed" if fmt == "mixed" else "chat") in message.split(":")[0]

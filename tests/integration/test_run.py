@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from flexengine.cli.common import compose_job_record
@@ -220,3 +221,38 @@ def test_data_seq_len_auto_is_chosen_before_the_fit_and_recorded_as_it_runs(tmp_
     assert work["ratio"] == pytest.approx(summary["hardware_flops"] / summary["model_flops"]) and work["ratio"] > 1
     assert work["recompute_flops"] == 0 and work["loss_recompute_flops"] == 0  # no checkpoint; one loss chunk
     assert work["padding_and_attention_flops"] == pytest.approx(work["executed_flops"] - work["model_flops"])
+
+
+def _rank_hardware(rank: int, init_file: str, out: str) -> None:
+    """Each rank 'measures' a speed of its own (rank + 1 TFLOP/s, as noise would differ) and writes what it plans
+    with."""
+    import dataclasses
+    import datetime
+
+    import torch.distributed as dist
+
+    from flexengine import run
+    from flexengine.core.distributed import DistInfo
+    from flexengine.surgery.model import build_hf_config
+    from tests.planning.test_costs import _speed
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    run.with_measured_speed = lambda hw, *a: dataclasses.replace(hw, speed=(_speed(matmul_tflops=rank + 1.0),))
+    job = compose_job_record(["debug=fast", "hardware.device=cpu", "data.seq_len=auto"])[0]
+    hardware = run._run_hardware(job, torch.device("cpu"), DistInfo(rank, 2), build_hf_config(job.model))
+    result = {"tflops": [s.matmul_tflops for s in hardware.speed], "world_size": hardware.world_size}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_plans_with_rank_0s_measured_hardware(tmp_path):
+    """Under a process group rank 0 resolves the hardware and measures its speed, and every rank plans with that:
+    ranks measuring their own could choose different row lengths, policies or micro-batches (a hang)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_hardware, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 == {"tflops": [1.0], "world_size": 2}

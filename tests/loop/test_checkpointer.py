@@ -68,3 +68,6 @@ def test_a_resume_onto_another_data_stream_is_refused_unless_asked(tmp_path):
         check_data_plan(plan, saved, tmp_path / "step_2", resume_new_data=False)
     assert check_data_plan(plan, saved, tmp_path / "step_2", resume_new_data=True)  # read the new data from row 0
     assert not check_data_plan(plan, dict(plan), tmp_path / "step_2", resume_new_data=False)
+    # data.seq_len=auto chose another length this time: the refusal names the checkpoint's length to pass
+    with pytest.raises(UserError, match=r"data.seq_len: 6144 -> 12288.*original settings \(e.g. data.seq_len=6144,"):
+        check_data_plan({"data.seq_len": 12288}, {"data.seq_len": 6144}, tmp_path / "step_2", resume_new_data=False)
