@@ -92,37 +92,10 @@ class PlanReport:
         return self.fit.plan
 
 
-# What a measured device speed replaces among the plan's assumptions: the MFU, the datasheet peak, the bandwidth
-MEASURED_REPLACES = ("assumed_mfu", "peak_tflops", "memory_gb_s")
-
-
-def assumed_and_measured(plan: Plan, hardware: HardwareConfig) -> list[str]:
-    """The figures the step time rests on: what is assumed, and (with a measured speed) what was measured, never a
-    measured figure's assumed stand-in."""
-    from flexengine.planning.costs import MEASURED
-
-    dtype_bytes = {"bfloat16": 2, "float32": 4}.get(plan.dtype)
-    speed = next((s for s in hardware.speed if s.dtype_bytes == dtype_bytes), None)
-    measured = plan.time.source == MEASURED and speed is not None
-    assumed = {k: v for k, v in plan.assumptions.items() if v is not None and not (measured and k in MEASURED_REPLACES)}
-    lines = [
-        "  assumed (sources in flexengine/planning/costs.py and budget.py): "
-        + ", ".join(
-            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:.2f} GiB"
-            for k, v in assumed.items()
-        )
-    ]
-    if measured:
-        figures = {k: v for k, v in speed.as_dict().items() if isinstance(v, float)}
-        lines.append(
-            f"  measured ({speed.source or 'this device'}): " + ", ".join(f"{k}={v:g}" for k, v in figures.items())
-        )
-    return lines
-
-
 def format_table(report: PlanReport) -> str:
     """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
     the chosen step, the assumptions, the context, and what a node of 8 changes."""
+    from flexengine.planning.costs import assumed_and_measured
     from flexengine.planning.fit import format_fit
 
     plan = report.plan
@@ -135,7 +108,7 @@ def format_table(report: PlanReport) -> str:
     ]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan.terms.items()]
     lines.append(f"    {'= planned peak':<28} {_gib(plan.total_bytes)} of {plan.budget.describe()}")
-    lines += assumed_and_measured(plan, report.hardware)
+    lines += assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, report.hardware)
     if not plan.fits:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
     ctx = report.context

@@ -28,8 +28,7 @@ def _step(row: dict, digits: int) -> str:
 
 def step_time_footer(rows: list[dict]) -> list[str]:
     """Where the step times come from, named per source (the README's A100 transcript: the assumed MFU)."""
-    from flexengine.planning.corpus_time import NO_SPEED
-    from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, UNKNOWN
+    from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, NO_SPEED, UNKNOWN
 
     sources = {r["time_source"] for r in rows if r.get("max_seq_len")}
     lines = []

@@ -29,8 +29,7 @@ import numpy as np
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
-from flexengine.planning.corpus_time import NO_SPEED
-from flexengine.planning.costs import ASSUMED, UNKNOWN
+from flexengine.planning.costs import ASSUMED, NO_SPEED, UNKNOWN
 from flexengine.planning.fit import FitPlan, plan_job
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec

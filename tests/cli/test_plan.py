@@ -277,9 +277,9 @@ def test_the_assumed_line_names_only_what_is_assumed():
     import dataclasses
 
     from flexengine.cli.common import compose_job
-    from flexengine.cli.plan import assumed_and_measured
     from flexengine.core.device_speed import DeviceSpeed
     from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.costs import assumed_and_measured
     from flexengine.planning.fit import plan_job
     from flexengine.surgery.model import build_hf_config
 
@@ -287,11 +287,13 @@ def test_the_assumed_line_names_only_what_is_assumed():
     hf_config = build_hf_config(job.model)
     speed = DeviceSpeed(matmul_tflops=0.05, memory_gb_s=12.5, dtype_bytes=4, source="measured on cpu (test)")
     hardware = dataclasses.replace(assumed_hardware(job.hardware), speed=(speed,))
-    assumed, measured = assumed_and_measured(plan_job(job, hf_config, hardware).plan, hardware)
+    plan = plan_job(job, hf_config, hardware).plan
+    assumed, measured = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, hardware)
     assert "assumed_mfu" not in assumed and "memory_gb_s" not in assumed and "margin=" in assumed
     assert measured == "  measured (measured on cpu (test)): matmul_tflops=0.05, memory_gb_s=12.5"
 
     card = compose_job(["hardware=a100_80g", "data.seq_len=1024"])
     a100 = assumed_hardware(card.hardware)
-    (line,) = assumed_and_measured(plan_job(card, hf_config, a100).plan, a100)
+    plan = plan_job(card, hf_config, a100).plan
+    (line,) = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, a100)
     assert "assumed_mfu=0.4" in line and "peak_tflops=312" in line and "memory_gb_s=" in line

@@ -13,8 +13,7 @@ from flexengine.cli.plan_max_seq_len import (
     step_time_footer,
 )
 from flexengine.core.units import GiB
-from flexengine.planning.corpus_time import NO_SPEED
-from flexengine.planning.costs import ASSUMED, MEASURED, UNKNOWN
+from flexengine.planning.costs import ASSUMED, MEASURED, NO_SPEED, UNKNOWN
 
 
 def _row(r: int, mode: str, n: int, ok: bool = True, host: float = 10.0, offloaded: float = 4.0) -> dict:

@@ -12,7 +12,7 @@ from flexengine.cli.common import compose_job
 from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
 from flexengine.data.packing import packer
-from flexengine.planning.corpus_time import NO_SPEED
+from flexengine.planning.costs import NO_SPEED
 from flexengine.planning.row_length import (
     KEEP_WHOLE,
     candidate_lengths,
