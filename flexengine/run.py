@@ -45,7 +45,7 @@ from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
-from flexengine.planning.costs import ASSUMED, ASSUMED_MFU
+from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, UNKNOWN
 from flexengine.planning.fit import FitPlan, fit_job
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
 from flexengine.planning.row_length import RowLengthChoice, choose_row_length, format_row_length, with_seq_len
@@ -290,7 +290,7 @@ def planned_step(fit: FitPlan) -> PlannedStep:
         "optimizer": t.optimizer_s,
         "exposed_transfers": fit.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
     }
-    return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms)
+    return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms, t.source != UNKNOWN)
 
 
 def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
@@ -431,6 +431,8 @@ def _step_vs_plan(report: Optional[dict]) -> str:
     """', step 1.9 s measured vs 1.7 s planned (1.12x; planned from measured device speed)' for the done line."""
     if not report or report["measured_s"] is None or report["planned_s"] is None:
         return ""
+    if report["planned_source"] == UNKNOWN:  # the planner's figure only ranked policies: nothing to compare
+        return f", step {report['measured_s']:.2f} s measured (no planned time: {UNKNOWN})"
     ratio = f"{report['ratio']:.2f}x" if report["ratio"] is not None else "n/a"
     return (
         f", step {report['measured_s']:.2f} s measured vs {report['planned_s']:.2f} s planned ({ratio}; planned from "

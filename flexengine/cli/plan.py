@@ -95,6 +95,7 @@ class PlanReport:
 def format_table(report: PlanReport) -> str:
     """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
     the chosen step, the assumptions, the context, and what a node of 8 changes."""
+    from flexengine.planning.costs import assumed_and_measured
     from flexengine.planning.fit import format_fit
 
     plan = report.plan
@@ -107,14 +108,7 @@ def format_table(report: PlanReport) -> str:
     ]
     lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan.terms.items()]
     lines.append(f"    {'= planned peak':<28} {_gib(plan.total_bytes)} of {plan.budget.describe()}")
-    lines.append(
-        "  assumed (sources in flexengine/planning/costs.py and budget.py): "
-        + ", ".join(
-            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:.2f} GiB"
-            for k, v in plan.assumptions.items()
-            if v is not None
-        )
-    )
+    lines += assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, report.hardware)
     if not plan.fits:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
     ctx = report.context

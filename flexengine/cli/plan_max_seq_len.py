@@ -18,6 +18,35 @@ def _gib(n: float) -> str:
     return f"{n / GiB:8.2f} GiB"
 
 
+def _step(row: dict, digits: int) -> str:
+    """A row's planned step as a 12-character cell: seconds, or n/a where the device's speed is unknown (the
+    planner's fallback figure ranks policies but is no time)."""
+    from flexengine.planning.costs import UNKNOWN
+
+    return f"{'n/a':>12}" if row.get("time_source") == UNKNOWN else f"{row['step_s']:>11.{digits}f}s"
+
+
+def step_time_footer(rows: list[dict]) -> list[str]:
+    """Where the step times come from, named per source (the README's A100 transcript: the assumed MFU)."""
+    from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, NO_SPEED, UNKNOWN
+
+    sources = {r["time_source"] for r in rows if r.get("max_seq_len")}
+    lines = []
+    if ASSUMED in sources:
+        lines.append(
+            f"step time: the planner's FLOPs at {ASSUMED_MFU:.0%} MFU plus exposed offload traffic (an estimate, "
+            "not a measurement)"
+        )
+    if MEASURED in sources:
+        lines.append(
+            "step time: the planner's FLOPs and bytes at this device's measured speed plus exposed offload traffic "
+            "(an estimate from measured rates, not a measured step)"
+        )
+    if UNKNOWN in sources:
+        lines.append(f"step time n/a: {NO_SPEED}")
+    return lines
+
+
 def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.planning.budget import device_budget
@@ -81,6 +110,8 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
 
 def format_max_seq_len(report: dict) -> str:
     """The max_seq_len report as a table."""
+    from flexengine.planning.costs import UNKNOWN
+
     head = f"  {'policy':<28} {'max seq_len':>12} {'total':>14} {'step (est.)':>12} {'tokens/s':>10} {'recompute':>10}"
     lines = [
         (
@@ -95,9 +126,10 @@ def format_max_seq_len(report: dict) -> str:
         if not r["max_seq_len"]:
             lines.append(f"  {r['label']:<28} {'-':>12}   (not even 128 tokens fit)")
             continue
+        rate = "n/a" if r.get("time_source") == UNKNOWN else f"{r['tokens_per_s']:,.0f}"
         lines.append(
-            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {r['step_s']:>11.2f}s "
-            f"{r['tokens_per_s']:>10,.0f} {100 * r['recompute_flops_fraction']:>9.1f}%"
+            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {_step(r, 2)} "
+            f"{rate:>10} {100 * r['recompute_flops_fraction']:>9.1f}%"
         )
     best = max(report["policies"], key=lambda r: r["max_seq_len"])
     lines += [
@@ -107,7 +139,7 @@ def format_max_seq_len(report: dict) -> str:
         format_longest_over_modes(report["modes"]),
         "",
         f"model {report['context']} (rows past it need model.rope_scaling, or documents within it)",
-        "step time: the planner's FLOPs at 40% MFU plus exposed offload traffic (an estimate, not a measurement)",
+        *step_time_footer(report["policies"] + report["modes"]),
     ]
     if "png" in report:
         lines.append(f"memory vs seq_len: {report['png']}")
@@ -131,7 +163,7 @@ def format_longest_over_modes(modes: list[dict]) -> str:
         note = "" if row["trains_correctly"] else "  (fails the long-horizon numerics check: precision=auto skips it)"
         lines.append(
             f"  {what:<16} {row['precision']:<16} {row['max_seq_len']:>12,} {row['total_bytes'] / GiB:>6.1f} GiB "
-            f"{row['host_bytes'] / GiB:>6.1f} GiB {row['step_s']:>11.0f}s  {row['policy']}{note}"
+            f"{row['host_bytes'] / GiB:>6.1f} GiB {_step(row, 0)}  {row['policy']}{note}"
         )
     for r in sorted({row["lora_r"] for row in modes}):
         top = longest_of(modes, r)

@@ -46,6 +46,11 @@ REPEATS = 3
 COPY_BYTES = {"cpu": 64 * MiB, "cuda": GiB}  # the bandwidth copy's size: beyond the caches
 PINNED_BYTES = 256 * MiB
 ATTENTION_MAX_S = 2048  # longer rows are measured at this length (the per-pair rate has settled by then)
+# A GEMM is measured with at most this many token rows, and its [rows, n] output at most GEMM_MAX_OUTPUT elements
+# (the loss's lm_head with loss.chunk_size=0 is tokens x vocab: tens of GB at 32K tokens); the rate has settled
+# long before, and a 32K-context model on CPU would otherwise spend minutes here
+GEMM_MAX_M = 4096
+GEMM_MAX_OUTPUT = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,14 @@ class Gemm:
     count: int = 1
 
     @property
+    def measured_m(self) -> int:
+        """The token rows the measurement runs (GEMM_MAX_M, GEMM_MAX_OUTPUT): its rate stands for all m."""
+        return max(1, min(self.m, GEMM_MAX_M, GEMM_MAX_OUTPUT // max(self.n, 1)))
+
+    @property
     def name(self) -> str:
-        """The cache's name of the shape."""
-        return f"{self.m}x{self.n}x{self.k}"
+        """The cache's name of the shape measured."""
+        return f"{self.measured_m}x{self.n}x{self.k}"
 
 
 @dataclass(frozen=True)
@@ -130,10 +140,15 @@ def measure_device_speed(
     key, path = device_key(device, dtype), cache_path()
     cache = _read_cache(path)
     entry = cache.setdefault(key, {})
-    measured = _fill(entry, device, dtype, gemms, attention, min(optimizer_params, 8 << 20))
-    if measured:
+    todo = _measurements(device, dtype, gemms, attention, min(optimizer_params, 8 << 20))
+    missing = {name: run for name, run in todo.items() if name not in entry}
+    if missing:
+        log.info("device speed: measuring this device's speed (once; cached in %s): %s", path, ", ".join(missing))
+        for name, run in missing.items():
+            entry[name] = run()
+        release_measurement(device)
         _write_cache(path, cache)
-        log.info("device speed: measured %s on %s (cached in %s)", ", ".join(measured), key, path)
+        log.info("device speed: measured %s on %s (cached in %s)", ", ".join(missing), key, path)
     flops = sum(6 * g.m * g.n * g.k * g.count for g in gemms)
     seconds = sum(6 * g.m * g.n * g.k * g.count / (entry[g.name] * 1e12) for g in gemms)
     return DeviceSpeed(
@@ -150,15 +165,24 @@ def measure_device_speed(
     )
 
 
-def _fill(
-    entry: dict,
+def release_measurement(device: torch.device) -> None:
+    """On CUDA: free the measurement's cached buffers and restart the peak counters, so the run's
+    max_memory_reserved (the meter, the summary) holds the run's own memory, not the largest GEMM's operands."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _measurements(
     device: torch.device,
     dtype: torch.dtype,
     gemms: Sequence[Gemm],
     attention: Optional[AttentionShape],
     optimizer_params: int,
-) -> list[str]:
-    """Measure what the cache entry lacks; returns the names measured."""
+) -> dict[str, Callable[[], float]]:
+    """Every figure these shapes need, by cache name, and how to measure it."""
     todo: dict[str, Callable[[], float]] = {}
     for g in gemms:
         todo[g.name] = functools.partial(_gemm_tflops, g, device, dtype)
@@ -170,12 +194,7 @@ def _fill(
         todo["optimizer_ns_per_param"] = lambda: _optimizer_ns(optimizer_params, device, dtype)
     if device.type == "cuda":
         todo.update(_link_measurements(device))
-    measured = []
-    for name, run in todo.items():
-        if name not in entry:
-            entry[name] = run()
-            measured.append(name)
-    return measured
+    return todo
 
 
 def clock() -> Callable[[], float]:
@@ -211,19 +230,21 @@ def _sync(device: torch.device) -> None:
 
 
 def _gemm_tflops(g: Gemm, device: torch.device, dtype: torch.dtype) -> float:
-    """A Linear's three GEMMs at one shape: 6 m n k FLOPs / seconds, in TFLOP/s."""
+    """A Linear's three GEMMs at one shape (its token rows capped: Gemm.measured_m): 6 m n k FLOPs / seconds, in
+    TFLOP/s."""
     import torch
 
-    x = torch.randn(g.m, g.k, device=device, dtype=dtype)
+    m = g.measured_m
+    x = torch.randn(m, g.k, device=device, dtype=dtype)
     w = torch.randn(g.k, g.n, device=device, dtype=dtype)
-    dy = torch.randn(g.m, g.n, device=device, dtype=dtype)
+    dy = torch.randn(m, g.n, device=device, dtype=dtype)
 
     def step() -> None:
         x @ w
         dy @ w.T
         x.T @ dy
 
-    return 6 * g.m * g.n * g.k / best_seconds(step, device) / 1e12
+    return 6 * m * g.n * g.k / best_seconds(step, device) / 1e12
 
 
 def _attention_tflops(a: AttentionShape, device: torch.device, dtype: torch.dtype) -> float:

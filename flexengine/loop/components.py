@@ -26,6 +26,7 @@ from flexengine.loop.optim import build_optimizer, build_scheduler, schedule_pro
 from flexengine.loop.progress import Progress
 from flexengine.loop.signals import StopSignals
 from flexengine.loop.state import TrainState
+from flexengine.surgery.applied import applied
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,7 +93,8 @@ def build_components(
         log.warning("optim: %s", schedule_problem(job.optim, job.train.max_steps))
     state = TrainState()
     metrics = MetricsWriter(out_dir / "tb" if main else None, out_dir / "metrics.jsonl" if main else None)
-    progress = Progress(job.train, state, peak_tflops=job.hardware.peak_tflops, is_main=main)
+    compiled = applied(forward.model).compile_backend is not None  # train.compile, or a policy that needs it
+    progress = Progress(job.train, state, peak_tflops=job.hardware.peak_tflops, is_main=main, compiled_blocks=compiled)
     signals = StopSignals(forward.device, lambda: state.step)  # SIGINT/SIGTERM: which, how many, agreed
     checkpointer = Checkpointer(
         out_dir / CHECKPOINTS,

@@ -45,19 +45,36 @@ class PlannedStep:
     source: str  # where its seconds come from: measured device speed, assumed MFU x datasheet peak, unknown
     assumed_mfu: Optional[float] = None  # the MFU the estimate assumed (None: its speed is measured, or unknown)
     terms: dict[str, float] = field(default_factory=dict)  # its seconds by term (the doctor names the likely one)
+    known: bool = True  # False: the device's speed is unknown, so step_s only ranked policies: no time to compare
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """The planned step in seconds where that is time (a known speed), else None."""
+        return self.step_s if self.known and self.step_s else None
 
 
 def warmup_steps(compiled: bool) -> int:
     """Steps of a launch left out of its measured step time: the first (allocator, caches, the token cache's pages),
-    and under train.compile the second too (a recompile of the backward's graph can land there)."""
+    and with compiled blocks the second too (a recompile of the backward's graph can land there). Blocks compile
+    under train.compile and under a memory policy that needs them compiled (surgery/compile.needs_compiled_blocks)."""
     return 2 if compiled else 1
 
 
 class Progress:
     """The run clock and the reports made against it (see the module docstring)."""
 
-    def __init__(self, train: TrainConfig, state: TrainState, *, peak_tflops: Optional[float], is_main: bool = True):
+    def __init__(
+        self,
+        train: TrainConfig,
+        state: TrainState,
+        *,
+        peak_tflops: Optional[float],
+        is_main: bool = True,
+        compiled_blocks: Optional[bool] = None,
+    ):
         self.train, self.state, self.peak_tflops, self.is_main = train, state, peak_tflops, is_main
+        # whether the decoder blocks run compiled (they compile in their first steps); None: as train.compile says
+        self.compiled_blocks = train.compile if compiled_blocks is None else compiled_blocks
         self.wall_s = 0.0  # the whole run so far: training, evaluations, samples, saves (a resume adds up)
         self.train_s = 0.0  # training steps only: what tokens/s and MFU divide by
         self.loop_start_step = 0  # the step this launch's loop started from
@@ -93,7 +110,7 @@ class Progress:
     def measured_step_s(self) -> tuple[Optional[float], int]:
         """(the median of this launch's steps after the warm-up ones, the steps left out); all steps' median when
         no more ran; None before any."""
-        skip = warmup_steps(self.train.compile)
+        skip = warmup_steps(self.compiled_blocks)
         kept = self.step_times[skip:] or self.step_times
         if not kept:
             return None, 0
@@ -171,7 +188,7 @@ class Progress:
     def _step_time_scalars(self) -> dict[str, Optional[float]]:
         """The latest step's time, the plan's and the ratio of the measured median so far to it (TensorBoard)."""
         measured, _ = self.measured_step_s()
-        planned = self.planned.step_s if self.planned is not None else None
+        planned = self.planned.seconds if self.planned is not None else None
         return {
             "step_s": self.step_times[-1] if self.step_times else None,
             "planned_step_s": planned,
@@ -183,7 +200,8 @@ class Progress:
         against the one the plan assumed."""
         measured, skipped = self.measured_step_s()
         planned = self.planned
-        ratio = measured / planned.step_s if measured and planned is not None and planned.step_s else None
+        seconds = planned.seconds if planned is not None else None
+        ratio = measured / seconds if measured and seconds else None  # none against an unknown speed's figure
         return {
             "planned_s": planned.step_s if planned is not None else None,
             "planned_source": planned.source if planned is not None else None,

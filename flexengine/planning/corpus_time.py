@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig
-from flexengine.planning.costs import UNKNOWN
+from flexengine.planning.costs import NO_SPEED, UNKNOWN
 from flexengine.planning.fit import plan_job
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -100,13 +100,6 @@ def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, J
             label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} {unit}{'s' if n > 1 else ''}"
             out.append((label, variant, dataclasses.replace(hardware, world_size=n)))
     return out
-
-
-NO_SPEED = (
-    "no hours: this device's speed is unknown. Plan for a named card (hardware=a100_80g, h100_80g, h200_141g: its "
-    "datasheet peak at the assumed MFU), give hardware.peak_tflops, or plan on the machine itself with hardware=auto "
-    "(its speed is measured), or measure the epoch from real steps: flexengine-doctor <the same overrides>"
-)
 
 
 def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) -> str:

@@ -10,6 +10,7 @@ from typing import Optional
 from flexengine.core.config import HardwareConfig
 from flexengine.core.device_speed import AttentionShape, DeviceSpeed, Gemm
 from flexengine.core.parallel_spec import ReduceEvery
+from flexengine.core.units import GiB
 from flexengine.planning.activations import pointwise_bytes
 from flexengine.planning.budget import device_budget
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
@@ -51,6 +52,12 @@ EAGER_OPS_PER_BLOCK = (73, 138)
 MEASURED = "measured device speed"
 ASSUMED = "assumed MFU x datasheet peak"
 UNKNOWN = "unknown device speed"
+# what a plan prints in place of hours where the speed is unknown: the ways to a known one
+NO_SPEED = (
+    "no hours: this device's speed is unknown. Plan for a named card (hardware=a100_80g, h100_80g, h200_141g: its "
+    "datasheet peak at the assumed MFU), give hardware.peak_tflops, or plan on the machine itself with hardware=auto "
+    "(its speed is measured), or measure the epoch from real steps: flexengine-doctor <the same overrides>"
+)
 # adamw_cpu_offload's host step per trainable parameter (flexengine.loop.host_adamw: bf16 slot -> fp32 scratch, fused
 # AdamW, fp32 master -> bf16 slot, the copies): measured on this project's CPU, 1.19 ns of one core per parameter
 # (bench/results/host_optimizer.json: 207M parameters, CPU seconds on one thread of a shared 2-core VM; the replaced
@@ -308,3 +315,30 @@ def pinned_bound_bytes(host_budget: Optional[int], host_state: int) -> Optional[
     """Pinned host bytes activation offload may hold on this rank: the rank's host budget less the optimizer
     state kept on the host (the planner's other host term); None when no budget is known (library use)."""
     return None if host_budget is None else max(0, host_budget - host_state)
+
+
+# What a measured device speed replaces among a plan's assumptions: the MFU, the datasheet peak, the bandwidth
+MEASURED_REPLACES = ("assumed_mfu", "peak_tflops", "memory_gb_s")
+
+
+def assumed_and_measured(
+    figures: dict[str, Optional[float]], source: str, dtype: str, hardware: HardwareConfig
+) -> list[str]:
+    """The plan's lines on what its step time rests on (figures: its `assumptions`; dtype: its compute dtype's
+    name): what is assumed, and with a measured speed what was measured, never a measured figure's stand-in."""
+    dtype_bytes = {"bfloat16": 2, "float32": 4}.get(dtype)
+    speed = next((s for s in hardware.speed if s.dtype_bytes == dtype_bytes), None) if source == MEASURED else None
+    assumed = {k: v for k, v in figures.items() if v is not None and not (speed and k in MEASURED_REPLACES)}
+    lines = [
+        "  assumed (sources in flexengine/planning/costs.py and budget.py): "
+        + ", ".join(
+            f"{k}={v:g}" if not k.endswith("_bytes") else f"{k.removesuffix('_bytes')}={v / GiB:.2f} GiB"
+            for k, v in assumed.items()
+        )
+    ]
+    if speed is not None:
+        measured = {k: v for k, v in speed.as_dict().items() if isinstance(v, float)}
+        lines.append(
+            f"  measured ({speed.source or 'this device'}): " + ", ".join(f"{k}={v:g}" for k, v in measured.items())
+        )
+    return lines

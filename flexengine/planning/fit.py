@@ -55,6 +55,7 @@ class PrecisionTrial:
     missing: str  # the package its optimizer needs and this environment lacks; "" when it can be built
     why_not_fit: str  # which budget the plan overruns, "" when it fits
     verdict: str = ""  # why precision=auto took it, or why it lost (set once every mode is planned)
+    time_source: str = UNKNOWN  # where step_s comes from (planning/costs): an unknown speed's ranks, prints n/a
 
     def to_json(self) -> dict[str, object]:
         """The row as the plan's JSON writes it."""
@@ -130,12 +131,34 @@ def plan_job(
                 trains_correctly=spec.trains_correctly,
                 missing=optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
                 why_not_fit=_why_not_fit(plan),
+                time_source=plan.time.source,
             )
         )
         plans.append((spec, plan))
-    chosen = choose_precision(table, timed=on_cuda)
+    timed = on_cuda and comparable_times(table)  # a measured mode is never ranked against an unknown one
+    chosen = choose_precision(table, timed=timed)
     spec, plan = plans[chosen]
-    return FitPlan(hardware, spec, plan, with_verdicts(table, chosen, timed=on_cuda))
+    return FitPlan(hardware, spec, plan, with_verdicts(table, chosen, timed=timed))
+
+
+def comparable_times(rows: Sequence[PrecisionTrial]) -> bool:
+    """Whether the fitting modes' step times are one known source's (all measured, or all assumed MFU x peak):
+    only then does precision=auto rank them by time."""
+    sources = {r.time_source for r in rows if r.fits}
+    return len(sources) <= 1 and UNKNOWN not in sources
+
+
+def _untimed_reason(rows: Sequence[PrecisionTrial]) -> str:
+    """Why precision=auto did not rank these modes by step time."""
+    sources = sorted({r.time_source for r in rows if r.fits})
+    if len(sources) > 1:
+        return f"step times from {' and '.join(sources)} are not comparable"
+    return "this device's speed is unknown" if UNKNOWN in sources else "no CPU step-time model"
+
+
+def step_cell(seconds: float, source: str, width: int, digits: int) -> str:
+    """A step time as a table cell: n/a where the device's speed is unknown (its figure only ranks)."""
+    return f"{'n/a':>{width}}" if source == UNKNOWN else f"{seconds:>{width}.{digits}f}"
 
 
 def choose_precision(rows: Sequence[PrecisionTrial], timed: bool = True) -> int:
@@ -163,7 +186,10 @@ def precision_verdicts(fit: FitPlan) -> list[str]:
     """precision=auto's weighing, one line per mode (none for a single given mode)."""
     if len(fit.precision_table) < 2:
         return []
-    return [f"precision={r.precision:<16} {_secs(r.step_s):>9}/step  {r.verdict}" for r in fit.precision_table]
+    return [
+        f"precision={r.precision:<16} {_secs(r.step_s) if r.time_source != UNKNOWN else 'n/a':>9}/step  {r.verdict}"
+        for r in fit.precision_table
+    ]
 
 
 def _secs(s: float) -> str:
@@ -198,7 +224,7 @@ def _verdict(rows: Sequence[PrecisionTrial], i: int, chosen: int, timed: bool) -
     if not r.fits:
         return f"does not fit: {r.why_not_fit}"
     if i > chosen and not timed:
-        return "less exact: on CPU the most exact mode that fits wins (no CPU step-time model)"
+        return f"less exact: the most exact mode that fits wins ({_untimed_reason(rows)})"
     if i > chosen and r.step_s <= best.step_s * (1 + TIE_FRACTION):
         return f"ties with {vs} (within {TIE_FRACTION:.0%}): the more exact mode wins"
     return f"slower: {_secs(r.step_s)} vs {vs}"
@@ -333,9 +359,10 @@ def format_fit(fit: FitPlan) -> str:
             "precision=auto"
         )
         for t in fit.precision_table:
+            step = step_cell(t.step_s, t.time_source, 7, 1)
             lines.append(
                 f"  {t.precision:<16} {_gib(t.total_bytes):>10} {_gib(t.host_bytes):>9} "
-                f"{t.step_s:>7.1f} {'yes' if t.fits else 'no':>5}  {t.policy:<26}  {t.verdict}"
+                f"{step} {'yes' if t.fits else 'no':>5}  {t.policy:<26}  {t.verdict}"
             )
     lines.append(
         f"  {'k (of ' + str(p.hf_config.get('num_hidden_layers')) + ')':<8} {'policy':<26} "
@@ -346,7 +373,7 @@ def format_fit(fit: FitPlan) -> str:
         lines.append(
             f"  {r.k:<8} {r.label:<26} {_gib(r.total_bytes):>10} "
             f"{100 * r.time.recompute_flops_fraction:>8.1f}% {r.time.offload_exposed_s:>7.2f} "
-            f"{r.step_s:>7.2f} {'yes' if r.fits else 'no':>5}{mark}"
+            f"{step_cell(r.step_s, p.time.source, 7, 2)} {'yes' if r.fits else 'no':>5}{mark}"
         )
     terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p.terms.items() if v)
     lines.append(

@@ -79,6 +79,7 @@ def max_seq_len_table(
                 offloaded_bytes=at.usage.offloaded_bytes,
                 host_bytes=at.usage.host_bytes,
                 recompute_flops_fraction=at.time.recompute_flops_fraction,
+                time_source=at.time.source,  # planning/costs: MEASURED, ASSUMED or UNKNOWN (no time to print)
             )
         rows.append(row)
     return rows

@@ -29,6 +29,7 @@ import numpy as np
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
+from flexengine.planning.costs import ASSUMED, NO_SPEED, UNKNOWN
 from flexengine.planning.fit import FitPlan, plan_job
 from flexengine.planning.specs import context_rows as context_rows  # re-exported (specs measures at these rows)
 from flexengine.planning.specs import packed_pairs
@@ -100,6 +101,11 @@ class RowOption:
     def eligible(self) -> bool:
         """Whether a run may take this length."""
         return self.fits and self.within_context
+
+    @property
+    def timed(self) -> bool:
+        """Whether step_s and hours are time (a measured or assumed speed), not an unknown speed's ranking."""
+        return self.fit.plan.time.source != UNKNOWN
 
     def to_json(self) -> dict:
         """The option as the plan's JSON writes it."""
@@ -253,12 +259,13 @@ def format_row_length(choice: RowLengthChoice) -> str:
         if not o.keeps_whole:
             notes.append(f"splits {o.documents_split:,} documents")
         mark = "  <- chosen" if o is choice.chosen else ""
+        time = f"{o.step_s:>7.2f} {o.hours:>7.2f}" if o.timed else f"{'n/a':>7} {'n/a':>7}"
         lines.append(
             f"  {o.seq_len:>9,} {o.useful_fraction:>7.1%} {o.documents_split:>7,} {o.rows:>9,} {o.steps:>8,} "
-            f"{o.step_s:>7.2f} {o.hours:>7.2f}  {o.precision:<16} {o.policy[:28]}"
-            + (f" ({', '.join(notes)})" if notes else "")
-            + mark
+            f"{time}  {o.precision:<16} {o.policy[:28]}" + (f" ({', '.join(notes)})" if notes else "") + mark
         )
+    if not all(o.timed for o in choice.options):
+        lines.append(f"  {NO_SPEED}")
     return "\n".join(lines)
 
 
@@ -279,7 +286,12 @@ def mfu_for_hours(option: RowOption, hours: float, assumed_mfu: float) -> Option
 
 def mfu_ladder(option: RowOption, targets: Sequence[float] = ()) -> str:
     """One line: the MFU each target epoch time would need (default: the whole hours below the planned one), from
-    the MFU the plan assumed."""
+    the MFU the plan assumed; none where the step time is not an assumed MFU (measured, or an unknown speed)."""
+    source = option.fit.plan.time.source
+    if source == UNKNOWN:
+        return "  (no MFU ladder: this device's speed is unknown, so there are no hours to scale)"
+    if source != ASSUMED:
+        return f"  {option.hours:.2f} h at the {source} (no MFU ladder: no MFU is assumed)"
     assumed_mfu = option.fit.plan.assumptions.get("assumed_mfu")
     if not assumed_mfu:
         return "  (no MFU assumed: the step time is not FLOPs-bound here)"

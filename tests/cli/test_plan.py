@@ -305,3 +305,31 @@ def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
     assert plan_choice is not None and run_choice is not None
     assert planned.data.seq_len == ran.data.seq_len == run_choice.seq_len
     assert [(o.seq_len, o.step_s) for o in plan_choice.options] == [(o.seq_len, o.step_s) for o in run_choice.options]
+
+
+def test_the_assumed_line_names_only_what_is_assumed():
+    """A plan priced with a measured speed prints the measured figures as measured, and no assumed MFU, datasheet
+    peak or bandwidth beside them; a named card's plan still lists those as assumed."""
+    import dataclasses
+
+    from flexengine.cli.common import compose_job
+    from flexengine.core.device_speed import DeviceSpeed
+    from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.costs import assumed_and_measured
+    from flexengine.planning.fit import plan_job
+    from flexengine.surgery.model import build_hf_config
+
+    job = compose_job(["hardware.device=cpu", "data.seq_len=1024", "precision=fp32"])
+    hf_config = build_hf_config(job.model)
+    speed = DeviceSpeed(matmul_tflops=0.05, memory_gb_s=12.5, dtype_bytes=4, source="measured on cpu (test)")
+    hardware = dataclasses.replace(assumed_hardware(job.hardware), speed=(speed,))
+    plan = plan_job(job, hf_config, hardware).plan
+    assumed, measured = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, hardware)
+    assert "assumed_mfu" not in assumed and "memory_gb_s" not in assumed and "margin=" in assumed
+    assert measured == "  measured (measured on cpu (test)): matmul_tflops=0.05, memory_gb_s=12.5"
+
+    card = compose_job(["hardware=a100_80g", "data.seq_len=1024"])
+    a100 = assumed_hardware(card.hardware)
+    plan = plan_job(card, hf_config, a100).plan
+    (line,) = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, a100)
+    assert "assumed_mfu=0.4" in line and "peak_tflops=312" in line and "memory_gb_s=" in line

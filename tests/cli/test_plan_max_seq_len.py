@@ -3,8 +3,17 @@ correctly reaches, with its policy and what the host holds (the search itself: t
 
 from __future__ import annotations
 
-from flexengine.cli.plan_max_seq_len import format_longest_over_modes
+import re
+
+from flexengine.cli.common import compose_job
+from flexengine.cli.plan_max_seq_len import (
+    build_max_seq_len,
+    format_longest_over_modes,
+    format_max_seq_len,
+    step_time_footer,
+)
 from flexengine.core.units import GiB
+from flexengine.planning.costs import ASSUMED, MEASURED, NO_SPEED, UNKNOWN
 
 
 def _row(r: int, mode: str, n: int, ok: bool = True, host: float = 10.0, offloaded: float = 4.0) -> dict:
@@ -29,3 +38,23 @@ def test_the_longest_per_rank_skips_modes_that_do_not_train_correctly():
     assert "the host holds 10.0 GiB (6.0 GiB of optimizer state and masters, 4.0 GiB of offloaded" in text
     assert "longest, LoRA r=16: 300,000 tokens" in text and "(not even 128 tokens fit)" in text
     assert "fails the long-horizon numerics check" in text  # bf16_pure shown, not taken
+
+
+def test_an_unknown_device_speed_prints_no_seconds_and_names_the_options():
+    """On CPU with no measured speed (FLEXENGINE_DEVICE_SPEED=off, as in every test) the step and tokens/s are n/a
+    and the footer names how to get a speed, not 'the planner's FLOPs at 40% MFU'."""
+    job = compose_job(["hardware.device=cpu", "data.seq_len=1024"])
+    report = build_max_seq_len(job, None)
+    assert {r["time_source"] for r in report["policies"] + report["modes"] if r["max_seq_len"]} == {UNKNOWN}
+    text = format_max_seq_len(report)
+    assert re.search(r"\d+(\.\d+)?s\b", text) is None, text  # no seconds anywhere
+    assert "n/a" in text and f"step time n/a: {NO_SPEED}" in text and "MFU plus" not in text
+
+
+def test_the_footer_names_each_source_the_rows_were_timed_from():
+    rows = [{**_row(0, "fp32", 1000), "time_source": MEASURED}, {**_row(0, "bf16_sr", 2000), "time_source": ASSUMED}]
+    footer = "\n".join(step_time_footer(rows))
+    assert "at this device's measured speed" in footer and "at 40% MFU" in footer and "n/a" not in footer
+    assert step_time_footer(rows[:1]) == [step_time_footer(rows)[1]]  # measured alone: no assumed MFU named
+    assert "100s" in format_longest_over_modes(rows) and "n/a" not in format_longest_over_modes(rows)
+    assert "n/a" in format_longest_over_modes([{**rows[0], "time_source": UNKNOWN}])

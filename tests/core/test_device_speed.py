@@ -70,3 +70,44 @@ def test_each_dtype_and_clock_has_its_own_entry(cache, monkeypatch):
     wall = device_key(CPU, torch.float32)
     monkeypatch.setenv(device_speed.CLOCK_ENV, "process")
     assert device_key(CPU, torch.float32) != wall and device_speed.clock() is device_speed.time.process_time
+
+
+def test_the_log_says_so_before_measuring_and_the_buffers_are_released_after(cache, monkeypatch, caplog):
+    events = []
+
+    def gemm(g, device, dtype):
+        events.append(("measure", any("measuring this device's speed (once; cached in" in m for m in caplog.messages)))
+        return 1.0
+
+    monkeypatch.setattr(device_speed, "_gemm_tflops", gemm)
+    monkeypatch.setattr(device_speed, "release_measurement", lambda device: events.append(("release", device)))
+    with caplog.at_level("INFO", logger=device_speed.__name__):
+        measure_device_speed(CPU, torch.float32, GEMMS)
+    assert events == [("measure", True), ("measure", True), ("release", CPU)]
+    events.clear()
+    measure_device_speed(CPU, torch.float32, GEMMS)  # cached: nothing measured, nothing to release
+    assert events == []
+
+
+def test_releasing_a_cuda_measurement_frees_its_cache_and_restarts_the_peak(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset_peak"))
+    device_speed.release_measurement(CPU)
+    assert calls == []
+    device_speed.release_measurement(torch.device("cuda", 0))
+    assert calls == ["empty_cache", "reset_peak"]  # freed first: the new peak starts from the run's own memory
+
+
+def test_long_rows_and_a_whole_vocab_loss_are_measured_capped(cache, monkeypatch):
+    """32K tokens: the block GEMMs run 4,096 rows; an unchunked loss (tokens x vocab) at most 64M outputs."""
+    block, loss = Gemm(32768, 4096, 4096, 32), Gemm(32768, 152064, 4096, 1)
+    assert block.measured_m == device_speed.GEMM_MAX_M and block.name == "4096x4096x4096"
+    assert loss.measured_m * loss.n <= device_speed.GEMM_MAX_OUTPUT and loss.measured_m == (1 << 26) // 152064
+    assert Gemm(64, 128, 64).measured_m == 64  # small shapes as they are
+    shapes = []
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kw: shapes.append(shape) or torch.zeros(1, 1))
+    monkeypatch.setattr(device_speed, "best_seconds", lambda fn, device: 1.0)
+    device_speed._gemm_tflops(loss, CPU, torch.float32)
+    m = loss.measured_m
+    assert shapes == [(m, 4096), (4096, 152064), (m, 152064)]  # the tensors built are the capped ones

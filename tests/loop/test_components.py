@@ -96,3 +96,17 @@ def test_sample_prompts_without_a_tokenizer_are_refused_when_the_components_are_
             out_dir=tmp_path,
             dist=DistInfo(),
         )
+
+
+def test_the_clock_leaves_out_compile_steps_when_a_memory_policy_compiled_the_blocks(tmp_path):
+    """Blocks compiled by a policy that needs them compiled (train.compile=false) compile in their first steps
+    too: the run clock keys its warm-up on the model's compiled blocks, not on train.compile."""
+    from flexengine.surgery.applied import applied
+
+    job, model = _job(), patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    forward = ForwardPath.build(job, model, CPU)
+    eager = build_components(job, forward, random_row_loader(2, SEQ_LEN), None, out_dir=tmp_path, dist=DistInfo())
+    assert not job.train.compile and not eager.progress.compiled_blocks
+    applied(model).compile_backend = "inductor"  # what surgery/compile.apply_compile records
+    compiled = build_components(job, forward, random_row_loader(2, SEQ_LEN), None, out_dir=tmp_path, dist=DistInfo())
+    assert compiled.progress.compiled_blocks

@@ -116,3 +116,46 @@ def test_the_step_time_report_holds_the_plan_to_account(monkeypatch):
     assert report["planned_terms_s"] == {"matmul": 1.5, "optimizer": 0.5}
     assert logged["step_s"] == 2.5 and logged["planned_step_s"] == 2.0 and logged["step_time_ratio"] == 1.25
     assert progress.warmup_steps(compiled=True) == 2
+
+
+def test_an_unknown_planned_speed_gives_no_ratio_and_compiled_blocks_skip_two_steps(monkeypatch):
+    """A plan whose device speed is unknown has no seconds to hold the run to: TensorBoard and the summary get no
+    ratio and no planned step; blocks compiled with train.compile=false (a memory policy's) leave two steps out."""
+    import torch
+
+    from flexengine.core.config import TrainConfig
+    from flexengine.loop import progress
+    from flexengine.loop.state import TrainState
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Progress(TrainConfig(max_steps=10), TrainState(), peak_tflops=None, compiled_blocks=True)
+    clock.planned = progress.PlannedStep(0.05, "unknown device speed", None, {}, known=False)
+    clock.start_loop(0)
+    logged = {}
+
+    class Metrics:
+        def scalars(self, values, step):
+            logged.update(values)
+
+    m = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 8, "useful_tokens": 8, "block_density": None}
+    for seconds in (9.0, 7.0, 3.0, 2.5, 2.0):
+        clock.start_step()
+        now[0] += seconds
+        clock.count({**m, "model_flops": 0.0, "hardware_flops": 0.0})
+        clock.log_step(Metrics(), m, len(clock.step_times), eta_s=0.0, device=torch.device("cpu"))
+    report = clock.step_time_report()
+    assert report["excluded_first_steps"] == 2 and report["measured_s"] == 2.5
+    assert report["ratio"] is None and report["planned_source"] == "unknown device speed"
+    assert logged["step_time_ratio"] is None and logged["planned_step_s"] is None and logged["step_s"] == 2.0
+    assert progress.Progress(TrainConfig(), TrainState(), peak_tflops=None).compiled_blocks is False  # as compile
+
+
+def test_the_done_line_compares_no_step_with_an_unknown_speed():
+    from flexengine.run import _step_vs_plan
+
+    report = {"measured_s": 2.5, "planned_s": 0.05, "ratio": None, "excluded_first_steps": 2}
+    line = _step_vs_plan({**report, "planned_source": "unknown device speed"})
+    assert line == ", step 2.50 s measured (no planned time: unknown device speed)" and "planned (" not in line
+    known = _step_vs_plan({**report, "planned_s": 2.0, "ratio": 1.25, "planned_source": "measured device speed"})
+    assert "2.50 s measured vs 2.00 s planned (1.25x; planned from measured device speed" in known

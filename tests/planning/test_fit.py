@@ -3,20 +3,26 @@ that does not fit is a clear error listing what would; auto resolves precision, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 
 import pytest
 
 from flexengine.cli.doctor import compose_job
+from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
+from flexengine.planning.costs import MEASURED, UNKNOWN
 from flexengine.planning.fit import (
     PrecisionTrial,
     choose_precision,
+    comparable_times,
     fit_job,
     format_fit,
     plan_job,
     precision_verdicts,
+    step_cell,
 )
 from flexengine.surgery.model import build_hf_config
 
@@ -254,3 +260,32 @@ def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_p
     fit = plan_job(eager, build_hf_config(eager.model), assumed_hardware(eager.hardware))
     assert fit.plan.time.eager_pointwise_s * eager.train.max_steps > 10 * COMPILE_S
     assert "train.compile=true would pay" in compile_hint(eager, fit) and not compile_hint(shipped, fit)
+
+
+def test_a_measured_mode_is_never_ranked_against_an_unknown_one():
+    """On CPU with fp32's speed measured (the dtype the run takes) and bf16's not: fp32's seconds print, the bf16
+    modes' n/a, and precision=auto ranks none of them by time (the most exact that fits, saying why). With no
+    speed known at all, every mode's step is n/a, not the fallback's seconds."""
+    job = compose_job(["hardware.device=cpu", "data.seq_len=1024"])  # FLEXENGINE_DEVICE_SPEED=off: unknown
+    hf_config, cpu = build_hf_config(job.model), assumed_hardware(job.hardware)
+    measured = dataclasses.replace(cpu, speed=(DeviceSpeed(matmul_tflops=0.05, memory_gb_s=10.0, dtype_bytes=4),))
+    fit = plan_job(job, hf_config, measured)
+    rows = {r.precision: r for r in fit.precision_table}
+    assert rows["fp32"].time_source == MEASURED and rows["bf16_mixed"].time_source == UNKNOWN
+    assert not comparable_times(fit.precision_table) and fit.precision.name == "fp32"
+    assert "are not comparable" in rows["bf16_mixed"].verdict
+    table = format_fit(fit).splitlines()
+    fp32, bf16 = (next(line for line in table if line.startswith(f"  {m} ")) for m in ("fp32", "bf16_mixed"))
+    assert f"{rows['fp32'].step_s:.1f}" in fp32 and " n/a " in bf16
+
+    unknown = plan_job(job, hf_config, cpu)
+    assert {r.time_source for r in unknown.precision_table} == {UNKNOWN}
+    text = format_fit(unknown)
+    assert "this device's speed is unknown" in text and re.search(r"\s\d+\.\d+\s+yes", text) is None
+    assert all(" n/a/step" in line for line in precision_verdicts(unknown))
+
+
+def test_step_cells():
+    assert step_cell(1.234, MEASURED, 7, 2) == "   1.23" and step_cell(1.234, UNKNOWN, 7, 2) == "    n/a"
+    mixed = [dataclasses.replace(_row("exact", 248.6), time_source=MEASURED), _row("fast", 0.1)]
+    assert not comparable_times(mixed) and mixed[choose_precision(mixed, timed=False)].precision == "exact"

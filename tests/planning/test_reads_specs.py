@@ -183,6 +183,16 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "surgery/rope.py:apply_rope_scaling": "the resolver of model.rope_scaling against HF's rope_type",
     "surgery/rope.py:context_limits": "HF's rope_type of the model config, not a choice of ours",
     "surgery/rope.py:describe": "HF's rope_type of the model config, for the log",
+    "core/device_speed.py:_copy_gb_s": "torch.device.type, not a config value",
+    "core/device_speed.py:_measurements": "torch.device.type, not a config value",
+    "core/device_speed.py:_sync": "torch.device.type, not a config value",
+    "core/device_speed.py:device_key": "torch.device.type, not a config value",
+    "core/device_speed.py:release_measurement": "torch.device.type, not a config value",
+    "data/sources.py:_needed_fields": "data.format picks the record's required fields",
+    "loop/evaluator.py:__init__": "data.formats: a chat run renders its sample prompts through the chat template",
+    "planning/max_seq_len.py:longest_over_modes": "precision=auto: the search weighs every mode; a set mode alone",
+    "planning/specs.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
+    "surgery/compile.py:why_uncompiled": "torch.compiler's stance, not a config value",
 }
 
 

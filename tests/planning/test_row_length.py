@@ -12,6 +12,7 @@ from flexengine.cli.common import compose_job
 from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
 from flexengine.data.packing import packer
+from flexengine.planning.costs import NO_SPEED
 from flexengine.planning.row_length import (
     KEEP_WHOLE,
     TIE_BAND,
@@ -142,3 +143,17 @@ def test_without_documents_the_rows_are_the_supported_context():
     )
     with pytest.raises(UserError, match="no documents"):
         _choose(compose_job(["data.seq_len=auto"]), np.array([], dtype=int))
+
+
+def test_an_unknown_device_speed_prints_no_hours():
+    """On CPU with no measured speed the lengths are still ranked, but the table prints n/a, names the options
+    once, and the ladder scales no hours; a named card's assumed MFU still prints both."""
+    lengths = np.full(200, 1000)
+    choice = _choose(compose_job(["hardware.device=cpu", "data.seq_len=auto"]), lengths)
+    assert not any(o.timed for o in choice.options)
+    table, ladder = format_row_length(choice), mfu_ladder(choice.chosen)
+    assert "n/a     n/a" in table and table.count(NO_SPEED) == 1 and "<- chosen" in table
+    assert "no MFU ladder" in ladder and " h " not in ladder
+    assumed = _choose(compose_job(["hardware=a100_80g", "data.seq_len=auto"]), lengths)
+    assert all(o.timed for o in assumed.options) and NO_SPEED not in format_row_length(assumed)
+    assert "at the assumed 40% MFU" in mfu_ladder(assumed.chosen)
