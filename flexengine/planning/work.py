@@ -7,8 +7,8 @@ over the useful (non-padding) tokens, plus the attention core over the (query, k
 the documents (4 FLOPs per pair, head and dim forward, 8 backward). What is executed is what the planner prices
 (planner._step_time's FLOPs and the activation model's recompute): the same over every token slot, padding
 included, attention over the padding's causal square too (packed_pairs lays it out as one more document), and the
-forwards a checkpoint re-runs. The chunked loss's lm_head: the planner prices none re-run (the fused loss computes
-each chunk's gradients in the forward), so the term is zero here and is named as such.
+forwards a checkpoint re-runs, and the chunked loss's lm_head forward, which its checkpointed chunks run again in
+backward (loss.chunk_size > 0: 2 x hidden x vocab per token slot; loop/flops.py counts the run's the same way).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class WorkPerToken:
     executed_flops: float
     padding_flops: float  # matmuls and attention over padding slots
     recompute_flops: float  # forwards a checkpoint re-runs in backward
-    loss_recompute_flops: float  # lm_head re-run by the chunked loss in backward (priced by the planner: none)
+    loss_recompute_flops: float  # lm_head's forward, re-run by the chunked loss's checkpointed chunks in backward
 
     @property
     def ratio(self) -> float:
@@ -59,7 +59,7 @@ class WorkPerToken:
         return (
             f"work: {self.ratio:.3f} x the model's FLOPs per useful token ({self.model_flops / 1e9:.1f} GFLOP: 6N + "
             f"attention pairs); padding {share(self.padding_flops)}, recompute {share(self.recompute_flops)}, loss "
-            f"recompute {share(self.loss_recompute_flops)} (the fused loss re-runs no lm_head)"
+            f"recompute {share(self.loss_recompute_flops)} (the chunked loss re-runs lm_head's forward in backward)"
         )
 
 
@@ -87,12 +87,13 @@ def work_per_token(
     executed_attention = 3 * attention_core * sum(shares)
     model_attention = 3 * attention_core * sum(document_pairs) * x.cp
     recompute = estimate_activations(m, w, specs, attended_fraction=shares).recompute_flops
-    executed = passes * per_token * w.tokens + executed_attention + recompute
+    loss_recompute = 2 * w.tokens * m.hidden * m.vocab if x.chunk_size > 0 else 0.0  # each chunk a checkpoint
+    executed = passes * per_token * w.tokens + executed_attention + recompute + loss_recompute
     model = passes * per_token * useful + model_attention
     return WorkPerToken(
         model_flops=model / useful,
         executed_flops=executed / useful,
         padding_flops=(passes * per_token * (w.tokens - useful) + executed_attention - model_attention) / useful,
         recompute_flops=recompute / useful,
-        loss_recompute_flops=0.0,
+        loss_recompute_flops=loss_recompute / useful,
     )
