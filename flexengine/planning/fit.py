@@ -433,7 +433,8 @@ def format_fit_summary(fit: FitPlan) -> str:
         if family in families:
             continue
         families.add(family)
-        runners.append(f"{r.label} ({_gib(r.total_bytes)} GiB, ~{r.step_s:.2f} s/step)")  # labels say mb=
+        step = f"~{r.step_s:.2f} s/step" if p.time.source != UNKNOWN else "step time unknown"  # no fallback seconds
+        runners.append(f"{r.label} ({_gib(r.total_bytes)} GiB, {step})")  # labels say mb=
         if len(runners) == RUNNERS_UP:
             break
     return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"

@@ -289,3 +289,13 @@ def test_step_cells():
     assert step_cell(1.234, MEASURED, 7, 2) == "   1.23" and step_cell(1.234, UNKNOWN, 7, 2) == "    n/a"
     mixed = [dataclasses.replace(_row("exact", 248.6), time_source=MEASURED), _row("fast", 0.1)]
     assert not comparable_times(mixed) and mixed[choose_precision(mixed, timed=False)].precision == "exact"
+
+
+def test_the_plan_line_gives_no_runner_up_seconds_from_an_unknown_speed():
+    """On a device whose speed is unknown (tests turn the measurement off) the runners-up carry no fallback seconds."""
+    from flexengine.planning.fit import format_fit_summary
+
+    job = compose_job(["debug=fast", "hardware.device=cpu"])
+    hf_config = build_hf_config(job.model)
+    line = format_fit_summary(plan_job(job, hf_config, assumed_hardware(job.hardware)))
+    assert "runners-up:" in line and "step time unknown" in line and "s/step" not in line
