@@ -22,7 +22,9 @@ from flexengine.cli.common import compose_job
 from flexengine.core.config import conf_dir
 from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.fit import plan_job
+from flexengine.planning.row_length import with_seq_len
 from flexengine.planning.shapes import ModelShape
+from flexengine.planning.specs import context_rows
 from flexengine.surgery.memory import decoder_layers
 from flexengine.surgery.model import build_hf_config, build_meta_model
 
@@ -65,6 +67,8 @@ def _shipped(config: str, jsonl: Path) -> list[str]:
 def _plan(config: str, jsonl: Path):
     job = compose_job(_shipped(config, jsonl))
     hf_config = build_hf_config(job.model)
+    if job.data.fixed_seq_len is None:  # data.seq_len=auto: the plan with no documents takes the supported context
+        job = with_seq_len(job, context_rows(hf_config, job.parallel.cp))
     return job, hf_config, plan_job(job, hf_config, assumed_hardware(job.hardware))
 
 

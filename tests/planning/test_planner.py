@@ -165,11 +165,12 @@ def test_the_budget_leaves_the_cuda_context_and_a_named_margin():
 
 def test_adamw_8bit_counts_fp32_embedding_states():
     """V x h x 8 bytes: ~3.4 GB for deepseek7b's 102,400 x 4096 embedding."""
-    from flexengine.surgery.precision import EMBEDDING_STATE_BYTES
+    from flexengine.core.optimizers import optimizer_spec
 
     cfg, x = _deepseek_inputs(optimizer_state_bytes=1.0)
     plain = plan_memory(cfg, x).terms
-    with_fp32 = plan_memory(cfg, dataclasses.replace(x, embedding_state_bytes=EMBEDDING_STATE_BYTES)).terms
+    embedding_state_bytes = optimizer_spec("adamw_8bit").embedding_state_bytes  # torchao keeps them fp32
+    with_fp32 = plan_memory(cfg, dataclasses.replace(x, embedding_state_bytes=embedding_state_bytes)).terms
     assert with_fp32.embedding_optimizer_bytes == 102400 * 4096 * 8 == pytest.approx(3.36e9, rel=0.01)
     # the embedding's 8-bit states are replaced, not added to
     assert plain.optimizer_bytes - with_fp32.optimizer_bytes == 2 * 102400 * 4096
