@@ -174,7 +174,7 @@ SUMMARY_KEYS += ["world_size", "params", "total_bytes", "budget_bytes", "card_by
 SUMMARY_KEYS += ["margin_bytes", "host_bytes", "host_budget_bytes", "step_s", "tokens_per_step", "tokens_per_s"]
 SUMMARY_KEYS += ["describe", "candidates"]
 PRECISION_ROW_KEYS = ["precision", "fits", "total_bytes", "host_bytes", "policy", "step_s", "updates_exact"]
-PRECISION_ROW_KEYS += ["stochastic_rounding", "trains_correctly", "missing", "why_not_fit", "verdict"]
+PRECISION_ROW_KEYS += ["stochastic_rounding", "trains_correctly", "missing", "why_not_fit", "verdict", "time_source"]
 
 
 def test_plan_json_leads_with_a_summary_and_stays_small():

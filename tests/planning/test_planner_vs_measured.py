@@ -8,6 +8,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from flexengine.core import device_speed
 from flexengine.planning import planner
@@ -53,9 +54,15 @@ def _check(planned: dict[str, float], measured: dict[str, float]) -> None:
 
 @pytest.fixture
 def measured_speed(tmp_path, monkeypatch):
+    """One thread, as bench/planner_time.py runs: with two, CPU seconds count the pool's spin-waits, which grow with
+    the other processes' load (an xdist neighbour made a step 3x the plan) while the device-speed GEMMs barely wait."""
     monkeypatch.delenv(device_speed.SPEED_ENV, raising=False)
     monkeypatch.setenv(device_speed.CACHE_ENV, str(tmp_path / "speed.json"))
     monkeypatch.setenv(device_speed.CLOCK_ENV, "process")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_planned_steps_follow_measured_ones_and_a_dropped_recompute_term_fails(tmp_path, measured_speed, monkeypatch):

@@ -543,7 +543,8 @@ def test_launches_in_the_same_second_get_a_folder_each(tmp_path):
         proc.communicate(timeout=600)
         assert proc.returncode == 2
     folders = sorted(p.parent for p in (tmp_path / "out").glob("*/*/error.json"))
-    assert [f.name.rsplit("-", 1)[1] for f in folders] == sorted(str(p.pid) for p in procs), folders
+    # folders sort by time, pids by number: the two orders need not agree when the later pid starts first
+    assert sorted(f.name.rsplit("-", 1)[1] for f in folders) == sorted(str(p.pid) for p in procs), folders
 
 
 @pytest.fixture
