@@ -53,18 +53,17 @@ def _column(spelling: str, data: DataConfig) -> tuple[str, Optional[str]]:
     return spelling, None
 
 
+_CHECKS, _ENCODINGS = (
+    "flexengine.data.sources:",
+    "flexengine.data.encode:",
+)  # where the shipped checks and encodings live
 FORMATS: dict[str, DataFormat] = {
     # one document per record, its text in data.text_field
-    "text": DataFormat(
-        "flexengine.data.sources:check_text_record",
-        "flexengine.data.encode:encode_texts",
-        "data.text_field",
-        texts=True,
-    ),
+    "text": DataFormat(_CHECKS + "check_text_record", _ENCODINGS + "encode_texts", "data.text_field", texts=True),
     # one conversation per record, in data.messages_field; with data.train_on=assistant only the replies carry loss
     "chat": DataFormat(
-        "flexengine.data.sources:check_chat_record",
-        "flexengine.data.encode:encode_chats",
+        _CHECKS + "check_chat_record",
+        _ENCODINGS + "encode_chats",
         "data.messages_field",
         has_mask=True,
         chats=True,
@@ -72,16 +71,16 @@ FORMATS: dict[str, DataFormat] = {
     ),
     # token ids as given; labels of -100 (where a record has labels) mark the tokens not trained on
     "pretokenized": DataFormat(
-        "flexengine.data.sources:check_token_record",
-        "flexengine.data.encode:encode_pretokenized",
+        _CHECKS + "check_token_record",
+        _ENCODINGS + "encode_pretokenized",
         "input_ids",
         reads=("labels",),
         has_mask=True,
     ),
     # text and chat records, each naming which it is in data.format_field
     "mixed": DataFormat(
-        "flexengine.data.sources:check_mixed_record",
-        "flexengine.data.encode:encode_mixed",
+        _CHECKS + "check_mixed_record",
+        _ENCODINGS + "encode_mixed",
         "data.format_field",
         reads=("data.text_field", "data.messages_field"),
         has_mask=True,

@@ -297,22 +297,18 @@ def encode_chats(encoder: Encoder, docs: Sequence[RawDoc]) -> list[Any]:
 
 def encode_pretokenized(encoder: Encoder, docs: Sequence[RawDoc]) -> list[Any]:
     """format=pretokenized: the ids as given (each inside the vocabulary), trained where labels are not -100."""
-    out: list[Any] = []
-    for doc in docs:
-        ids_list, labels = doc.payload
-        ids = np.asarray(ids_list, dtype=np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= encoder.vocab_size))
-        if len(bad):
-            i = int(bad[0])
-            message = (
-                f"{doc.where}: input_ids[{i}]={int(ids[i])} is outside the tokenizer's vocabulary "
-                f"(0..{encoder.vocab_size - 1})"
-            )
-            out.append(Rejected("token_id_out_of_range", message))
-            continue
-        mask = None if labels is None else np.asarray(labels, dtype=np.int64) != -100
-        out.append(Encoded(ids.astype(TOKEN_DTYPE), mask))
-    return out
+    return [_token_ids(doc, encoder.vocab_size) for doc in docs]
+
+
+def _token_ids(doc: RawDoc, vocab_size: int) -> Any:
+    ids, labels = np.asarray(doc.payload[0], dtype=np.int64), doc.payload[1]
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        problem = f"input_ids[{i}]={int(ids[i])} is outside the tokenizer's vocabulary (0..{vocab_size - 1})"
+        return Rejected("token_id_out_of_range", f"{doc.where}: {problem}")
+    mask = None if labels is None else np.asarray(labels, dtype=np.int64) != -100
+    return Encoded(ids.astype(TOKEN_DTYPE), mask)
 
 
 def encode_mixed(encoder: Encoder, docs: Sequence[RawDoc]) -> list[Any]:

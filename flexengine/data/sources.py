@@ -303,10 +303,8 @@ def check_mixed_record(record: dict, data: DataConfig) -> Checked:
         kinds = " or ".join(f'"{k}"' for k in _MIXED_KINDS)
         problem = f"{data.format_field}={kind!r}: data.format=mixed needs {kinds} in field {data.format_field!r}"
         return _null(record, data.format_field) or ("bad_format_field", problem + " (data.format_field)", None)
-    check, key = part
-    name = getattr(data, key)
-    value = record.get(name)
-    return _null(record, name) or (*check(value, name), (kind, value))
+    check, name = part[0], getattr(data, part[1])
+    return _null(record, name) or (*check(record.get(name), name), (kind, record.get(name)))
 
 
 # -- readers: every source yields (where, record, parse problem, its reason) ---------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from flexengine.cli.common import compose_job
 from flexengine.core.config import DataConfig
-from flexengine.core.data_formats import FORMATS, DataFormat, data_format
+from flexengine.core.data_formats import FORMATS, DataFormat, data_format, function_named
 from flexengine.core.errors import UserError
 from flexengine.data.corpus import build_corpus
 from flexengine.data.demo import load_demo_tokenizer
@@ -65,6 +65,11 @@ def test_the_shipped_formats_and_the_columns_they_read():
     assert [n for n, f in FORMATS.items() if f.has_mask] == ["chat", "pretokenized", "mixed"]
     assert [n for n, f in FORMATS.items() if f.chats] == ["chat", "mixed"]
     assert [n for n, f in FORMATS.items() if f.texts] == ["text", "mixed"]
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_each_format_names_a_check_and_an_encoding_that_exist(name):
+    assert callable(function_named(FORMATS[name].check)) and callable(function_named(FORMATS[name].encode))
 
 
 def test_an_unknown_format_is_refused_listing_the_table():
