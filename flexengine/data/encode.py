@@ -312,8 +312,7 @@ def _token_ids(doc: RawDoc, vocab_size: int) -> Any:
 
 
 def encode_mixed(encoder: Encoder, docs: Sequence[RawDoc]) -> list[Any]:
-    """format=mixed: payload (kind, value), the kind a format of the table (text or chat); each kind's documents
-    encoded together by that format (texts in one batch), the results in input order."""
+    """format=mixed: payload (kind, value), its kind a format (text or chat) whose encoding takes all its documents."""
     out: list[Any] = [None] * len(docs)
     for kind in dict.fromkeys(doc.payload[0] for doc in docs):
         picked = [i for i, doc in enumerate(docs) if doc.payload[0] == kind]

@@ -29,11 +29,9 @@ SUFFIXES = {
     "hf": (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".arrow"),
 }
 # the `datasets` builder that reads each suffix (source=hf)
-HF_BUILDERS = {
-    **dict.fromkeys(SUFFIXES["jsonl"], "json"),
-    **dict.fromkeys(SUFFIXES["parquet"], "parquet"),
-    ".arrow": "arrow",
-}
+HF_BUILDERS = (
+    dict.fromkeys(SUFFIXES["jsonl"], "json") | dict.fromkeys(SUFFIXES["parquet"], "parquet") | {".arrow": "arrow"}
+)
 TABLE_BATCH_ROWS = 1024  # rows per Arrow batch read from a Parquet file or an HF dataset
 # one record as a reader yields it: (where, the record as parsed, why it could not be parsed, that reason's name)
 ParsedRecord = tuple[str, Any, Optional[str], str]
@@ -167,14 +165,10 @@ def check_columns(where: str, columns: list[str], data: DataConfig) -> list[str]
     fmt = data_format(data.format)
     name, key = fmt.needed(data)
     if name not in columns:
-        fix = (
-            f"Set {key} to the column holding them, e.g. {key}={columns[0]}"
-            if key and columns
-            else f"data.format={data.format} needs that column"
-        )
+        fix = f"Set {key} to the column holding them, e.g. {key}={columns[0]}" if key and columns else ""
         raise UserError(
             f"{where}: no column {name!r} ({key or 'data.format=' + data.format}); its columns are "
-            f"{', '.join(map(repr, columns)) or 'none'}. {fix}."
+            f"{', '.join(map(repr, columns)) or 'none'}. {fix or f'data.format={data.format} needs that column'}."
         )
     return [c for c in fmt.columns(data) if c in columns]
 
@@ -193,10 +187,8 @@ def _load_hf(path: Path, data: DataConfig) -> tuple[Any, str]:
         else:
             from flexengine.data.cache import corpus_cache_dir
 
-            cache_dir = str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets")
-            ds = datasets.load_dataset(
-                HF_BUILDERS[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
-            )
+            cache = str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets")
+            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), split="train", cache_dir=cache)
     except Exception as e:  # datasets/pyarrow raise many types for unreadable files
         raise _unreadable(path, "load with HF datasets", e, "For file:line errors, read it with data=jsonl.") from None
     if not isinstance(ds, datasets.DatasetDict):
