@@ -27,8 +27,16 @@ os.environ.setdefault("FLEXENGINE_DEVICE_SPEED", "off")
 
 TESTS = Path(__file__).resolve().parent
 INTEGRATION_DIR = TESTS / "integration"
-# a run (the doctor's too), or a process
-RUN_NAMES = {"run_training", "build_trainer", "diagnose", "run_doctor", "subprocess", "run_grads_script"}
+# a run (the doctor's too; tests.helpers.run_entry_point: `python -m flexengine.train` in this process), or a process
+RUN_NAMES = {
+    "run_training",
+    "build_trainer",
+    "diagnose",
+    "run_doctor",
+    "subprocess",
+    "run_grads_script",
+    "run_entry_point",
+}
 LAUNCH_NAMES = {"python_launcher", "spawn"}  # torchrun (tests.helpers) or torch.multiprocessing.spawn
 LAUNCH_TEXT = ("torch.distributed.run", "--nproc_per_node")
 TIER_OF_FILE = {"test_packaging.py": "packaging"}

@@ -5,7 +5,12 @@ Tiny HF models built in-process (no downloads), fp32, deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
+import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +26,31 @@ FAST = ("data.demo_max_files=24", "data.seq_len=256", "train.progress=false", "o
 # debug=fast's loop on top: 4 steps of micro_batch 2, grad_accum 1, and its own 1-step warmup (restated: a value
 # override beats the group's, and FAST's comes first)
 DEBUG_FAST = ("debug=fast", "optim.warmup_steps=1")
+
+
+def run_entry_point(overrides: list[str]) -> tuple[int, str]:
+    """`python -m flexengine.train <overrides>` in this process: (exit status, stderr)."""
+    from flexengine.cli import train
+
+    err = io.StringIO()
+    argv = sys.argv
+    sys.argv = ["flexengine.train", *overrides]
+    code = 0
+    try:
+        with contextlib.redirect_stderr(err):
+            train.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception as e:  # any exception is a crash a caller reports (with its traceback)
+        err.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        code = 1
+    finally:
+        sys.argv = argv
+        logging.getLogger().handlers.clear()  # Hydra's handlers hold this run's StringIO and log file
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None  # later compositions in this process must not see this run's overrides
+    return code, err.getvalue()
 
 
 def make_job(out_dir: Path, *overrides: str) -> JobConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from flexengine.core.data_formats import FORMATS
 from flexengine.core.errors import UserError
 from flexengine.core.optimizers import OPTIMIZERS
 from flexengine.core.parallel_spec import ReduceEvery, Strategy
@@ -16,7 +17,7 @@ from flexengine.core.parallel_spec import ReduceEvery, Strategy
 ATTN_BACKENDS = ("auto", "flex", "dense", "varlen", "sdpa")
 PACKING_STRATEGIES = ("auto", "bfd", "greedy", "none")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
-DATA_FORMATS = ("text", "chat", "pretokenized", "mixed")
+DATA_FORMATS = tuple(FORMATS)  # the shipped record formats (core/data_formats.py)
 DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
 EVAL_OVERLAP = ("auto", "drop", "refuse", "allow")  # data.eval_overlap
 MODEL_INITS = ("auto", "pretrained", "random")

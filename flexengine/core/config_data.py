@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from flexengine.core.config_checks import (
-    DATA_FORMATS,
     DATA_SOURCES,
     EVAL_OVERLAP,
     LONG_DOC_POLICIES,
     PACKING_STRATEGIES,
     check_choice,
 )
+from flexengine.core.data_formats import FORMATS, DataFormat
 from flexengine.core.errors import UserError
 
 SEQ_LEN_AUTO = "auto"  # data.seq_len=auto: the row length is chosen from the corpus (planning/row_length.py)
@@ -52,7 +52,8 @@ class DataConfig:
     hf_split: str = "train"  # source=hf: the split of a saved DatasetDict
     mix: List[MixSource] = field(default_factory=list)  # several sources with weights instead of data.path, e.g.
     # data.mix='[{path: /d/code.jsonl, weight: 3}, {path: /d/chat.jsonl, weight: 1}]'; shares per source reported
-    format: str = "text"  # text | chat | pretokenized | mixed (text and chat records, by data.format_field)
+    format: str = "text"  # text | chat | pretokenized | mixed (text and chat records, by data.format_field): a
+    # format of core/data_formats.FORMATS, which says what each reads and how it is encoded
     text_field: str = "text"  # record field holding the document text (format=text)
     messages_field: str = "messages"  # record field holding the chat turns (format=chat)
     format_field: str = "format"  # format=mixed: the record field saying "text" or "chat" for that record
@@ -96,7 +97,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.source", self.source, DATA_SOURCES)
-        check_choice("data.format", self.format, DATA_FORMATS)
+        check_choice("data.format", self.format, tuple(FORMATS))  # read now: a test may add one
         check_choice("data.packing", self.packing, PACKING_STRATEGIES)
         check_choice("data.long_docs", self.long_docs, LONG_DOC_POLICIES)
         check_choice("data.on_error", self.on_error, ("raise", "skip"))
@@ -113,7 +114,7 @@ class DataConfig:
                 part.source = part.source or self.source
                 check_choice(f"data.mix[{i}].source", part.source, DATA_SOURCES[1:])
                 part.format = part.format or self.format
-                check_choice(f"data.mix[{i}].format", part.format, DATA_FORMATS)
+                check_choice(f"data.mix[{i}].format", part.format, tuple(FORMATS))
                 if not part.path:
                     raise UserError(f"data.mix[{i}] has no path.")
                 if not part.weight > 0:
@@ -125,7 +126,8 @@ class DataConfig:
         self._check_auto_rows()
         if self.max_docs is not None and self.max_docs <= 0:
             raise UserError(f"data.max_docs={self.max_docs} must be positive (or null for all documents).")
-        if self.source == "demo" and self.format != "text" and not self.mix:
+        # the demo corpus is one text per file: a format reads it if all it needs is the text field
+        if self.source == "demo" and FORMATS[self.format].needs != "data.text_field" and not self.mix:
             raise UserError(f"data=demo is plain text; data.format={self.format} needs data=jsonl or data=parquet.")
         if self.num_workers < 0:
             raise UserError(f"data.num_workers={self.num_workers} must be >= 0 (0 = tokenize in this process).")
@@ -151,7 +153,7 @@ class DataConfig:
     def _check_auto_rows(self) -> None:
         """data.seq_len=auto chooses from the documents' token lengths, and a chat's tokens depend on the row length
         (data.long_chats truncates, drops or splits conversations at data.seq_len): refused there, by name."""
-        chats = sorted(self.formats & {"chat", "mixed"})
+        chats = sorted(name for name in self.formats if FORMATS[name].chats)
         if self.seq_len == SEQ_LEN_AUTO and chats:
             raise UserError(
                 f"data.seq_len=auto with data.format={'/'.join(chats)}: a conversation is encoded to fit the row "
@@ -170,6 +172,11 @@ class DataConfig:
     def formats(self) -> set:
         """The record formats read: data.format, or each mixture source's."""
         return {m.format or self.format for m in self.mix} or {self.format}
+
+    @property
+    def format_specs(self) -> list[DataFormat]:
+        """The DataFormat (core/data_formats.py) of each format read."""
+        return [FORMATS[name] for name in sorted(self.formats)]
 
     @property
     def has_eval(self) -> bool:

@@ -84,7 +84,7 @@ def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[list[dict]
     report = {**plan.stats.as_dict(), "documents_skipped": corpus.skipped}
     if mix_report is not None:
         report["mix"] = mix_report
-    if data.formats & {"chat", "mixed"}:
+    if any(f.chats for f in data.format_specs):
         report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": data.long_chats}
     return report
 

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from flexengine.core.config import DataConfig
+from flexengine.core.data_formats import data_format
 from flexengine.core.storage import pid_alive
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,7 @@ def cache_key_inputs(data: DataConfig, files: list[Path], tokenizer) -> dict:
     keys.append("separator")  # null resolves from the tokenizer alone, which the fingerprint covers
     if data.source == "hf":  # one saved DatasetDict holds several splits: each is its own corpus
         keys.append("hf_split")
-    if data.format in ("chat", "mixed"):  # what the chat encoding depends on (text caches ignore seq_len)
-        keys += ["format_field", "train_on", "assistant_mask", "long_chats", "seq_len"]
+    keys += data_format(data.format).options  # what its encoding depends on besides (text ignores seq_len)
     return {
         "version": CACHE_VERSION,
         "files": stats,

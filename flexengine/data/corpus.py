@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from flexengine.core.config import DataConfig
+from flexengine.core.data_formats import data_format
 from flexengine.core.errors import UserError
 from flexengine.data.cache import (
     CorpusWriter,
@@ -117,7 +118,7 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
     start = time.perf_counter()
     bad = BadRecords(data.on_error)
     encoder = Encoder.from_config(tokenizer, data)
-    writer = CorpusWriter(directory, with_mask=data.format != "text")
+    writer = CorpusWriter(directory, with_mask=data_format(data.format).has_mask)
     chats = {"truncated": 0, "dropped": 0}  # data.long_chats at work (a policy, not bad records)
     total = len(files) if data.source == "demo" else data.max_docs  # JSONL/Parquet record counts are unknown
     bar = tqdm(total=total, unit="doc", desc="tokenize", disable=None, leave=False)
@@ -145,7 +146,7 @@ def tokenize_to_cache(data: DataConfig, tokenizer, files: list[Path], directory:
             "tokenize_s": seconds,
             "num_workers": data.num_workers,
             "chats": chats,
-            "assistant_mask": encoder.describe_mask() if data.format in ("chat", "mixed") else None,
+            "assistant_mask": encoder.describe_mask() if data_format(data.format).chats else None,
         }
         writer.commit(meta)
     except BaseException:

@@ -1,19 +1,24 @@
-"""Read raw documents from the demo corpus, JSON Lines or Parquet, checking each record where it is read.
+"""Read raw documents from the demo corpus, JSON Lines, Parquet or HF datasets, checking each record where it is read.
 
-Every record becomes a `RawDoc(where, payload)`: `where` is "file:line" (JSONL) or "file:row N" (Parquet, 0-based),
-so any later error can name it. A bad record goes through `BadRecords.report`: with data.on_error=raise it
-stops the run with the location; with skip it is counted under its reason. Nothing is dropped without a count.
+One path for every source: its reader (`READERS`) yields each record with where it is -- "file:line" (JSONL), "file:row
+N" (Parquet, a data file through HF `datasets`; 0-based) or "dir[split]:row N" (a saved DatasetDict; tables are read
+as Arrow batches of the columns data.format reads) -- and the format's check (core/data_formats.py) makes it a
+`RawDoc(where, payload)`. A bad record goes through `BadRecords.report`: data.on_error=raise stops the run with the
+location and what to do, skip counts it under its reason. A file that cannot be opened, or a table without the column
+the format needs, is a config error naming the file and what to change.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 from flexengine.core.config import DataConfig
+from flexengine.core.data_formats import data_format, function_named
 from flexengine.core.errors import UserError
 from flexengine.data.demo import demo_source_files
 
@@ -24,15 +29,10 @@ SUFFIXES = {
     "hf": (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".arrow"),
 }
 # the `datasets` builder that reads each suffix (source=hf)
-HF_BUILDERS = {
-    ".jsonl": "json",
-    ".json": "json",
-    ".ndjson": "json",
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".arrow": "arrow",
-}
-PARQUET_BATCH_ROWS = 1024
+HF_BUILDERS = (
+    dict.fromkeys(SUFFIXES["jsonl"], "json") | dict.fromkeys(SUFFIXES["parquet"], "parquet") | {".arrow": "arrow"}
+)
+TABLE_BATCH_ROWS = 1024  # rows per Arrow batch read from a Parquet file or an HF dataset
 # one record as a reader yields it: (where, the record as parsed, why it could not be parsed, that reason's name)
 ParsedRecord = tuple[str, Any, Optional[str], str]
 # Roles chat templates know (OpenAI/HF: system, user, assistant, tool; older or model-specific: developer,
@@ -145,8 +145,6 @@ def source_files(data: DataConfig) -> list[Path]:
 
 def _import_datasets():
     """`datasets`, offline: local files and saved datasets need no hub, so none is ever contacted."""
-    import os
-
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -161,65 +159,46 @@ def _import_datasets():
     return datasets
 
 
-def needed_column(data: DataConfig) -> tuple[str, Optional[str]]:
-    """(the record field every record of data.format needs, the config key that names it, if one does)."""
-    if data.format == "text":
-        return data.text_field, "data.text_field"
-    if data.format == "chat":
-        return data.messages_field, "data.messages_field"
-    if data.format == "mixed":
-        return data.format_field, "data.format_field"  # its text/messages fields are needed per record
-    return "input_ids", None  # pretokenized: fixed names
+def check_columns(where: str, columns: list[str], data: DataConfig) -> list[str]:
+    """The columns data.format reads that a table (Parquet, HF dataset) has. One it needs and lacks is a config
+    error naming the key and the columns there are, not a bad record: data.on_error=skip would skip every row."""
+    fmt = data_format(data.format)
+    name, key = fmt.needed(data)
+    if name not in columns:
+        fix = f"Set {key} to the column holding them, e.g. {key}={columns[0]}" if key and columns else ""
+        raise UserError(
+            f"{where}: no column {name!r} ({key or 'data.format=' + data.format}); its columns are "
+            f"{', '.join(map(repr, columns)) or 'none'}. {fix or f'data.format={data.format} needs that column'}."
+        )
+    return [c for c in fmt.columns(data) if c in columns]
 
 
-def check_columns(path: Path, columns: list[str], data: DataConfig) -> None:
-    """A column data.format needs that a table (Parquet, HF dataset) lacks is a config error, not a bad record:
-    every row would fail, and data.on_error=skip would skip them all. Name the key and the columns there are."""
-    name, key = needed_column(data)
-    if name in columns:
-        return
-    fix = (
-        f"Set {key} to the column holding them, e.g. {key}={columns[0]}"
-        if key and columns
-        else f"data.format={data.format} needs that column"
-    )
-    raise UserError(
-        f"{path}: no column {name!r} ({key or 'data.format=' + data.format}); its columns are "
-        f"{', '.join(map(repr, columns)) or 'none'}. {fix}."
-    )
+def _unreadable(path: Path, how: str, error: Exception, fix: str) -> UserError:
+    """A file a reader cannot open at all: where, what failed and what to do (no record of it was read)."""
+    return UserError(f"{path}: cannot {how} ({type(error).__name__}: {error}). {fix}")
 
 
-def _iter_hf(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
-    """Rows of a save_to_disk directory or of one local data file, through HF `datasets`."""
+def _load_hf(path: Path, data: DataConfig) -> tuple[Any, str]:
+    """(the dataset, where its rows are: the path, or path[split] of a saved DatasetDict), through HF `datasets`."""
     datasets = _import_datasets()
     try:
         if is_saved_dataset(path):
             ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                if data.hf_split not in ds:
-                    raise UserError(
-                        f"data.path={path}: no split {data.hf_split!r} (data.hf_split); it has {', '.join(ds)}."
-                    )
-                ds = ds[data.hf_split]
         else:
             from flexengine.data.cache import corpus_cache_dir
 
-            ds = datasets.load_dataset(
-                HF_BUILDERS[path.suffix],
-                data_files=str(path),
-                split="train",
-                cache_dir=str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets"),
-            )
-    except UserError:
-        raise
+            cache = str(corpus_cache_dir(data.cache_dir).parent / "hf-datasets")
+            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), split="train", cache_dir=cache)
     except Exception as e:  # datasets/pyarrow raise many types for unreadable files
+        raise _unreadable(path, "load with HF datasets", e, "For file:line errors, read it with data=jsonl.") from None
+    if not isinstance(ds, datasets.DatasetDict):
+        return ds, str(path)
+    if data.hf_split not in ds:
         raise UserError(
-            f"{path}: cannot load with HF datasets ({type(e).__name__}: {e}). For line-by-line checks "
-            "with file:line use data=jsonl."
-        ) from None
-    check_columns(path, list(ds.column_names), data)
-    for row, record in enumerate(ds):
-        yield f"{path}:row {row}", record, None, ""
+            f"data.path={path}: no split {data.hf_split!r} (data.hf_split); it has {', '.join(ds)}: set "
+            "data.hf_split to one of them."
+        )
+    return ds[data.hf_split], f"{path}[{data.hf_split}]"
 
 
 def _units(data: DataConfig, files: list[Path]) -> list[Path]:
@@ -228,6 +207,18 @@ def _units(data: DataConfig, files: list[Path]) -> list[Path]:
     if data.source == "hf" and is_saved_dataset(saved):
         return [saved]
     return files
+
+
+# -- records: each format's check (core/data_formats.py names them) ----------------------------------------------
+Checked = tuple[Optional[str], str, Any]  # (reason, None when good; the problem; the payload to encode)
+_FORMAT_HINT = "Set data.format={fmt} (in a data.mix, format: {fmt} on that source)"
+
+
+def _null(record: dict, name: str) -> Optional[Checked]:
+    """A field that is there but null: named as a null, not as absent."""
+    if name in record and record[name] is None:
+        return "null_field", f"{name!r} is null (JSON null): the field is there, without a value", None
+    return None
 
 
 def _check_text(value: Any, name: str) -> tuple[Optional[str], str]:
@@ -257,87 +248,69 @@ def check_chat_messages(value: Any, name: str = "messages") -> tuple[Optional[st
     return None, ""
 
 
-def _check_token_ids(record: dict) -> tuple[Optional[str], str]:
-    ids = record.get("input_ids")
+def check_token_record(record: dict, data: DataConfig) -> Checked:
+    """format=pretokenized: input_ids, and labels that keep or mask each (payload: (input_ids, labels or None))."""
+    ids, labels = record.get("input_ids"), record.get("labels")
     if ids is None:
-        return "missing_field", "no 'input_ids' field"
+        return _null(record, "input_ids") or ("missing_field", "no 'input_ids' field", None)
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return "bad_token_ids", "'input_ids' must be a non-empty list of integers"
-    labels = record.get("labels")
-    if labels is None:
-        return None, ""
-    if not isinstance(labels, list) or len(labels) != len(ids):
-        return "bad_labels", f"'labels' must be a list as long as 'input_ids' ({len(ids)})"
+        return "bad_token_ids", "'input_ids' must be a non-empty list of integers", None
+    if labels is not None and (not isinstance(labels, list) or len(labels) != len(ids)):
+        return "bad_labels", f"'labels' must be a list as long as 'input_ids' ({len(ids)})", None
     # Packed rows take labels from input_ids, so only "train on this token" (= input id) or -100 can be kept.
-    for i, (t, label) in enumerate(zip(ids, labels)):
+    for i, (t, label) in enumerate(zip(ids, labels or ids)):
         if label != t and label != -100:
-            return "bad_labels", f"labels[{i}]={label!r} is neither input_ids[{i}]={t} nor -100"
-    return None, ""
+            return "bad_labels", f"labels[{i}]={label!r} is neither input_ids[{i}]={t} nor -100", None
+    return None, "", (ids, labels)
 
 
-def _needed_fields(data: DataConfig, record: dict) -> tuple[str, ...]:
-    """The fields data.format reads from this record (a null in one of them is named as a null, not as absent)."""
-    if data.format == "text":
-        return (data.text_field,)
-    if data.format == "chat":
-        return (data.messages_field,)
-    if data.format == "mixed":
-        kind = record.get(data.format_field)
-        return (
-            data.format_field,
-            {"text": data.text_field, "chat": data.messages_field}.get(str(kind), data.format_field),
-        )
-    return ("input_ids",)
+def _one_field(record: dict, name: str, check: Any, other: str, other_format: str) -> Checked:
+    """The field `name`, checked; where it is missing and the record has `other`, the format to set instead."""
+    value = record.get(name)
+    reason, message = check(value, name)
+    if reason == "missing_field" and other in record:
+        message += f"; it has {other!r}: a {other_format} record? {_FORMAT_HINT.format(fmt=other_format)}"
+    return _null(record, name) or (reason, message, value)
 
 
-_FORMAT_HINT = "Set data.format={fmt} (in a data.mix, format: {fmt} on that source)"
+def check_text_record(record: dict, data: DataConfig) -> Checked:
+    """format=text: a non-empty string in data.text_field (payload: the text)."""
+    return _one_field(record, data.text_field, _check_text, data.messages_field, "chat")
 
 
-def check_record(record: Any, data: DataConfig) -> tuple[Optional[str], str, Any]:
-    """(reason, message, payload) for one parsed record: reason None means good and payload is what to encode."""
-    if not isinstance(record, dict):
-        return "not_an_object", f"record is {type(record).__name__}, not an object", None
-    for name in _needed_fields(data, record):
-        if name in record and record[name] is None:  # present, but null: not the "no such field" below
-            return "null_field", f"{name!r} is null (JSON null): the field is there, without a value", None
-    if data.format == "text":
-        value = record.get(data.text_field)
-        reason, message = _check_text(value, data.text_field)
-        if reason == "missing_field" and data.messages_field in record:
-            message += f"; it has {data.messages_field!r}: a chat record? {_FORMAT_HINT.format(fmt='chat')}"
-        return reason, message, value
-    if data.format == "chat":
-        value = record.get(data.messages_field)
-        reason, message = check_chat_messages(value, data.messages_field)
-        if reason == "missing_field" and data.text_field in record:
-            message += f"; it has {data.text_field!r}: a text record? {_FORMAT_HINT.format(fmt='text')}"
-        return reason, message, value
-    if data.format == "mixed":  # the record says which it is
-        kind = record.get(data.format_field)
-        if kind == "text":
-            value = record.get(data.text_field)
-            return (*_check_text(value, data.text_field), (kind, value))
-        if kind == "chat":
-            value = record.get(data.messages_field)
-            return (*check_chat_messages(value, data.messages_field), (kind, value))
-        message = (
-            f'{data.format_field}={kind!r}: data.format=mixed needs "text" or "chat" in field '
-            f"{data.format_field!r} (data.format_field)"
-        )
-        return "bad_format_field", message, None
-    reason, message = _check_token_ids(record)
-    return reason, message, (record.get("input_ids"), record.get("labels"))
+def check_chat_record(record: dict, data: DataConfig) -> Checked:
+    """format=chat: a conversation in data.messages_field (payload: its turns)."""
+    return _one_field(record, data.messages_field, check_chat_messages, data.text_field, "text")
 
 
+# what a mixed record may say it is in data.format_field: how its value is checked, and the data.* key naming it
+_MIXED_KINDS = {"text": (_check_text, "text_field"), "chat": (check_chat_messages, "messages_field")}
+
+
+def check_mixed_record(record: dict, data: DataConfig) -> Checked:
+    """format=mixed: data.format_field says which kind the record is (payload: (that kind, its value))."""
+    kind = record.get(data.format_field)
+    part = _MIXED_KINDS.get(kind) if isinstance(kind, str) else None
+    if part is None:
+        kinds = " or ".join(f'"{k}"' for k in _MIXED_KINDS)
+        problem = f"{data.format_field}={kind!r}: data.format=mixed needs {kinds} in field {data.format_field!r}"
+        return _null(record, data.format_field) or ("bad_format_field", problem + " (data.format_field)", None)
+    check, name = part[0], getattr(data, part[1])
+    return _null(record, name) or (*check(record.get(name), name), (kind, record.get(name)))
+
+
+# -- readers: every source yields (where, record, parse problem, its reason) ---------------------------------------
 def _skip_rest_of_line(f: Any) -> None:
     """Read past the end of the current line without holding it (chunks of 1 MiB)."""
     while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
         pass
 
 
-def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[ParsedRecord]:
+def _read_jsonl(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
+    """The lines of a JSON Lines file, each at `file:line` (1-based; blank lines are layout, not records)."""
     # bytes in, decoded per line: one bad line (invalid UTF-8, binary junk) is one bad record with its file:line;
-    # a line is read to at most max_bytes (data.max_record_bytes), so a runaway one is never held or tokenized
+    # a line is read to at most data.max_record_bytes, so a runaway one is never held or tokenized
+    max_bytes = data.max_record_bytes
     with open(path, "rb") as f:
         for lineno, raw in enumerate(iter(lambda: f.readline(max_bytes + 1), b""), 1):
             where = f"{path}:{lineno}"
@@ -357,52 +330,65 @@ def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[ParsedRecord]:
                 yield where, None, problem, "invalid_utf8"
                 continue
             if not line.strip():
-                continue  # blank lines are layout, not records
+                continue
             try:
                 yield where, json.loads(line), None, ""
             except json.JSONDecodeError as e:
                 yield where, None, f"not valid JSON ({e.msg} at column {e.colno})", "malformed_json"
 
 
-def _iter_parquet(path: Path, column: str, data: DataConfig) -> Iterator[ParsedRecord]:
+def _rows(where: str, batches: Iterable[Any]) -> Iterator[ParsedRecord]:
+    """The records of a table's Arrow batches (a Parquet file's, an HF dataset's), each at `where:row N` (0-based)."""
+    row = 0
+    for batch in batches:
+        for record in batch.to_pylist():
+            yield f"{where}:row {row}", record, None, ""
+            row += 1
+
+
+def _read_parquet(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
+    """The rows of a Parquet file, only the columns data.format reads."""
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"{path}: cannot read as Parquet ({e}).") from None
-    names = pf.schema_arrow.names
-    check_columns(path, names, data)
-    columns = [c for c in ((column, "labels") if column == "input_ids" else (column,)) if c in names]
-    row = 0
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns or None):
-        for record in batch.to_pylist():
-            yield f"{path}:row {row}", {c: record.get(c) for c in columns}, None, ""
-            row += 1
+        raise _unreadable(path, "read as Parquet", e, "Replace the file, or leave it out of data.path.") from None
+    columns = check_columns(str(path), pf.schema_arrow.names, data)
+    yield from _rows(str(path), pf.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=columns))
+
+
+def _read_hf(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
+    """The rows of a save_to_disk directory (its data.hf_split) or a local data file, in Arrow batches as Parquet's."""
+    ds, where = _load_hf(path, data)
+    columns = check_columns(where, list(ds.column_names), data)
+    yield from _rows(where, ds.select_columns(columns).with_format("arrow").iter(batch_size=TABLE_BATCH_ROWS))
+
+
+def _read_demo(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
+    """One standard-library file as one text record (DataConfig allows only formats that read the text field)."""
+    yield str(path), {data.text_field: path.read_text(encoding="utf-8", errors="replace")}, None, ""
+
+
+READERS = {"demo": _read_demo, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf}  # by data.source
 
 
 def iter_raw_docs(data: DataConfig, bad: BadRecords, files: Optional[list[Path]] = None) -> Iterator[RawDoc]:
     """Checked documents of the configured source in file order, at most data.max_docs of them."""
     files = source_files(data) if files is None else files
+    read, check = READERS[data.source], function_named(data_format(data.format).check)
     count = 0
     for path in _units(data, files):
         if data.max_docs is not None and count >= data.max_docs:
             return
-        if data.source == "demo":  # one document per stdlib file (DataConfig makes format=text)
-            text = path.read_text(encoding="utf-8", errors="replace")
-            records: Iterator[ParsedRecord] = iter([(str(path), {data.text_field: text}, None, "")])
-        elif data.source == "jsonl":
-            records = _iter_jsonl(path, data.max_record_bytes)
-        elif data.source == "hf":
-            records = _iter_hf(path, data)
-        else:
-            column = {"text": data.text_field, "chat": data.messages_field, "pretokenized": "input_ids"}[data.format]
-            records = _iter_parquet(path, column, data)
-        for where, record, parse_error, parse_reason in records:
+        for where, record, parse_error, parse_reason in read(path, data):
             if parse_error is not None:
                 bad.report(parse_reason, f"{where}: {parse_error}")
                 continue
-            reason, message, payload = check_record(record, data)
+            if isinstance(record, dict):
+                reason, message, payload = check(record, data)
+            else:
+                reason, message, payload = "not_an_object", f"record is {type(record).__name__}, not an object", None
             if reason is not None:
                 bad.report(reason, f"{where}: {message}")
                 continue

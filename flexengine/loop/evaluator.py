@@ -73,9 +73,10 @@ class Evaluator:
         self.forward, self.tokenizer, self.state, self.progress = forward, tokenizer, state, progress
         self.metrics, self.signals, self.checkpointer = metrics, signals, checkpointer
         self.block_size = block_size  # attn.block_size: sampled rows are padded to whole blocks per cp rank
-        # a chat run (every source data.format=chat) samples its prompts as user turns through the chat template,
-        # the form it trains on; a sample ends at the tokenizer's eos or, for text data, at the document separator
-        self.chat_prompts = data is not None and data.formats == {"chat"}
+        # a chat run (every source holds conversations only: data.format=chat) samples its prompts as user turns
+        # through the chat template, the form it trains on; a sample ends at the tokenizer's eos or, for text data,
+        # at the document separator
+        self.chat_prompts = data is not None and all(f.chats and not f.texts for f in data.format_specs)
         self.end_ids = sample_end_ids(tokenizer, data) if tokenizer is not None else frozenset()
         self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.last_sample_step = -1
@@ -355,7 +356,7 @@ def sample_end_ids(tokenizer: PreTrainedTokenizerBase, data: Optional[DataConfig
     """The tokens a sample ends at: the tokenizer's eos, and for text data the token the run ends its documents
     with (data.separator; an instruct tokenizer's eos is its end-of-turn, not the end-of-text the run trains)."""
     ends = {tokenizer.eos_token_id}
-    if data is not None and data.add_eos and data.formats & {"text", "mixed"}:
+    if data is not None and data.add_eos and any(f.texts for f in data.format_specs):
         ends.add(document_separator(tokenizer, data.separator).id)
     return frozenset(e for e in ends if e is not None)
 

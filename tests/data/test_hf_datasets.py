@@ -109,3 +109,21 @@ def test_wrong_column_lists_the_columns_and_names_the_key(tmp_path, kind):
     assert "on_error" not in message
     with pytest.raises(UserError, match="data.text_field"):  # skip cannot turn a wrong column into zero documents
         _texts(DataConfig(source=source, path=str(path), cache_dir=str(tmp_path / "cache"), on_error="skip"))
+
+
+def test_a_saved_split_names_the_dataset_and_split_of_a_bad_row_and_of_a_missing_column(tmp_path):
+    import datasets
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    splits = {"train": {"text": ["fine", "   "]}, "test": {"messages": [turns, turns]}}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in splits.items()}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    data = dict(source="hf", path=str(tmp_path / "dd"), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(UserError, match=rf"bad record at {tmp_path / 'dd'}\[train\]:row 1: 'text' is empty. Fix"):
+        _texts(DataConfig(**data))
+    with pytest.raises(UserError, match=rf"{tmp_path / 'dd'}\[test\]: no column 'text' \(data.text_field\)"):
+        _texts(DataConfig(**data, hf_split="test"))
+    # the turns as the JSONL and Parquet readers give them: a list of {role, content}
+    docs = list(iter_raw_docs(DataConfig(**data, hf_split="test", format="chat"), BadRecords()))
+    assert [d.payload for d in docs] == [turns, turns] and docs[1].where == f"{tmp_path / 'dd'}[test]:row 1"

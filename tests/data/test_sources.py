@@ -189,3 +189,18 @@ def test_a_record_over_max_record_bytes_is_a_bad_record_read_no_further(tmp_path
 def test_max_record_bytes_must_be_positive():
     with pytest.raises(UserError, match="data.max_record_bytes=0 must be a positive"):
         DataConfig(max_record_bytes=0)
+
+
+def test_parquet_mixed_reads_each_kinds_column(tmp_path):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"format": ["text", "chat"], "text": ["print(1)", None], "messages": [None, turns]}), path)
+    docs, counts = _read(DataConfig(source="parquet", path=str(path), format="mixed"))
+    assert [d.payload for d in docs] == [("text", "print(1)"), ("chat", turns)] and counts == {}
+
+
+def test_an_unreadable_parquet_file_is_named_with_what_to_do(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(UserError, match=rf"{path}: cannot read as Parquet \(\w+: .*\)\. Replace the file, or leave it"):
+        _read(DataConfig(source="parquet", path=str(path)))

@@ -17,15 +17,10 @@ MAY_REFUSE_ALONE (attn.backend=flex: no CPU backward) may refuse on their own; a
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import math
 import re
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -36,6 +31,7 @@ import yaml
 
 from flexengine.core.config import ATTN_BACKENDS, DATA_FORMATS, OPTIM_NAMES, conf_dir
 from flexengine.data.demo import DEMO_VOCAB_SIZE
+from tests.helpers import run_entry_point
 
 CONF = conf_dir()
 SHRUNK_HIDDEN, SHRUNK_INTERMEDIATE, SHRUNK_HEADS, SEQ_LEN, WINDOW = 32, 64, 2, 256, 64
@@ -172,31 +168,6 @@ def _overrides(row: Dict[str, str], data: Path, tokenizer: Path, run_dir: Path) 
         "optim.warmup_steps=1",
         f"hydra.run.dir={run_dir}",
     ]
-
-
-def run_entry_point(overrides: List[str]) -> Tuple[int, str]:
-    """`python -m flexengine.train <overrides>` in this process: (exit status, stderr)."""
-    from flexengine.cli import train
-
-    err = io.StringIO()
-    argv = sys.argv
-    sys.argv = ["flexengine.train", *overrides]
-    code = 0
-    try:
-        with contextlib.redirect_stderr(err):
-            train.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except Exception as e:  # any exception is a crash the matrix reports (with its traceback)
-        err.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
-        code = 1
-    finally:
-        sys.argv = argv
-        logging.getLogger().handlers.clear()  # Hydra's handlers hold this run's StringIO and log file
-        from hydra.core.hydra_config import HydraConfig
-
-        HydraConfig.instance().cfg = None  # later compositions in this process must not see this run's overrides
-    return code, err.getvalue()
 
 
 def _judge(row: Dict[str, str], run_dir: Path, code: int, stderr: str, seconds: float) -> Result:

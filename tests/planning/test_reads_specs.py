@@ -117,9 +117,9 @@ def config_choices() -> frozenset[str]:
 
 
 # module:function -> why it may compare a config choice's string. Resolvers turn a config into the value or spec
-# below them; builders pick a component by its own group's name; data/ reads its own DataConfig (which files,
-# which format: no spec exists for a data source yet). A string that only looks like a choice says what it is
-# instead.
+# below them; builders pick a component by its own group's name; data/ reads its own DataConfig (which files:
+# no spec exists for a data source yet; a data format is a core/data_formats.py entry). A string that only looks
+# like a choice says what it is instead.
 CONFIG_SUBJECTS: dict[str, str] = {
     "core/distributed.py:init_distributed": "resolves parallel.backend=auto by the torch.device type",
     "core/distributed.py:rank_device": "torch.device.type, not a config value",
@@ -128,21 +128,17 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "core/storage.py:_in_use_message": "explains the user's own train.resume=auto",
     "core/storage.py:check_output_dir": "the resolver of train.resume=auto against the output directory",
     "data/build.py:build_data": "refuses an unresolved data.packing=auto; packing=none rows are trimmed",
-    "data/cache.py:cache_key_inputs": "data.source / data.format decide what the cache key must include",
-    "data/corpus.py:tokenize_to_cache": "data.format picks the tokenizing path",
-    "data/encode.py:__init__": "resolves data.format / train_on / assistant_mask=auto into the encoder's mask source",
+    "data/cache.py:cache_key_inputs": "data.source=hf: a saved DatasetDict's split is part of the cache key",
+    "data/corpus.py:tokenize_to_cache": "data.source=demo knows its document count (the progress bar's total)",
     "data/encode.py:_chat_ids_and_mask": "the encoder's resolved mask source, still a data.assistant_mask string",
-    "data/encode.py:_encode_chat": "data.long_chats / train_on: no data spec exists yet",
+    "data/encode.py:__init__": "resolves data.train_on / assistant_mask=auto into the encoder's mask source",
+    "data/encode.py:encode_chat": "data.long_chats / train_on: no data spec exists yet",
     "data/encode.py:assistant_char_spans": "a chat turn's role, not data.train_on",
     "data/encode.py:describe_mask": "the encoder's resolved mask source, for the log",
-    "data/encode.py:encode_batch": "data.format picks the encoding (and a mixed document's payload kind)",
     "data/packing.py:_pieces": "data.long_docs: no data spec exists yet",
     "data/packing.py:plan_packing": "data.packing picks the packer: no data spec exists yet",
     "data/sources.py:_units": "data.source picks the reader",
     "data/sources.py:check_chat_messages": "a chat turn's role, not data.train_on",
-    "data/sources.py:check_record": "data.format picks the record's required fields",
-    "data/sources.py:iter_raw_docs": "data.source / data.format pick the reader",
-    "data/sources.py:needed_column": "data.format names the column read",
     "data/sources.py:report": "data.on_error: raise or count",
     "data/sources.py:resolve_eval_split": "data.source=hf has named splits",
     "data/sources.py:source_files": "data.source picks the files",
@@ -188,8 +184,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "core/device_speed.py:_sync": "torch.device.type, not a config value",
     "core/device_speed.py:device_key": "torch.device.type, not a config value",
     "core/device_speed.py:release_measurement": "torch.device.type, not a config value",
-    "data/sources.py:_needed_fields": "data.format picks the record's required fields",
-    "loop/evaluator.py:__init__": "data.formats: a chat run renders its sample prompts through the chat template",
     "planning/max_seq_len.py:longest_over_modes": "precision=auto: the search weighs every mode; a set mode alone",
     "planning/specs.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
     "surgery/compile.py:why_uncompiled": "torch.compiler's stance, not a config value",
