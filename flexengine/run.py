@@ -342,6 +342,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         dist_info,
         device,
         job.loss.chunk_size,
+        fused_loss=job.loss.fused,
         weights_from_rank0=from_rank0,
         fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
     )
