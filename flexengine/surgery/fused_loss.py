@@ -38,9 +38,7 @@ def check_fusable_head(lm_head: nn.Module) -> nn.Linear:
     return lm_head
 
 
-def fused_linear_cross_entropy_sum(
-    hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Linear, chunk_size: int
-) -> Tensor:
+def fused_linear_cross_entropy_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head: nn.Linear, chunk_size: int) -> Tensor:
     """Sum over rows of CE(hidden_NH @ W^T + b, targets_N) in chunks of chunk_size rows (every target valid),
     with the gradients computed chunk by chunk in this call (module docstring)."""
     weight, bias = lm_head.weight, lm_head.bias
@@ -57,7 +55,7 @@ def fused_linear_cross_entropy_sum(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden_NH: Tensor,
         targets_N: Tensor,
@@ -75,7 +73,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:
         if ctx.spent:  # the saved gradients were scaled in place by the first backward
             raise RuntimeError(
                 "the fused loss (loss.fused=true) supports one backward per forward; retain_graph reuse "
