@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.fused_loss import vocab_slice_rows
 from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.spec import BlockFlops, MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
@@ -245,13 +246,15 @@ def fused_loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
     weight gradient, summed in the weight's dtype (fp32 masters under autocast), from its forward to its backward.
     Forward, beside them: the rows themselves and one chunk's logits, in the compute dtype and in fp32 (one tensor
     in fp32), the fp32 buffer then turned into their gradient, cast back, next to the chunk's hidden-row gradient
-    before it is copied into the whole one, and under autocast a chunk's weight gradient in the compute dtype before
-    it is added to the fp32 sum. Backward scales both in place. Measured: tests/surgery/test_fused_loss.py."""
+    before it is copied into the whole one, or under autocast a vocabulary slice's weight gradient in the compute
+    dtype before it is added to the fp32 sum. Backward scales both in place (the weight's becomes its .grad, which
+    the static terms count). Measured: tests/surgery/test_fused_loss.py."""
     rows, p, V = w.chunk_size, w.act_bytes, m.vocab
     weight_grad = V * m.hidden * (4 if w.autocast else p)
     inputs = w.micro_batch * (w.seq_len - 1) * m.hidden * w.residual_bytes
     cast = p if p < 4 else 0  # fp32 compute: .float() returns the logits themselves
-    product = rows * m.hidden * p + (V * m.hidden * p if w.autocast else 0)
+    # the chunk's hidden-row gradient, or under autocast one vocabulary slice's weight gradient before it is added
+    product = m.hidden * p * max(rows, min(V, vocab_slice_rows(rows)) if w.autocast else 0)
     chunk = max(rows * V * (4 + cast), rows * V * p + product)
     return {"forward": inputs + weight_grad + chunk, "backward": weight_grad}
 

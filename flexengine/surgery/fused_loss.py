@@ -151,9 +151,21 @@ def _ce_sum_and_grad_(logits_CV: Tensor, targets_C: Tensor) -> Tensor:
     return total
 
 
+def vocab_slice_rows(chunk_rows: int) -> int:
+    """Vocabulary rows per product when lm_head's weight gradient is summed in another dtype than the matmuls':
+    each product [rows, H] lives only until it is added, so it stays the size of a chunk's hidden rows."""
+    return max(chunk_rows, MIN_VOCAB_SLICE)
+
+
+MIN_VOCAB_SLICE = 256  # vocabulary rows per product at least: fewer would be many small matmuls per chunk
+
+
 def _accumulate_(grad_VH: Tensor, grad_VC: Tensor, h_CH: Tensor) -> None:
-    """grad_VH += grad_VC @ h_CH: in place where the dtypes agree, else through one chunk-sized product."""
+    """grad_VH += grad_VC @ h_CH: in place where the dtypes agree, else slice by slice of the vocabulary, so the
+    compute-dtype product is never [V, H] (under autocast that would be a second lm_head-sized tensor)."""
     if grad_VH.dtype == h_CH.dtype:
         grad_VH.addmm_(grad_VC, h_CH)
-    else:
-        grad_VH += (grad_VC @ h_CH).to(grad_VH.dtype)
+        return
+    step = vocab_slice_rows(h_CH.shape[0])
+    for start in range(0, grad_VH.shape[0], step):
+        grad_VH[start : start + step] += grad_VC[start : start + step] @ h_CH
