@@ -164,7 +164,7 @@ def _accumulate_(grad_VH: Tensor, grad_VC: Tensor, h_CH: Tensor) -> None:
     """grad_VH += grad_VC @ h_CH: in place where the dtypes agree, else slice by slice of the vocabulary, so the
     compute-dtype product is never [V, H] (under autocast that would be a second lm_head-sized tensor)."""
     if grad_VH.dtype == h_CH.dtype:
-        grad_VH.addmm_(grad_VC, h_CH)
+        torch.addmm(grad_VH, grad_VC, h_CH, out=grad_VH)  # addmm_'s own form (FLOP counters see this one)
         return
     step = vocab_slice_rows(h_CH.shape[0])
     for start in range(0, grad_VH.shape[0], step):

@@ -96,6 +96,22 @@ def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
         assert got[name].dtype == want[name].dtype and _relative(got[name], want[name]) <= 2e-2, name
 
 
+def test_under_autocast_the_weight_gradient_is_summed_slice_by_slice():
+    """A vocabulary of 600 with chunks of 7 rows: the fp32 sum takes three slices (256, 256, 88) of each chunk's
+    bf16 product; together they are the chunked loss's gradient."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(60, H, generator=g, requires_grad=True)
+    head = nn.Linear(H, 600)
+    targets = torch.randint(0, 600, (60,), generator=g)
+    grads = []
+    for fused in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss_sum(hidden[None], torch.cat([targets[:1], targets])[None], head, 7, fused=fused)
+        grads.append(torch.autograd.grad(loss, (hidden, head.weight, head.bias)))
+    for want, got in zip(*grads):
+        assert got.dtype == torch.float32 and _relative(got, want) <= 2e-2
+
+
 def test_without_grad_it_only_sums_the_loss():
     g = torch.Generator().manual_seed(1)
     hidden, head = torch.randn(50, H, generator=g), nn.Linear(H, V)
