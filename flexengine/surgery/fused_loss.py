@@ -17,6 +17,7 @@ Legend: N predicting positions, H hidden, V vocabulary, C rows of one chunk.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -50,7 +51,16 @@ def fused_linear_cross_entropy_sum(hidden_NH: Tensor, targets_N: Tensor, lm_head
     )
     device_type = hidden_NH.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    return _FusedLinearCrossEntropy.apply(hidden_NH, targets_N, weight, bias, chunk_size, dtype, needs)
+    return _FusedLinearCrossEntropy.apply(hidden_NH, targets_N, weight, bias, _Chunking(chunk_size, dtype, needs))
+
+
+@dataclass(frozen=True)
+class _Chunking:
+    """How the fused forward runs: rows per chunk, the matmuls' dtype, and which gradients it computes."""
+
+    chunk_size: int
+    dtype: torch.dtype  # autocast's dtype where autocast is on, else the weight's
+    needs: tuple[bool, bool, bool]  # gradients w.r.t. (hidden, weight, bias)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -61,12 +71,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         targets_N: Tensor,
         weight_VH: Tensor,
         bias_V: Optional[Tensor],
-        chunk_size: int,
-        dtype: torch.dtype,
-        needs: tuple[bool, bool, bool],
+        chunking: _Chunking,
     ) -> Tensor:
         with torch.autocast(hidden_NH.device.type, enabled=False):  # the casts are explicit below
-            total, grads = _forward_chunks(hidden_NH, targets_N, weight_VH, bias_V, chunk_size, dtype, needs)
+            total, grads = _forward_chunks(hidden_NH, targets_N, weight_VH, bias_V, chunking)
         ctx.save_for_backward(*grads)
         ctx.present = tuple(g is not None for g in grads)
         ctx.spent = False
@@ -84,7 +92,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = (next(saved) if p else None for p in ctx.present)
         # in place: a second copy of lm_head's [V, H] gradient would be the largest tensor of backward
         scaled = [None if g is None else g.mul_(grad_total.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias)]
-        return scaled[0], None, scaled[1], scaled[2], None, None, None
+        return scaled[0], None, scaled[1], scaled[2], None
 
 
 def _forward_chunks(
@@ -92,13 +100,11 @@ def _forward_chunks(
     targets_N: Tensor,
     weight_VH: Tensor,
     bias_V: Optional[Tensor],
-    chunk_size: int,
-    dtype: torch.dtype,
-    needs: tuple[bool, bool, bool],
+    chunking: _Chunking,
 ) -> tuple[Tensor, tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]]:
-    """(the CE sum, its gradients w.r.t. hidden, weight and bias where `needs` says), chunk by chunk."""
-    n = hidden_NH.shape[0]
-    step = chunk_size if chunk_size > 0 else max(1, n)
+    """(the CE sum, its gradients w.r.t. hidden, weight and bias where `chunking.needs` says), chunk by chunk."""
+    n, dtype, needs = hidden_NH.shape[0], chunking.dtype, chunking.needs
+    step = chunking.chunk_size if chunking.chunk_size > 0 else max(1, n)
     w_VH = weight_VH.to(dtype)  # autocast's cast, made once for all chunks (a no-op without autocast)
     b_V = bias_V.to(dtype) if bias_V is not None else None
     grad_hidden = torch.empty_like(hidden_NH) if needs[0] else None
@@ -108,7 +114,8 @@ def _forward_chunks(
     for start in range(0, n, step):
         rows = slice(start, start + step)
         grad_rows = grad_hidden[rows] if grad_hidden is not None else None
-        total = total + _chunk_(hidden_NH[rows], targets_N[rows], w_VH, b_V, grad_rows, grad_weight, grad_bias)
+        grads = {"grad_hidden_CH": grad_rows, "grad_weight_VH": grad_weight, "grad_bias_V": grad_bias}
+        total = total + _chunk_(hidden_NH[rows], targets_N[rows], w_VH, b_V, **grads)
     return total, (grad_hidden, grad_weight, grad_bias)
 
 
@@ -117,6 +124,7 @@ def _chunk_(
     targets_C: Tensor,
     w_VH: Tensor,
     b_V: Optional[Tensor],
+    *,
     grad_hidden_CH: Optional[Tensor],
     grad_weight_VH: Optional[Tensor],
     grad_bias_V: Optional[Tensor],

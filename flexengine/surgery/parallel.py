@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexengine.core.config import LossConfig
 from flexengine.core.distributed import DistInfo, global_rank
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.applied import applied
@@ -132,9 +133,8 @@ def apply_parallel(
     parallel: ParallelSpec,
     info: DistInfo,
     device: torch.device,
-    chunk_size: int = 0,
+    loss: Optional[LossConfig] = None,
     *,
-    fused_loss: bool = False,
     weights_from_rank0: bool = False,
     fsdp_mesh=None,
 ) -> nn.Module:
@@ -143,10 +143,11 @@ def apply_parallel(
     weights_from_rank0: ranks > 0 built the model without reading the checkpoint (`loads_weights`); rank 0's
     weights reach them here, by broadcast (FSDP2: into the shards; DDP: its constructor broadcasts rank 0).
     fsdp_mesh: the DeviceMesh FSDP2 shards over (context parallelism's flattened dp x cp); None = all ranks.
-    fused_loss: loss.fused. lm_head is sharded with the root, whose forward is the loss: its weight is gathered
-    while the fused loss reads it, as when the chunked loss calls lm_head.
+    loss: loss.chunk_size and loss.fused (None: unchunked). lm_head is sharded with the root, whose forward is the
+    loss: its weight is gathered while the fused loss reads it, as when the chunked loss calls lm_head.
     """
-    root = LossForward(model, chunk_size, fused_loss)
+    loss = loss if loss is not None else LossConfig()
+    root = LossForward(model, loss.chunk_size, loss.fused)
     if not dist.is_initialized():
         return root
     if parallel.strategy is Strategy.FSDP:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexengine.core.config import ParallelConfig
+from flexengine.core.config import LossConfig, ParallelConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.loss import forward_loss_sum
@@ -197,7 +197,7 @@ def test_resume_with_another_world_size_is_refused(single, tmp_path):
 
 
 def test_single_process_is_untouched_and_loss_forward_matches(tiny_llama):
-    module = apply_parallel(tiny_llama, ParallelSpec(), DistInfo(), torch.device("cpu"), chunk_size=5)
+    module = apply_parallel(tiny_llama, ParallelSpec(), DistInfo(), torch.device("cpu"), LossConfig(chunk_size=5))
     assert isinstance(module, LossForward) and not any(hasattr(p, "to_local") for p in tiny_llama.parameters())
     ids = torch.randint(0, 256, (2, 12))
     batch = {"input_ids": ids, "position_ids": torch.arange(12).expand(2, 12), "labels": ids}
