@@ -345,6 +345,20 @@ def test_gradients_before_the_step_equal_one_process_and_sync_once_per_window(si
 
 
 @pytest.mark.slow
+def test_the_fused_loss_under_fsdp_gives_one_process_gradients(single_grads, tmp_path):
+    """loss.fused reads lm_head's weight inside the FSDP2 root's forward, where the root has gathered it: two ranks'
+    fused chunks give the gradients of one process's loss (lm_head's reduce-scattered like every root weight)."""
+    run = run_grads_script(
+        tmp_path / "fused", "train.micro_batch=2", "loss.chunk_size=64", "loss.fused=true", "parallel=fsdp", ranks=2
+    )
+    ref, got = single_grads["grads"], run["grads"]
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for name in ref:
+        scale = ref[name].norm()
+        assert ((got[name] - ref[name]).norm() / scale) < 1e-5, name
+
+
+@pytest.mark.slow
 def test_reduce_every_micro_batch_gives_the_window_gradients(single_grads, tmp_path):
     """parallel.reduce_every=micro_batch: FSDP2 reduce-scatters in every backward and accumulates the sharded
     gradients; the window's gradients are the same (one process on the same rows is the reference, which the
