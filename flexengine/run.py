@@ -341,7 +341,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         parallel,
         dist_info,
         device,
-        job.loss.chunk_size,
+        job.loss,
         weights_from_rank0=from_rank0,
         fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
     )

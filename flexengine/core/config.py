@@ -147,6 +147,19 @@ class LossConfig:
     """Cross-entropy computation."""
 
     chunk_size: int = 0  # tokens per chunk of the lm_head + CE (0 = whole sequence at once); bounds logits memory
+    fused: bool = False  # compute each chunk's gradients in the forward (surgery/fused_loss.py): backward does not
+    # run lm_head's forward again (2 x hidden x vocab FLOPs per token); needs chunk_size > 0 and a plain nn.Linear
+    # lm_head
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 0:
+            raise UserError(f"loss.chunk_size={self.chunk_size} must be >= 0 (0 = the whole sequence at once).")
+        if self.fused and self.chunk_size == 0:
+            raise UserError(
+                "loss.fused=true needs loss.chunk_size > 0 (e.g. 1024): the fused loss computes the gradients chunk by "
+                "chunk; with the whole sequence in one piece nothing is re-run to save. Set loss.chunk_size or "
+                "loss.fused=false."
+            )
 
 
 @dataclass

@@ -155,16 +155,16 @@ class TrainFlops:
     """Model and hardware FLOPs of micro-batches for one patched (possibly LoRA, checkpointed) model.
 
     What each block recomputes comes from the model's surgery record (`model.flexengine.memory`);
-    chunk_size: loss.chunk_size (its checkpointed chunks re-run lm_head)."""
+    chunk_size: loss.chunk_size (its checkpointed chunks re-run lm_head); fused: loss.fused (no re-run)."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 0) -> None:
+    def __init__(self, model: nn.Module, chunk_size: int = 0, fused: bool = False) -> None:
         if not isinstance(model, _LanguageModel):
             raise TypeError(f"TrainFlops counts a transformers (or peft) model, got {type(model).__name__}")
         cfg = model.config
         self.heads_dim = cfg.num_attention_heads * (
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
-        self.chunk_size = chunk_size
+        self.chunk_size, self.fused = chunk_size, fused
         embedding = model.get_input_embeddings().weight
         assert isinstance(embedding, torch.Tensor)  # an embedding's weight is a Parameter, never a submodule
         grad = embedding.requires_grad  # does the residual stream carry a grad?
@@ -231,8 +231,8 @@ class TrainFlops:
 
     def loss_recompute_flops(self, predicting: float) -> float:
         """lm_head's forward the chunked loss runs again in backward (each chunk a checkpoint) for a micro-batch of
-        this many predicting positions."""
-        if 0 < self.chunk_size < predicting:
+        this many predicting positions; none for the fused loss, which computes the gradients in its forward."""
+        if 0 < self.chunk_size < predicting and not self.fused:
             return predicting * self.head.flops(False, forward_only=True)
         return 0.0
 

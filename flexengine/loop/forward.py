@@ -42,7 +42,7 @@ class ForwardPath:
     ) -> ForwardPath:
         """The path for `model`: a plain loss module unless a parallel root is given, and the precision the model
         was prepared for (`precision_of`)."""
-        module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size)
+        module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size, job.loss.fused)
         return cls(model, module, device, precision_of(job, model, precision), context_parallel)
 
     @property

@@ -109,7 +109,8 @@ class Trainer:
             components.evaluator,
         )
         self.attn = attention_spec(model)  # None: HF's own attention, untouched
-        self.flops = TrainFlops(model, job.loss.chunk_size)  # recompute: what the memory surgery recorded
+        # recompute: what the memory surgery recorded; the loss's lm_head re-run: loss.chunk_size and loss.fused
+        self.flops = TrainFlops(model, job.loss.chunk_size, job.loss.fused)
         self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
         # that came after the last step, during the final save)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run

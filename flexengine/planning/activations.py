@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from flexengine.core.config import MemoryConfig
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload
 from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.fused_loss import vocab_slice_rows
 from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.spec import BlockFlops, MemorySpec, Recompute, block_memory_specs
 from flexengine.surgery.memory.tiled_mlp import auto_tile_tokens
@@ -222,11 +223,14 @@ def loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
     CE backward (the weight-gradient sum so far, the log-probs, their gradient and the logits' gradient, fp32, and
     the inputs' gradient) and the adding of a chunk's weight gradient to the sum (sum, new and result: 3 x V x h,
     and the inputs' gradient) -- by then the chunk's autocast copy of lm_head's weight, which the static terms
-    count, is freed. Measured with MemTracker (bench/planner_vs_memtracker.py)."""
+    count, is freed. Measured with MemTracker (bench/planner_vs_memtracker.py). Fused (loss.fused):
+    `fused_loss_moments`."""
     n = w.micro_batch * (w.seq_len - 1)
     p, V = w.act_bytes, m.vocab
-    if w.chunk_size <= 0 or n <= w.chunk_size:
+    if not w.loss_chunked:
         return {"forward": n * V * (p + 4 + 4), "backward": n * V * (p + 4 + 4)}
+    if w.fused_loss:
+        return fused_loss_moments(m, w)
     rows = w.chunk_size
     weight_grad = V * m.hidden * p
     inputs_grad = n * m.hidden * w.residual_bytes
@@ -234,6 +238,25 @@ def loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
     ce_backward = weight_grad + 3 * 4 * rows * V + inputs_grad
     accumulate = 3 * weight_grad - autocast_copy + inputs_grad
     return {"forward": rows * V * (p + 4 + 4), "backward": max(ce_backward, accumulate)}
+
+
+def fused_loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
+    """`loss_moments` of the fused loss (surgery/fused_loss.py), which holds the hidden rows' gradient (the size of
+    the rows `constant_bytes` counts as loss inputs, which it replaces once the forward returns) and lm_head's
+    weight gradient, summed in the weight's dtype (fp32 masters under autocast), from its forward to its backward.
+    Forward, beside them: the rows themselves and one chunk's logits, in the compute dtype and in fp32 (one tensor
+    in fp32), the fp32 buffer then turned into their gradient, cast back, next to the chunk's hidden-row gradient
+    before it is copied into the whole one, or under autocast a vocabulary slice's weight gradient in the compute
+    dtype before it is added to the fp32 sum. Backward scales both in place (the weight's becomes its .grad, which
+    the static terms count). Measured: tests/surgery/test_fused_loss.py."""
+    rows, p, V = w.chunk_size, w.act_bytes, m.vocab
+    weight_grad = V * m.hidden * (4 if w.autocast else p)
+    inputs = w.micro_batch * (w.seq_len - 1) * m.hidden * w.residual_bytes
+    cast = p if p < 4 else 0  # fp32 compute: .float() returns the logits themselves
+    # the chunk's hidden-row gradient, or under autocast one vocabulary slice's weight gradient before it is added
+    product = m.hidden * p * max(rows, min(V, vocab_slice_rows(rows)) if w.autocast else 0)
+    chunk = max(rows * V * (4 + cast), rows * V * p + product)
+    return {"forward": inputs + weight_grad + chunk, "backward": weight_grad}
 
 
 def loss_transient_bytes(m: ModelShape, w: Workload) -> int:

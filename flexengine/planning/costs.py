@@ -167,10 +167,11 @@ def eager_pointwise_s(m: ModelShape, x: PlanInputs) -> float:
 
 def loss_seconds(m: ModelShape, w: Workload, rates: Rates) -> float:
     """One micro-batch's loss beyond lm_head's forward and backward matmuls (in the matmul term): the chunked
-    loss's lm_head forward again in backward, and the cross-entropy's pointwise passes over the fp32 logits."""
+    loss's lm_head forward again in backward (not the fused loss's), and the cross-entropy's pointwise passes over
+    the fp32 logits."""
     n = w.micro_batch * (w.seq_len - 1)
-    rerun = 2 * n * m.hidden * m.vocab if 0 < w.chunk_size < n else 0
-    passes = LOSS_POINTWISE_PASSES if rerun else LOSS_POINTWISE_PASSES - 4  # unchunked: no recomputed forward
+    rerun = 2 * n * m.hidden * m.vocab if w.loss_chunked and not w.fused_loss else 0
+    passes = LOSS_POINTWISE_PASSES if rerun else LOSS_POINTWISE_PASSES - 4  # no recomputed forward
     return rerun / rates.matmul_flops_s + passes * 4 * n * m.vocab / rates.memory_bytes_s
 
 

@@ -100,6 +100,7 @@ class Workload:
     # attention gathers whole (torch's flex CP path) and holds for its backward
     autocast: bool = False  # forward under autocast over fp32 weights (bf16_mixed on one device): the residual
     # stream stays fp32 and every projection casts its own input (PlanInputs.autocast)
+    fused_loss: bool = False  # loss.fused: the chunks' gradients are computed in the loss's forward (no re-run)
 
     @property
     def tokens(self) -> int:
@@ -123,6 +124,11 @@ class Workload:
             kv_start = (q_start // self.doc_len) * self.doc_len if self.doc_len else 0
             total += (q_end - q_start) * (q_end - kv_start)
         return self.micro_batch * total
+
+    @property
+    def loss_chunked(self) -> bool:
+        """Whether the loss really runs in more than one chunk (one chunk or fewer rows: in one piece)."""
+        return 0 < self.chunk_size < self.micro_batch * (self.seq_len - 1)
 
     @property
     def mlp_tiled(self) -> bool:
@@ -197,6 +203,7 @@ class PlanInputs:
     pairs: AttendedPairs = AttendedPairs()  # the attention core's share of seq_len^2 per layer, and its source
     compiled: bool = True  # train.compile: the blocks' pointwise ops are fused (eager ones cost their bytes twice
     # more: costs.eager_pointwise_s, priced where the device's speed is measured)
+    fused_loss: bool = False  # loss.fused (Workload.fused_loss)
 
 
 def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) -> Workload:
@@ -211,4 +218,5 @@ def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) 
         mlp_tile,
         cp=x.cp,
         autocast=x.autocast,
+        fused_loss=x.fused_loss,
     )

@@ -45,6 +45,7 @@ class PlanSpecs:
     lora_fraction: Optional[float] = None  # LoRA: the adapters' share of the parameters; None = full fine-tune
     pairs: AttendedPairs = field(default_factory=AttendedPairs)
     compiled: bool = False  # train.compile
+    fused_loss: bool = False  # loss.fused
 
 
 def planned_attention(job: JobConfig, hf_config, hardware: HardwareConfig) -> AttentionSpec:
@@ -72,6 +73,7 @@ def plan_specs(job: JobConfig, hf_config, attention: AttentionSpec, pairs: Optio
         lora_fraction=fraction,
         pairs=pairs if pairs is not None else whole_row_pairs(attention, job.data.seq_len),
         compiled=job.train.compile,
+        fused_loss=job.loss.fused,
     )
 
 
@@ -168,6 +170,7 @@ def plan_inputs(
         reduce_every=parallel.reduce_every,  # DDP's auto is already window (resolve_parallel)
         pairs=specs.pairs,
         compiled=specs.compiled,
+        fused_loss=specs.fused_loss,
     )
 
 

@@ -8,7 +8,8 @@ the documents (4 FLOPs per pair, head and dim forward, 8 backward). What is exec
 (planner._step_time's FLOPs and the activation model's recompute): the same over every token slot, padding
 included, attention over the padding's causal square too (packed_pairs lays it out as one more document), and the
 forwards a checkpoint re-runs, and the chunked loss's lm_head forward, which its checkpointed chunks run again in
-backward (loss.chunk_size > 0: 2 x hidden x vocab per token slot; loop/flops.py counts the run's the same way).
+backward (loss.chunk_size > 0: 2 x hidden x vocab per token slot; loop/flops.py counts the run's the same way; none
+with loss.fused, whose forward computes the chunks' gradients).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def work_per_token(
     executed_attention = 3 * attention_core * sum(shares)
     model_attention = 3 * attention_core * sum(document_pairs) * x.cp
     recompute = estimate_activations(m, w, specs, attended_fraction=shares).recompute_flops
-    loss_recompute = 2 * w.tokens * m.hidden * m.vocab if x.chunk_size > 0 else 0.0  # each chunk a checkpoint
+    chunks_rerun = x.chunk_size > 0 and not x.fused_loss  # each chunk a checkpoint, unless fused
+    loss_recompute = 2 * w.tokens * m.hidden * m.vocab if chunks_rerun else 0.0
     executed = passes * per_token * w.tokens + executed_attention + recompute + loss_recompute
     model = passes * per_token * useful + model_attention
     return WorkPerToken(

@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexengine.core.config import LossConfig
 from flexengine.core.distributed import DistInfo, global_rank
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.applied import applied
+from flexengine.surgery.family import hf_causal_lm
+from flexengine.surgery.fused_loss import check_fusable_head
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.memory import decoder_layers
 
@@ -48,16 +51,18 @@ class LossForward(nn.Module):
     logits); a root module whose forward *is* the loss gives FSDP's root and DDP one place to hook.
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 0):
+    def __init__(self, model: nn.Module, chunk_size: int = 0, fused: bool = False):
         super().__init__()
-        self.model, self.chunk_size = model, chunk_size
+        self.model, self.chunk_size, self.fused = model, chunk_size, fused
+        if fused:  # refused before the first step, not in it
+            check_fusable_head(hf_causal_lm(model).get_output_embeddings())
 
     def forward(self, batch: dict, logits: bool = False, **mask_kwargs) -> torch.Tensor:
         """Summed next-token CE of the batch (see flexengine.surgery.loss); with logits=True the model's logits instead
         (greedy samples: a sharded model must be entered through this root module on every rank)."""
         if logits:
             return self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs).logits
-        return forward_loss_sum(self.model, batch, self.chunk_size, **mask_kwargs)
+        return forward_loss_sum(self.model, batch, self.chunk_size, self.fused, **mask_kwargs)
 
 
 def _allreduce_sum_hook(group, bucket):
@@ -128,7 +133,7 @@ def apply_parallel(
     parallel: ParallelSpec,
     info: DistInfo,
     device: torch.device,
-    chunk_size: int = 0,
+    loss: Optional[LossConfig] = None,
     *,
     weights_from_rank0: bool = False,
     fsdp_mesh=None,
@@ -138,8 +143,11 @@ def apply_parallel(
     weights_from_rank0: ranks > 0 built the model without reading the checkpoint (`loads_weights`); rank 0's
     weights reach them here, by broadcast (FSDP2: into the shards; DDP: its constructor broadcasts rank 0).
     fsdp_mesh: the DeviceMesh FSDP2 shards over (context parallelism's flattened dp x cp); None = all ranks.
+    loss: loss.chunk_size and loss.fused (None: unchunked). lm_head is sharded with the root, whose forward is the
+    loss: its weight is gathered while the fused loss reads it, as when the chunked loss calls lm_head.
     """
-    root = LossForward(model, chunk_size)
+    loss = loss if loss is not None else LossConfig()
+    root = LossForward(model, loss.chunk_size, loss.fused)
     if not dist.is_initialized():
         return root
     if parallel.strategy is Strategy.FSDP:

@@ -59,3 +59,13 @@ def test_full_with_a_granularity_is_refused_without_suggesting_the_unchecked_val
     with pytest.raises(UserError, match=r"memory=full recomputes whole blocks, but memory.granularity='atention'") as e:
         MemoryConfig(policy="full", granularity="atention")
     assert "memory.granularity=atention" not in str(e.value) and "memory=selective" in str(e.value)
+
+
+def test_the_fused_loss_needs_chunks():
+    with pytest.raises(UserError, match=r"loss.fused=true needs loss.chunk_size > 0 .*loss.fused=false"):
+        compose_job(["loss.fused=true", "loss.chunk_size=0"])
+    with pytest.raises(UserError, match=r"loss.chunk_size=-1 must be >= 0"):
+        compose_job(["loss.chunk_size=-1"])
+    job = compose_job(["loss.fused=true", "loss.chunk_size=512"])
+    assert job.loss.fused and job.loss.chunk_size == 512
+    assert not compose_job([]).loss.fused  # off unless asked: plans and numbers stay the chunked loss's

@@ -247,3 +247,23 @@ def test_model_flops_follow_a_new_mask_modes_own_pair_count(base, monkeypatch):
     extra = flops.model_flops(1, 1, pairs) - flops.model_flops(1, 1, attended_pairs(lengths))
     causal_attention = flops.model_flops(1, 1, attended_pairs(lengths)) - flops.model_flops(1, 1, 0)
     assert extra == pytest.approx(causal_attention * (reference / attended_pairs(lengths) - 1))
+
+
+def test_the_fused_loss_counts_no_lm_head_rerun(base):
+    """loss.fused computes each chunk's gradients in its forward: the counter sees lm_head's three matmuls once, and
+    the chunked loss's count less its re-run (TrainFlops.loss_recompute_flops)."""
+    batch = _rows(PACKED, 128)
+    model = _model(base, dense_chunk=32)
+    kwargs = mask_kwargs(model, batch["document_ids"])
+    counted = {}
+    for fused in (False, True):
+        with FlopCounterMode(display=False, custom_mapping=HARDWARE) as counter:
+            forward_loss_sum(model, batch, 32, fused, **kwargs).backward()
+        counted[fused] = counter.get_total_flops()
+    predicting = len(batch["predicting_index"])
+    B, S = batch["input_ids"].shape
+    chunked, fused = TrainFlops(model, 32), TrainFlops(model, 32, fused=True)
+    assert fused.loss_recompute_flops(predicting) == 0 < chunked.loss_recompute_flops(predicting)
+    executed = kwargs[MASK_KWARG].executed_pairs
+    assert fused.hardware_flops(B * S, predicting, executed) == pytest.approx(counted[True], rel=0.02)
+    assert counted[False] - counted[True] == chunked.loss_recompute_flops(predicting)

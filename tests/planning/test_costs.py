@@ -172,3 +172,16 @@ def test_a_measured_speed_prices_the_loss_and_the_device_optimizer():
     assert costs.loss_seconds(M, w, rates) == pytest.approx(rerun + costs.LOSS_POINTWISE_PASSES * 4 * n * M.vocab / 5e9)
     assert costs.device_optimizer_seconds(M, x, rates) == pytest.approx(M.params * 10e-9)
     assert costs.device_optimizer_seconds(M, dataclasses.replace(x, host_bytes_per_param=16.0), rates) == 0.0
+
+
+def test_the_fused_loss_prices_no_lm_head_rerun():
+    """The same chunks fused: no lm_head forward in backward, and not its pointwise passes (the unchunked count)."""
+    x = PlanInputs(seq_len=128, micro_batch=1, dtype_bytes=4, hardware=dataclasses.replace(CUDA, speed=(_speed(),)))
+    rates = costs.device_rates(x.hardware, 4)
+    n = 127
+    chunked = dataclasses.replace(costs.rank_workload(x), chunk_size=64)
+    fused = dataclasses.replace(chunked, fused_loss=True)
+    passes = costs.LOSS_POINTWISE_PASSES - 4
+    assert costs.loss_seconds(M, fused, rates) == pytest.approx(passes * 4 * n * M.vocab / 5e9)
+    rerun = 2 * n * M.hidden * M.vocab / 2e10 + 4 * 4 * n * M.vocab / 5e9  # the forward again: matmul and its passes
+    assert costs.loss_seconds(M, chunked, rates) - costs.loss_seconds(M, fused, rates) == pytest.approx(rerun)

@@ -377,3 +377,31 @@ def test_a_lora_step_skips_the_frozen_weights_gradients():
     none = MemoryConfig(policy="none")
     t_full, t_lora = (plan_memory(cfg, x, given=none).step_s for x in (full, lora))
     assert 0.6 < t_lora / t_full < 0.72  # the attention core's backward still counts twice
+
+
+def test_the_fused_loss_step_is_the_chunked_one_less_the_lm_head_rerun():
+    """With a measured speed (the loss priced on its own): the fused loss's step differs from the chunked one's by
+    lm_head's forward re-run in each micro-batch's backward, and its memory by the gradients it holds instead of
+    the chunks' re-run (costs.loss_seconds, activations.fused_loss_moments)."""
+    from flexengine.planning.activations import loss_moments
+    from flexengine.planning.costs import device_rates, loss_seconds
+    from tests.planning.test_costs import _speed
+
+    cfg, chunked = _deepseek_inputs(seq_len=2048, grad_accum=2)
+    speed = _speed(2, matmul_tflops=200.0, memory_gb_s=1500.0, attention_tflops=150.0)
+    chunked = dataclasses.replace(chunked, hardware=dataclasses.replace(chunked.hardware, speed=(speed,)))
+    fused = dataclasses.replace(chunked, fused_loss=True)
+    none = MemoryConfig(policy="none")
+    m = ModelShape.from_hf_config(cfg)
+    plans = {x.fused_loss: evaluate(m, x, none) for x in (chunked, fused)}
+    rates = device_rates(chunked.hardware, 2)
+    n = 2047
+    rerun = 2 * n * m.hidden * m.vocab / rates.matmul_flops_s + 4 * 4 * n * m.vocab / rates.memory_bytes_s
+    assert plans[False].step_s - plans[True].step_s == pytest.approx(2 * rerun, rel=1e-9)
+    assert plans[False].time.loss_s - plans[True].time.loss_s == pytest.approx(2 * rerun, rel=1e-9)
+    assert loss_seconds(m, rank_workload(fused), rates) < loss_seconds(m, rank_workload(chunked), rates)
+    # bytes: only the backward workspace moves, and it covers the fused loss's forward (its held gradients)
+    terms = {fused: dict(plans[fused].usage.terms.items()) for fused in plans}
+    workspace = {fused: terms[fused].pop("backward_workspace_bytes") for fused in terms}
+    assert terms[True] == terms[False]
+    assert workspace[True] >= loss_moments(m, rank_workload(fused))["forward"] > 0

@@ -85,3 +85,13 @@ def test_the_chunked_loss_names_its_lm_head_rerun():
     _fit, unchunked = _work("memory=none", "loss.chunk_size=0")
     assert chunked.executed_flops - unchunked.executed_flops == pytest.approx(want, rel=1e-9)
     assert "loss recompute +0.0 %" not in chunked.describe()
+
+
+def test_the_fused_loss_runs_no_lm_head_again():
+    """loss.fused computes each chunk's gradients in the forward: the same work as chunked, less the re-run."""
+    _fit, chunked = _work("memory=none", "loss.chunk_size=256")
+    _fit, fused = _work("memory=none", "loss.chunk_size=256", "loss.fused=true")
+    assert fused.loss_recompute_flops == 0 and chunked.loss_recompute_flops > 0
+    assert fused.model_flops == chunked.model_flops
+    assert chunked.executed_flops - fused.executed_flops == pytest.approx(chunked.loss_recompute_flops, rel=1e-12)
+    assert "loss recompute +0.0 %" in fused.describe()

@@ -24,7 +24,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
-from flexengine.core.config import ParallelConfig
+from flexengine.core.config import LossConfig, ParallelConfig
 from flexengine.core.distributed import init_distributed
 from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.data.packing import pack_documents
@@ -85,7 +85,9 @@ def main(out: str) -> None:
     cp.apply(model)
     if dp == 1:
         apply_compile(model, "aot_eager")  # fullgraph per block, as training compiles: the CP hook must trace
-    root = apply_parallel(model, ParallelSpec(cp=CP), info, torch.device("cpu"), chunk_size=100, fsdp_mesh=cp.fsdp_mesh)
+    root = apply_parallel(
+        model, ParallelSpec(cp=CP), info, torch.device("cpu"), LossConfig(chunk_size=100), fsdp_mesh=cp.fsdp_mesh
+    )
     sharded = {n: p.to_local().shape[0] for n, p in model.named_parameters()}  # each rank's first-dim shard
     results = {}
     with torch.no_grad():

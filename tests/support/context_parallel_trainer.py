@@ -53,9 +53,7 @@ def main(out: Path, overrides: list[str]) -> None:
     cp.apply(model)
     for layer in decoder_layers(model):
         getattr(layer.self_attn, CP_ATTENTION).flex = sdpa_on_block_mask
-    root = apply_parallel(
-        model, resolve_parallel(job.parallel), info, device, job.loss.chunk_size, fsdp_mesh=cp.fsdp_mesh
-    )
+    root = apply_parallel(model, resolve_parallel(job.parallel), info, device, job.loss, fsdp_mesh=cp.fsdp_mesh)
     trainer = Trainer(
         job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root, context_parallel=cp
     )

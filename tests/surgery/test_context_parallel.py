@@ -138,13 +138,15 @@ def test_two_groups_of_two_ranks_give_one_process_logits_loss_and_eval_loss(cp_d
 
 
 @pytest.mark.slow
-def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path):
+@pytest.mark.parametrize("loss", [[], ["loss.chunk_size=128", "loss.fused=true"]], ids=["chunked", "fused"])
+def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path, loss):
     """The trainer's first step (grad_accum 2: the loss divided by the valid targets of the whole window on all
     ranks) with parallel.cp=2 gives the single process's gradients (dense reference backend) for every weight.
     Flex's kernel is replaced by SDPA on the CP BlockMask's own mask (flex has no CPU backward); torch's K/V
     all-gather and its reduce-scatter backward, PTRR order, shifted targets and FSDP2 over dp x cp are the real
     ones. Measured: relative difference <= 3.0e-7, max |diff| 2.2e-8 over 39 tensors; a gradient off by the cp
-    degree would give a relative difference of 1.0."""
+    degree would give a relative difference of 1.0. The fused loss (each rank's shifted targets in chunks) gives
+    the same."""
     from flexengine.data.demo import load_demo_tokenizer
     from tests.helpers import make_llama, run_grads_script
 
@@ -165,6 +167,7 @@ def test_trainer_step_on_two_ranks_gives_one_process_gradients(tmp_path):
         "attn.backend=flex",
         "attn.compile=false",
         "parallel.cp=2",
+        *loss,
         ranks=2,
         script="context_parallel_trainer.py",
     )

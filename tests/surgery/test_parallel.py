@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexengine.core.config import ParallelConfig
+from flexengine.core.config import LossConfig, ParallelConfig
 from flexengine.core.distributed import DistInfo
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.loss import forward_loss_sum
@@ -197,7 +197,7 @@ def test_resume_with_another_world_size_is_refused(single, tmp_path):
 
 
 def test_single_process_is_untouched_and_loss_forward_matches(tiny_llama):
-    module = apply_parallel(tiny_llama, ParallelSpec(), DistInfo(), torch.device("cpu"), chunk_size=5)
+    module = apply_parallel(tiny_llama, ParallelSpec(), DistInfo(), torch.device("cpu"), LossConfig(chunk_size=5))
     assert isinstance(module, LossForward) and not any(hasattr(p, "to_local") for p in tiny_llama.parameters())
     ids = torch.randint(0, 256, (2, 12))
     batch = {"input_ids": ids, "position_ids": torch.arange(12).expand(2, 12), "labels": ids}
@@ -342,6 +342,20 @@ def test_gradients_before_the_step_equal_one_process_and_sync_once_per_window(si
 
     # two micro-batches reduce gradients exactly as often as one (the trainer's own 2 all-reduces included)
     assert reductions(run["collectives"][2]) == reductions(run["collectives"][1]), run["collectives"]
+
+
+@pytest.mark.slow
+def test_the_fused_loss_under_fsdp_gives_one_process_gradients(single_grads, tmp_path):
+    """loss.fused reads lm_head's weight inside the FSDP2 root's forward, where the root has gathered it: two ranks'
+    fused chunks give the gradients of one process's loss (lm_head's reduce-scattered like every root weight)."""
+    run = run_grads_script(
+        tmp_path / "fused", "train.micro_batch=2", "loss.chunk_size=64", "loss.fused=true", "parallel=fsdp", ranks=2
+    )
+    ref, got = single_grads["grads"], run["grads"]
+    assert got.keys() == ref.keys() and len(ref) > 0
+    for name in ref:
+        scale = ref[name].norm()
+        assert ((got[name] - ref[name]).norm() / scale) < 1e-5, name
 
 
 @pytest.mark.slow
