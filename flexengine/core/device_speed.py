@@ -144,8 +144,13 @@ def measure_device_speed(
     missing = {name: run for name, run in todo.items() if name not in entry}
     if missing:
         log.info("device speed: measuring this device's speed (once; cached in %s): %s", path, ", ".join(missing))
-        for name, run in missing.items():
-            entry[name] = run()
+        import torch
+
+        # the operands are random: drawn from a forked generator, so a run's seeded weights are the same whether
+        # the speed was measured in this process or read from the cache
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for name, run in missing.items():
+                entry[name] = run()
         release_measurement(device)
         _write_cache(path, cache)
         log.info("device speed: measured %s on %s (cached in %s)", ", ".join(missing), key, path)

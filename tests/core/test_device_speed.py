@@ -111,3 +111,12 @@ def test_long_rows_and_a_whole_vocab_loss_are_measured_capped(cache, monkeypatch
     device_speed._gemm_tflops(loss, CPU, torch.float32)
     m = loss.measured_m
     assert shapes == [(m, 4096), (4096, 152064), (m, 152064)]  # the tensors built are the capped ones
+
+
+def test_measuring_leaves_the_global_generator_as_it_was(cache):
+    """A run seeds torch, then measures (or reads) the speed, then builds its weights: the same weights either way."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    measure_device_speed(CPU, torch.float32, GEMMS, AttentionShape(2, 64, 16))  # cold: random operands drawn
+    assert torch.equal(torch.rand(4), expected)
