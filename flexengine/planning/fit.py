@@ -289,12 +289,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
-def fit_job(
-    job: JobConfig, hf_config, hardware: HardwareConfig, attention: Optional[AttentionSpec] = None
-) -> tuple[JobConfig, FitPlan]:
-    """Plan the run and return the resolved job, or raise UserError naming what would fit. attention: the run's
-    resolved AttentionSpec (None: resolved here for `hardware`'s device)."""
-    fit = plan_job(job, hf_config, hardware, attention=attention)
+def check_fit(job: JobConfig, fit: FitPlan, hf_config, attention: AttentionSpec) -> None:
+    """Log a run's fit of `job` (planning/resolve) and raise UserError naming what would fit when it does not, or
+    when optim.lr's updates would round away in the stored weights."""
+    hardware = fit.hardware
     # one line in the run's log; the whole table with hydra.verbose=flexengine.planning.fit, or from flexengine-plan
     log.info("plan: %s", format_fit_summary(fit))
     for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
@@ -324,7 +322,6 @@ def fit_job(
             job.train.grad_accum,
             fit.grad_accum,
         )
-    return resolved_job(job, fit), fit
 
 
 def compile_hint(job: JobConfig, fit: FitPlan) -> str:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.device_speed import measure_device_speed
-from flexengine.core.hardware import assumed_hardware, plans_this_machine
 from flexengine.core.parallel_spec import ParallelSpec, Strategy, resolve_parallel
 from flexengine.planning.costs import speed_shapes
 from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
@@ -197,15 +196,3 @@ def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, dev
         if speed is not None:
             speeds.append(speed)
     return dataclasses.replace(hardware, speed=tuple(speeds))
-
-
-def target_hardware(job: JobConfig, hf_config) -> HardwareConfig:
-    """The hardware a plan targets (`assumed_hardware`): a named card as its config gives it (datasheet figures,
-    marked assumed in the plan), this machine resolved here with its speed measured (`with_measured_speed`)."""
-    import torch
-
-    hardware = assumed_hardware(job.hardware)
-    if not plans_this_machine(job.hardware):
-        return hardware
-    device = torch.device("cuda", torch.cuda.current_device()) if hardware.on_cuda else torch.device("cpu")
-    return with_measured_speed(hardware, job, hf_config, device)

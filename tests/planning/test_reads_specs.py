@@ -167,7 +167,7 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
     "planning/planner.py:candidates_for": "builds MemoryConfig candidates: the search space is memory.* itself",
     "planning/planner.py:search_space": "builds MemoryConfig candidates: the search space is memory.* itself",
-    "planning/report.py:activation_summary": "torch.device.type, not a config value",
+    "planning/resolve.py:record_attention_backend": "records what the user's attn.backend=auto resolved to",
     "surgery/attention/block_mask.py:_create_block_mask": "torch.device.type, not a config value",
     "surgery/attention/job_rules.py:resolve_attention_rules": "resolves data.packing=auto (composition root only)",
     "surgery/attention/spec.py:resolve_backend": "the resolver of attn.backend=auto into an AttnBackend",
