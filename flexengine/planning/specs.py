@@ -2,9 +2,8 @@
 AttentionSpec and ParallelSpec, the row shape, LoRA's trainable share, the attended-pair count), and `plan_inputs`,
 which turns them and a PrecisionSpec into the PlanInputs every cost reads.
 
-`plan_specs` is the one place a JobConfig becomes these specs; the composition root (run.py, the plan and doctor
-commands) resolves the AttentionSpec once and hands it in, and with a known corpus the pair count of its packed
-rows (`packed_pairs`).
+`plan_specs` is the one place a JobConfig becomes these specs; planning/resolve.py resolves the AttentionSpec once
+and hands it in, and with a known corpus the pair count of its packed rows (`packed_pairs`).
 """
 
 from __future__ import annotations
