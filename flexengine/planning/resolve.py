@@ -4,7 +4,7 @@
 speed and training documents), the plan command (a named card, or this machine), the corpus-time answer and the
 bench scripts. Its answer, `ResolvedRun`, is a frozen value holding what each later stage reads: the concrete
 hardware, the Attention/Parallel/Precision specs, the per-block MemorySpecs, the batch shape and the FitPlan.
-`record_resolution` writes its choices into a ConfigRecord, so the record reads the resolution, not a rewritten job.
+`record_resolution` writes its choices into a ConfigRecord: the record says what runs because it reads this value.
 """
 
 from __future__ import annotations
@@ -24,17 +24,19 @@ from flexengine.core.config_record import (
     AUTO_ROW_LENGTH,
     ConfigRecord,
 )
+from flexengine.core.device_speed import measure_device_speed
 from flexengine.core.hardware import assumed_hardware, plans_this_machine, resolve_hardware
 from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
+from flexengine.planning.costs import speed_shapes
 from flexengine.planning.fit import FitPlan, plan_job, resolved_job
 from flexengine.planning.plan import Plan
 from flexengine.planning.row_length import Pack, RowLengthChoice, choose_row_length, context_rows, with_seq_len
-from flexengine.planning.shapes import AttendedPairs, PlanInputs
-from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, with_measured_speed
+from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
+from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.memory.spec import MemorySpec
-from flexengine.surgery.precision import PrecisionSpec
+from flexengine.surgery.precision import PrecisionSpec, auto_order, precision_spec
 from flexengine.surgery.rope import context_limits
 
 if TYPE_CHECKING:
@@ -101,6 +103,27 @@ def resolve_target_hardware(
         if world_size > 1:
             hardware = dataclasses.replace(hardware, world_size=world_size)
     return with_measured_speed(hardware, job, hf_config, device)
+
+
+def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, device: torch.device) -> HardwareConfig:
+    """`hardware` (the device this process runs on) with its speed measured at this model's GEMM shapes, in each
+    compute dtype the job's precision modes use (cached: core/device_speed; on CPU only the mode it takes first:
+    bf16 GEMMs there take minutes to measure). The planner then prices steps with it
+    instead of an assumed MFU."""
+    modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(hardware.on_cuda, job.optim.name)
+    if not hardware.on_cuda:  # CPU's auto takes the most exact mode that fits, untimed: its dtype is the one run
+        modes = modes[:1]
+    specs = [precision_spec(mode, job.optim.name) for mode in modes]
+    m = ModelShape.from_hf_config(hf_config)
+    # data.seq_len=auto is chosen after this (its choice is priced with this speed): measure at the context's rows
+    seq_len = job.data.fixed_seq_len or context_rows(hf_config, job.parallel.cp)
+    gemms, attention = speed_shapes(m, job.train.micro_batch * seq_len, seq_len, job.loss.chunk_size)
+    speeds = []
+    for dtype in dict.fromkeys(spec.compute_dtype for spec in specs):
+        speed = measure_device_speed(device, dtype, gemms, attention, optimizer_params=m.params)
+        if speed is not None:
+            speeds.append(speed)
+    return dataclasses.replace(hardware, speed=tuple(speeds))
 
 
 def resolve_planned(

@@ -283,13 +283,13 @@ def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
     from flexengine.cli.plan import PlanOptions, plan_documents
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.core.distributed import DistInfo
-    from flexengine.planning import specs
+    from flexengine.planning import resolve as resolve_module
     from flexengine.planning.resolve import resolve, resolve_target_hardware
     from flexengine.surgery.model import build_hf_config
     from tests.planning.test_costs import _speed
 
     if measured:
-        monkeypatch.setattr(specs, "measure_device_speed", lambda *a, **k: _speed(matmul_tflops=0.5))
+        monkeypatch.setattr(resolve_module, "measure_device_speed", lambda *a, **k: _speed(matmul_tflops=0.5))
     overrides = ["debug=fast", "hardware.device=cpu", "data.seq_len=auto", "model.arch.max_position_embeddings=512"]
     job = compose_job(overrides)
     options = PlanOptions(documents=64, doc_tokens=300)

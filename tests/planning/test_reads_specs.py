@@ -191,7 +191,7 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "data/sources.py:_needed_fields": "data.format picks the record's required fields",
     "loop/evaluator.py:__init__": "data.formats: a chat run renders its sample prompts through the chat template",
     "planning/max_seq_len.py:longest_over_modes": "precision=auto: the search weighs every mode; a set mode alone",
-    "planning/specs.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
+    "planning/resolve.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
     "surgery/compile.py:why_uncompiled": "torch.compiler's stance, not a config value",
 }
 
