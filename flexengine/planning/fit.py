@@ -230,23 +230,6 @@ def _verdict(rows: Sequence[PrecisionTrial], i: int, chosen: int, timed: bool) -
     return f"slower: {_secs(r.step_s)} vs {vs}"
 
 
-def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
-    """The JobConfig with every auto resolved: what the rest of the run reads."""
-    return dataclasses.replace(
-        job,
-        hardware=fit.hardware,
-        memory=dataclasses.replace(fit.memory),  # a copy: the job must not share the plan's candidate
-        precision=PrecisionConfig(mode=fit.precision.name),
-        optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
-        train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
-        # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
-        parallel=dataclasses.replace(
-            job.parallel,
-            reduce_every=fit.plan.reduce_every.value,  # the gradient reduction the plan counted
-        ),
-    )
-
-
 def _explicit_choices(job: JobConfig) -> list[str]:
     """The precision/memory settings the user fixed (the planner did not choose them)."""
     out = [f"precision={job.precision.mode}"] if job.precision.mode != "auto" else []

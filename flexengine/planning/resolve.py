@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 
-from flexengine.core.config import HardwareConfig, JobConfig, check_fixed_rope
+from flexengine.core.config import HardwareConfig, JobConfig, PrecisionConfig, check_fixed_rope
 from flexengine.core.config_record import (
     AUTO_ATTENTION_BACKEND,
     AUTO_HARDWARE,
@@ -28,7 +28,7 @@ from flexengine.core.device_speed import measure_device_speed
 from flexengine.core.hardware import assumed_hardware, plans_this_machine, resolve_hardware
 from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
 from flexengine.planning.costs import speed_shapes
-from flexengine.planning.fit import FitPlan, plan_job, resolved_job
+from flexengine.planning.fit import FitPlan, plan_job
 from flexengine.planning.plan import Plan
 from flexengine.planning.row_length import Pack, RowLengthChoice, choose_row_length, context_rows, with_seq_len
 from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
@@ -173,6 +173,23 @@ def resolve(
         rows=rows,
         pairs=counted,
         auto_seq_len=job.data.fixed_seq_len is None,
+    )
+
+
+def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
+    """The JobConfig with every auto the fit answered resolved: ResolvedRun.job, the one copy the loop reads."""
+    return dataclasses.replace(
+        job,
+        hardware=fit.hardware,
+        memory=dataclasses.replace(fit.memory),  # a copy: the job must not share the plan's candidate
+        precision=PrecisionConfig(mode=fit.precision.name),
+        optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
+        train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
+        # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
+        parallel=dataclasses.replace(
+            job.parallel,
+            reduce_every=fit.plan.reduce_every.value,  # the gradient reduction the plan counted
+        ),
     )
 
 
