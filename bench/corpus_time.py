@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from flexengine.cli.common import compose_job
-from flexengine.cli.plan import PlanOptions, auto_row_length, plan_with_corpus
+from flexengine.cli.plan import PlanOptions, plan_report
 from flexengine.planning.corpus_time import Corpus, format_corpus_hours
 from flexengine.planning.row_length import format_row_length, mfu_ladder
 
@@ -30,12 +30,12 @@ def main() -> None:
     report, sections = [], []
     for name, extra in ROWS.items():
         job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", *extra])
-        job, choice = auto_row_length(job, SEED)  # the plan command's path: auto weighs the seed's documents
-        plan, hours = plan_with_corpus(job, SEED)  # the packed rows' attended pairs too
+        # the plan command's path: auto weighs the seed's documents; the packed rows' attended pairs too
+        plan, hours, choice = plan_report(job, SEED)
         assert hours is not None and plan.work is not None
         corpus, rows = Corpus(**hours["corpus"]), hours["alternatives"]
         pairs = plan.plan.attention_pairs.as_dict()["fraction_of_row_squared"]
-        entry = {"seq_len": job.data.seq_len, "corpus": corpus.describe, "attended_fraction": pairs}
+        entry = {"seq_len": plan.plan.seq_len, "corpus": corpus.describe, "attended_fraction": pairs}
         entry.update(alternatives=rows, work_per_useful_token=plan.work.to_json())
         weighed = ""
         if choice is not None:

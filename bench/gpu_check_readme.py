@@ -90,14 +90,10 @@ def readme_fit(grad_accum: int, cli: bool = False):
     `cli`, through the planner CLI's own function (its JSON adds the 8-GPU and context reports)."""
     from flexengine.cli.common import compose_job
     from flexengine.cli.plan import build_plan
-    from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.fit import plan_job
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import resolve_planned
 
-    job = compose_job(readme_overrides(grad_accum))
-    if cli:
-        return build_plan(job).fit
-    return plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    run = resolve_planned(compose_job(readme_overrides(grad_accum)))
+    return build_plan(run).fit if cli else run.fit
 
 
 def choices(fit) -> dict:
@@ -178,14 +174,12 @@ def expected_h200(fit, job_overrides: list[str]) -> dict:
     """The planner's step time for the same choices on an H200 (its peak and HBM; PCIe as the A100 plan assumed,
     and at PCIe 5.0's 50 GB/s), against the A100 plan's, with the pure compute and bandwidth ratios."""
     from flexengine.cli.common import compose_job
-    from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.fit import plan_job
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import resolve_planned
 
     steps = {}
     for pcie in (fit.hardware.pcie_gb_s, 50.0):
         job = compose_job([*job_overrides, "hardware=h200_141g", f"hardware.pcie_gb_s={pcie}"])
-        steps[pcie] = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware)).plan.step_s
+        steps[pcie] = resolve_planned(job).plan.step_s
     a100 = fit.plan.step_s
     return {
         "a100_plan_step_s": a100,
@@ -348,12 +342,9 @@ def problems_of(run: dict, memory: dict, offload: dict | None = None) -> list[st
 def replans_the_same(pinned: list[str], fit) -> dict:
     """The run path's planner on the pinned job (explicit choices, no search), without a card: the same step?"""
     from flexengine.cli.common import compose_job
-    from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.fit import plan_job
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import resolve_planned
 
-    job = compose_job(pinned)
-    again = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    again = resolve_planned(compose_job(pinned)).fit
     same = choices(again) == choices(fit) and abs(again.plan.total_bytes - fit.plan.total_bytes) < 2**20
     return {"same": same, "total_gib": again.plan.total_bytes / GiB, "policy": again.plan.policy}
 

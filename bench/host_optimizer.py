@@ -34,8 +34,8 @@ from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import HOST_STEP_NS_PER_PARAM, host_optimizer_bytes, host_optimizer_seconds
+from flexengine.planning.resolve import resolve
 from flexengine.planning.shapes import ModelShape
-from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
 
@@ -208,8 +208,9 @@ def planned(n_params: int) -> dict:
     assert shape.params == n_params, (shape.params, n_params)
     hardware = HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, peak_tflops=312, host_memory_gb=128)
     job, config = _job(), LlamaConfig(**MODEL)
-    specs = plan_specs(job, config, planned_attention(job, config, hardware))
-    x = plan_inputs(specs, hardware, SPECS["bf16_cpu_master"], on_cuda=True)
+    run = resolve(job, config, hardware)
+    assert run.precision == SPECS["bf16_cpu_master"], run.precision.name
+    x = run.inputs(batch_of=run.planned)  # at the job's own micro-batch and accumulation, as the bench steps
     seconds, pcie = host_optimizer_seconds(shape, x, compute_s=0.0)
     return {"host_bytes": host_optimizer_bytes(shape, x), "pcie_bytes_per_step": pcie, "host_step_s": seconds}
 

@@ -13,22 +13,11 @@ import torch
 from torch import nn
 
 from flexengine.core.allocator import allocator_line
-from flexengine.core.config import HardwareConfig, JobConfig, check_fixed_rope
-from flexengine.core.config_record import (
-    AUTO_ATTENTION_BACKEND,
-    AUTO_EPOCHS,
-    AUTO_HARDWARE,
-    AUTO_PLANNER,
-    AUTO_ROW_LENGTH,
-    FROM_CALLER,
-    FROM_MODEL_PATH,
-    RESOLVED_CONFIG_FILE,
-    ConfigRecord,
-)
+from flexengine.core.config import HardwareConfig, JobConfig
+from flexengine.core.config_record import AUTO_EPOCHS, FROM_CALLER, FROM_MODEL_PATH, RESOLVED_CONFIG_FILE, ConfigRecord
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
-from flexengine.core.hardware import resolve_device, resolve_hardware
-from flexengine.core.parallel_spec import resolve_parallel
+from flexengine.core.hardware import resolve_device
 from flexengine.core.storage import (
     CHECKPOINTS,
     check_output_dir,
@@ -46,12 +35,20 @@ from flexengine.loop.forward import ForwardPath
 from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, UNKNOWN
-from flexengine.planning.fit import FitPlan, fit_job
+from flexengine.planning.fit import check_fit
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
-from flexengine.planning.row_length import RowLengthChoice, choose_row_length, format_row_length, with_seq_len
-from flexengine.planning.specs import with_measured_speed
+from flexengine.planning.resolve import (
+    Documents,
+    ResolvedRun,
+    check_checkpoint_rope,
+    record_attention_backend,
+    record_resolution,
+    resolve,
+    resolve_target_hardware,
+)
+from flexengine.planning.row_length import format_row_length
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
-from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
+from flexengine.surgery.attention.job_rules import resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
 from flexengine.surgery.context_parallel import ContextParallel, build_context_parallel
 from flexengine.surgery.lora import apply_lora
@@ -60,7 +57,7 @@ from flexengine.surgery.memory.kinds import check_granularity
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
 from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.parallel import apply_parallel, loads_weights
-from flexengine.surgery.precision import apply_precision
+from flexengine.surgery.precision import PrecisionSpec, apply_precision
 from flexengine.surgery.rope import check_context, context_limits
 
 if TYPE_CHECKING:
@@ -86,24 +83,6 @@ def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
     return dataclasses.replace(job, train=dataclasses.replace(job.train, max_steps=steps))
 
 
-def _check_checkpoint_rope(job: JobConfig, hf_config: PretrainedConfig) -> None:
-    """The RoPE scaling a checkpoint carries, against context parallelism and packed documents (data.seq_len=auto:
-    once the length is chosen)."""
-    # the scaling a checkpoint carries (model.rope_scaling itself was checked with the config)
-    if job.data.fixed_seq_len is None:
-        return
-    limits = context_limits(hf_config)
-    check_fixed_rope(
-        limits.rope_type,
-        f"model.path={job.model.path}, whose config.json has" if job.model.path else "model.arch's",
-        cp=job.parallel.cp,
-        attn_mode=job.attn.mode,
-        packs=packs_documents(job.attn.mode),
-        rows=(job.data.seq_len, limits.trained),
-        instead="rope_parameters set to yarn, linear or llama3 there",
-    )
-
-
 def _check_attention_backend(attention: AttentionSpec, dist_info: DistInfo, device: torch.device) -> None:
     """The resolved backend can train here: flex has no CPU backward, and only flex has a context-parallel path."""
     if attention.backend is AttnBackend.FLEX and device.type == "cpu":
@@ -126,37 +105,29 @@ def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo, hf_
     choose different row lengths, policies or micro-batches, and then hang or desynchronise."""
 
     def measure() -> HardwareConfig:
-        hardware = resolve_hardware(job.hardware, device)
-        if dist_info.world_size > 1:
-            hardware = dataclasses.replace(hardware, world_size=dist_info.world_size)
-        return with_measured_speed(hardware, job, hf_config, device)
+        return resolve_target_hardware(job, hf_config, device, dist_info.world_size)
 
     with cpu_group(SPEED_TIMEOUT_S) as group:  # None in a single process: measured here
         return run_on_rank0(group, measure, "resolving hardware.* and measuring the device speed on rank 0")
 
 
-def _resolve_row_length(
-    job: JobConfig,
-    hf_config: PretrainedConfig,
-    hardware: HardwareConfig,
-    attention: AttentionSpec,
-    dist_info: DistInfo,
-    record: ConfigRecord,
-) -> tuple[JobConfig, Optional[RowLengthChoice]]:
-    """data.seq_len=auto: the row length chosen over the training documents (tokenized through the cache the data
-    stage reads), recorded with its source and checked as a given one is; a number: the job as it is."""
-    if job.data.fixed_seq_len is not None:
-        return job, None
-    lengths = training_lengths(job, load_tokenizer(job.model), dist_info)
-    where = f"{len(lengths):,} training documents of {job.data.path or 'the demo corpus'}"
-    pack = packer(lengths, job.data.packing, job.data.long_docs)
-    choice = choose_row_length(job, hf_config, hardware, attention, lengths, pack=pack, describe=where)
-    log.info("%s", format_row_length(choice))
-    job = with_seq_len(job, choice.seq_len)
-    record.set("data.seq_len", choice.seq_len, AUTO_ROW_LENGTH)
-    resolve_attention_rules(job)  # the window and RoPE rules that needed the length
-    _check_checkpoint_rope(job, hf_config)
-    return job, choice
+def _resolve_run(
+    job: JobConfig, hf_config: PretrainedConfig, attention: AttentionSpec, *, device: torch.device, dist_info: DistInfo
+) -> ResolvedRun:
+    """The run resolved before anything is allocated: hardware on this device, data.seq_len=auto over the training
+    documents (tokenized through the cache the data stage reads), then precision, memory policy and micro-batch
+    from the planner, or a UserError that says what would fit."""
+    hardware = _run_hardware(job, device, dist_info, hf_config)
+    documents = None
+    if job.data.fixed_seq_len is None:
+        lengths = training_lengths(job, load_tokenizer(job.model), dist_info)
+        where = f"{len(lengths):,} training documents of {job.data.path or 'the demo corpus'}"
+        documents = Documents(lengths, packer(lengths, job.data.packing, job.data.long_docs), where)
+    run = resolve(job, hf_config, hardware, attention=attention, documents=documents)  # planned as it runs
+    if run.rows is not None:
+        log.info("%s", format_row_length(run.rows))
+    check_fit(run.planned, run.fit, hf_config, attention)
+    return run
 
 
 def _build_checked_data(
@@ -182,7 +153,11 @@ def _build_checked_data(
 
 
 def _load_weights(
-    job: JobConfig, fit: FitPlan, device: torch.device, dist_info: DistInfo, tokenizer: PreTrainedTokenizerBase
+    job: JobConfig,
+    precision: PrecisionSpec,
+    device: torch.device,
+    dist_info: DistInfo,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> tuple[nn.Module, bool]:
     """The HF model in the planned dtype, its vocabulary checked against the tokenizer; and whether its weights
     come from rank 0 by broadcast (apply_parallel) rather than from this rank's own read."""
@@ -190,30 +165,25 @@ def _load_weights(
     # rank 0's weights by broadcast once wrapped (apply_parallel).
     from_rank0 = dist_info.world_size > 1 and job.model.loads_weights
     placeholder = from_rank0 and not loads_weights(dist_info)  # this rank reads no checkpoint (its log says so)
-    model = load_model(job.model, device, fit.precision.param_dtype, placeholder=placeholder)
+    model = load_model(job.model, device, precision.param_dtype, placeholder=placeholder)
     check_vocab(model, tokenizer)
     return model, from_rank0
 
 
 def _apply_surgery(
-    model: nn.Module,
-    job: JobConfig,
-    fit: FitPlan,
-    attention: AttentionSpec,
-    *,
-    device: torch.device,
-    context_parallel: Optional[ContextParallel],
+    model: nn.Module, run: ResolvedRun, *, context_parallel: Optional[ContextParallel]
 ) -> tuple[nn.Module, dict]:
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
     LoRA) and the planner's activation summary (the first training forward may measure it: _attach_reports)."""
+    job = run.job
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
-    apply_precision(model, fit.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
+    apply_precision(model, run.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
     # Surgery order (torchtitan's lesson): attention -> checkpoint/offload -> compile -> FSDP/DDP.
-    apply_attention(model, attention)
+    apply_attention(model, run.attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, fit.memory_specs, max_pinned_bytes=fit.plan.usage.offload_pinned_bound_bytes)
-    memory_report = activation_summary(model, job, fit.precision, device)
+    apply_memory_policy(model, run.memory_specs, max_pinned_bytes=run.plan.usage.offload_pinned_bound_bytes)
+    memory_report = activation_summary(model, run.inputs(), job.memory)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
         if not job.train.compile:
@@ -249,19 +219,19 @@ def _components(
     )
 
 
-def fit_of(trainer: Trainer) -> FitPlan:
-    """The FitPlan build_trainer attached to the trainer (what the run was planned with)."""
-    if not isinstance(trainer.plan, FitPlan):
-        raise ValueError("this Trainer was not built by flexengine.run.build_trainer: it carries no FitPlan")
+def resolved_of(trainer: Trainer) -> ResolvedRun:
+    """The ResolvedRun build_trainer attached to the trainer (what the run was planned with)."""
+    if not isinstance(trainer.plan, ResolvedRun):
+        raise ValueError("this Trainer was not built by flexengine.run.build_trainer: it carries no ResolvedRun")
     return trainer.plan
 
 
-def _attach_reports(trainer: Trainer, fit: FitPlan, data_report: dict, memory_report: dict) -> None:
-    """What the run was built from, for the summary and the doctor: the fit, the data and the memory reports. Where
-    the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its bytes replace
-    the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
-    trainer.plan = fit
-    trainer.progress.planned = planned_step(fit)
+def _attach_reports(trainer: Trainer, run: ResolvedRun, data_report: dict, memory_report: dict) -> None:
+    """What the run was built from, for the summary and the doctor: the resolution, the data and the memory
+    reports. Where the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its
+    bytes replace the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
+    trainer.plan = run
+    trainer.progress.planned = planned_step(run)
     trainer.data_report = data_report
     trainer.memory_report = memory_report
     if meters_first_forward(trainer.model, trainer.dist.world_size):  # written when measured
@@ -278,9 +248,9 @@ def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
     return write
 
 
-def planned_step(fit: FitPlan) -> PlannedStep:
+def planned_step(run: ResolvedRun) -> PlannedStep:
     """The plan's step time as the run's clock compares its steps with it, by term."""
-    t = fit.plan.time
+    t = run.plan.time
     terms = {
         "matmul": t.matmul_s,
         "attention": t.attention_s,
@@ -288,16 +258,15 @@ def planned_step(fit: FitPlan) -> PlannedStep:
         "loss": t.loss_s,
         "recompute": t.recompute_s,
         "optimizer": t.optimizer_s,
-        "exposed_transfers": fit.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
+        "exposed_transfers": run.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
     }
     return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms, t.source != UNKNOWN)
 
 
-def _record_what_runs(record: ConfigRecord, job: JobConfig, attention: AttentionSpec) -> None:
+def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) -> None:
     """The record takes the data stage's epochs, the attention backend auto chose and model.path's architecture."""
     record.update(job, AUTO_EPOCHS)
-    if job.attn.backend == "auto":  # the record says what runs; job.attn keeps auto (the spec travels as an object)
-        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
+    record_attention_backend(record, run)  # the record says what runs; job.attn keeps auto
     if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
         record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
 
@@ -312,7 +281,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     check_granularity(job.memory.granularity)  # a hand-built JobConfig too (the CLI checked it at composition)
     device = resolve_device(job.hardware.device)
     hf_config = build_hf_config(job.model)  # a bad model.path fails here, before tokenizing or allocating anything
-    _check_checkpoint_rope(job, hf_config)
+    check_checkpoint_rope(job, hf_config)
     dist_info = init_distributed(job.parallel, device)
     device = rank_device(device, dist_info)
     if device.type == "cuda":
@@ -320,25 +289,21 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     attention = resolve_attention_spec(job.attn, hf_config, device=device)  # windows from the model, per layer
     _check_attention_backend(attention, dist_info, device)
     context_parallel = build_context_parallel(dist_info, device)
-    hardware = _run_hardware(job, device, dist_info, hf_config)
-    record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
-    job, rows = _resolve_row_length(job, hf_config, hardware, attention, dist_info, record)
     # Fit before allocating: precision, memory policy and micro-batch from the planner (or a clear error).
-    job, fit = fit_job(job, hf_config, hardware, attention)  # the spec resolved above: planned as it runs
-    record.update(job, AUTO_PLANNER)
+    run = _resolve_run(job, hf_config, attention, device=device, dist_info=dist_info)
+    record_resolution(record, run)
     tokenizer = load_tokenizer(job.model)
     job, loader, eval_data, data_report = _build_checked_data(
-        job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
+        run.job, tokenizer, dist_info, hf_config, device=device, flex=attention.backend is AttnBackend.FLEX
     )
-    if rows is not None:
-        data_report["row_length"] = rows.to_json()  # every length weighed: summary.json's data section
-    _record_what_runs(record, job, attention)
-    model, from_rank0 = _load_weights(job, fit, device, dist_info, tokenizer)
-    model, memory_report = _apply_surgery(model, job, fit, attention, device=device, context_parallel=context_parallel)
-    parallel = resolve_parallel(job.parallel)  # parallel.* as enums, reduce_every as the fit chose it
+    if run.rows is not None:
+        data_report["row_length"] = run.rows.to_json()  # every length weighed: summary.json's data section
+    _record_what_runs(record, job, run)
+    model, from_rank0 = _load_weights(job, run.precision, device, dist_info, tokenizer)
+    model, memory_report = _apply_surgery(model, run, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
         model,
-        parallel,
+        run.parallel,
         dist_info,
         device,
         job.loss,
@@ -346,7 +311,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
     )
     forward = ForwardPath.build(
-        job, model, device, train_module=train_module, precision=fit.precision, context_parallel=context_parallel
+        job, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
     )
     components = _components(job, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data)
     trainer = Trainer(
@@ -357,10 +322,10 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         out_dir=out_dir,
         device=device,
         dist=dist_info,
-        parallel=parallel,
+        parallel=run.parallel,
         components=components,
     )
-    _attach_reports(trainer, fit, data_report, memory_report)
+    _attach_reports(trainer, run, data_report, memory_report)
     return trainer
 
 
@@ -398,7 +363,7 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         summary["data"] = trainer.data_report
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
-        plan = fit_of(trainer).plan
+        plan = resolved_of(trainer).plan
         summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
         slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
         summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs

@@ -24,7 +24,7 @@ import torch
 
 from flexengine.cli.common import compose_job, fail, quiet_third_party
 from flexengine.cli.doctor_time import epoch_check, step_time_check, step_time_numbers
-from flexengine.core.config import JobConfig, MemoryConfig
+from flexengine.core.config import JobConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
 from flexengine.core.units import GiB
@@ -34,10 +34,9 @@ from flexengine.loop.metrics import allocator_stats, utilization
 from flexengine.planning.budget import reserved_limit_bytes
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import ModelShape
-from flexengine.planning.specs import plan_inputs, plan_specs
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention.job_rules import packs_documents
-from flexengine.surgery.attention.spec import AttnBackend, resolve_attention_spec
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.compile import CompileWatch
 
 log = logging.getLogger(__name__)
@@ -75,12 +74,10 @@ class DoctorHooks(StepHooks):
 def memory_report(trainer, allocator: dict) -> dict:
     """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also what the
     caching allocator held over the diagnosed steps (flexengine.loop.metrics.allocator_stats; None on CPU)."""
-    job, model = trainer.job, trainer.model
-    # the spec run.py resolved and the surgery applied (None: HF's own attention, untouched: attn.* on this device)
-    attention = trainer.attn or resolve_attention_spec(job.attn, model.config, device=trainer.device)
-    planned = plan_specs(job, model.config, attention)
-    x = plan_inputs(planned, job.hardware, trainer.precision, on_cuda=trainer.device.type == "cuda")
-    current = MemoryConfig(**trainer.memory_report["memory_policy"])
+    from flexengine.run import resolved_of
+
+    run, model = resolved_of(trainer), trainer.model
+    x, current = run.inputs(), run.job.memory  # what build_trainer resolved and applied
     now = evaluate(ModelShape.from_hf_config(model.config), x, current)
     plan = plan_memory(model.config, x)
     specs = applied(model).memory

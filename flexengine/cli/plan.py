@@ -23,20 +23,15 @@ from omegaconf import DictConfig
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.cli.first_contact import format_params
 from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
-from flexengine.core.config_record import (
-    AUTO_ATTENTION_BACKEND,
-    AUTO_HARDWARE,
-    AUTO_PLANNER,
-    AUTO_ROW_LENGTH,
-    FROM_MODEL_PATH,
-    ConfigRecord,
-)
+from flexengine.core.config_record import FROM_MODEL_PATH, ConfigRecord
 from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
+    from flexengine.planning.corpus_time import Corpus
     from flexengine.planning.fit import FitPlan
     from flexengine.planning.plan import Plan
+    from flexengine.planning.resolve import Documents, ResolvedRun
     from flexengine.planning.row_length import RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.planning.work import WorkPerToken
@@ -164,29 +159,22 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
-def build_plan(
-    job: JobConfig, attention: Optional[AttentionSpec] = None, pairs: Optional[AttendedPairs] = None
-) -> PlanReport:
-    """The plan of a JobConfig on its hardware (architecture only; named hardware is not probed). attention: attn.*
-    resolved for that hardware (None: here); pairs: the attended pairs of a known corpus's packed rows."""
-    from flexengine.planning.fit import plan_job
+def build_plan(run: ResolvedRun) -> PlanReport:
+    """The plan of a resolved job (architecture only; named hardware is not probed), and on a GPU with fewer than 8
+    ranks the same job on a node of 8."""
+    from flexengine.planning.resolve import resolve
     from flexengine.planning.shapes import ModelShape
-    from flexengine.planning.specs import planned_attention, target_hardware
-    from flexengine.surgery.model import build_hf_config
 
-    hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
-    attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
-    fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
-    node = None
+    job, hardware, node = run.planned, run.hardware, None
     if not hardware.on_cpu and hardware.world_size < 8:  # what a full node changes
-        node = plan_job(job, hf_config, dataclasses.replace(hardware, world_size=8), attention=attention, pairs=pairs)
+        eight = dataclasses.replace(hardware, world_size=8)
+        node = resolve(job, run.hf_config, eight, attention=run.attention, pairs=run.pairs).fit
     return PlanReport(
-        fit=fit,
-        params=ModelShape.from_hf_config(hf_config).params,
+        fit=run.fit,
+        params=ModelShape.from_hf_config(run.hf_config).params,
         hardware=hardware,
-        updates_arrive_at_lr=fit.precision.updates_arrive(job.optim.lr),
-        context=context_report(job, hf_config),
+        updates_arrive_at_lr=run.precision.updates_arrive(job.optim.lr),
+        context=context_report(job, run.hf_config),
         cp=job.parallel.cp,
         node_of_8=node,
     )
@@ -276,87 +264,82 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
     return out
 
 
-def plan_with_corpus(job: JobConfig, options: PlanOptions) -> tuple[PlanReport, Optional[dict]]:
-    """The plan, and with plan.epochs / plan.tokens / plan.documents the corpus in packed rows and its hours for
-    the plan and the alternatives (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}.
-    Rows of known documents give both the attention pairs their masks allow (else each layer's mask over one
-    whole-row document)."""
-    from flexengine.cli.plan_corpus import corpus_rows, wants_corpus_time
+class CorpusPairs:
+    """The corpus of plan.epochs / plan.tokens / plan.documents in packed rows at the resolved row length, and the
+    attended pairs their masks allow (resolve's `pairs`); what it counted stays for the hours and the work."""
+
+    def __init__(self, options: PlanOptions) -> None:
+        self.options = options
+        self.corpus: Optional[Corpus] = None
+        self.rows: Optional[list[list[int]]] = None  # each packed row's document pieces (None: lengths unknown)
+
+    def __call__(self, job: JobConfig, attention: AttentionSpec) -> Optional[AttendedPairs]:
+        from flexengine.cli.plan_corpus import corpus_rows
+        from flexengine.planning.specs import packed_pairs
+
+        self.corpus, self.rows = corpus_rows(job, self.options)
+        if not self.rows:
+            return None
+        source = f"the mask of the packed rows of {self.corpus.describe}"
+        return packed_pairs(attention, self.rows, job.data.seq_len, source)
+
+
+def plan_report(
+    job: JobConfig, options: PlanOptions, has_documents: bool = True
+) -> tuple[PlanReport, Optional[dict], Optional[RowLengthChoice]]:
+    """The plan of `job` resolved on its hardware (planning/resolve), the work per useful token; with plan.epochs /
+    plan.tokens / plan.documents the corpus in packed rows and its hours for the plan and the alternatives
+    (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}, whose rows also give the attended
+    pairs their masks allow (else each layer's mask over one whole-row document); and data.seq_len=auto's choice."""
+    from flexengine.cli.plan_corpus import wants_corpus_time
     from flexengine.planning.corpus_time import corpus_hours
-    from flexengine.planning.specs import packed_pairs, planned_attention, target_hardware
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import resolve_planned
 
-    hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
-    attention = planned_attention(job, hf_config, hardware)  # once, for the plan and every alternative
-    if not wants_corpus_time(options):
-        report = build_plan(job, attention)
-        return dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention)), None
-    corpus, rows = corpus_rows(job, options)
-    pairs = None
-    if rows:
-        pairs = packed_pairs(attention, rows, job.data.seq_len, f"the mask of the packed rows of {corpus.describe}")
-    hours = corpus_hours(job, hf_config, hardware, corpus, attention=attention, pairs=pairs)
-    report = build_plan(job, attention, pairs)
-    report = dataclasses.replace(report, work=plan_work(job, report.fit, hf_config, attention, pairs, rows))
-    return report, {"corpus": dataclasses.asdict(corpus), "alternatives": hours}
+    corpus = CorpusPairs(options) if wants_corpus_time(options) else None
+    run = resolve_planned(job, plan_documents(job, options, has_documents), pairs=corpus)
+    report = dataclasses.replace(build_plan(run), work=plan_work(run, corpus.rows if corpus else None))
+    if corpus is None or corpus.corpus is None:
+        return report, None, run.rows
+    hours = corpus_hours(
+        run.planned, run.hf_config, run.hardware, corpus.corpus, attention=run.attention, pairs=run.pairs
+    )
+    return report, {"corpus": dataclasses.asdict(corpus.corpus), "alternatives": hours}, run.rows
 
 
-def plan_work(
-    job: JobConfig,
-    fit: FitPlan,
-    hf_config,
-    attention: AttentionSpec,
-    pairs: Optional[AttendedPairs] = None,
-    rows: Optional[list[list[int]]] = None,
-) -> WorkPerToken:
+def plan_work(run: ResolvedRun, rows: Optional[list[list[int]]] = None) -> WorkPerToken:
     """The plan's executed FLOPs per useful token (flexengine.planning.work) at its precision, micro-batch and
     policy; rows: the packed rows' document pieces (None: rows of one whole-row document, no padding)."""
-    from flexengine.planning.fit import resolved_job
     from flexengine.planning.shapes import ModelShape
-    from flexengine.planning.specs import plan_inputs, plan_specs
     from flexengine.planning.work import document_pair_fractions, work_per_token
 
-    planned = resolved_job(job, fit)  # the fit's micro-batch and accumulation
-    x = plan_inputs(plan_specs(planned, hf_config, attention, pairs), fit.hardware, fit.precision)
-    m, seq_len = ModelShape.from_hf_config(hf_config), planned.data.seq_len
+    x, fit = run.inputs(), run.fit  # the fit's micro-batch and accumulation
+    m, seq_len = ModelShape.from_hf_config(run.hf_config), run.seq_len
     if not rows:  # whole rows of one document: the documents' pairs are the row's, as the plan counted them
         fractions = x.pairs.of_rank(1)
         whole = list(fractions) if isinstance(fractions, tuple) else [fractions] * m.layers
         return work_per_token(m, x, fit.memory_specs, 1.0, whole)
     useful = sum(map(sum, rows)) / (len(rows) * seq_len)
-    documents = document_pair_fractions(attention, rows, seq_len)
+    documents = document_pair_fractions(run.attention, rows, seq_len)
     return work_per_token(m, x, fit.memory_specs, useful, documents)
 
 
-def auto_row_length(
-    job: JobConfig, options: PlanOptions, has_documents: bool = True
-) -> tuple[JobConfig, Optional[RowLengthChoice]]:
-    """data.seq_len=auto: the row length chosen over plan.documents x plan.doc_tokens or the job's own documents
-    (flexengine.planning.row_length), and the job with it; any other data.seq_len: the job as it is, None.
-    has_documents: False when the job names no data (the command planned the demo corpus in its place): without
-    plan.documents the rows are then the model's supported context, said so. Priced on `target_hardware`, this
-    machine at its measured speed as the run prices it (flexengine/run.py), so both choose the same length."""
+def plan_documents(job: JobConfig, options: PlanOptions, has_documents: bool = True) -> Optional[Documents]:
+    """data.seq_len=auto: the documents its row length is chosen over, plan.documents x plan.doc_tokens or the
+    job's own (None: the model's supported context, where the job names no data and plan.documents is unset, or
+    plan.tokens is given without documents). has_documents: False when the command planned the demo corpus in
+    place of the job's. Priced on this machine at its measured speed as the run prices it (flexengine/run.py), so
+    both choose the same length."""
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.data.packing import packer
-    from flexengine.planning.row_length import choose_row_length, with_seq_len
-    from flexengine.planning.specs import context_rows, planned_attention, target_hardware
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import Documents
 
     if job.data.fixed_seq_len is not None:
-        return job, None
-    hf_config = build_hf_config(job.model)
+        return None
     if options.documents is None and (options.tokens is not None or not has_documents):
-        return with_seq_len(job, context_rows(hf_config, job.parallel.cp)), None
+        return None
     lengths, describe = document_lengths(job, options, "data.seq_len=auto")
-    hardware = target_hardware(job, hf_config)  # measured once per process and shape (core/device_speed caches it)
-    attention = planned_attention(job, hf_config, hardware)
     epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
-    pack = packer(lengths, job.data.packing, job.data.long_docs)
-    choice = choose_row_length(
-        job, hf_config, hardware, attention, lengths, pack=pack, epochs=epochs, describe=describe
-    )
-    return with_seq_len(job, choice.seq_len), choice
+    return Documents(lengths, packer(lengths, job.data.packing, job.data.long_docs), describe, epochs)
 
 
 def plan_job_config(cfg: DictConfig) -> JobConfig:
@@ -388,26 +371,16 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
     the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
     as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
-    from flexengine.planning.fit import plan_job, resolved_job
-    from flexengine.planning.specs import planned_attention, target_hardware
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import record_attention_backend, record_resolution, resolve_planned
     from flexengine.surgery.model_files import architecture_of
 
     job, record = to_job_record(cfg)
     record.drop("plan")  # this command's own options
     for key, value in plan_only.items():
         record.set(key, value, PLAN_ONLY)
-    hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
-    record.update(dataclasses.replace(job, hardware=hardware), AUTO_HARDWARE)
-    if job.data.fixed_seq_len is None:  # before the fit, as the run resolves it
-        job, _rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
-        record.set("data.seq_len", job.data.seq_len, AUTO_ROW_LENGTH)
-    attention = planned_attention(job, hf_config, hardware)  # as the run resolves it on that device
-    job = resolved_job(job, plan_job(job, hf_config, hardware, attention=attention))
-    record.update(job, AUTO_PLANNER)
-    if job.attn.backend == "auto":
-        record.set("attn.backend", attention.backend.value, AUTO_ATTENTION_BACKEND)
+    run = resolve_planned(job, plan_documents(job, cfg.plan, has_documents="data.source" not in plan_only))
+    record_resolution(record, run)
+    record_attention_backend(record, run)
     if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
         record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
     return record
@@ -441,8 +414,7 @@ def main(cfg: DictConfig) -> None:
             report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
-        job, rows = auto_row_length(job, cfg.plan, has_documents="data.source" not in plan_only)
-        plan, hours = plan_with_corpus(job, cfg.plan)
+        plan, hours, rows = plan_report(job, cfg.plan, has_documents="data.source" not in plan_only)
     except UserError as e:
         fail(e)
     if fmt == "json":
@@ -454,7 +426,7 @@ def main(cfg: DictConfig) -> None:
         if rows is not None:
             print(format_row_length(rows) + "\n" + mfu_ladder(rows.chosen) + "\n")
         elif cfg.data.seq_len == SEQ_LEN_AUTO:
-            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({job.data.seq_len:,} tokens)\n")
+            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({plan.plan.seq_len:,} tokens)\n")
         print(format_table(plan))
         if hours:
             print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))

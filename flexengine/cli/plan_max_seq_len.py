@@ -51,25 +51,21 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
     from flexengine.planning.budget import device_budget
     from flexengine.planning.corpus_time import LORA_RANK
-    from flexengine.planning.fit import plan_job
     from flexengine.planning.max_seq_len import (
         longest_over_modes,
         max_seq_len_table,
         memory_curves,
         plot_memory_vs_seq_len,
     )
-    from flexengine.planning.row_length import context_rows, with_seq_len
-    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention, target_hardware, whole_row_pairs
-    from flexengine.surgery.model import build_hf_config
+    from flexengine.planning.resolve import resolve_planned
+    from flexengine.planning.specs import whole_row_pairs
     from flexengine.surgery.rope import context_limits
 
-    hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
-    if job.data.fixed_seq_len is None:  # auto: the policy table's precision is fit's at the supported context
-        job = with_seq_len(job, context_rows(hf_config, job.parallel.cp))
-    attention = planned_attention(job, hf_config, hardware)
-    precision = plan_job(job, hf_config, hardware, attention=attention).precision
-    x = plan_inputs(plan_specs(job, hf_config, attention), hardware, precision)  # x.cp: parallel.cp
+    # auto: no documents, so the policy table's precision is the fit's at the supported context
+    run = resolve_planned(job)
+    job, hf_config, hardware = run.planned, run.hf_config, run.hardware
+    attention, precision = run.attention, run.precision
+    x = run.inputs(batch_of=job)  # the table at the job's own micro-batch, as given; x.cp: parallel.cp
     cp = x.cp
     tiled = job.memory.tiled_mlp or "auto"
 

@@ -114,8 +114,8 @@ class Trainer:
         self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
         # that came after the last step, during the final save)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
-        # what the run was built from (run.py attaches them): the fit (a planning.fit.FitPlan: planning is a layer
-        # beside loop, so the trainer only carries it), the data and the activation-memory reports
+        # what the run was built from (run.py attaches them): the resolution (a planning.resolve.ResolvedRun:
+        # planning is a layer beside loop, so the trainer only carries it), the data and the activation-memory reports
         self.plan: object = None
         self.data_report: dict[str, Any] = {}
         self.memory_report: dict[str, Any] = {}

@@ -19,7 +19,7 @@ from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.planning.costs import NO_SPEED, UNKNOWN
-from flexengine.planning.fit import plan_job
+from flexengine.planning.resolve import resolve
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.surgery.attention.spec import AttentionSpec
 
@@ -49,10 +49,10 @@ def corpus_hours(
 ) -> list[dict]:
     """One row per alternative: the job as planned, then full fine-tune vs LoRA on 1 and NODE cards (each planned
     for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours.
-    attention, pairs: as `plan_job` takes them (the corpus's packed rows' attended pairs, when known)."""
+    attention, pairs: as `resolve` takes them (the corpus's packed rows' attended pairs, when known)."""
     rows = []
     for label, variant, hw in _alternatives(job, hardware):
-        fit = plan_job(variant, hf_config, hw, attention=attention, pairs=pairs)
+        fit = resolve(variant, hf_config, hw, attention=attention, pairs=pairs).fit
         data_ranks = max(1, hw.world_size // variant.parallel.cp)
         rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
         steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)

@@ -230,23 +230,6 @@ def _verdict(rows: Sequence[PrecisionTrial], i: int, chosen: int, timed: bool) -
     return f"slower: {_secs(r.step_s)} vs {vs}"
 
 
-def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
-    """The JobConfig with every auto resolved: what the rest of the run reads."""
-    return dataclasses.replace(
-        job,
-        hardware=fit.hardware,
-        memory=dataclasses.replace(fit.memory),  # a copy: the job must not share the plan's candidate
-        precision=PrecisionConfig(mode=fit.precision.name),
-        optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
-        train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
-        # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
-        parallel=dataclasses.replace(
-            job.parallel,
-            reduce_every=fit.plan.reduce_every.value,  # the gradient reduction the plan counted
-        ),
-    )
-
-
 def _explicit_choices(job: JobConfig) -> list[str]:
     """The precision/memory settings the user fixed (the planner did not choose them)."""
     out = [f"precision={job.precision.mode}"] if job.precision.mode != "auto" else []
@@ -289,12 +272,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
-def fit_job(
-    job: JobConfig, hf_config, hardware: HardwareConfig, attention: Optional[AttentionSpec] = None
-) -> tuple[JobConfig, FitPlan]:
-    """Plan the run and return the resolved job, or raise UserError naming what would fit. attention: the run's
-    resolved AttentionSpec (None: resolved here for `hardware`'s device)."""
-    fit = plan_job(job, hf_config, hardware, attention=attention)
+def check_fit(job: JobConfig, fit: FitPlan, hf_config, attention: AttentionSpec) -> None:
+    """Log a run's fit of `job` (planning/resolve) and raise UserError naming what would fit when it does not, or
+    when optim.lr's updates would round away in the stored weights."""
+    hardware = fit.hardware
     # one line in the run's log; the whole table with hydra.verbose=flexengine.planning.fit, or from flexengine-plan
     log.info("plan: %s", format_fit_summary(fit))
     for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
@@ -324,7 +305,6 @@ def fit_job(
             job.train.grad_accum,
             fit.grad_accum,
         )
-    return resolved_job(job, fit), fit
 
 
 def compile_hint(job: JobConfig, fit: FitPlan) -> str:

@@ -10,30 +10,24 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from flexengine.core.config import JobConfig
+from flexengine.core.config import MemoryConfig
 from flexengine.planning.activations import estimate_activations, memory_specs
-from flexengine.planning.shapes import ModelShape, rank_workload
-from flexengine.planning.specs import plan_inputs, plan_specs
-from flexengine.surgery.applied import applied, attention_spec
-from flexengine.surgery.attention.spec import AttnBackend, resolve_attention_spec
+from flexengine.planning.shapes import ModelShape, PlanInputs, rank_workload
+from flexengine.surgery.applied import applied
+from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.memory.meter import measure_activations
-from flexengine.surgery.precision import PrecisionSpec
 
 log = logging.getLogger(__name__)
 
 
-def activation_summary(model: nn.Module, job: JobConfig, precision: PrecisionSpec, device: torch.device) -> dict:
+def activation_summary(model: nn.Module, inputs: PlanInputs, memory: MemoryConfig) -> dict:
     """activation_bytes(_per_block) for summary.json: the planner's estimate, which a FirstForwardMeter replaces
     with the meter's measurement of the first training forward where the meter can see the blocks
     (meters_first_forward). No forward runs here: a synthetic one of a whole micro-batch before step 1 cost about a
-    step's forward (17-45 s on CPU at 1-2 x 1,024 tokens; on a GPU a full 7B forward at 8K)."""
-    memory = job.memory
-    spec = attention_spec(model)
-    # the spec the surgery applied (run.py resolved it once); a model with HF's own attention: attn.* here
-    attention = spec if spec is not None else resolve_attention_spec(job.attn, model.config, device=device)
-    x = plan_inputs(plan_specs(job, model.config, attention), job.hardware, precision, on_cuda=device.type == "cuda")
+    step's forward (17-45 s on CPU at 1-2 x 1,024 tokens; on a GPU a full 7B forward at 8K). inputs: the run's
+    resolved PlanInputs (planning/resolve: ResolvedRun.inputs); memory: the policy applied."""
     shape = ModelShape.from_hf_config(model.config)
-    est = estimate_activations(shape, rank_workload(x), memory_specs(memory, shape))
+    est = estimate_activations(shape, rank_workload(inputs), memory_specs(memory, shape))
     return {
         "activation_bytes": est.total_bytes,
         "activation_bytes_per_block": est.per_block,

@@ -31,7 +31,7 @@ from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.costs import ASSUMED, NO_SPEED, UNKNOWN
 from flexengine.planning.fit import FitPlan, plan_job
-from flexengine.planning.specs import context_rows as context_rows  # re-exported (specs measures at these rows)
+from flexengine.planning.specs import context_rows as context_rows  # re-exported (the speed is measured at these rows)
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.rope import ContextLimits, context_limits

@@ -2,34 +2,26 @@
 AttentionSpec and ParallelSpec, the row shape, LoRA's trainable share, the attended-pair count), and `plan_inputs`,
 which turns them and a PrecisionSpec into the PlanInputs every cost reads.
 
-`plan_specs` is the one place a JobConfig becomes these specs; the composition root (run.py, the plan and doctor
-commands) resolves the AttentionSpec once and hands it in, and with a known corpus the pair count of its packed
-rows (`packed_pairs`).
+`plan_specs` is the one place a JobConfig becomes these specs; planning/resolve.py resolves the AttentionSpec once
+and hands it in, and with a known corpus the pair count of its packed rows (`packed_pairs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
-from flexengine.core.device_speed import measure_device_speed
-from flexengine.core.hardware import assumed_hardware, plans_this_machine
 from flexengine.core.parallel_spec import ParallelSpec, Strategy, resolve_parallel
-from flexengine.planning.costs import speed_shapes
 from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
 from flexengine.surgery.attention.mask_mode import MaskMode
 from flexengine.surgery.attention.masks import Causal
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
 from flexengine.surgery.family import resolve_family
-from flexengine.surgery.precision import PrecisionSpec, auto_order, precision_spec
+from flexengine.surgery.precision import PrecisionSpec
 from flexengine.surgery.rope import context_limits
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -179,36 +171,3 @@ def context_rows(hf_config, cp: int = 1) -> int:
     document lengths are known."""
     block = CP_BLOCK_SIZE * cp
     return max(block, context_limits(hf_config).supported // block * block)
-
-
-def with_measured_speed(hardware: HardwareConfig, job: JobConfig, hf_config, device: torch.device) -> HardwareConfig:
-    """`hardware` (the device this process runs on) with its speed measured at this model's GEMM shapes, in each
-    compute dtype the job's precision modes use (cached: core/device_speed; on CPU only the mode it takes first:
-    bf16 GEMMs there take minutes to measure). The planner then prices steps with it
-    instead of an assumed MFU."""
-    modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(hardware.on_cuda, job.optim.name)
-    if not hardware.on_cuda:  # CPU's auto takes the most exact mode that fits, untimed: its dtype is the one run
-        modes = modes[:1]
-    specs = [precision_spec(mode, job.optim.name) for mode in modes]
-    m = ModelShape.from_hf_config(hf_config)
-    # data.seq_len=auto is chosen after this (its choice is priced with this speed): measure at the context's rows
-    seq_len = job.data.fixed_seq_len or context_rows(hf_config, job.parallel.cp)
-    gemms, attention = speed_shapes(m, job.train.micro_batch * seq_len, seq_len, job.loss.chunk_size)
-    speeds = []
-    for dtype in dict.fromkeys(spec.compute_dtype for spec in specs):
-        speed = measure_device_speed(device, dtype, gemms, attention, optimizer_params=m.params)
-        if speed is not None:
-            speeds.append(speed)
-    return dataclasses.replace(hardware, speed=tuple(speeds))
-
-
-def target_hardware(job: JobConfig, hf_config) -> HardwareConfig:
-    """The hardware a plan targets (`assumed_hardware`): a named card as its config gives it (datasheet figures,
-    marked assumed in the plan), this machine resolved here with its speed measured (`with_measured_speed`)."""
-    import torch
-
-    hardware = assumed_hardware(job.hardware)
-    if not plans_this_machine(job.hardware):
-        return hardware
-    device = torch.device("cuda", torch.cuda.current_device()) if hardware.on_cuda else torch.device("cpu")
-    return with_measured_speed(hardware, job, hf_config, device)

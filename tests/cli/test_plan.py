@@ -279,32 +279,31 @@ def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
     import torch
 
     from flexengine import run
-    from flexengine.cli.common import compose_job_record
-    from flexengine.cli.plan import PlanOptions, auto_row_length
+    from flexengine.cli.common import compose_job
+    from flexengine.cli.plan import PlanOptions, plan_documents
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.core.distributed import DistInfo
-    from flexengine.planning import specs
-    from flexengine.planning.specs import planned_attention
+    from flexengine.planning import resolve as resolve_module
+    from flexengine.planning.resolve import resolve, resolve_target_hardware
     from flexengine.surgery.model import build_hf_config
     from tests.planning.test_costs import _speed
 
     if measured:
-        monkeypatch.setattr(specs, "measure_device_speed", lambda *a, **k: _speed(matmul_tflops=0.5))
+        monkeypatch.setattr(resolve_module, "measure_device_speed", lambda *a, **k: _speed(matmul_tflops=0.5))
     overrides = ["debug=fast", "hardware.device=cpu", "data.seq_len=auto", "model.arch.max_position_embeddings=512"]
-    job, record = compose_job_record(overrides)
+    job = compose_job(overrides)
     options = PlanOptions(documents=64, doc_tokens=300)
-    planned, plan_choice = auto_row_length(job, options)
+    hf_config = build_hf_config(job.model)
+    planned = resolve(job, hf_config, resolve_target_hardware(job, hf_config), documents=plan_documents(job, options))
     lengths, _ = document_lengths(job, options)
     monkeypatch.setattr(run, "training_lengths", lambda *a: lengths)
     monkeypatch.setattr(run, "load_tokenizer", lambda model: None)
-    hf_config, device = build_hf_config(job.model), torch.device("cpu")
-    hardware = run._run_hardware(job, device, DistInfo(), hf_config)
-    assert bool(hardware.speed) == measured
-    attention = planned_attention(job, hf_config, hardware)
-    ran, run_choice = run._resolve_row_length(job, hf_config, hardware, attention, DistInfo(), record)
-    assert plan_choice is not None and run_choice is not None
-    assert planned.data.seq_len == ran.data.seq_len == run_choice.seq_len
-    assert [(o.seq_len, o.step_s) for o in plan_choice.options] == [(o.seq_len, o.step_s) for o in run_choice.options]
+    device = torch.device("cpu")
+    ran = run._resolve_run(job, hf_config, planned.attention, device=device, dist_info=DistInfo())
+    assert bool(ran.hardware.speed) == measured
+    assert planned.rows is not None and ran.rows is not None
+    assert planned.seq_len == ran.seq_len == ran.rows.seq_len
+    assert [(o.seq_len, o.step_s) for o in planned.rows.options] == [(o.seq_len, o.step_s) for o in ran.rows.options]
 
 
 def test_the_assumed_line_names_only_what_is_assumed():

@@ -233,13 +233,14 @@ def _rank_hardware(rank: int, init_file: str, out: str) -> None:
 
     from flexengine import run
     from flexengine.core.distributed import DistInfo
+    from flexengine.planning import resolve
     from flexengine.surgery.model import build_hf_config
     from tests.planning.test_costs import _speed
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
-    run.with_measured_speed = lambda hw, *a: dataclasses.replace(hw, speed=(_speed(matmul_tflops=rank + 1.0),))
+    resolve.with_measured_speed = lambda hw, *a: dataclasses.replace(hw, speed=(_speed(matmul_tflops=rank + 1.0),))
     job = compose_job_record(["debug=fast", "hardware.device=cpu", "data.seq_len=auto"])[0]
     hardware = run._run_hardware(job, torch.device("cpu"), DistInfo(rank, 2), build_hf_config(job.model))
     result = {"tflops": [s.matmul_tflops for s in hardware.speed], "world_size": hardware.world_size}

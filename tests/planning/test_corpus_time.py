@@ -65,13 +65,13 @@ def test_no_hours_without_a_known_speed_and_the_options_named():
 
 
 def test_a_measured_speed_gives_hours_and_says_so(monkeypatch, tmp_path):
-    from flexengine.planning.specs import target_hardware
+    from flexengine.planning.resolve import resolve_target_hardware
 
     monkeypatch.delenv("FLEXENGINE_DEVICE_SPEED")
     monkeypatch.setenv("FLEXENGINE_SPEED_CACHE", str(tmp_path / "speed.json"))
     job = compose_job(["debug=fast", "hardware=auto"])
     hf_config = build_hf_config(job.model)
-    hardware = target_hardware(job, hf_config)
+    hardware = resolve_target_hardware(job, hf_config)
     assert len(hardware.speed) == 1 and hardware.speed[0].dtype_bytes == 4  # CPU: the mode auto takes, fp32
     rows = corpus_hours(job, hf_config, hardware, Corpus(100, 20_000))
     assert rows[0]["hours"] > 0 and rows[0]["time_source"] == "measured device speed"
@@ -80,10 +80,10 @@ def test_a_measured_speed_gives_hours_and_says_so(monkeypatch, tmp_path):
 
 
 def test_a_named_card_keeps_its_datasheet_wherever_it_is_planned():
-    from flexengine.planning.specs import target_hardware
+    from flexengine.planning.resolve import resolve_target_hardware
 
     job, hf_config, _ = _seed_job()
-    hardware = target_hardware(job, hf_config)
+    hardware = resolve_target_hardware(job, hf_config)
     assert hardware.speed == () and hardware.peak_tflops == 312.0
     rows = corpus_hours(job, hf_config, hardware, Corpus(rows=20_000, useful_tokens=120_000_000))
     assert {r["time_source"] for r in rows} == {"assumed MFU x datasheet peak"}

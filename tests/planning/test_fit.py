@@ -16,14 +16,15 @@ from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.costs import MEASURED, UNKNOWN
 from flexengine.planning.fit import (
     PrecisionTrial,
+    check_fit,
     choose_precision,
     comparable_times,
-    fit_job,
     format_fit,
     plan_job,
     precision_verdicts,
     step_cell,
 )
+from flexengine.planning.resolve import resolve
 from flexengine.surgery.model import build_hf_config
 
 SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=8192", "hardware=a100_80g"]
@@ -31,7 +32,10 @@ SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=8192", "hardwar
 
 def _fit(*overrides: str):
     job = compose_job(list(overrides))
-    return fit_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
+    hf_config = build_hf_config(job.model)
+    run = resolve(job, hf_config, assumed_hardware(job.hardware))
+    check_fit(run.planned, run.fit, hf_config, run.attention)
+    return run.job, run.fit
 
 
 def test_defaults_are_auto():

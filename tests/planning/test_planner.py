@@ -278,7 +278,8 @@ def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(t
     forced activation offload; reducing per micro-batch fits without it at no slower an estimated step."""
     from flexengine.cli.common import compose_job
     from flexengine.core.hardware import assumed_hardware
-    from flexengine.planning.fit import plan_job, resolved_job
+    from flexengine.planning.fit import plan_job
+    from flexengine.planning.resolve import resolved_job
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     common = [

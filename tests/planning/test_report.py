@@ -11,11 +11,11 @@ import torch
 from flexengine.cli.common import compose_job
 from flexengine.core.hardware import resolve_hardware
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
-from flexengine.surgery.applied import applied
+from flexengine.planning.resolve import resolve
+from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.parallel import LossForward
-from flexengine.surgery.precision import precision_spec
 from tests.helpers import make_llama
 
 CPU = torch.device("cpu")
@@ -28,11 +28,11 @@ def test_the_first_training_forward_is_metered_and_agrees_with_the_planner(memor
     job = compose_job(
         ["attn=packed_doc", "attn.backend=dense", memory, "train.compile=false", "data.seq_len=256", "precision=fp32"]
     )
-    job = dataclasses.replace(job, hardware=resolve_hardware(job.hardware, CPU))
     model = patch_attention(make_llama(), mode="packed_doc", backend="dense")
+    run = resolve(job, model.config, resolve_hardware(job.hardware, CPU), attention=attention_spec(model))
     apply_memory_policy(model, block_memory_specs(job.memory, model.config.num_hidden_layers))
     model.train()
-    planned = activation_summary(model, job, precision_spec("fp32"), CPU)
+    planned = activation_summary(model, run.inputs(), run.job.memory)
     assert planned["activation_bytes_source"] == "planner" and planned["activation_measured_on"] is None
     assert meters_first_forward(model, world_size=1) and not meters_first_forward(model, 2)
     applied(model).compile_backend = "inductor"  # compiled blocks (by train.compile or by the memory policy)

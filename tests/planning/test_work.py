@@ -9,7 +9,7 @@ from flexengine.cli.common import compose_job
 from flexengine.cli.plan import plan_work
 from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.costs import ASSUMED_MFU
-from flexengine.planning.fit import plan_job
+from flexengine.planning.resolve import resolve
 from flexengine.planning.specs import packed_pairs, planned_attention
 from flexengine.surgery.model import build_hf_config
 
@@ -21,8 +21,8 @@ def _work(*overrides: str, rows=ROWS):
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
     attention = planned_attention(job, hf_config, hardware)
     pairs = packed_pairs(attention, rows, 1024, "test rows") if rows else None
-    fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
-    return fit, plan_work(job, fit, hf_config, attention, pairs, rows)
+    run = resolve(job, hf_config, hardware, attention=attention, pairs=pairs)
+    return run.fit, plan_work(run, rows)
 
 
 def test_executed_flops_are_the_planners_step_flops():
