@@ -12,8 +12,9 @@ from flexengine.planning.activations import recompute_flops_per_block
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.compile import apply_compile
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, decoder_layers, select_layers
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, select_layers
 from flexengine.surgery.memory.spec import MemorySpec, Recompute
 from tests.helpers import clone_model, make_llama
 
@@ -147,8 +148,7 @@ def test_compiled_block_has_no_graph_break(base, reference, name):
     model = clone_model(base)
     patch_attention(model, mode="packed_doc", backend="dense")
     apply_memory_policy(model, block_memory_specs(POLICIES[name], model.config.num_hidden_layers))
-    for layer in decoder_layers(model):
-        layer.compile(backend="aot_eager", fullgraph=True)
+    apply_compile(model, backend="aot_eager")  # the engine's path: every block fullgraph, its dynamo settings
     loss, grads = _grads(model, MemoryConfig())
     torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-4)
     for n, g in reference[1].items():

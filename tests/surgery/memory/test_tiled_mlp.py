@@ -19,8 +19,9 @@ from flexengine.planning.activations import (
 from flexengine.planning.shapes import ModelShape, Workload
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.attention.spec import AttnBackend
+from flexengine.surgery.compile import apply_compile
 from flexengine.surgery.loss import forward_loss_sum
-from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, decoder_layers, measure_activations
+from flexengine.surgery.memory import apply_memory_policy, block_memory_specs, measure_activations
 from flexengine.surgery.memory.meter import measure_peak_bytes
 from flexengine.surgery.memory.spec import Recompute
 from tests.helpers import clone_model, make_llama
@@ -52,8 +53,7 @@ def _model(base, memory: MemoryConfig, compile_backend: str = "") -> torch.nn.Mo
     patch_attention(model, mode="packed_doc", backend="dense")
     apply_memory_policy(model, block_memory_specs(memory, model.config.num_hidden_layers))
     if compile_backend:
-        for layer in decoder_layers(model):
-            layer.compile(backend=compile_backend, fullgraph=True)
+        apply_compile(model, backend=compile_backend)  # the engine's path: every block fullgraph
     return model.train()
 
 
