@@ -86,6 +86,40 @@ def test_a_frozen_head_gets_no_gradient_and_the_rest_are_the_chunked_ones():
         assert _relative(got[name], want[name]) <= 1e-6, name
 
 
+def _head_grads(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, fused: bool) -> dict:
+    """{name: grad} of 0.37 x the summed loss over hidden and head's parameters (None: no gradient reached it)."""
+    leaves = {"hidden": hidden, "weight": head.weight, "bias": head.bias}
+    leaves = {name: t for name, t in leaves.items() if t is not None}
+    for t in leaves.values():
+        t.grad = None
+    if fused:
+        loss = fused_linear_cross_entropy_sum(hidden, targets, head, 7)
+    else:
+        loss = nn.functional.cross_entropy(head(hidden), targets, reduction="sum")
+    (0.37 * loss).backward()
+    return {name: t.grad for name, t in leaves.items()}
+
+
+@pytest.mark.parametrize(
+    "hidden_grad, weight_grad, bias",
+    [(True, False, True), (False, True, False), (False, True, True), (False, False, True)],
+    ids=["frozen_weight_trained_bias", "head_only_nobias", "head_only_bias", "bias_only"],
+)
+def test_a_partly_frozen_head_gets_the_reference_gradients(hidden_grad, weight_grad, bias):
+    """Each gradient reaches its own input whichever of the others are absent (the saved ones keep their slots)."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(30, H, generator=g).requires_grad_(hidden_grad)
+    head = nn.Linear(H, V, bias=bias)
+    head.weight.requires_grad_(weight_grad)
+    targets = torch.randint(0, V, (30,), generator=g)
+    want = _head_grads(hidden, head, targets, fused=False)
+    got = _head_grads(hidden, head, targets, fused=True)
+    assert {k for k, v in got.items() if v is not None} == {k for k, v in want.items() if v is not None}
+    for name, grad in want.items():
+        if grad is not None:
+            assert _relative(got[name], grad) <= 1e-6, name
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
     want_loss, want = _losses_and_grads(tied, True, False, 7, fused=False, dtype=torch.bfloat16)
