@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from flexengine.core.errors import UserError
 
@@ -80,6 +81,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable  # the saved gradients are scaled in place: a graph of that (create_graph) would be wrong
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:
         if ctx.spent:  # the saved gradients were scaled in place by the first backward
             raise RuntimeError(

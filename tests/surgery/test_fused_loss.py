@@ -120,6 +120,16 @@ def test_a_partly_frozen_head_gets_the_reference_gradients(hidden_grad, weight_g
             assert _relative(got[name], grad) <= 1e-6, name
 
 
+def test_a_double_backward_is_refused():
+    """The backward scales the saved gradients in place: a graph of it (create_graph) would be wrong, so none."""
+    hidden, head = torch.randn(20, H, requires_grad=True), nn.Linear(H, V)
+    loss = fused_linear_cross_entropy_sum(hidden, torch.randint(0, V, (20,)), head, 8)
+    scale = torch.tensor(0.37, requires_grad=True)  # an incoming gradient in the graph: the second order needs it
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, grad_outputs=scale, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
     want_loss, want = _losses_and_grads(tied, True, False, 7, fused=False, dtype=torch.bfloat16)
