@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexengine.core.errors import UserError
 from flexengine.planning.activations import constant_bytes, loss_transient_bytes
@@ -140,18 +141,38 @@ def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
         assert got[name].dtype == want[name].dtype and _relative(got[name], want[name]) <= 2e-2, name
 
 
+class _MatmulShapes(TorchDispatchMode):
+    """Records the shape of every matmul's output run under it."""
+
+    MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.MATMULS:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 def test_under_autocast_the_weight_gradient_is_summed_slice_by_slice():
     """A vocabulary of 600 with chunks of 7 rows: the fp32 sum takes three slices (256, 256, 88) of each chunk's
-    bf16 product; together they are the chunked loss's gradient."""
+    bf16 product, never one [V, H] product (a second lm_head-sized tensor); together they are the chunked loss's
+    gradient."""
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(60, H, generator=g, requires_grad=True)
     head = nn.Linear(H, 600)
     targets = torch.randint(0, 600, (60,), generator=g)
     grads = []
     for fused in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulShapes() as matmuls:
             loss = causal_lm_loss_sum(hidden[None], torch.cat([targets[:1], targets])[None], head, 7, fused=fused)
         grads.append(torch.autograd.grad(loss, (hidden, head.weight, head.bias)))
+    # the fused run's (the last) products [rows, H] of more rows than a chunk: the weight gradient's vocabulary slices
+    weight_products = [shape for shape in matmuls.shapes if shape[1] == H and shape[0] > 7]
+    assert len(weight_products) == 3 * -(-60 // 7) and max(rows for rows, _ in weight_products) == 256
     for want, got in zip(*grads):
         assert got.dtype == torch.float32 and _relative(got, want) <= 2e-2
 
