@@ -8,8 +8,8 @@ the documents (4 FLOPs per pair, head and dim forward, 8 backward). What is exec
 (planner._step_time's FLOPs and the activation model's recompute): the same over every token slot, padding
 included, attention over the padding's causal square too (packed_pairs lays it out as one more document), and the
 forwards a checkpoint re-runs, and the chunked loss's lm_head forward, which its checkpointed chunks run again in
-backward (loss.chunk_size below the predicting positions: 2 x hidden x vocab per token slot; loop/flops.py counts the run's the same way; none
-with loss.fused, whose forward computes the chunks' gradients).
+backward (loss.chunk_size below the predicting positions: 2 x hidden x vocab per token slot; loop/flops.py counts
+the run's the same way; none in one piece, nor with loss.fused, whose forward computes the chunks' gradients).
 """
 
 from __future__ import annotations

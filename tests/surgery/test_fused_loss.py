@@ -247,7 +247,7 @@ def test_the_measured_peak_is_the_planned_one_and_below_the_chunked_loss(mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
 def test_fused_equals_chunked_on_cuda(autocast):
-    """On CUDA's kernels: the same loss and gradients as the chunked loss (a tied-free head with a bias, a ragged
+    """On CUDA's kernels: the same loss and gradients as the chunked loss (an untied head with a bias, a ragged
     last chunk), and a lower peak than the chunked loss's re-run in backward."""
     n, hidden_size, vocab, chunk = 4097, 256, 32_000, 1024
     results, peaks = {}, {}
