@@ -243,18 +243,19 @@ def loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
 def fused_loss_moments(m: ModelShape, w: Workload) -> dict[str, int]:
     """`loss_moments` of the fused loss (surgery/fused_loss.py), which holds the hidden rows' gradient (the size of
     the rows `constant_bytes` counts as loss inputs, which it replaces once the forward returns) and lm_head's
-    weight gradient, summed in the weight's dtype (fp32 masters under autocast), from its forward to its backward.
-    Forward, beside them: the rows themselves and one chunk's logits, in the compute dtype and in fp32 (one tensor
-    in fp32), the fp32 buffer then turned into their gradient, cast back, next to the chunk's hidden-row gradient
-    before it is copied into the whole one, or under autocast a vocabulary slice's weight gradient in the compute
-    dtype before it is added to the fp32 sum. Backward scales both in place (the weight's becomes its .grad, which
-    the static terms count). Measured: tests/surgery/test_fused_loss.py."""
+    weight gradient where it trains (not under LoRA), summed in the weight's dtype (fp32 masters under autocast),
+    from its forward to its backward. Forward, beside them: the rows themselves and one chunk's logits, in the
+    compute dtype and in fp32 (one tensor in fp32), the fp32 buffer then turned into their gradient, cast back, next
+    to the chunk's hidden-row gradient before it is copied into the whole one, or under autocast a vocabulary slice's
+    weight gradient in the compute dtype before it is added to the fp32 sum. Backward scales both in place (the
+    weight's becomes its .grad, which the static terms count). Measured: tests/surgery/test_fused_loss.py."""
     rows, p, V = w.chunk_size, w.act_bytes, m.vocab
-    weight_grad = V * m.hidden * (4 if w.autocast else p)
+    weight_grad = V * m.hidden * (4 if w.autocast else p) if w.head_trains else 0
     inputs = w.micro_batch * (w.seq_len - 1) * m.hidden * w.residual_bytes
     cast = p if p < 4 else 0  # fp32 compute: .float() returns the logits themselves
     # the chunk's hidden-row gradient, or under autocast one vocabulary slice's weight gradient before it is added
-    product = m.hidden * p * max(rows, min(V, vocab_slice_rows(rows)) if w.autocast else 0)
+    sliced = w.autocast and w.head_trains
+    product = m.hidden * p * max(rows, min(V, vocab_slice_rows(rows)) if sliced else 0)
     chunk = max(rows * V * (4 + cast), rows * V * p + product)
     return {"forward": inputs + weight_grad + chunk, "backward": weight_grad}
 

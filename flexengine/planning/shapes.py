@@ -101,6 +101,8 @@ class Workload:
     autocast: bool = False  # forward under autocast over fp32 weights (bf16_mixed on one device): the residual
     # stream stays fp32 and every projection casts its own input (PlanInputs.autocast)
     fused_loss: bool = False  # loss.fused: the chunks' gradients are computed in the loss's forward (no re-run)
+    head_trains: bool = True  # lm_head's weight gets a gradient: full fine-tuning (LoRA freezes it; an adapted
+    # lm_head is refused by loss.fused)
 
     @property
     def tokens(self) -> int:
@@ -219,4 +221,5 @@ def rank_workload(x: PlanInputs, mlp_tile=0, micro_batch: Optional[int] = None) 
         cp=x.cp,
         autocast=x.autocast,
         fused_loss=x.fused_loss,
+        head_trains=x.trainable_fraction >= 1.0,  # LoRA: only the adapters train
     )

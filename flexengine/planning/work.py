@@ -8,8 +8,8 @@ the documents (4 FLOPs per pair, head and dim forward, 8 backward). What is exec
 (planner._step_time's FLOPs and the activation model's recompute): the same over every token slot, padding
 included, attention over the padding's causal square too (packed_pairs lays it out as one more document), and the
 forwards a checkpoint re-runs, and the chunked loss's lm_head forward, which its checkpointed chunks run again in
-backward (loss.chunk_size > 0: 2 x hidden x vocab per token slot; loop/flops.py counts the run's the same way; none
-with loss.fused, whose forward computes the chunks' gradients).
+backward (loss.chunk_size below the predicting positions: 2 x hidden x vocab per token slot; loop/flops.py counts
+the run's the same way; none in one piece, nor with loss.fused, whose forward computes the chunks' gradients).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class WorkPerToken:
     padding_flops: float  # matmuls and attention over padding slots
     recompute_flops: float  # forwards a checkpoint re-runs in backward
     loss_recompute_flops: float  # lm_head's forward, re-run by the chunked loss's checkpointed chunks in backward
+    fused_loss: bool = False  # loss.fused: the chunks' gradients come from the loss's forward (the table says so)
 
     @property
     def ratio(self) -> float:
@@ -57,10 +58,14 @@ class WorkPerToken:
         def share(flops: float) -> str:
             return f"{100 * flops / self.model_flops:+.1f} %"
 
+        if self.loss_recompute_flops > 0:
+            why = "the chunked loss re-runs lm_head's forward in backward"
+        else:
+            why = "fused loss: no re-run" if self.fused_loss else "the loss in one piece: no re-run"
         return (
             f"work: {self.ratio:.3f} x the model's FLOPs per useful token ({self.model_flops / 1e9:.1f} GFLOP: 6N + "
             f"attention pairs); padding {share(self.padding_flops)}, recompute {share(self.recompute_flops)}, loss "
-            f"recompute {share(self.loss_recompute_flops)} (the chunked loss re-runs lm_head's forward in backward)"
+            f"recompute {share(self.loss_recompute_flops)} ({why})"
         )
 
 
@@ -88,7 +93,7 @@ def work_per_token(
     executed_attention = 3 * attention_core * sum(shares)
     model_attention = 3 * attention_core * sum(document_pairs) * x.cp
     recompute = estimate_activations(m, w, specs, attended_fraction=shares).recompute_flops
-    chunks_rerun = x.chunk_size > 0 and not x.fused_loss  # each chunk a checkpoint, unless fused
+    chunks_rerun = w.loss_chunked and not w.fused_loss  # each chunk a checkpoint, unless fused or one piece
     loss_recompute = 2 * w.tokens * m.hidden * m.vocab if chunks_rerun else 0.0
     executed = passes * per_token * w.tokens + executed_attention + recompute + loss_recompute
     model = passes * per_token * useful + model_attention
@@ -98,4 +103,5 @@ def work_per_token(
         padding_flops=(passes * per_token * (w.tokens - useful) + executed_attention - model_attention) / useful,
         recompute_flops=recompute / useful,
         loss_recompute_flops=loss_recompute / useful,
+        fused_loss=w.fused_loss and w.loss_chunked,
     )

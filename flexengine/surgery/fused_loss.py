@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from flexengine.core.errors import UserError
 
@@ -75,12 +76,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         with torch.autocast(hidden_NH.device.type, enabled=False):  # the casts are explicit below
             total, grads = _forward_chunks(hidden_NH, targets_N, weight_VH, bias_V, chunking)
-        ctx.save_for_backward(*grads)
-        ctx.present = tuple(g is not None for g in grads)
+        ctx.save_for_backward(*grads)  # None where not needed: saved_tensors gives it back in its slot
         ctx.spent = False
         return total
 
     @staticmethod
+    @once_differentiable  # the saved gradients are scaled in place: a graph of that (create_graph) would be wrong
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Optional[Tensor], ...]:
         if ctx.spent:  # the saved gradients were scaled in place by the first backward
             raise RuntimeError(
@@ -88,8 +89,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 "needs loss.fused=false"
             )
         ctx.spent = True
-        saved = iter(ctx.saved_tensors)
-        grad_hidden, grad_weight, grad_bias = (next(saved) if p else None for p in ctx.present)
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         # in place: a second copy of lm_head's [V, H] gradient would be the largest tensor of backward
         scaled = [None if g is None else g.mul_(grad_total.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias)]
         return scaled[0], None, scaled[1], scaled[2], None

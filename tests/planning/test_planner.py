@@ -406,3 +406,21 @@ def test_the_fused_loss_step_is_the_chunked_one_less_the_lm_head_rerun():
     workspace = {fused: terms[fused].pop("backward_workspace_bytes") for fused in terms}
     assert terms[True] == terms[False]
     assert workspace[True] >= loss_moments(m, rank_workload(fused))["forward"] > 0
+
+
+def test_under_lora_the_fused_loss_holds_no_lm_head_weight_gradient():
+    """LoRA freezes lm_head (an adapted one is refused by loss.fused): the fused loss's forward holds the hidden
+    rows' gradient but no [V, H] weight gradient, so its moment is full fine-tuning's less that fp32 gradient
+    (bf16_mixed: autocast over fp32 masters), and the plan's backward workspace shrinks with it."""
+    from flexengine.planning.activations import loss_moments
+
+    cfg, full = _deepseek_inputs(autocast=True, fused_loss=True, weight_bytes=4, grad_bytes=4, compute_copy_bytes=2)
+    lora = dataclasses.replace(full, trainable_fraction=0.01, frozen_weight_bytes=2)
+    m = ModelShape.from_hf_config(cfg)
+    moments = {x.trainable_fraction: loss_moments(m, rank_workload(x)) for x in (full, lora)}
+    weight_grad = m.vocab * m.hidden * 4
+    assert moments[1.0]["forward"] - moments[0.01]["forward"] == weight_grad
+    assert moments[1.0]["backward"] == weight_grad and moments[0.01]["backward"] == 0
+    none = MemoryConfig(policy="none")
+    workspace = {x.trainable_fraction: evaluate(m, x, none).usage.terms.backward_workspace_bytes for x in (full, lora)}
+    assert workspace[1.0] - workspace[0.01] == weight_grad

@@ -94,4 +94,13 @@ def test_the_fused_loss_runs_no_lm_head_again():
     assert fused.loss_recompute_flops == 0 and chunked.loss_recompute_flops > 0
     assert fused.model_flops == chunked.model_flops
     assert chunked.executed_flops - fused.executed_flops == pytest.approx(chunked.loss_recompute_flops, rel=1e-12)
-    assert "loss recompute +0.0 %" in fused.describe()
+    assert "loss recompute +0.0 % (fused loss: no re-run)" in fused.describe()
+
+
+def test_a_loss_chunk_that_covers_every_position_runs_nothing_again():
+    """loss.chunk_size at or above the predicting positions is one piece (surgery/loss.py, Workload.loss_chunked):
+    nothing to re-run, the unchunked loss's work, as loop/flops.py counts it."""
+    _fit, one_piece = _work("memory=none", "loss.chunk_size=4096")  # a few rows of 1,023 predicting positions
+    _fit, unchunked = _work("memory=none", "loss.chunk_size=0")
+    assert one_piece.loss_recompute_flops == 0 and one_piece.executed_flops == unchunked.executed_flops
+    assert "(the loss in one piece: no re-run)" in one_piece.describe()

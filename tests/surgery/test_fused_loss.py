@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexengine.core.errors import UserError
 from flexengine.planning.activations import constant_bytes, loss_transient_bytes
@@ -86,6 +87,50 @@ def test_a_frozen_head_gets_no_gradient_and_the_rest_are_the_chunked_ones():
         assert _relative(got[name], want[name]) <= 1e-6, name
 
 
+def _head_grads(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, fused: bool) -> dict:
+    """{name: grad} of 0.37 x the summed loss over hidden and head's parameters (None: no gradient reached it)."""
+    leaves = {"hidden": hidden, "weight": head.weight, "bias": head.bias}
+    leaves = {name: t for name, t in leaves.items() if t is not None}
+    for t in leaves.values():
+        t.grad = None
+    if fused:
+        loss = fused_linear_cross_entropy_sum(hidden, targets, head, 7)
+    else:
+        loss = nn.functional.cross_entropy(head(hidden), targets, reduction="sum")
+    (0.37 * loss).backward()
+    return {name: t.grad for name, t in leaves.items()}
+
+
+@pytest.mark.parametrize(
+    "hidden_grad, weight_grad, bias",
+    [(True, False, True), (False, True, False), (False, True, True), (False, False, True)],
+    ids=["frozen_weight_trained_bias", "head_only_nobias", "head_only_bias", "bias_only"],
+)
+def test_a_partly_frozen_head_gets_the_reference_gradients(hidden_grad, weight_grad, bias):
+    """Each gradient reaches its own input whichever of the others are absent (the saved ones keep their slots)."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(30, H, generator=g).requires_grad_(hidden_grad)
+    head = nn.Linear(H, V, bias=bias)
+    head.weight.requires_grad_(weight_grad)
+    targets = torch.randint(0, V, (30,), generator=g)
+    want = _head_grads(hidden, head, targets, fused=False)
+    got = _head_grads(hidden, head, targets, fused=True)
+    assert {k for k, v in got.items() if v is not None} == {k for k, v in want.items() if v is not None}
+    for name, grad in want.items():
+        if grad is not None:
+            assert _relative(got[name], grad) <= 1e-6, name
+
+
+def test_a_double_backward_is_refused():
+    """The backward scales the saved gradients in place: a graph of it (create_graph) would be wrong, so none."""
+    hidden, head = torch.randn(20, H, requires_grad=True), nn.Linear(H, V)
+    loss = fused_linear_cross_entropy_sum(hidden, torch.randint(0, V, (20,)), head, 8)
+    scale = torch.tensor(0.37, requires_grad=True)  # an incoming gradient in the graph: the second order needs it
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, grad_outputs=scale, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
     want_loss, want = _losses_and_grads(tied, True, False, 7, fused=False, dtype=torch.bfloat16)
@@ -96,18 +141,38 @@ def test_fused_is_close_to_chunked_under_bf16_autocast(tied):
         assert got[name].dtype == want[name].dtype and _relative(got[name], want[name]) <= 2e-2, name
 
 
+class _MatmulShapes(TorchDispatchMode):
+    """Records the shape of every matmul's output run under it."""
+
+    MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm.out)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.MATMULS:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 def test_under_autocast_the_weight_gradient_is_summed_slice_by_slice():
     """A vocabulary of 600 with chunks of 7 rows: the fp32 sum takes three slices (256, 256, 88) of each chunk's
-    bf16 product; together they are the chunked loss's gradient."""
+    bf16 product, never one [V, H] product (a second lm_head-sized tensor); together they are the chunked loss's
+    gradient."""
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(60, H, generator=g, requires_grad=True)
     head = nn.Linear(H, 600)
     targets = torch.randint(0, 600, (60,), generator=g)
     grads = []
     for fused in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulShapes() as matmuls:
             loss = causal_lm_loss_sum(hidden[None], torch.cat([targets[:1], targets])[None], head, 7, fused=fused)
         grads.append(torch.autograd.grad(loss, (hidden, head.weight, head.bias)))
+    # the fused run's (the last) products [rows, H] of more rows than a chunk: the weight gradient's vocabulary slices
+    weight_products = [shape for shape in matmuls.shapes if shape[1] == H and shape[0] > 7]
+    assert len(weight_products) == 3 * -(-60 // 7) and max(rows for rows, _ in weight_products) == 256
     for want, got in zip(*grads):
         assert got.dtype == torch.float32 and _relative(got, want) <= 2e-2
 
@@ -176,6 +241,40 @@ def test_the_measured_peak_is_the_planned_one_and_below_the_chunked_loss(mode):
     for fused in (False, True):
         assert peaks[fused] == pytest.approx(planned[fused], rel=0.02), fused
     assert peaks[True] < 0.8 * peaks[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_fused_equals_chunked_on_cuda(autocast):
+    """On CUDA's kernels: the same loss and gradients as the chunked loss (an untied head with a bias, a ragged
+    last chunk), and a lower peak than the chunked loss's re-run in backward."""
+    n, hidden_size, vocab, chunk = 4097, 256, 32_000, 1024
+    results, peaks = {}, {}
+    for fused in (False, True):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        hidden = torch.randn(1, n, hidden_size, device="cuda", generator=g, requires_grad=True)
+        head = nn.Linear(hidden_size, vocab, device="cuda")
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(vocab, hidden_size, device="cuda", generator=g) * 0.05)
+            head.bias.copy_(torch.randn(vocab, device="cuda", generator=g) * 0.05)
+        labels = torch.randint(0, vocab, (1, n), device="cuda", generator=g)
+        labels[0, :100] = -100
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = causal_lm_loss_sum(hidden, labels, head, chunk, fused=fused)
+        grads = torch.autograd.grad(0.37 * loss, (hidden, head.weight, head.bias))
+        torch.cuda.synchronize()
+        peaks[fused] = torch.cuda.max_memory_allocated() - start
+        results[fused] = (loss.detach(), grads)
+    (want_loss, want), (got_loss, got) = results[False], results[True]
+    tolerance = 2e-2 if autocast else 1e-5
+    assert _relative(got_loss, want_loss) <= (1e-5 if autocast else 1e-6)
+    for name, w, x in zip(("hidden", "weight", "bias"), want, got):
+        assert x.dtype == w.dtype and _relative(x, w) <= tolerance, name
+    assert peaks[True] < peaks[False]
 
 
 @pytest.mark.gpu
