@@ -308,6 +308,9 @@ def main() -> None:
         os.environ["FLEXENGINE_SPEED_CACHE"] = str(root / "speed.json")  # measured now, in this process
         os.environ["FLEXENGINE_SPEED_CLOCK"] = "process"  # CPU seconds, as the steps are timed
         corpora = write_corpora(root)
+        # the process's first run pays one-time costs its warm-up step does not absorb (allocator growth, lazy
+        # imports, first kernels): measured at S=512 twice, the first point was ~12 % slower than the second
+        measure(GRID[0], corpora, root / "warm-up")
         rows = []
         for i, point in enumerate(p for p in GRID if not args.quick or p.name in QUICK):
             rows.append(measure(point, corpora, root / f"run{i}"))
