@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
+from flexengine.core.extras import require
 from flexengine.core.units import GiB
 from flexengine.planning.activations import memory_specs
 from flexengine.planning.planner import candidates_for, evaluate, offloads
@@ -145,8 +146,7 @@ def plot_memory_vs_seq_len(
     curves: dict[str, list[float]], lengths: list[int], budget_gib: float, path: Path, title: str
 ) -> None:
     """Log-log plot of total memory per policy against seq_len, with the card's budget."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plan.png (the memory plot)", "plan.png=null for the table alone")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

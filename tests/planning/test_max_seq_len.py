@@ -12,10 +12,12 @@ import pytest
 import yaml
 
 from flexengine.core.config import HardwareConfig, ModelConfig, conf_dir
-from flexengine.planning.max_seq_len import longest_fitting, max_seq_len_table
+from flexengine.core.errors import UserError
+from flexengine.planning.max_seq_len import longest_fitting, max_seq_len_table, plot_memory_vs_seq_len
 from flexengine.planning.planner import candidates_for, evaluate
 from flexengine.planning.shapes import ModelShape, PlanInputs
 from flexengine.surgery.model import build_hf_config
+from tests.helpers import hide_package
 
 ROOT = Path(__file__).parents[2]
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, host_memory_gb=128)
@@ -78,6 +80,13 @@ def test_cli_table_json_and_png(tmp_path):
     assert report["trainable_fraction"] < 0.01 and report["micro_batch"] == 1
     assert {r["label"] for r in report["policies"]} >= {"none", "full", "full + offload + tiled MLP"}
     assert max(report["curves_gib"]["none"]) > 80 and png.stat().st_size > 10_000
+
+
+def test_the_plot_without_matplotlib_names_plan_png_the_extra_and_the_table_alone(tmp_path, monkeypatch):
+    hide_package(monkeypatch, "matplotlib")
+    with pytest.raises(UserError, match=r"plan\.png .*pip install 'flexengine\[plots\]', or plan\.png=null"):
+        plot_memory_vs_seq_len({"none": [1.0, 2.0]}, [1024, 2048], 70.0, tmp_path / "p.png", "title")
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_context_parallel_divides_activations_and_adds_gathered_kv():
