@@ -15,6 +15,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 from flexengine.core.config import DataConfig
 from flexengine.core.errors import UserError
+from flexengine.core.extras import require
 from flexengine.data.demo import demo_source_files
 
 # Directory entries read for each source (explicit files and globs are read whatever their suffix).
@@ -149,13 +150,7 @@ def _import_datasets():
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(
-            "data.source=hf needs the `datasets` package: pip install datasets "
-            "(or read the files directly with data=jsonl / data=parquet)."
-        ) from None
+    datasets = require("datasets", "data.source=hf", "read the files directly with data=jsonl / data=parquet")
     datasets.config.HF_DATASETS_OFFLINE = True  # also when it was imported before the variables were set
     datasets.config.HF_HUB_OFFLINE = True
     return datasets
@@ -365,8 +360,7 @@ def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[ParsedRecord]:
 
 
 def _iter_parquet(path: Path, column: str, data: DataConfig) -> Iterator[ParsedRecord]:
-    import pyarrow.parquet as pq
-
+    pq = require("pyarrow.parquet", "data.source=parquet", "convert the files to JSONL (data=jsonl)")
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet

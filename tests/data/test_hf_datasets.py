@@ -13,6 +13,7 @@ import pytest
 from flexengine.core.config import DataConfig
 from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, iter_raw_docs
+from tests.helpers import hide_package
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)]
 
@@ -109,3 +110,11 @@ def test_wrong_column_lists_the_columns_and_names_the_key(tmp_path, kind):
     assert "on_error" not in message
     with pytest.raises(UserError, match="data.text_field"):  # skip cannot turn a wrong column into zero documents
         _texts(DataConfig(source=source, path=str(path), cache_dir=str(tmp_path / "cache"), on_error="skip"))
+
+
+def test_without_datasets_the_source_names_the_extra(tmp_path, monkeypatch):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    hide_package(monkeypatch, "datasets")
+    with pytest.raises(UserError, match=r"data\.source=hf needs the `datasets` package.*flexengine\[hf\]', or read"):
+        _texts(DataConfig(source="hf", path=str(jsonl), cache_dir=str(tmp_path / "cache")))

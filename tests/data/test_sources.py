@@ -11,6 +11,7 @@ import pytest
 from flexengine.core.config import DataConfig
 from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, check_chat_messages, iter_raw_docs, resolve_paths
+from tests.helpers import hide_package
 
 GOOD = json.dumps({"text": "print('hello')"})
 
@@ -189,3 +190,11 @@ def test_a_record_over_max_record_bytes_is_a_bad_record_read_no_further(tmp_path
 def test_max_record_bytes_must_be_positive():
     with pytest.raises(UserError, match="data.max_record_bytes=0 must be a positive"):
         DataConfig(max_record_bytes=0)
+
+
+def test_parquet_without_pyarrow_names_the_source_and_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["a = 1"]}), path)
+    hide_package(monkeypatch, "pyarrow")
+    with pytest.raises(UserError, match=r"data\.source=parquet needs the `pyarrow` package.*flexengine\[parquet\]"):
+        _read(DataConfig(source="parquet", path=str(path)))
