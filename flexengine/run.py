@@ -212,7 +212,7 @@ def _apply_surgery(
     apply_attention(model, attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, fit.memory_specs, max_pinned_bytes=fit.plan.usage.offload_pinned_bound_bytes)
+    apply_memory_policy(model, fit.plan.chosen.specs, max_pinned_bytes=fit.plan.chosen.usage.offload_pinned_bound_bytes)
     memory_report = activation_summary(model, job, fit.precision, device)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
@@ -280,7 +280,7 @@ def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
 
 def planned_step(fit: FitPlan) -> PlannedStep:
     """The plan's step time as the run's clock compares its steps with it, by term."""
-    t = fit.plan.time
+    t = fit.plan.chosen.time
     terms = {
         "matmul": t.matmul_s,
         "attention": t.attention_s,
@@ -288,7 +288,7 @@ def planned_step(fit: FitPlan) -> PlannedStep:
         "loss": t.loss_s,
         "recompute": t.recompute_s,
         "optimizer": t.optimizer_s,
-        "exposed_transfers": fit.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
+        "exposed_transfers": fit.plan.chosen.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
     }
     return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms, t.source != UNKNOWN)
 
@@ -399,7 +399,10 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = fit_of(trainer).plan
-        summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
+        summary.update(
+            planned_peak_bytes=plan.chosen.usage.terms.total_bytes,
+            plan_budget_bytes=plan.chosen.usage.budget.usable_bytes,
+        )
         slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
         summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs
         summary.update(config=record.as_config(), config_sources=record.sources)
