@@ -100,15 +100,15 @@ def choices(fit) -> dict:
     """What precision=auto and memory=auto chose: the run must take the same."""
     return {
         "precision": fit.precision.name,
-        "memory": dataclasses.asdict(fit.memory),
-        "micro_batch": fit.micro_batch,
-        "policy": fit.plan.policy,
+        "memory": dataclasses.asdict(fit.plan.chosen.memory),
+        "micro_batch": fit.plan.chosen.micro_batch,
+        "policy": fit.plan.chosen.label,
     }
 
 
 def choice_overrides(fit) -> list[str]:
     """The plan's choices as explicit overrides (kept and checked by the run's planner, not searched again)."""
-    mem = fit.memory
+    mem = fit.plan.chosen.memory
     return [
         f"precision.mode={fit.precision.name}",
         f"memory.policy={mem.policy}",
@@ -116,8 +116,8 @@ def choice_overrides(fit) -> list[str]:
         f"memory.granularity={mem.granularity}",
         f"memory.offload={str(bool(mem.offload)).lower()}",
         f"memory.tiled_mlp={mem.tiled_mlp}",
-        f"train.micro_batch={fit.micro_batch}",
-        f"train.grad_accum={fit.grad_accum}",
+        f"train.micro_batch={fit.plan.chosen.micro_batch}",
+        f"train.grad_accum={fit.plan.chosen.grad_accum}",
     ]
 
 
@@ -136,17 +136,17 @@ def plan_summary(fit) -> dict:
     from flexengine.planning.plan import budget_json
 
     p = fit.plan
-    gib = {k.removesuffix("_bytes"): v / GiB for k, v in p.terms.items()}
-    budget = {k: v / GiB for k, v in budget_json(p.budget).items()}
+    gib = {k.removesuffix("_bytes"): v / GiB for k, v in p.chosen.usage.terms.items()}
+    budget = {k: v / GiB for k, v in budget_json(p.chosen.usage.budget).items()}
     return {
         **choices(fit),
-        "grad_accum": fit.grad_accum,
+        "grad_accum": fit.plan.chosen.grad_accum,
         "terms_gib": gib,
-        "total_gib": p.total_bytes / GiB,
-        "allocated_gib": p.total_bytes / GiB,
+        "total_gib": p.chosen.usage.terms.total_bytes / GiB,
+        "allocated_gib": p.chosen.usage.terms.total_bytes / GiB,
         "budget_gib": budget,
-        "step_s": p.step_s,
-        "offload_gb_per_step": p.time.offload_bytes_per_step / 1e9,
+        "step_s": p.chosen.time.step_s,
+        "offload_gb_per_step": p.chosen.time.offload_bytes_per_step / 1e9,
         "pcie_s_per_step": p.pcie_seconds_per_step,
         "hardware": {k: getattr(fit.hardware, k) for k in ("name", "memory_gb", "peak_tflops", "pcie_gb_s")},
     }
@@ -179,8 +179,8 @@ def expected_h200(fit, job_overrides: list[str]) -> dict:
     steps = {}
     for pcie in (fit.hardware.pcie_gb_s, 50.0):
         job = compose_job([*job_overrides, "hardware=h200_141g", f"hardware.pcie_gb_s={pcie}"])
-        steps[pcie] = resolve_planned(job).plan.step_s
-    a100 = fit.plan.step_s
+        steps[pcie] = resolve_planned(job).plan.chosen.time.step_s
+    a100 = fit.plan.chosen.time.step_s
     return {
         "a100_plan_step_s": a100,
         "h200_step_s": steps[fit.hardware.pcie_gb_s],
@@ -345,8 +345,15 @@ def replans_the_same(pinned: list[str], fit) -> dict:
     from flexengine.planning.resolve import resolve_planned
 
     again = resolve_planned(compose_job(pinned)).fit
-    same = choices(again) == choices(fit) and abs(again.plan.total_bytes - fit.plan.total_bytes) < 2**20
-    return {"same": same, "total_gib": again.plan.total_bytes / GiB, "policy": again.plan.policy}
+    same = (
+        choices(again) == choices(fit)
+        and abs(again.plan.chosen.usage.terms.total_bytes - fit.plan.chosen.usage.terms.total_bytes) < 2**20
+    )
+    return {
+        "same": same,
+        "total_gib": again.plan.chosen.usage.terms.total_bytes / GiB,
+        "policy": again.plan.chosen.label,
+    }
 
 
 def model_on_meta(pinned: list[str], fit) -> dict:
@@ -364,7 +371,7 @@ def model_on_meta(pinned: list[str], fit) -> dict:
         "params": sum(p.numel() for p in params),
         "built_on_meta": all(p.device.type == "meta" for p in params),
         "weights_gib": weights / GiB,
-        "equals_plan_weights": weights == fit.plan.terms.weights_bytes,
+        "equals_plan_weights": weights == fit.plan.chosen.usage.terms.weights_bytes,
     }
 
 
@@ -402,9 +409,11 @@ def check_readme_a100(dry: bool) -> dict:
     readme = readme_fit(README_GRAD_ACCUM, cli=True)
     fit = readme_fit(GRAD_ACCUM)
     job = [*readme_overrides(GRAD_ACCUM), *choice_overrides(fit)]
-    pinned = [*job, *budget_overrides(fit.plan.budget)]
-    cap = allocator_cap(fit.plan.budget, fit.plan.total_bytes, _device_total_memory(dry))
-    progress(f"planned: precision={fit.precision.name}, {fit.plan.policy}, cap {cap['cap_gib']:.2f} GiB")
+    pinned = [*job, *budget_overrides(fit.plan.chosen.usage.budget)]
+    cap = allocator_cap(
+        fit.plan.chosen.usage.budget, fit.plan.chosen.usage.terms.total_bytes, _device_total_memory(dry)
+    )
+    progress(f"planned: precision={fit.precision.name}, {fit.plan.chosen.label}, cap {cap['cap_gib']:.2f} GiB")
     record = {
         "readme_plan": plan_summary(readme),
         "plan": plan_summary(fit),
@@ -424,7 +433,7 @@ def check_readme_a100(dry: bool) -> dict:
         if FAST_DRY[0]:  # the CI's fast dry run: the plan, the pinning, the model and the cap; no CPU steps
             return _verdict(record, problems, headline_of(record, dry))
     if dry:
-        layers = cpu_overrides(pinned, fit.memory.layers, fit.plan.n_layers)
+        layers = cpu_overrides(pinned, fit.plan.chosen.memory.layers, fit.plan.n_layers)
         run = record["run"] = run_steps(layers, steps=1)
     else:
         pcie = record["pcie"] = pcie_bandwidth()

@@ -123,15 +123,15 @@ def plan_for_gpu(overrides: list[str]) -> dict:
     plan = fit.plan
     return {
         "precision": fit.precision.name,
-        "policy": plan.policy,
-        "device_gib": plan.total_bytes / 2**30,
-        "activation_gib": plan.terms.activation_bytes / 2**30,
-        "host_gib": plan.usage.host_bytes / 2**30,
-        "step_s": plan.step_s,
-        "offload_gb_per_step": plan.time.offload_bytes_per_step / 1e9,  # both directions
+        "policy": plan.chosen.label,
+        "device_gib": plan.chosen.usage.terms.total_bytes / 2**30,
+        "activation_gib": plan.chosen.usage.terms.activation_bytes / 2**30,
+        "host_gib": plan.chosen.usage.host_bytes / 2**30,
+        "step_s": plan.chosen.time.step_s,
+        "offload_gb_per_step": plan.chosen.time.offload_bytes_per_step / 1e9,  # both directions
         "pcie_s_per_step": plan.pcie_seconds_per_step,
-        "fits": plan.fits,
-        "terms": plan.terms.to_json(),
+        "fits": plan.chosen.usage.fits,
+        "terms": plan.chosen.usage.terms.to_json(),
     }
 
 
@@ -316,26 +316,26 @@ def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
     peak_tflops = device_peak_tflops() or fit.hardware.peak_tflops or float("nan")
     return {
         "precision": fit.precision.name,
-        "policy": plan.memory.policy,
-        "micro_batch": fit.micro_batch,
-        "grad_accum": fit.grad_accum,
+        "policy": plan.chosen.memory.policy,
+        "micro_batch": fit.plan.chosen.micro_batch,
+        "grad_accum": fit.plan.chosen.grad_accum,
         "losses": [m["loss"] for m in metrics],
         "finite": all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics),
         "warmup_step_s": FIRST_STEPS[-1],
         "step_times_s": step_times,
         "step_s": seconds / len(timed),
-        "planned_step_s": plan.step_s,
+        "planned_step_s": plan.chosen.time.step_s,
         "tokens_per_s": sum(m["tokens"] for m in timed) / seconds,
         "useful_tokens_per_s": sum(m["useful_tokens"] for m in timed) / seconds,
         "mfu": sum(m["model_flops"] for m in timed) / seconds / (peak_tflops * 1e12),
         "mfu_peak_tflops": peak_tflops,
-        "planned_terms": plan.terms.to_json(),
-        "planned_device_bytes": plan.total_bytes,
-        "planned_margin_bytes": plan.budget.margin_bytes,
-        "planned_host_bytes": plan.usage.host_bytes,
-        "planned_offloaded_bytes": plan.usage.offloaded_bytes,  # per micro-batch, kept on the host
-        "planned_offload_bytes_per_step": plan.time.offload_bytes_per_step,  # both ways, every micro-batch
-        "planned_pinned_bound_bytes": plan.usage.offload_pinned_bound_bytes,
+        "planned_terms": plan.chosen.usage.terms.to_json(),
+        "planned_device_bytes": plan.chosen.usage.terms.total_bytes,
+        "planned_margin_bytes": plan.chosen.usage.budget.margin_bytes,
+        "planned_host_bytes": plan.chosen.usage.host_bytes,
+        "planned_offloaded_bytes": plan.chosen.usage.offloaded_bytes,  # per micro-batch, kept on the host
+        "planned_offload_bytes_per_step": plan.chosen.time.offload_bytes_per_step,  # both ways, every micro-batch
+        "planned_pinned_bound_bytes": plan.chosen.usage.offload_pinned_bound_bytes,
     }
 
 

@@ -104,6 +104,6 @@ def planner_step(case: Case) -> dict:
     m = ModelShape.from_hf_config(hf_config)
     specs = plan_specs(job, hf_config, planned_attention(job, hf_config, job.hardware))
     row = evaluate(m, plan_inputs(specs, job.hardware, spec, on_cuda=True), case.memory)
-    by_name = row.terms.to_json()
+    by_name = row.usage.terms.to_json()
     terms = {part: sum(by_name.get(key, 0) for key in keys) for part, keys in PLANNER_TERMS.items()}
     return {"terms": terms, "total": sum(terms.values()), "host_bytes": row.usage.host_bytes, "row": row}

@@ -1,5 +1,5 @@
 """Long-horizon optimizer numerics: each precision mode's optimizer against fp32 AdamW over 3,000 steps of a
-halving gradient scale, at beta2 0.95 and 0.999 (flexengine.loop.optim_numerics; the CI test is
+halving gradient scale, at beta2 0.95 and 0.999 (tests/support/optim_numerics.py; the CI test is
 tests/loop/test_optim_numerics.py).
 
     .venv/bin/python bench/optim_numerics.py
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from flexengine.loop.optim_numerics import BETA2S, GRAD_SCALE, LR, RATIO_BAND, Horizon, mean, step_sizes, within_band
 from flexengine.surgery.precision import SPECS, precision_spec
+from tests.support.optim_numerics import BETA2S, GRAD_SCALE, LR, RATIO_BAND, Horizon, mean, step_sizes, within_band
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW = 100  # steps per point of the plotted curve

@@ -182,7 +182,7 @@ def _apply_surgery(
     apply_attention(model, run.attention)
     if context_parallel is not None:
         context_parallel.apply(model)  # part of the attention rewrite: the flex call gathers the row's K/V
-    apply_memory_policy(model, run.memory_specs, max_pinned_bytes=run.plan.usage.offload_pinned_bound_bytes)
+    apply_memory_policy(model, run.memory_specs, max_pinned_bytes=run.plan.chosen.usage.offload_pinned_bound_bytes)
     memory_report = activation_summary(model, run.inputs(), job.memory)
     must_compile = needs_compiled_blocks(model)
     if job.train.compile or must_compile:
@@ -250,7 +250,7 @@ def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
 
 def planned_step(run: ResolvedRun) -> PlannedStep:
     """The plan's step time as the run's clock compares its steps with it, by term."""
-    t = run.plan.time
+    t = run.plan.chosen.time
     terms = {
         "matmul": t.matmul_s,
         "attention": t.attention_s,
@@ -364,7 +364,10 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
         plan = resolved_of(trainer).plan
-        summary.update(planned_peak_bytes=plan.total_bytes, plan_budget_bytes=plan.budget.usable_bytes)
+        summary.update(
+            planned_peak_bytes=plan.chosen.usage.terms.total_bytes,
+            plan_budget_bytes=plan.chosen.usage.budget.usable_bytes,
+        )
         slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
         summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs
         summary.update(config=record.as_config(), config_sources=record.sources)

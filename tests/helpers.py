@@ -318,3 +318,13 @@ def plan_inputs_of(job: JobConfig, hardware, precision, on_cuda=None, hf_config=
     hf_config = hf_config if hf_config is not None else build_hf_config(job.model)
     specs = plan_specs(job, hf_config, planned_attention(job, hf_config, hardware))
     return plan_inputs(specs, hardware, precision, on_cuda)
+
+
+def hide_package(monkeypatch, package: str) -> None:
+    """Make `package` (and its submodules) unimportable for one test, as if it were not installed: `import` raises
+    ModuleNotFoundError naming it, and importlib.util.find_spec finds nothing."""
+    import sys
+
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)

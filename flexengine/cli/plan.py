@@ -101,10 +101,11 @@ def format_table(report: PlanReport) -> str:
         "",
         "  every term of the chosen policy's step:",
     ]
-    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in plan.terms.items()]
-    lines.append(f"    {'= planned peak':<28} {_gib(plan.total_bytes)} of {plan.budget.describe()}")
-    lines += assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, report.hardware)
-    if not plan.fits:
+    usage = plan.chosen.usage
+    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in usage.terms.items()]
+    lines.append(f"    {'= planned peak':<28} {_gib(usage.terms.total_bytes)} of {usage.budget.describe()}")
+    lines += assumed_and_measured(plan.assumptions, plan.chosen.time.source, plan.dtype, report.hardware)
+    if not usage.fits:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
     ctx = report.context
     lines.append(
@@ -126,13 +127,13 @@ def format_table(report: PlanReport) -> str:
     if report.work is not None:
         lines.append(report.work.describe())
     if report.node_of_8 is not None:
-        node = report.node_of_8.plan
+        node = report.node_of_8.plan.chosen
         lines.append(
             "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-            f"total {_gib(node.total_bytes)} per GPU of {_gib(node.budget.usable_bytes)} budget, "
+            f"total {_gib(node.usage.terms.total_bytes)} per GPU of {_gib(node.usage.budget.usable_bytes)} budget, "
             f"precision {report.node_of_8.precision.name}, "
-            f"policy {node.policy}, recompute {100 * node.time.recompute_flops_fraction:.1f}%"
-            + ("" if node.fits else " (still does not fit)")
+            f"policy {node.label}, recompute {100 * node.time.recompute_flops_fraction:.1f}%"
+            + ("" if node.usage.fits else " (still does not fit)")
         )
     return "\n".join(lines)
 
@@ -208,25 +209,27 @@ def plan_summary(report: PlanReport) -> dict[str, Any]:
     from flexengine.planning.plan import budget_json
 
     fit, plan, hardware = report.fit, report.plan, report.hardware
-    tokens = plan.seq_len * fit.micro_batch * fit.grad_accum * hardware.world_size // report.cp
+    best = fit.plan.chosen
+    usage, step_s = best.usage, best.time.step_s
+    tokens = plan.seq_len * best.micro_batch * best.grad_accum * hardware.world_size // report.cp
     return {
-        "fits": plan.fits,
+        "fits": usage.fits,
         "precision": fit.precision.name,
-        "policy": plan.policy,
-        "memory": dataclasses.asdict(plan.memory),
-        "micro_batch": fit.micro_batch,
-        "grad_accum": fit.grad_accum,
+        "policy": best.label,
+        "memory": dataclasses.asdict(best.memory),
+        "micro_batch": best.micro_batch,
+        "grad_accum": best.grad_accum,
         "seq_len": plan.seq_len,
         "hardware": hardware.name,
         "world_size": hardware.world_size,
         "params": report.params,
-        "total_bytes": plan.total_bytes,
-        **budget_json(plan.budget),
-        "host_bytes": plan.usage.host_bytes,
-        "host_budget_bytes": plan.usage.host_budget_bytes,
-        "step_s": plan.step_s,  # an estimate: the planner's FLOPs at its assumed MFU plus exposed transfers
+        "total_bytes": usage.terms.total_bytes,
+        **budget_json(usage.budget),
+        "host_bytes": usage.host_bytes,
+        "host_budget_bytes": usage.host_budget_bytes,
+        "step_s": step_s,  # an estimate: the planner's FLOPs at its assumed MFU plus exposed transfers
         "tokens_per_step": tokens,  # row tokens of one optimizer step over all ranks (padding included)
-        "tokens_per_s": tokens / plan.step_s if plan.step_s else None,
+        "tokens_per_s": tokens / step_s if step_s else None,
         "describe": format_fit_summary(fit).split("; runners-up")[0],
     }
 
@@ -250,13 +253,13 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
         "cp": report.cp,
     }
     if report.node_of_8 is not None:
-        node = report.node_of_8.plan
+        node = report.node_of_8.plan.chosen
         out["node_of_8"] = {
             "precision": report.node_of_8.precision.name,
-            "total_bytes": node.total_bytes,
-            "budget_bytes": node.budget.usable_bytes,
-            "fits": node.fits,
-            "policy": node.policy,
+            "total_bytes": node.usage.terms.total_bytes,
+            "budget_bytes": node.usage.budget.usable_bytes,
+            "fits": node.usage.fits,
+            "policy": node.label,
             "recompute_flops_fraction": node.time.recompute_flops_fraction,
         }
     if report.work is not None:
@@ -317,10 +320,10 @@ def plan_work(run: ResolvedRun, rows: Optional[list[list[int]]] = None) -> WorkP
     if not rows:  # whole rows of one document: the documents' pairs are the row's, as the plan counted them
         fractions = x.pairs.of_rank(1)
         whole = list(fractions) if isinstance(fractions, tuple) else [fractions] * m.layers
-        return work_per_token(m, x, fit.memory_specs, 1.0, whole)
+        return work_per_token(m, x, fit.plan.chosen.specs, 1.0, whole)
     useful = sum(map(sum, rows)) / (len(rows) * seq_len)
     documents = document_pair_fractions(run.attention, rows, seq_len)
-    return work_per_token(m, x, fit.memory_specs, useful, documents)
+    return work_per_token(m, x, fit.plan.chosen.specs, useful, documents)
 
 
 def plan_documents(job: JobConfig, options: PlanOptions, has_documents: bool = True) -> Optional[Documents]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flexengine.core.extras import install_command, installed
 from flexengine.data.stats import (
     compare_strategies,
     context_summary,
@@ -16,6 +17,15 @@ from flexengine.data.stats import (
     length_summary,
     plot_length_histogram,
 )
+
+
+def write_histogram(lengths: np.ndarray, seq_len: int, png: Path) -> str:
+    """Draw the document-length histogram at `png` (matplotlib: the `plots` extra), or say why it is not drawn;
+    the end of the line that reports what was written."""
+    if not installed("matplotlib"):  # the numbers are in the table and the JSON: the picture is not worth a stop
+        return f"(no {png.name}: the histogram needs matplotlib, {install_command('matplotlib')})"
+    plot_length_histogram(lengths, seq_len, png)
+    return f"and {png}"
 
 
 def main() -> None:
@@ -64,8 +74,8 @@ def main() -> None:
             "mix": mix_report,
         }
         write_json_atomic(out_dir / "data_stats.json", report)
-        plot_length_histogram(lengths, d.seq_len, out_dir / "data_stats.png")
-        print(f"\nwrote {out_dir / 'data_stats.json'} and {out_dir / 'data_stats.png'}")
+        drawn = write_histogram(lengths, d.seq_len, out_dir / "data_stats.png")
+        print(f"\nwrote {out_dir / 'data_stats.json'} {drawn}")
 
     register_schema()
     # a multirun of stats jobs is not a training sweep: no training summary (flexengine.sweep) for it

@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from flexengine.cli.common import ERROR_FILE, write_job_error  # noqa: F401  (write_job_error: part of this module's API)
+from flexengine.core.extras import require
 from flexengine.core.units import GiB
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,7 @@ def write_plot(rows: list[dict], path: Path):
     """Loss curves of every job overlaid (train solid, eval dashed with markers), and bars of useful tokens/s and
     peak memory with their values; each job keeps one colour, labelled by the overrides that vary. Returns the
     (closed) matplotlib figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the sweep's sweep_summary.png").use("Agg")
     import matplotlib.pyplot as plt
 
     labels = varying_overrides(rows)

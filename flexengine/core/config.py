@@ -1,5 +1,6 @@
 """Typed configuration: one dataclass per Hydra group plus the top-level `JobConfig` (model.* and data.* live in
-config_model.py and config_data.py, the shared value checks in config_checks.py; all re-exported here).
+config_model.py and config_data.py, the value checks and choice lists they share in config_checks.py; every name
+other modules import from those is re-exported here).
 
 These classes are the schemas Hydra validates overrides against (registered by `cli/common.register_schema`), and
 the only configuration objects the library sees: the `DictConfig` is converted once at the entry point.

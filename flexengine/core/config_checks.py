@@ -1,7 +1,7 @@
 """The value checks and choice lists the config schemas share: each raises `UserError` naming the key to change.
 
 Kept apart from the schemas (config_model, config_data) so that those read as fields; `config.py` re-exports
-every public name here.
+every name other modules use.
 """
 
 from __future__ import annotations

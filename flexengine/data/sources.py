@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional
 from flexengine.core.config import DataConfig
 from flexengine.core.data_formats import data_format, function_named
 from flexengine.core.errors import UserError
+from flexengine.core.extras import require
 from flexengine.data.demo import demo_source_files
 
 # Directory entries read for each source (explicit files and globs are read whatever their suffix).
@@ -147,13 +148,7 @@ def _import_datasets():
     """`datasets`, offline: local files and saved datasets need no hub, so none is ever contacted."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(
-            "data.source=hf needs the `datasets` package: pip install datasets "
-            "(or read the files directly with data=jsonl / data=parquet)."
-        ) from None
+    datasets = require("datasets", "data.source=hf", "read the files directly with data=jsonl / data=parquet")
     datasets.config.HF_DATASETS_OFFLINE = True  # also when it was imported before the variables were set
     datasets.config.HF_HUB_OFFLINE = True
     return datasets
@@ -348,8 +343,7 @@ def _rows(where: str, batches: Iterable[Any]) -> Iterator[ParsedRecord]:
 
 def _read_parquet(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
     """The rows of a Parquet file, only the columns data.format reads."""
-    import pyarrow.parquet as pq
-
+    pq = require("pyarrow.parquet", "data.source=parquet", "convert the files to JSONL (data=jsonl)")
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet

@@ -161,8 +161,7 @@ class Checkpointer:
             self.metrics.truncate_after(0)
             return None
         state = load_checkpoint_state(path)
-        saved_plan = state.get("data_plan", {})
-        new_data = check_data_plan(self.data_plan, saved_plan, path, train.resume_new_data)  # cheap
+        new_data = check_data_plan(self.data_plan, state["data_plan"], path, train.resume_new_data)  # cheap
         load_checkpoint_weights(path, self.forward.model)
         self.optimizer.load_state_dict(state["optimizer"])
         resume_schedule(self.scheduler, self.job, state)
@@ -173,8 +172,7 @@ class Checkpointer:
                 raise UserError(f"train.resume={spec}: {e}") from None
         _set_rng_state(state["rng"])
         self.state.restore(state["train"])
-        wall_s = state.get("wall_s", 0.0)
-        self.progress.restore(wall_s, state.get("train_s", wall_s))  # older checkpoints: wall_s was training
+        self.progress.restore(state["wall_s"], state["train_s"])
         self.resumed_from, self.saved_step = path, self.state.step
         self.metrics.truncate_after(self.state.step)  # the killed run's records past its checkpoint
         log.info("resumed from %s at step %d", path, self.state.step)
@@ -210,9 +208,7 @@ def resume_schedule(scheduler: LambdaLR, job: JobConfig, state: dict[str, Any]) 
     train = job.train
     scheduler.load_state_dict(state["scheduler"])
     saved_lr = float(scheduler.optimizer.param_groups[0]["lr"])  # what the saved schedule had for the next step
-    saved_max = state.get("max_steps") or train.max_steps
-    # checkpoints from before the knots were saved ran the plain schedule over their max_steps
-    knots = state["scheduler"].get("knots") or [[0, 0], [saved_max, saved_max]]
+    knots = state["scheduler"]["knots"]  # the saved run's schedule (apply_knots keeps them on the scheduler)
     done = scheduler.last_epoch
     apply_knots(scheduler, job.optim, knots)  # the saved run's schedule, for the lr its last step ran at
     # float(): torch types base_lrs as float | Tensor (a tensor lr, as torchao keeps it, stays one here)
@@ -229,12 +225,12 @@ def warn_schedule_change(
     """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does, in
     the lrs the loop logs -- the last trained step's (last_lr) and the first resumed step's (lr). saved_lr: the lr
     the saved schedule had for that first resumed step."""
-    before = state.get("max_steps")
-    if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before in (None, train.max_steps):
+    before = state["max_steps"]
+    if math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12) and before == train.max_steps:
         return
     step = state["train"]["step"] + 1
     left = train.max_steps - step + 1
-    if before in (None, train.max_steps):  # optim.* changed: the schedule itself is another one
+    if before == train.max_steps:  # optim.* changed: the schedule itself is another one
         what = (
             f"the lr schedule changed (optim.*): step {step}, the first resumed, runs at lr {lr:.3g} (the saved "
             f"run's schedule had {saved_lr:.3g} for it)"

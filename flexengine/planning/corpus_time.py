@@ -54,26 +54,26 @@ def corpus_hours(
     for label, variant, hw in _alternatives(job, hardware):
         fit = resolve(variant, hf_config, hw, attention=attention, pairs=pairs).fit
         data_ranks = max(1, hw.world_size // variant.parallel.cp)
-        rows_per_step = fit.micro_batch * fit.grad_accum * data_ranks
+        rows_per_step = fit.plan.chosen.micro_batch * fit.plan.chosen.grad_accum * data_ranks
         steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
-        known = fit.plan.time.source != UNKNOWN  # an unknown speed ranks policies, but is no time
-        seconds = steps * fit.plan.step_s if known else None
+        known = fit.plan.chosen.time.source != UNKNOWN  # an unknown speed ranks policies, but is no time
+        seconds = steps * fit.plan.chosen.time.step_s if known else None
         rows.append(
             {
                 "label": label,
                 "world_size": hw.world_size,
                 "lora_r": variant.model.lora.r,
-                "fits": fit.fits,
+                "fits": fit.plan.chosen.usage.fits,
                 "precision": fit.precision.name,
-                "policy": fit.plan.policy,
-                "micro_batch": fit.micro_batch,
-                "grad_accum": fit.grad_accum,
+                "policy": fit.plan.chosen.label,
+                "micro_batch": fit.plan.chosen.micro_batch,
+                "grad_accum": fit.plan.chosen.grad_accum,
                 "rows_per_step": rows_per_step,
                 "steps": steps,
-                "step_s": fit.plan.step_s if known else None,
+                "step_s": fit.plan.chosen.time.step_s if known else None,
                 "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
                 "hours": seconds / 3600 if seconds is not None else None,
-                "time_source": fit.plan.time.source,
+                "time_source": fit.plan.chosen.time.source,
             }
         )
     return rows

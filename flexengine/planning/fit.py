@@ -25,7 +25,6 @@ from flexengine.planning.planner import candidate_family, k_table, offloads, pla
 from flexengine.planning.shapes import AttendedPairs
 from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
 from flexengine.surgery.attention.spec import AttentionSpec
-from flexengine.surgery.memory.spec import MemorySpec
 from flexengine.surgery.precision import (
     PrecisionSpec,
     auto_order,
@@ -71,31 +70,6 @@ class FitPlan:
     plan: Plan  # planner output under the chosen precision
     precision_table: tuple[PrecisionTrial, ...] = ()  # every mode tried: fits, device and host bytes, verdict
 
-    @property
-    def memory(self) -> MemoryConfig:
-        """The chosen concrete memory policy."""
-        return self.plan.memory
-
-    @property
-    def micro_batch(self) -> int:
-        """The chosen micro-batch."""
-        return self.plan.micro_batch
-
-    @property
-    def grad_accum(self) -> int:
-        """The chosen accumulation (same rows per optimizer step as the job's)."""
-        return self.plan.grad_accum
-
-    @property
-    def fits(self) -> bool:
-        """Whether the chosen configuration fits device and host memory."""
-        return self.plan.fits
-
-    @property
-    def memory_specs(self) -> tuple[MemorySpec, ...]:
-        """The chosen policy as one MemorySpec per decoder block: the specs the planner priced."""
-        return self.plan.chosen.specs
-
 
 def plan_job(
     job: JobConfig,
@@ -118,20 +92,21 @@ def plan_job(
         spec = precision_spec(mode, job.optim.name)
         x = plan_inputs(specs, hardware, spec)
         plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=search_mb)
+        best = plan.chosen
         table.append(
             PrecisionTrial(
                 precision=mode,
-                fits=plan.fits,
-                total_bytes=plan.total_bytes,
-                host_bytes=plan.usage.host_bytes,
-                policy=plan.policy,
-                step_s=plan.step_s,
+                fits=best.usage.fits,
+                total_bytes=best.usage.terms.total_bytes,
+                host_bytes=best.usage.host_bytes,
+                policy=best.label,
+                step_s=best.time.step_s,
                 updates_exact=spec.updates_exact,
                 stochastic_rounding=spec.stochastic_rounding,
                 trains_correctly=spec.trains_correctly,
                 missing=optimizer_missing(spec.optimizer),  # precision=auto skips what cannot be built here
                 why_not_fit=_why_not_fit(plan),
-                time_source=plan.time.source,
+                time_source=best.time.source,
             )
         )
         plans.append((spec, plan))
@@ -198,11 +173,11 @@ def _secs(s: float) -> str:
 
 def _why_not_fit(plan: Plan) -> str:
     """Which budget a plan overruns, in GiB ("" when it fits)."""
-    usage = plan.usage
+    usage = plan.chosen.usage
     if usage.fits:
         return ""
-    if usage.total_bytes > usage.budget.usable_bytes or not usage.host_budget_bytes:
-        return f"{_gib(usage.total_bytes)} GiB > {_gib(usage.budget.usable_bytes)} GiB"
+    if usage.terms.total_bytes > usage.budget.usable_bytes or not usage.host_budget_bytes:
+        return f"{_gib(usage.terms.total_bytes)} GiB > {_gib(usage.budget.usable_bytes)} GiB"
     return f"host {_gib(usage.host_bytes)} GiB > {_gib(usage.host_budget_bytes)} GiB"
 
 
@@ -246,11 +221,12 @@ def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig, attention: O
     """For an explicit choice that does not fit: the choices that would (memory=auto's search)."""
     auto = dataclasses.replace(job, memory=MemoryConfig(policy="auto"), precision=PrecisionConfig("auto"))
     fit = plan_job(auto, hf_config, hardware, attention=attention)
-    if not fit.fits:
+    if not fit.plan.chosen.usage.fits:
         return list(fit.plan.suggestions)
-    ranked = sorted((r for r in fit.plan.candidates if r.fits), key=lambda r: r.step_s)[:4]
+    ranked = sorted((r for r in fit.plan.candidates if r.usage.fits), key=lambda r: r.time.step_s)[:4]
     return [
-        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r.total_bytes)} GiB, ~{r.step_s:.1f} s/step)"
+        f"precision={fit.precision.name} {_overrides(r)} ({_gib(r.usage.terms.total_bytes)} GiB, "
+        f"~{r.time.step_s:.1f} s/step)"
         for r in ranked
     ]
 
@@ -281,29 +257,30 @@ def check_fit(job: JobConfig, fit: FitPlan, hf_config, attention: AttentionSpec)
     for line in precision_verdicts(fit):  # precision=auto: one line per mode (the summary has each in short)
         log.debug("plan: %s", line)
     log.debug("plan:\n%s", format_fit(fit))
-    if not fit.fits:
+    if not fit.plan.chosen.usage.fits:
         explicit = _explicit_choices(job)
         what = _what_fits(job, hf_config, hardware, attention) if explicit else list(fit.plan.suggestions)
-        p = fit.plan
+        usage = fit.plan.chosen.usage
         raise UserError(
-            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(p.total_bytes)} GiB peak "
-            f"against {p.budget.describe()} (hardware.memory_margin_gb sets the margin), "
-            f"{_gib(p.usage.host_bytes)} GiB of "
-            f"{_gib(p.usage.host_budget_bytes)} GiB host memory (precision={fit.precision.name}, {p.policy}). "
+            f"{' '.join(explicit) or 'this run'} does not fit {hardware.name}: a {_gib(usage.terms.total_bytes)} GiB "
+            f"peak against {usage.budget.describe()} (hardware.memory_margin_gb sets the margin), "
+            f"{_gib(usage.host_bytes)} GiB of {_gib(usage.host_budget_bytes)} GiB host memory "
+            f"(precision={fit.precision.name}, {fit.plan.chosen.label}). "
             "What would fit:\n  " + "\n  ".join(what)
         )
     check_updates_arrive(fit.precision, job.optim.lr)
     hint = compile_hint(job, fit)
     if hint:
         log.info("plan: %s", hint)
-    if fit.micro_batch != job.train.micro_batch:
+    best = fit.plan.chosen
+    if best.micro_batch != job.train.micro_batch:
         log.warning(
             "memory=auto: train.micro_batch %d -> %d, train.grad_accum %d -> %d (same rows per optimizer "
             "step; the cheaper plan). Set memory=<policy> to keep train.micro_batch as given.",
             job.train.micro_batch,
-            fit.micro_batch,
+            best.micro_batch,
             job.train.grad_accum,
-            fit.grad_accum,
+            best.grad_accum,
         )
 
 
@@ -312,25 +289,25 @@ def compile_hint(job: JobConfig, fit: FitPlan) -> str:
     compiling pays (costs.eager_pointwise_s, COMPILE_S); else ''."""
     from flexengine.planning.costs import COMPILE_S
 
-    eager_s = fit.plan.time.eager_pointwise_s
+    eager_s = fit.plan.chosen.time.eager_pointwise_s
     if job.train.compile or fit.hardware.on_cpu or eager_s * job.train.max_steps <= COMPILE_S:
         return ""
     return (
         f"train.compile=true would pay: eager blocks run their pointwise ops unfused, ~{eager_s:.2f} s of each "
-        f"~{fit.plan.step_s:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
+        f"~{fit.plan.chosen.time.step_s:.1f} s step ({eager_s * job.train.max_steps / 60:.0f} min over "
         f"{job.train.max_steps} steps) against ~{COMPILE_S / 60:.0f} min to compile the blocks' shared graph once"
     )
 
 
 def format_fit(fit: FitPlan) -> str:
     """The plan as text: budgets, the precision modes tried, and the k -> memory / recompute table."""
-    p, usage = fit.plan, fit.plan.usage
-    hw = fit.hardware
+    p, best = fit.plan, fit.plan.chosen
+    usage, hw = best.usage, fit.hardware
     lines = [
         (
-            f"hardware {hw.name} ({hw.device}): {p.budget.describe()} on the device, "
-            f"{_gib(usage.host_budget_bytes)} GiB host; seq_len={p.seq_len} micro_batch={fit.micro_batch} "
-            f"grad_accum={fit.grad_accum}"
+            f"hardware {hw.name} ({hw.device}): {usage.budget.describe()} on the device, "
+            f"{_gib(usage.host_budget_bytes)} GiB host; seq_len={p.seq_len} micro_batch={best.micro_batch} "
+            f"grad_accum={best.grad_accum}"
         )
     ]
     if len(fit.precision_table) > 1 or (fit.precision_table and not fit.precision_table[0].fits):
@@ -349,24 +326,24 @@ def format_fit(fit: FitPlan) -> str:
         f"{'device GiB':>10} {'recompute':>9} {'PCIe s':>7} {'step s':>7} {'fits':>5}"
     )
     for r in k_table(p):
-        mark = "  <- chosen" if r.label == p.policy else ""
+        mark = "  <- chosen" if r.label == best.label else ""
         lines.append(
-            f"  {r.k:<8} {r.label:<26} {_gib(r.total_bytes):>10} "
+            f"  {r.k:<8} {r.label:<26} {_gib(r.usage.terms.total_bytes):>10} "
             f"{100 * r.time.recompute_flops_fraction:>8.1f}% {r.time.offload_exposed_s:>7.2f} "
-            f"{step_cell(r.step_s, p.time.source, 7, 2)} {'yes' if r.fits else 'no':>5}{mark}"
+            f"{step_cell(r.time.step_s, best.time.source, 7, 2)} {'yes' if r.usage.fits else 'no':>5}{mark}"
         )
-    terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in p.terms.items() if v)
+    terms = " + ".join(f"{k.removesuffix('_bytes')} {_gib(v)}" for k, v in usage.terms.items() if v)
     lines.append(
-        f"chosen: precision={fit.precision.name}, {p.policy}, micro_batch={fit.micro_batch} x "
-        f"grad_accum={fit.grad_accum}: {terms} = {_gib(p.total_bytes)} GiB peak of {_gib(p.budget.usable_bytes)} "
-        f"GiB budget; "
+        f"chosen: precision={fit.precision.name}, {best.label}, micro_batch={best.micro_batch} x "
+        f"grad_accum={best.grad_accum}: {terms} = {_gib(usage.terms.total_bytes)} GiB peak of "
+        f"{_gib(usage.budget.usable_bytes)} GiB budget; "
         f"host {_gib(usage.host_bytes)} of {_gib(usage.host_budget_bytes)} GiB"
-        + ("" if fit.fits else "  -- DOES NOT FIT")
+        + ("" if usage.fits else "  -- DOES NOT FIT")
     )
     lines.append(pairs_line(p.attention_pairs))
-    if hw.world_size > 1 and fit.grad_accum > 1:
+    if hw.world_size > 1 and best.grad_accum > 1:
         lines.append(_reduce_line(p, hw))
-    if offloads(fit.memory_specs):
+    if offloads(best.specs):
         bound = usage.offload_pinned_bound_bytes  # None only without a host budget (then offload's default)
         if bound is not None:
             lines.append(
@@ -387,19 +364,21 @@ RUNNERS_UP = 2
 
 def _step_phrase(plan: Plan) -> str:
     """'~1.23 s/step (measured device speed)', or no number where the device's speed is unknown."""
-    if plan.time.source == UNKNOWN:
+    time = plan.chosen.time
+    if time.source == UNKNOWN:
         return "step time unknown (no device speed: hardware=<card> plans a named card, hardware=auto measures here)"
-    return f"~{plan.step_s:.2f} s/step ({plan.time.source})"
+    return f"~{time.step_s:.2f} s/step ({time.source})"
 
 
 def format_fit_summary(fit: FitPlan) -> str:
     """The plan in one line: the chosen configuration, the precision modes tried, and the cheapest runners-up of
     other policy families (what a training run logs; flexengine-plan prints the whole table)."""
-    p, usage = fit.plan, fit.plan.usage
+    p, best = fit.plan, fit.plan.chosen
+    usage = best.usage
     chosen = (
-        f"precision={fit.precision.name}, {p.policy}, micro_batch={fit.micro_batch} x grad_accum={fit.grad_accum}: "
-        f"{_gib(p.total_bytes)} GiB peak of {p.budget.describe()}, host {_gib(usage.host_bytes)} of "
-        f"{_gib(usage.host_budget_bytes)} GiB, {_step_phrase(p)}" + ("" if fit.fits else " -- DOES NOT FIT")
+        f"precision={fit.precision.name}, {best.label}, micro_batch={best.micro_batch} x grad_accum={best.grad_accum}: "
+        f"{_gib(usage.terms.total_bytes)} GiB peak of {usage.budget.describe()}, host {_gib(usage.host_bytes)} of "
+        f"{_gib(usage.host_budget_bytes)} GiB, {_step_phrase(p)}" + ("" if usage.fits else " -- DOES NOT FIT")
     )
     if len(fit.precision_table) > 1:
         chosen += (
@@ -407,14 +386,15 @@ def format_fit_summary(fit: FitPlan) -> str:
             + ", ".join(f"{t.precision} {_short_verdict(t.verdict)}" for t in fit.precision_table)
             + ")"
         )
-    families, runners = {(candidate_family(p.chosen), p.micro_batch)}, []
-    for r in sorted((r for r in p.candidates if r.fits), key=lambda r: (r.time.cost, r.k, r.total_bytes)):
+    families, runners = {(candidate_family(best), best.micro_batch)}, []
+    fitting = (r for r in p.candidates if r.usage.fits)
+    for r in sorted(fitting, key=lambda r: (r.time.cost, r.k, r.usage.terms.total_bytes)):
         family = candidate_family(r), r.micro_batch  # another k of the same policy is not worth naming
         if family in families:
             continue
         families.add(family)
-        step = f"~{r.step_s:.2f} s/step" if p.time.source != UNKNOWN else "step time unknown"  # no fallback seconds
-        runners.append(f"{r.label} ({_gib(r.total_bytes)} GiB, {step})")  # labels say mb=
+        step = f"~{r.time.step_s:.2f} s/step" if best.time.source != UNKNOWN else "step time unknown"  # no fallback s
+        runners.append(f"{r.label} ({_gib(r.usage.terms.total_bytes)} GiB, {step})")  # labels say mb=
         if len(runners) == RUNNERS_UP:
             break
     return chosen + ("; runners-up: " + "; ".join(runners) if runners else "") + "; full table: flexengine-plan"
@@ -429,25 +409,28 @@ def _reduce_line(p: Plan, hw: HardwareConfig) -> str:
     """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
     from flexengine.planning.costs import interconnect_gb_s
 
+    best, time = p.chosen, p.chosen.time
     other = next(
         (
             r
             for r in p.candidates
-            if r.reduce_every != p.reduce_every and r.memory == p.memory and r.micro_batch == p.micro_batch
+            if r.time.reduce_every != time.reduce_every
+            and r.memory == best.memory
+            and r.micro_batch == best.micro_batch
         ),
         None,
     )
-    every = "every micro-batch" if p.reduce_every is ReduceEvery.MICRO_BATCH else "once per accumulation window"
+    every = "every micro-batch" if time.reduce_every is ReduceEvery.MICRO_BATCH else "once per accumulation window"
     line = (
-        f"gradients: reduce-scatter {every} (parallel.reduce_every={p.reduce_every.value}): "
-        f"{p.time.reduce_scatter_bytes_per_step / 1e9:.1f} GB sent per rank per step, "
-        f"{p.time.reduce_scatter_s:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
-        f"unless set), {p.time.reduce_exposed_s:.2f} s not hidden by backward"
+        f"gradients: reduce-scatter {every} (parallel.reduce_every={time.reduce_every.value}): "
+        f"{time.reduce_scatter_bytes_per_step / 1e9:.1f} GB sent per rank per step, "
+        f"{time.reduce_scatter_s:.2f} s at {interconnect_gb_s(hw):g} GB/s (hardware.interconnect_gb_s; an estimate "
+        f"unless set), {time.reduce_exposed_s:.2f} s not hidden by backward"
     )
     if other is not None:
-        unsharded = other.terms.fsdp_unsharded_grads_bytes or 0
+        unsharded = other.usage.terms.fsdp_unsharded_grads_bytes or 0
         line += (
-            f"; the other ({other.reduce_every.value}): {_gib(other.total_bytes)} GiB with unsharded grads "
-            f"{_gib(unsharded)} GiB, {other.step_s:.2f} s/step{'' if other.fits else ', does not fit'}"
+            f"; the other ({other.time.reduce_every.value}): {_gib(other.usage.terms.total_bytes)} GiB with unsharded "
+            f"grads {_gib(unsharded)} GiB, {other.time.step_s:.2f} s/step{'' if other.usage.fits else ', does not fit'}"
         )
     return line

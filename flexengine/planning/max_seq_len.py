@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
+from flexengine.core.extras import require
 from flexengine.core.units import GiB
 from flexengine.planning.activations import memory_specs
 from flexengine.planning.planner import candidates_for, evaluate, offloads
@@ -42,7 +43,7 @@ def longest_fitting(
     step = step or CP_BLOCK_SIZE * x.cp
 
     def fits(n: int) -> bool:
-        return evaluate(m, at_length(x, n * step, pairs_at), memory).fits
+        return evaluate(m, at_length(x, n * step, pairs_at), memory).usage.fits
 
     if not fits(1):
         return 0
@@ -73,9 +74,9 @@ def max_seq_len_table(
             at = evaluate(m, at_length(x, n, pairs_at), memory)
             row.update(
                 memory=dataclasses.asdict(at.memory),
-                total_bytes=at.total_bytes,
-                step_s=at.step_s,
-                tokens_per_s=x.micro_batch * n / at.step_s,
+                total_bytes=at.usage.terms.total_bytes,
+                step_s=at.time.step_s,
+                tokens_per_s=x.micro_batch * n / at.time.step_s,
                 offloaded_bytes=at.usage.offloaded_bytes,
                 host_bytes=at.usage.host_bytes,
                 recompute_flops_fraction=at.time.recompute_flops_fraction,
@@ -135,7 +136,7 @@ def memory_curves(
     """Total bytes (GiB) per candidate policy at each seq_len in `lengths`."""
     m = ModelShape.from_hf_config(hf_config)
     return {
-        label: [evaluate(m, at_length(x, n, pairs_at), memory).total_bytes / GiB for n in lengths]
+        label: [evaluate(m, at_length(x, n, pairs_at), memory).usage.terms.total_bytes / GiB for n in lengths]
         for label, memory in candidates_for(tiled_mlp)
         if not x.hardware.on_cpu or not offloads(memory_specs(memory, m))
     }
@@ -145,8 +146,7 @@ def plot_memory_vs_seq_len(
     curves: dict[str, list[float]], lengths: list[int], budget_gib: float, path: Path, title: str
 ) -> None:
     """Log-log plot of total memory per policy against seq_len, with the card's budget."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plan.png (the memory plot)", "plan.png=null for the table alone")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -66,18 +66,13 @@ class MemoryUse:
     offload_pinned_bound_bytes: Optional[int]  # pinned host bytes offload may hold; None without a host budget
     fits: bool
 
-    @property
-    def total_bytes(self) -> int:
-        """The planned device peak."""
-        return self.terms.total_bytes
-
     def to_json(self) -> JsonDict:
         """The bytes part of a candidate's JSON row."""
         return {
             "activation_bytes": self.terms.activation_bytes,
             "offloaded_bytes": self.offloaded_bytes,
             "workspace_bytes": self.workspace_bytes,
-            "total_bytes": self.total_bytes,
+            "total_bytes": self.terms.total_bytes,
             **budget_json(self.budget),
             "host_bytes": self.host_bytes,
             "host_budget_bytes": self.host_budget_bytes,
@@ -159,34 +154,9 @@ class Candidate:
     usage: MemoryUse
     time: StepTime
 
-    @property
-    def fits(self) -> bool:
-        """Whether the step fits the device (and host) budget."""
-        return self.usage.fits
-
-    @property
-    def total_bytes(self) -> int:
-        """The planned device peak."""
-        return self.usage.total_bytes
-
-    @property
-    def terms(self) -> DeviceTerms:
-        """The device bytes by term."""
-        return self.usage.terms
-
-    @property
-    def step_s(self) -> float:
-        """The estimated optimizer step."""
-        return self.time.step_s
-
-    @property
-    def reduce_every(self) -> ReduceEvery:
-        """FSDP's gradient reduction this candidate counted."""
-        return self.time.reduce_every
-
     def to_json(self) -> JsonDict:
         """One row of the plan's candidate table."""
-        terms = self.terms
+        terms = self.usage.terms
         static = {"weights_bytes": terms.weights_bytes, "grads_bytes": terms.grads_bytes}
         static["optimizer_bytes"] = terms.optimizer_bytes
         for name in ("embedding_optimizer_bytes", "compute_copy_bytes"):
@@ -228,85 +198,25 @@ class Plan:
         """The model's decoder blocks."""
         return int(self.hf_config["num_hidden_layers"])
 
-    @property
-    def policy(self) -> str:
-        """The chosen candidate's label."""
-        return self.chosen.label
-
-    @property
-    def memory(self) -> MemoryConfig:
-        """The chosen concrete memory policy."""
-        return self.chosen.memory
-
-    @property
-    def micro_batch(self) -> int:
-        """The chosen micro-batch."""
-        return self.chosen.micro_batch
-
-    @property
-    def grad_accum(self) -> int:
-        """The chosen accumulation."""
-        return self.chosen.grad_accum
-
-    @property
-    def reduce_every(self) -> ReduceEvery:
-        """The chosen gradient reduction."""
-        return self.chosen.reduce_every
-
-    @property
-    def fits(self) -> bool:
-        """Whether the chosen step fits."""
-        return self.chosen.fits
-
-    @property
-    def total_bytes(self) -> int:
-        """The chosen step's planned device peak."""
-        return self.chosen.total_bytes
-
-    @property
-    def step_s(self) -> float:
-        """The chosen step's estimated seconds."""
-        return self.chosen.step_s
-
-    @property
-    def terms(self) -> DeviceTerms:
-        """The chosen step's device bytes by term."""
-        return self.chosen.terms
-
-    @property
-    def usage(self) -> MemoryUse:
-        """The chosen step's bytes, budgets and fit."""
-        return self.chosen.usage
-
-    @property
-    def time(self) -> StepTime:
-        """The chosen step's time estimate."""
-        return self.chosen.time
-
-    @property
-    def budget(self) -> DeviceBudget:
-        """The device budget the plan was fitted into."""
-        return self.chosen.usage.budget
-
     def to_json(self) -> JsonDict:
         """The plan as `flexengine-plan plan.format=json` writes it (before the command's own fields)."""
-        best, usage, time = self.chosen, self.usage, self.time
+        best, usage, time = self.chosen, self.chosen.usage, self.chosen.time
         return {
             "hf_config": copy.deepcopy(self.hf_config),  # the caller may trim it: not the plan's own
             "seq_len": self.seq_len,
             "micro_batch": best.micro_batch,
             "grad_accum": best.grad_accum,
-            "reduce_every": best.reduce_every.value,
+            "reduce_every": best.time.reduce_every.value,
             "precision": self.precision,
             "attention_pairs": self.attention_pairs.as_dict(),
             "dtype": self.dtype,
-            "weights_bytes": self.terms.weights_bytes,
-            "grads_bytes": self.terms.grads_bytes,
-            "optimizer_bytes": self.terms.optimizer_bytes,
-            "activation_bytes": self.terms.activation_bytes,
+            "weights_bytes": self.chosen.usage.terms.weights_bytes,
+            "grads_bytes": self.chosen.usage.terms.grads_bytes,
+            "optimizer_bytes": self.chosen.usage.terms.optimizer_bytes,
+            "activation_bytes": self.chosen.usage.terms.activation_bytes,
             "workspace_bytes": usage.workspace_bytes,
-            "total_bytes": usage.total_bytes,
-            "terms": self.terms.to_json(),
+            "total_bytes": usage.terms.total_bytes,
+            "terms": self.chosen.usage.terms.to_json(),
             **budget_json(usage.budget),
             "host_bytes": usage.host_bytes,
             "host_budget_bytes": usage.host_budget_bytes,
@@ -317,7 +227,7 @@ class Plan:
             "assumptions": dict(self.assumptions),
             "activation_bytes_per_block": {k: list(v) for k, v in self.activation_bytes_per_block.items()},
             "logits_bytes": self.logits_bytes,
-            "policy": self.policy,
+            "policy": self.chosen.label,
             "pcie_seconds_per_step": self.pcie_seconds_per_step,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": list(self.suggestions),

@@ -357,13 +357,13 @@ def _rank(candidate: tuple[Candidate, Sequence[MemorySpec]]) -> tuple[float, boo
     policy is read from the candidate's MemorySpecs, not from its memory config's strings."""
     row, specs = candidate
     return (
-        round(row.step_s, 6),
+        round(row.time.step_s, 6),
         offloads(specs),
         any(spec.mlp_tile for spec in specs),
         len(chosen_blocks(specs)),
         -row.micro_batch,
         policy_family(specs)[0].coarseness,
-        row.reduce_every is not ReduceEvery.WINDOW,
+        row.time.reduce_every is not ReduceEvery.WINDOW,
     )
 
 
@@ -396,8 +396,9 @@ def plan_memory(
         for mem, specs in space
     ]
     rows = tuple(row for row, _ in candidates)
-    fitting = [(row, specs) for row, specs in candidates if row.fits]
-    best = min(fitting, key=_rank)[0] if fitting else min(rows, key=lambda r: r.total_bytes + r.usage.host_bytes)
+    fitting = [(row, specs) for row, specs in candidates if row.usage.fits]
+    leanest = min(rows, key=lambda r: r.usage.terms.total_bytes + r.usage.host_bytes)  # when nothing fits
+    best = min(fitting, key=_rank)[0] if fitting else leanest
     return _plan(hf_config, m, x, rows, best, () if fitting else tuple(suggestions(m, x)))
 
 
@@ -452,8 +453,8 @@ def k_table(plan: Plan) -> list[Candidate]:
     rows = [
         r
         for r in plan.candidates
-        if r.micro_batch == plan.micro_batch
-        and r.reduce_every == plan.reduce_every
+        if r.micro_batch == plan.chosen.micro_batch
+        and r.time.reduce_every == plan.chosen.time.reduce_every
         and (r.k == 0 or candidate_family(r) == family)
     ]
     return sorted(rows, key=lambda r: r.k)
@@ -464,7 +465,7 @@ def _fits(m: ModelShape, x: PlanInputs) -> bool:
     reductions = REDUCE_CHOICES if x.reduce_every is ReduceEvery.AUTO else (x.reduce_every,)
     for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
         for reduce_every in reductions:
-            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).fits:
+            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).usage.fits:
                 return True
     return False
 

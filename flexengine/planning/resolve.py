@@ -166,9 +166,9 @@ def resolve(
         fit=fit,
         plan=fit.plan,
         precision=fit.precision,
-        memory_specs=fit.memory_specs,
-        micro_batch=fit.micro_batch,
-        grad_accum=fit.grad_accum,
+        memory_specs=fit.plan.chosen.specs,
+        micro_batch=fit.plan.chosen.micro_batch,
+        grad_accum=fit.plan.chosen.grad_accum,
         seq_len=planned.data.seq_len,
         rows=rows,
         pairs=counted,
@@ -178,17 +178,18 @@ def resolve(
 
 def resolved_job(job: JobConfig, fit: FitPlan) -> JobConfig:
     """The JobConfig with every auto the fit answered resolved: ResolvedRun.job, the one copy the loop reads."""
+    best = fit.plan.chosen
     return dataclasses.replace(
         job,
         hardware=fit.hardware,
-        memory=dataclasses.replace(fit.memory),  # a copy: the job must not share the plan's candidate
+        memory=dataclasses.replace(best.memory),  # a copy: the job must not share the plan's candidate
         precision=PrecisionConfig(mode=fit.precision.name),
         optim=dataclasses.replace(job.optim, name=fit.precision.optimizer),
-        train=dataclasses.replace(job.train, micro_batch=fit.micro_batch, grad_accum=fit.grad_accum),
+        train=dataclasses.replace(job.train, micro_batch=best.micro_batch, grad_accum=best.grad_accum),
         # parallel.mixed_precision stays the user's switch: whether FSDP casts is the spec's answer (fsdp_policy)
         parallel=dataclasses.replace(
             job.parallel,
-            reduce_every=fit.plan.reduce_every.value,  # the gradient reduction the plan counted
+            reduce_every=best.time.reduce_every.value,  # the gradient reduction the plan counted
         ),
     )
 

@@ -105,7 +105,7 @@ class RowOption:
     @property
     def timed(self) -> bool:
         """Whether step_s and hours are time (a measured or assumed speed), not an unknown speed's ranking."""
-        return self.fit.plan.time.source != UNKNOWN
+        return self.fit.plan.chosen.time.source != UNKNOWN
 
     def to_json(self) -> dict:
         """The option as the plan's JSON writes it."""
@@ -149,7 +149,7 @@ def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:
 
 def epoch_steps(fit: FitPlan, rows: int, epochs: float, data_ranks: int) -> int:
     """Optimizer steps `epochs` passes over `rows` packed rows take under this fit."""
-    return math.ceil(rows * epochs / (fit.micro_batch * fit.grad_accum * max(1, data_ranks)))
+    return math.ceil(rows * epochs / (fit.plan.chosen.micro_batch * fit.plan.chosen.grad_accum * max(1, data_ranks)))
 
 
 def weigh_row_length(
@@ -175,14 +175,14 @@ def weigh_row_length(
         useful_fraction=stats.useful_token_fraction,
         documents_split=stats.documents_split + stats.documents_truncated + stats.documents_dropped,
         longest_piece=stats.longest_piece,
-        fits=fit.fits,
+        fits=fit.plan.chosen.usage.fits,
         within_context=stats.longest_piece <= limits.supported or job.model.allow_long_context,
         keeps_whole=seq_len >= keep_whole_length(lengths, CP_BLOCK_SIZE * job.parallel.cp),
         steps=steps,
-        step_s=fit.plan.step_s,
-        hours=steps * fit.plan.step_s / 3600,
+        step_s=fit.plan.chosen.time.step_s,
+        hours=steps * fit.plan.chosen.time.step_s / 3600,
         precision=fit.precision.name,
-        policy=fit.plan.policy,
+        policy=fit.plan.chosen.label,
         fit=fit,
     )
 
@@ -274,9 +274,9 @@ def mfu_for_hours(option: RowOption, hours: float, assumed_mfu: float) -> Option
     of the step (the host optimizer, exposed transfers and reductions, recomputed pointwise ops) held; None when
     that rest alone takes longer."""
     fit = option.fit
-    t = fit.plan.time
-    compute_s = (t.step_s - t.optimizer_s - t.reduce_exposed_s) / (fit.grad_accum * (1 + t.cost))
-    flops_bound_s = fit.grad_accum * compute_s * (1 + t.recompute_flops_fraction)
+    t = fit.plan.chosen.time
+    compute_s = (t.step_s - t.optimizer_s - t.reduce_exposed_s) / (fit.plan.chosen.grad_accum * (1 + t.cost))
+    flops_bound_s = fit.plan.chosen.grad_accum * compute_s * (1 + t.recompute_flops_fraction)
     fixed_s = t.step_s - flops_bound_s
     target_step_s = hours * 3600 / option.steps
     if target_step_s <= fixed_s:
@@ -287,7 +287,7 @@ def mfu_for_hours(option: RowOption, hours: float, assumed_mfu: float) -> Option
 def mfu_ladder(option: RowOption, targets: Sequence[float] = ()) -> str:
     """One line: the MFU each target epoch time would need (default: the whole hours below the planned one), from
     the MFU the plan assumed; none where the step time is not an assumed MFU (measured, or an unknown speed)."""
-    source = option.fit.plan.time.source
+    source = option.fit.plan.chosen.time.source
     if source == UNKNOWN:
         return "  (no MFU ladder: this device's speed is unknown, so there are no hours to scale)"
     if source != ASSUMED:

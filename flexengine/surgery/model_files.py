@@ -2,14 +2,13 @@
 
 A truncated shard, a garbled header, an index that points at a missing file or at tensors a shard does not hold,
 and weights of another architecture than config.json's each ended in a long traceback from deep inside
-safetensors or transformers (rc 1, the file often unnamed). The checks here read only the headers (8 bytes of
-length + a JSON table of names, dtypes, shapes and byte ranges), so they are cheap enough to run before any
-tokenizing; a flexengine checkpoint used as model.path is also checked against its manifest's sizes and checksums.
-config.json and the tokenizer's files get the same treatment (read_config_json, tokenizer_problem).
-
-The safetensors layout (https://huggingface.co/docs/safetensors): u64 little-endian header length N, N bytes of
-JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data; offsets count from
-the end of the header, and the data must be exactly covered by the tensors.
+safetensors or transformers (rc 1, the file often unnamed). Each weight file is opened with safetensors' own
+reader, which reads only the header and validates it (its length, its JSON, each tensor's byte range against its
+dtype and shape, the data exactly covered), so what passes here is what transformers will load, and the check is
+cheap enough to run before any tokenizing. safetensors' refusals name neither the tensor nor the sizes: for a refused
+file the header is read again to say which (the layout: https://huggingface.co/docs/safetensors). A flexengine
+checkpoint used as model.path is also checked against its manifest's sizes and checksums. config.json and the
+tokenizer's files get the same treatment (read_config_json, tokenizer_problem).
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from safetensors import SafetensorError, safe_open
 
 from flexengine.core.errors import UserError
 from flexengine.core.storage import MANIFEST, inside_directory, read_manifest, sha256_file
@@ -43,60 +44,48 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
-def _read_header(file: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and the bytes of data after it; UserError naming the file."""
+def safetensors_tensors(file: Path) -> dict[str, StoredTensor]:
+    """Every tensor of one safetensors file, as safetensors' own reader lists them once it has validated the file."""
+    try:
+        with safe_open(str(file), framework="numpy") as f:  # numpy: opening with "pt" would import torch
+            slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+            return {name: StoredTensor(file, s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
+    except SafetensorError as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        raise UserError(f"{file} {_damage(file, reason)}: {COPY_AGAIN}.") from None
+
+
+def _damage(file: Path, reason: str) -> str:
+    """What is wrong with a file safetensors refused for `reason`, with the sizes that show it (its messages name
+    neither the tensor nor the bytes)."""
     size = file.stat().st_size
     if size < 8:
-        raise UserError(f"{file} is {size} bytes, too short for a safetensors file (an empty or interrupted copy): "
-                        f"{COPY_AGAIN}.")  # fmt: skip
+        return f"is {size} bytes, too short for a safetensors file (an empty or interrupted copy)"
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         if length > size - 8:
-            raise UserError(
-                f"{file} is damaged: its header says the table of tensors is {length:,} bytes, but the whole file "
-                f"has {size:,} (the file is truncated or its first 8 bytes are garbled): {COPY_AGAIN}."
-            )
+            return (f"is damaged: its header says the table of tensors is {length:,} bytes, but the whole file has "
+                    f"{size:,} (the file is truncated or its first 8 bytes are garbled)")  # fmt: skip
         raw = f.read(length)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{file} is damaged: its header is not a JSON table of tensors ({e}): {COPY_AGAIN}.") from None
-    return header, size - 8 - length
-
-
-def safetensors_tensors(file: Path) -> dict[str, StoredTensor]:
-    """Every tensor of one safetensors file, its byte ranges checked against its shape and the file's size."""
-    header, data_bytes = _read_header(file)
-    tensors, end_of_data = {}, 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise UserError(f"{file} is damaged: the header's entry for {name!r} lacks its dtype, shape or byte "
-                            f"range: {COPY_AGAIN}.") from None  # fmt: skip
-        width = DTYPE_BYTES.get(dtype)
-        if width is not None and end - begin != math.prod(shape) * width:
-            raise UserError(
-                f"{file} is damaged: tensor {name!r} ({dtype}, shape {list(shape)}) needs "
-                f"{math.prod(shape) * width:,} bytes, its header gives it {end - begin:,}: {COPY_AGAIN}."
-            )
-        tensors[name] = StoredTensor(file, dtype, shape)
-        end_of_data = max(end_of_data, end)
+    if "JSON" in reason or "UTF-8" in reason:
+        return f"is damaged: its header is not a JSON table of tensors ({reason})"
+    try:  # safetensors parsed the header: every entry has its dtype, shape and byte range
+        entries = {name: e for name, e in json.loads(raw).items() if name != "__metadata__"}
+    except ValueError:  # a header too large for safetensors to read, unreadable here too
+        return f"is damaged: safetensors refuses it ({reason})"
+    for name, e in entries.items():
+        width, (begin, end) = DTYPE_BYTES.get(e["dtype"]), e["data_offsets"]
+        if width is not None and end - begin != math.prod(e["shape"]) * width:
+            return (f"is damaged: tensor {name!r} ({e['dtype']}, shape {e['shape']}) needs "
+                    f"{math.prod(e['shape']) * width:,} bytes, its header gives it {end - begin:,}")  # fmt: skip
+    end_of_data, data_bytes = max((e["data_offsets"][1] for e in entries.values()), default=0), size - 8 - length
     if end_of_data > data_bytes:
-        raise UserError(
-            f"{file} is truncated: its tensors need {end_of_data:,} bytes after the header, the file holds "
-            f"{data_bytes:,} (an interrupted download or copy): {COPY_AGAIN}."
-        )
+        return (f"is truncated: its tensors need {end_of_data:,} bytes after the header, the file holds "
+                f"{data_bytes:,} (an interrupted download or copy)")  # fmt: skip
     if end_of_data < data_bytes:
-        raise UserError(
-            f"{file} is damaged: {data_bytes - end_of_data:,} bytes follow its last tensor, which safetensors "
-            f"refuses (the file was appended to or its header is garbled): {COPY_AGAIN}."
-        )
-    return tensors
+        return (f"is damaged: {data_bytes - end_of_data:,} bytes follow its last tensor, which safetensors refuses "
+                "(the file was appended to or its header is garbled)")  # fmt: skip
+    return f"is damaged: safetensors refuses it ({reason})"
 
 
 def _index_shards(directory: Path) -> dict[str, list[str]]:

@@ -113,7 +113,7 @@ class PrecisionSpec:
     @property
     def trains_correctly(self) -> bool:
         """Whether this mode's optimizer steps like fp32 AdamW over a long run at any lr (0.9-1.1x its mean step
-        after 3,000 steps of a falling gradient scale, beta2 0.95 and 0.999: flexengine.loop.optim_numerics, asserted
+        after 3,000 steps of a falling gradient scale, beta2 0.95 and 0.999: tests/support/optim_numerics.py, asserted
         for every mode by tests/loop/test_optim_numerics.py). Exact updates do; so does stochastic rounding, now that
         adamw_bf16 keeps exp_avg_sq in fp32. bf16_pure rounds small updates away: never."""
         return self.updates_exact or self.stochastic_rounding

@@ -323,12 +323,12 @@ def test_the_assumed_line_names_only_what_is_assumed():
     speed = DeviceSpeed(matmul_tflops=0.05, memory_gb_s=12.5, dtype_bytes=4, source="measured on cpu (test)")
     hardware = dataclasses.replace(assumed_hardware(job.hardware), speed=(speed,))
     plan = plan_job(job, hf_config, hardware).plan
-    assumed, measured = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, hardware)
+    assumed, measured = assumed_and_measured(plan.assumptions, plan.chosen.time.source, plan.dtype, hardware)
     assert "assumed_mfu" not in assumed and "memory_gb_s" not in assumed and "margin=" in assumed
     assert measured == "  measured (measured on cpu (test)): matmul_tflops=0.05, memory_gb_s=12.5"
 
     card = compose_job(["hardware=a100_80g", "data.seq_len=1024"])
     a100 = assumed_hardware(card.hardware)
     plan = plan_job(card, hf_config, a100).plan
-    (line,) = assumed_and_measured(plan.assumptions, plan.time.source, plan.dtype, a100)
+    (line,) = assumed_and_measured(plan.assumptions, plan.chosen.time.source, plan.dtype, a100)
     assert "assumed_mfu=0.4" in line and "peak_tflops=312" in line and "memory_gb_s=" in line

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from flexengine.data.demo import load_demo_tokenizer
+from tests.helpers import hide_package
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +56,18 @@ def test_cli_prints_and_writes_json_and_png(tmp_path):
     assert report["context"]["trained_context"] == 512 and 0 < over < 40  # docs of 4..800 tokens
     assert report["context"]["documents_within_trained"] == (40 - over) / 40
     assert (tmp_path / "run" / "data_stats.png").stat().st_size > 1000
+
+
+def test_the_histogram_is_drawn_or_the_line_says_which_extra_draws_it(tmp_path, monkeypatch):
+    from flexengine.cli.stats import write_histogram
+
+    lengths = np.array([5, 50, 500])
+    assert write_histogram(lengths, 256, tmp_path / "a.png") == f"and {tmp_path / 'a.png'}"
+    assert (tmp_path / "a.png").stat().st_size > 1000
+    hide_package(monkeypatch, "matplotlib")
+    said = write_histogram(lengths, 256, tmp_path / "b.png")
+    assert said == "(no b.png: the histogram needs matplotlib, pip install 'flexengine[plots]')"
+    assert not (tmp_path / "b.png").exists()
 
 
 def test_cli_bad_record_is_a_clean_error(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flexengine.cli.sweep import find_job_dirs, summarize_sweep, varying_overrides, write_job_error
+from tests.helpers import hide_package
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,6 +245,17 @@ def test_plot_overlays_loss_curves_and_prints_bar_values(tmp_path):
     assert [t.get_text().strip() for t in speed_ax.texts] == ["1,234", "2,468"]
     assert [t.get_text().strip() for t in memory_ax.texts] == ["1.00", "2.00"]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_without_matplotlib_the_sweep_keeps_its_table_and_names_the_extra(tmp_path, monkeypatch, caplog):
+    hide_package(monkeypatch, "matplotlib")
+    d = _job(tmp_path, 0, ["optim.lr=1e-3"])
+    (d / "summary.json").write_text(json.dumps({"final_loss": 3.0, "steps": 4, "status": "ok", "losses": [3.0]}))
+    with caplog.at_level(logging.WARNING, logger="flexengine.cli.sweep"):
+        assert len(summarize_sweep(tmp_path)) == 1
+    assert (tmp_path / "sweep_summary.csv").is_file() and not (tmp_path / "sweep_summary.png").exists()
+    said = "sweep_summary.png needs the `matplotlib` package, which is not installed: pip install 'flexengine[plots]'"
+    assert said in caplog.text
 
 
 def test_interrupted_job_row_and_non_training_sweep(tmp_path):

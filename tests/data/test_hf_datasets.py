@@ -13,6 +13,7 @@ import pytest
 from flexengine.core.config import DataConfig
 from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, iter_raw_docs
+from tests.helpers import hide_package
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)]
 
@@ -127,3 +128,11 @@ def test_a_saved_split_names_the_dataset_and_split_of_a_bad_row_and_of_a_missing
     # the turns as the JSONL and Parquet readers give them: a list of {role, content}
     docs = list(iter_raw_docs(DataConfig(**data, hf_split="test", format="chat"), BadRecords()))
     assert [d.payload for d in docs] == [turns, turns] and docs[1].where == f"{tmp_path / 'dd'}[test]:row 1"
+
+
+def test_without_datasets_the_source_names_the_extra(tmp_path, monkeypatch):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    hide_package(monkeypatch, "datasets")
+    with pytest.raises(UserError, match=r"data\.source=hf needs the `datasets` package.*flexengine\[hf\]', or read"):
+        _texts(DataConfig(source="hf", path=str(jsonl), cache_dir=str(tmp_path / "cache")))

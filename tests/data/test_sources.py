@@ -11,6 +11,7 @@ import pytest
 from flexengine.core.config import DataConfig
 from flexengine.core.errors import UserError
 from flexengine.data.sources import BadRecords, check_chat_messages, iter_raw_docs, resolve_paths
+from tests.helpers import hide_package
 
 GOOD = json.dumps({"text": "print('hello')"})
 
@@ -203,4 +204,12 @@ def test_an_unreadable_parquet_file_is_named_with_what_to_do(tmp_path):
     path = tmp_path / "d.parquet"
     path.write_bytes(b"PAR1 not really")
     with pytest.raises(UserError, match=rf"{path}: cannot read as Parquet \(\w+: .*\)\. Replace the file, or leave it"):
+        _read(DataConfig(source="parquet", path=str(path)))
+
+
+def test_parquet_without_pyarrow_names_the_source_and_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": ["a = 1"]}), path)
+    hide_package(monkeypatch, "pyarrow")
+    with pytest.raises(UserError, match=r"data\.source=parquet needs the `pyarrow` package.*flexengine\[parquet\]"):
         _read(DataConfig(source="parquet", path=str(path)))

@@ -75,12 +75,15 @@ def _plan(config: str, jsonl: Path):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     job, hf_config, fit = _plan(config, jsonl)
-    assert fit.fits, f"{config}: {fit.plan.total_bytes / 2**30:.1f} GiB of {fit.plan.budget.usable_bytes / 2**30:.1f}"
+    best = fit.plan.chosen
+    usage = best.usage
+    peak_gib, budget_gib = usage.terms.total_bytes / 2**30, usage.budget.usable_bytes / 2**30
+    assert usage.fits, f"{config}: {peak_gib:.1f} GiB of {budget_gib:.1f}"
     assert fit.precision.name != "bf16_pure" and fit.precision.updates_arrive(job.optim.lr)
     if fit.hardware.device == "cuda":  # the peak leaves the CUDA context and >= 5 % of the card (planning/budget)
-        card = fit.plan.budget.card_bytes
-        assert fit.plan.budget.card_bytes <= fit.hardware.memory_gb * 2**30 and fit.plan.budget.context_bytes > 0
-        assert fit.plan.total_bytes <= card - fit.plan.budget.context_bytes - 0.05 * card
+        card = usage.budget.card_bytes
+        assert card <= fit.hardware.memory_gb * 2**30 and usage.budget.context_bytes > 0
+        assert usage.terms.total_bytes <= card - usage.budget.context_bytes - 0.05 * card
     if job.model.arch.get("hidden_size", 0) >= 4096:
         assert job.optim.lr <= 5e-5, "a 7B fine-tune at a pretraining learning rate"
     # The meta model has exactly the planner's parameters and bytes: nothing allocated, nothing guessed.
@@ -88,11 +91,10 @@ def test_a_full_size_plan_fits_and_updates_weights(config, jsonl):
     params = list(meta.parameters())
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == ModelShape.from_hf_config(hf_config).params
-    assert sum(p.numel() * p.element_size() for p in params) == fit.plan.terms.weights_bytes
+    assert sum(p.numel() * p.element_size() for p in params) == usage.terms.weights_bytes
     print(
-        f"{config}: {fit.plan.total_bytes / 2**30:.1f} / {fit.plan.budget.usable_bytes / 2**30:.1f} GiB on "
-        f"{fit.hardware.name}, precision {fit.precision.name}, {fit.plan.policy}, "
-        f"micro_batch {fit.micro_batch} x {fit.grad_accum}"
+        f"{config}: {peak_gib:.1f} / {budget_gib:.1f} GiB on {fit.hardware.name}, precision {fit.precision.name}, "
+        f"{best.label}, micro_batch {best.micro_batch} x {best.grad_accum}"
     )
 
 
@@ -111,9 +113,9 @@ def _shrunk(job, fit) -> list[str]:
         f"model.arch.num_key_value_heads={max(1, SHRUNK_HEADS * kv // heads)}",
         f"data.seq_len={seq}",
         f"precision={fit.precision.name}",
-        f"memory={fit.memory.policy}",
-        f"train.micro_batch={fit.micro_batch}",
-        f"train.grad_accum={fit.grad_accum}",
+        f"memory={fit.plan.chosen.memory.policy}",
+        f"train.micro_batch={fit.plan.chosen.micro_batch}",
+        f"train.grad_accum={fit.plan.chosen.grad_accum}",
         "train.max_steps=2",
         "train.save_final=false",
         "train.save_every=0",
@@ -122,14 +124,14 @@ def _shrunk(job, fit) -> list[str]:
         "train.compile_backend=aot_eager",
         "data.num_workers=0",
     ]
-    if fit.memory.policy != "none":
+    if fit.plan.chosen.memory.policy != "none":
         out += [
-            f"memory.layers={fit.memory.layers}",
-            f"memory.granularity={fit.memory.granularity}",
-            f"memory.offload={str(fit.memory.offload).lower()}",
+            f"memory.layers={fit.plan.chosen.memory.layers}",
+            f"memory.granularity={fit.plan.chosen.memory.granularity}",
+            f"memory.offload={str(fit.plan.chosen.memory.offload).lower()}",
         ]
-    if fit.memory.tiled_mlp:  # the plan's tile, in tokens (a shrunk row may be shorter than one tile)
-        out.append(f"memory.tiled_mlp={fit.memory.tiled_mlp}")
+    if fit.plan.chosen.memory.tiled_mlp:  # the plan's tile, in tokens (a shrunk row may be shorter than one tile)
+        out.append(f"memory.tiled_mlp={fit.plan.chosen.memory.tiled_mlp}")
     if arch.get("sliding_window"):
         out.append(f"model.arch.sliding_window={max(16, int(arch['sliding_window'] * scale))}")
     if job.attn.window:
@@ -148,7 +150,7 @@ def test_b_two_steps_at_full_depth_on_cpu(config, jsonl, tmp_path):
     trainer = build_trainer(run_job, tmp_path)
     layers = decoder_layers(trainer.model)
     assert len(layers) == job.model.arch["num_hidden_layers"]  # full depth
-    assert trainer.job.precision.mode == fit.precision.name and trainer.job.memory == fit.memory
+    assert trainer.job.precision.mode == fit.precision.name and trainer.job.memory == fit.plan.chosen.memory
     assert {p.dtype for p in trainer.model.parameters()} == {fit.precision.param_dtype}
     assert trainer.job.train.compile == job.train.compile
     before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}

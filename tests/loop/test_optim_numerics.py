@@ -1,4 +1,4 @@
-"""Long-horizon optimizer numerics (flexengine.loop.optim_numerics): every precision mode's optimizer, driven for 3,000
+"""Long-horizon optimizer numerics (tests/support/optim_numerics.py): every precision mode's optimizer, driven for 3,000
 steps while the gradient scale halves, steps like fp32 AdamW (0.9-1.1x its mean step over the last 500) exactly
 when its PrecisionSpec says it trains correctly, at beta2 0.95 and 0.999. bf16_pure must fail the check, and so
 must a bf16 second moment (the fault this check exists for): the check can fail."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from flexengine.loop.optim_numerics import BETA2S, RATIO_BAND, Horizon, step_ratio, within_band
 from flexengine.surgery.precision import SPECS, optimizer_missing, precision_spec
+from tests.support.optim_numerics import BETA2S, RATIO_BAND, Horizon, step_ratio, within_band
 
 pytestmark = pytest.mark.slow  # 3,000 steps a case: minutes on 2 cores (the full run has them)
 

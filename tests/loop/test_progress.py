@@ -29,7 +29,7 @@ def test_resuming_a_finished_run_reports_the_runs_rate_not_tokens_over_nothing(t
 
 
 def test_no_training_time_means_no_rate(tmp_path, monkeypatch):
-    """A checkpoint of an older flexengine may carry 0 s of training: no rate, and the line says why."""
+    """A trainer that has not trained yet has 0 s of training: no rate, and the line says why."""
     from flexengine.loop import progress
     from flexengine.run import build_trainer, done_line
 

@@ -26,10 +26,10 @@ def test_hours_are_the_planned_steps_of_the_packed_rows():
     rows = corpus_hours(job, hf_config, hardware, corpus)
     first = rows[0]
     fit = plan_job(job, hf_config, hardware)
-    assert first["label"] == "as configured" and first["step_s"] == fit.plan.step_s
-    assert first["rows_per_step"] == fit.micro_batch * fit.grad_accum == 8
+    assert first["label"] == "as configured" and first["step_s"] == fit.plan.chosen.time.step_s
+    assert first["rows_per_step"] == fit.plan.chosen.micro_batch * fit.plan.chosen.grad_accum == 8
     assert first["steps"] == math.ceil(2 * 20_000 / 8) == 5_000
-    assert first["hours"] == pytest.approx(5_000 * fit.plan.step_s / 3600)
+    assert first["hours"] == pytest.approx(5_000 * fit.plan.chosen.time.step_s / 3600)
     assert first["useful_tokens_per_s"] == pytest.approx(2 * 120e6 / (first["hours"] * 3600))
 
 

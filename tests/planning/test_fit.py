@@ -59,7 +59,7 @@ def test_explicit_precision_that_does_not_fit_lists_what_would():
 
 def test_auto_resolves_everything_once():
     job, fit = _fit(*SEVEN_B)
-    assert fit.fits and job.memory.policy != "auto" and job.precision.mode == fit.precision.name
+    assert fit.plan.chosen.usage.fits and job.memory.policy != "auto" and job.precision.mode == fit.precision.name
     assert job.optim.name == fit.precision.optimizer
     assert job.train.micro_batch * job.train.grad_accum == 8  # llama2_7b's defaults: 1 x 8 rows per step
     assert fit.precision.updates_arrive(job.optim.lr)
@@ -113,7 +113,9 @@ def test_readme_experiment_auto_takes_the_fastest_mode_that_fits_and_trains_corr
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     rows = {r.precision: r for r in fit.precision_table}
     eligible = [r for r in rows.values() if r.fits and r.trains_correctly and not r.missing]
-    assert fit.fits and fit.precision.trains_correctly and len(eligible) >= (1 if torchao_missing else 2)
+    assert (
+        fit.plan.chosen.usage.fits and fit.precision.trains_correctly and len(eligible) >= (1 if torchao_missing else 2)
+    )
     fastest = min(r.step_s for r in eligible)
     assert rows[fit.precision.name].step_s <= 1.05 * fastest
     text = format_fit(fit)
@@ -139,7 +141,7 @@ def test_auto_skips_a_mode_whose_optimizer_cannot_be_built_here(monkeypatch):
     job = compose_job(["experiment=deepseek7b_6k_a100", "model.init=random", "data.source=demo", "data.seq_len=8192"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
     rows = {r.precision: r for r in fit.precision_table}
-    assert fit.fits and fit.precision.name == "bf16_cpu_master"
+    assert fit.plan.chosen.usage.fits and fit.precision.name == "bf16_cpu_master"
     assert rows["bf16_sr"].verdict == "needs torchao, not installed (pip install torchao)"
 
 
@@ -190,7 +192,7 @@ def test_cpu_plan_picks_fp32(ranks):
     precision than one process of the same job."""
     job = compose_job(["debug=fast", f"hardware.world_size={ranks}"])
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
-    assert fit.fits and fit.precision.name == "fp32" and fit.memory.policy == "none"
+    assert fit.plan.chosen.usage.fits and fit.precision.name == "fp32" and fit.plan.chosen.memory.policy == "none"
     assert all(r.verdict.startswith(("chosen", "less exact", "fails")) for r in fit.precision_table)
     faster = [_row("exact", 10.0), _row("fast", 1.0)]
     assert choose_precision(faster, timed=False) == 0 and choose_precision(faster) == 1
@@ -202,9 +204,13 @@ def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
     _, mixed = _fit(
         *SEVEN_B, "hardware=h200_141g", "precision=bf16_mixed", "memory=offload", "hardware.host_memory_gb=100"
     )
-    assert mixed.plan.usage.host_budget_bytes == 100 * 2**30
-    assert mixed.plan.usage.offload_pinned_bound_bytes == 100 * 2**30  # fp32 masters on the device: no host state
-    assert mixed.plan.usage.host_bytes <= mixed.plan.usage.offload_pinned_bound_bytes  # fits: the activations pin
+    assert mixed.plan.chosen.usage.host_budget_bytes == 100 * 2**30
+    assert (
+        mixed.plan.chosen.usage.offload_pinned_bound_bytes == 100 * 2**30
+    )  # fp32 masters on the device: no host state
+    assert (
+        mixed.plan.chosen.usage.host_bytes <= mixed.plan.chosen.usage.offload_pinned_bound_bytes
+    )  # fits: the activations pin
     assert "offload: at most 100.0 GiB of pinned host memory per rank" in format_fit(mixed)
     _, master = _fit(
         *SEVEN_B,
@@ -214,14 +220,20 @@ def test_offload_pins_at_most_the_host_budget_left_after_host_optimizer_state():
         "memory.offload=true",
         "hardware.host_memory_gb=128",
     )
-    state = master.plan.usage.host_bytes - _offloaded(master)  # the plan's host terms: state + offloaded activations
+    state = master.plan.chosen.usage.host_bytes - _offloaded(
+        master
+    )  # the plan's host terms: state + offloaded activations
     assert state > 50 * 2**30  # fp32 masters and AdamW states of 6.7B parameters
-    assert master.plan.usage.offload_pinned_bound_bytes == 128 * 2**30 - state
+    assert master.plan.chosen.usage.offload_pinned_bound_bytes == 128 * 2**30 - state
 
 
 def _offloaded(fit) -> int:
     """The activation bytes the chosen policy offloads (the plan's other host term)."""
-    chosen = next(r for r in fit.plan.candidates if r.label == fit.plan.policy and r.micro_batch == fit.micro_batch)
+    chosen = next(
+        r
+        for r in fit.plan.candidates
+        if r.label == fit.plan.chosen.label and r.micro_batch == fit.plan.chosen.micro_batch
+    )
     return chosen.usage.offloaded_bytes
 
 
@@ -238,7 +250,7 @@ def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, mo
     trainer = run.build_trainer(job, tmp_path)
     manager = applied(trainer.model).offload
     assert trainer.plan.hardware.host_memory_gb == 16.0
-    assert manager.max_pinned_bytes == trainer.plan.plan.usage.offload_pinned_bound_bytes == 16 * 2**30
+    assert manager.max_pinned_bytes == trainer.plan.plan.chosen.usage.offload_pinned_bound_bytes == 16 * 2**30
 
 
 def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_path):
@@ -262,7 +274,7 @@ def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_p
     assert shipped.train.compile
     eager = compose_job([*common, "train.compile=false"])
     fit = plan_job(eager, build_hf_config(eager.model), assumed_hardware(eager.hardware))
-    assert fit.plan.time.eager_pointwise_s * eager.train.max_steps > 10 * COMPILE_S
+    assert fit.plan.chosen.time.eager_pointwise_s * eager.train.max_steps > 10 * COMPILE_S
     assert "train.compile=true would pay" in compile_hint(eager, fit) and not compile_hint(shipped, fit)
 
 

@@ -12,10 +12,12 @@ import pytest
 import yaml
 
 from flexengine.core.config import HardwareConfig, ModelConfig, conf_dir
-from flexengine.planning.max_seq_len import longest_fitting, max_seq_len_table
+from flexengine.core.errors import UserError
+from flexengine.planning.max_seq_len import longest_fitting, max_seq_len_table, plot_memory_vs_seq_len
 from flexengine.planning.planner import candidates_for, evaluate
 from flexengine.planning.shapes import ModelShape, PlanInputs
 from flexengine.surgery.model import build_hf_config
+from tests.helpers import hide_package
 
 ROOT = Path(__file__).parents[2]
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=80, peak_tflops=312, host_memory_gb=128)
@@ -33,8 +35,8 @@ def test_longest_fitting_is_the_boundary():
     for label, memory in candidates_for("auto"):
         n = longest_fitting(m, x, memory)
         if n:
-            assert evaluate(m, dataclasses.replace(x, seq_len=n), memory).fits, label
-        assert not evaluate(m, dataclasses.replace(x, seq_len=n + 128), memory).fits, label
+            assert evaluate(m, dataclasses.replace(x, seq_len=n), memory).usage.fits, label
+        assert not evaluate(m, dataclasses.replace(x, seq_len=n + 128), memory).usage.fits, label
 
 
 def test_long_rows_need_checkpointing_offload_and_tiles():
@@ -80,6 +82,13 @@ def test_cli_table_json_and_png(tmp_path):
     assert max(report["curves_gib"]["none"]) > 80 and png.stat().st_size > 10_000
 
 
+def test_the_plot_without_matplotlib_names_plan_png_the_extra_and_the_table_alone(tmp_path, monkeypatch):
+    hide_package(monkeypatch, "matplotlib")
+    with pytest.raises(UserError, match=r"plan\.png .*pip install 'flexengine\[plots\]', or plan\.png=null"):
+        plot_memory_vs_seq_len({"none": [1.0, 2.0]}, [1024, 2048], 70.0, tmp_path / "p.png", "title")
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_context_parallel_divides_activations_and_adds_gathered_kv():
     """cp ranks share a row: per-token bytes are a rank's S / cp tokens, except the whole row's K and V that
     attention gathers (held for backward when attention is not recomputed) and their gradients in backward.
@@ -104,13 +113,16 @@ def test_context_parallel_divides_activations_and_adds_gathered_kv():
     assert block_bytes(m, rank_workload(x8), MemorySpec())[0] - block_bytes(m, local, MemorySpec())[0] == extra_kv
     full = candidates_for("auto")[6][1]  # "full": blocks keep only their input
     e1, e8 = evaluate(m, x1, full), evaluate(m, x8, full)
-    assert e8.terms.activation_bytes == evaluate(m, dataclasses.replace(x1, seq_len=T), full).terms.activation_bytes
-    assert e8.terms.activation_bytes == pytest.approx(e1.terms.activation_bytes / 8, rel=0.01)
+    assert (
+        e8.usage.terms.activation_bytes
+        == evaluate(m, dataclasses.replace(x1, seq_len=T), full).usage.terms.activation_bytes
+    )
+    assert e8.usage.terms.activation_bytes == pytest.approx(e1.usage.terms.activation_bytes / 8, rel=0.01)
     # backward re-runs one block: its working set at T tokens + the gathered K/V + their gradients, once the loss's
     # and the final norm's saved tensors are freed
     loss_side = constant_bytes(m, local, checkpointed=False)
     freed = loss_side["final_norm"] + loss_side["loss_inputs"]
-    assert e8.terms.backward_workspace_bytes == block_working_bytes(m, local) + extra_kv + 2 * S * kd * p - freed
+    assert e8.usage.terms.backward_workspace_bytes == block_working_bytes(m, local) + extra_kv + 2 * S * kd * p - freed
     assert longest_fitting(m, x8, full) > 4 * longest_fitting(m, x1, full)
 
 
@@ -146,8 +158,8 @@ def test_parallel_cp_plans_rows_that_split_into_whole_blocks_per_rank():
     )
     full = candidates_for("auto")[6][1]
     n = longest_fitting(m, x, full)
-    assert n % 1024 == 0 and evaluate(m, dataclasses.replace(x, seq_len=n), full).fits
-    assert not evaluate(m, dataclasses.replace(x, seq_len=n + 1024), full).fits
+    assert n % 1024 == 0 and evaluate(m, dataclasses.replace(x, seq_len=n), full).usage.fits
+    assert not evaluate(m, dataclasses.replace(x, seq_len=n + 1024), full).usage.fits
 
 
 def test_a_windowed_models_table_prices_each_length_with_its_own_pair_count():
@@ -169,8 +181,8 @@ def test_a_windowed_models_table_prices_each_length_with_its_own_pair_count():
     memory = dict(candidates_for(0))["full"]
     n = row["max_seq_len"]
     assert n > 2 * 4096  # long enough for the window to matter
-    own = evaluate(m, at_length(x, n, lambda k: whole_row_pairs(attention, k)), memory).step_s
-    stale = evaluate(m, at_length(x, n), memory).step_s  # 4096's share (causal 0.5) reused at n
+    own = evaluate(m, at_length(x, n, lambda k: whole_row_pairs(attention, k)), memory).time.step_s
+    stale = evaluate(m, at_length(x, n), memory).time.step_s  # 4096's share (causal 0.5) reused at n
     assert row["step_s"] == own and own < stale
 
 

@@ -150,9 +150,13 @@ def test_the_plan_repeats_its_chosen_candidate():
     assert chosen == plan.chosen.to_json() and plan.chosen in plan.candidates
     same = [k for k in PLAN_KEYS if k in CANDIDATE_KEYS and k != "label"]
     assert {k: body[k] for k in same} == {k: chosen[k] for k in same}
-    assert (plan.policy, plan.memory, plan.step_s) == (plan.chosen.label, plan.chosen.memory, plan.chosen.step_s)
-    assert plan.budget == device_budget(A100) and body["budget_bytes"] == device_budget(A100).usable_bytes
-    assert list(body["activation_bytes_per_block"]) == list(dict.fromkeys(["none", plan.policy]))
+    assert (plan.chosen.label, plan.chosen.memory, plan.chosen.time.step_s) == (
+        plan.chosen.label,
+        plan.chosen.memory,
+        plan.chosen.time.step_s,
+    )
+    assert plan.chosen.usage.budget == device_budget(A100) and body["budget_bytes"] == device_budget(A100).usable_bytes
+    assert list(body["activation_bytes_per_block"]) == list(dict.fromkeys(["none", plan.chosen.label]))
     assert len(body["activation_bytes_per_block"]["none"]) == plan.n_layers == 4
 
 
@@ -169,7 +173,7 @@ def test_terms_sum_to_the_planned_peak():
     assert terms.total_bytes == 63 and terms.items()[-1] == ("fsdp_unsharded_grads_bytes", 32)
     assert "fsdp_gathered_weights_bytes" not in terms.to_json()  # does not arise: left out, not written as null
     for row in _plan().candidates:
-        assert row.total_bytes == sum(row.terms.to_json().values())
+        assert row.usage.terms.total_bytes == sum(row.usage.terms.to_json().values())
 
 
 def test_plan_and_candidates_are_frozen():

@@ -38,7 +38,7 @@ def _measure(tmp_path, memory: str):
         trainer.train_step()
         seconds.append(time.process_time() - t0)
     trainer.metrics.close()
-    return job, trainer.plan.hardware, trainer.plan.plan.step_s, statistics.median(seconds[1:])
+    return job, trainer.plan.hardware, trainer.plan.plan.chosen.time.step_s, statistics.median(seconds[1:])
 
 
 def _check(planned: dict[str, float], measured: dict[str, float]) -> None:
@@ -74,7 +74,9 @@ def test_planned_steps_follow_measured_ones_and_a_dropped_recompute_term_fails(t
 
     # the same jobs replanned by a planner that forgets what recompute costs: the check must catch it
     monkeypatch.setattr(planner, "recompute_seconds", lambda *args: 0.0)
-    dropped = {name: plan_job(job, _hf_config(job), hw).plan.step_s for name, (job, hw, _, _) in runs.items()}
+    dropped = {
+        name: plan_job(job, _hf_config(job), hw).plan.chosen.time.step_s for name, (job, hw, _, _) in runs.items()
+    }
     assert dropped["none"] == pytest.approx(planned["none"]) and dropped["full"] < planned["full"]
     with pytest.raises(AssertionError):
         _check(dropped, measured)

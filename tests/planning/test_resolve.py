@@ -40,11 +40,12 @@ def test_the_answer_is_the_fit_of_the_job_on_its_hardware():
     run = resolve(job, hf_config, hardware)
     fit = plan_job(job, hf_config, hardware, attention=planned_attention(job, hf_config, hardware))
     assert run.plan.to_json() == fit.plan.to_json() and run.precision == fit.precision
-    assert (run.micro_batch, run.grad_accum, run.seq_len) == (fit.micro_batch, fit.grad_accum, 4096)
-    assert run.memory_specs == fit.memory_specs
-    assert run.job.precision.mode == fit.precision.name and run.job.memory == fit.memory
-    assert (run.job.train.micro_batch, run.job.train.grad_accum) == (fit.micro_batch, fit.grad_accum)
-    assert run.parallel.reduce_every is fit.plan.reduce_every is not ReduceEvery.AUTO
+    best = fit.plan.chosen
+    assert (run.micro_batch, run.grad_accum, run.seq_len) == (best.micro_batch, best.grad_accum, 4096)
+    assert run.memory_specs == best.specs
+    assert run.job.precision.mode == fit.precision.name and run.job.memory == best.memory
+    assert (run.job.train.micro_batch, run.job.train.grad_accum) == (best.micro_batch, best.grad_accum)
+    assert run.parallel.reduce_every is best.time.reduce_every is not ReduceEvery.AUTO
     assert run.planned is job and run.job is not job and job.precision.mode == "auto"  # the given job is untouched
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.fit = fit  # type: ignore[misc]

@@ -34,7 +34,7 @@ def _attention_s(x: PlanInputs, pairs: AttendedPairs) -> float:
     """Step seconds the attention core adds under these pairs (policy none: the step is compute alone)."""
     row = evaluate(ModelShape.from_hf_config(CONFIG), dataclasses.replace(x, pairs=pairs), MemoryConfig())
     none = evaluate(ModelShape.from_hf_config(CONFIG), dataclasses.replace(x, pairs=_zero()), MemoryConfig())
-    return row.step_s - none.step_s
+    return row.time.step_s - none.time.step_s
 
 
 def _zero() -> AttendedPairs:
@@ -116,9 +116,15 @@ def test_plan_says_where_its_pair_count_comes_from():
         "per_layer": [0.5] * CONFIG.num_hidden_layers,
     }
     packed = plan_memory(CONFIG, dataclasses.replace(x, pairs=packed_pairs(_spec("packed_doc"), [[100] * 5], S, "r")))
-    assert packed.attention_pairs.source.startswith("r, counted for") and packed.step_s < unknown.step_s
+    assert (
+        packed.attention_pairs.source.startswith("r, counted for")
+        and packed.chosen.time.step_s < unknown.chosen.time.step_s
+    )
     # a causal half per layer prices the step exactly as inputs built by hand without specs do
-    assert unknown.step_s == plan_memory(CONFIG, dataclasses.replace(x, pairs=AttendedPairs())).step_s
+    assert (
+        unknown.chosen.time.step_s
+        == plan_memory(CONFIG, dataclasses.replace(x, pairs=AttendedPairs())).chosen.time.step_s
+    )
 
 
 def test_plan_inputs_read_the_resolved_specs():

@@ -29,9 +29,9 @@ def test_executed_flops_are_the_planners_step_flops():
     """With no recompute, the executed count times the useful tokens is what the planner's compute time is made
     of (compute_s x peak x MFU): the report reads the planner's terms, it does not keep its own."""
     fit, work = _work("memory=none", "precision=bf16_mixed")
-    t = fit.plan.time
-    compute_s = (t.step_s - t.optimizer_s - t.reduce_exposed_s) / (fit.grad_accum * (1 + t.cost))
-    useful = sum(map(sum, ROWS)) / 3 * fit.micro_batch
+    t = fit.plan.chosen.time
+    compute_s = (t.step_s - t.optimizer_s - t.reduce_exposed_s) / (fit.plan.chosen.grad_accum * (1 + t.cost))
+    useful = sum(map(sum, ROWS)) / 3 * fit.plan.chosen.micro_batch
     planned = compute_s * fit.hardware.peak_tflops * 1e12 * ASSUMED_MFU
     # the chunked loss's lm_head re-run is executed work that the planner's assumed-MFU time leaves out (~2 %)
     executed = work.executed_flops - work.loss_recompute_flops

@@ -1,2 +1,2 @@
-"""Programs the tests start (under torchrun or alone) and the precision proof they share with the GPU check;
-not tests themselves (pytest collects only test_*.py)."""
+"""Programs the tests start (under torchrun or alone) and the libraries they share with bench/ (the precision proof
+the GPU check runs, the long-horizon optimizer numerics); not tests themselves (pytest collects only test_*.py)."""

@@ -80,6 +80,27 @@ def garble_header_json(d: Path) -> Path:
     return f
 
 
+def _rewrite_header(f: Path, change) -> None:
+    data = f.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    raw = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+
+
+def widen_a_tensor(d: Path) -> Path:
+    f = d / "model.safetensors"
+    _rewrite_header(f, lambda h: h["model.norm.weight"]["shape"].__setitem__(0, 65))  # 64 -> 65: 4 bytes short
+    return f
+
+
+def drop_a_dtype(d: Path) -> Path:
+    f = d / "model.safetensors"
+    _rewrite_header(f, lambda h: h["model.norm.weight"].pop("dtype"))
+    return f
+
+
 def append_bytes(d: Path) -> Path:
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes() + b"\0" * 16)
@@ -119,6 +140,16 @@ DAMAGE = [
     ("single", garble_header_length, "is damaged: its header says the table of tensors is 1,000,000,000,000 bytes"),
     ("single", garble_header_json, "is damaged: its header is not a JSON table of tensors"),
     ("single", append_bytes, "is damaged: 16 bytes follow its last tensor"),
+    (
+        "single",
+        widen_a_tensor,
+        "is damaged: tensor 'model.norm.weight' (F32, shape [65]) needs 260 bytes, its header gives it 256",
+    ),
+    (
+        "single",
+        drop_a_dtype,
+        "is damaged: its header is not a JSON table of tensors (",  # with safetensors' reason
+    ),
     ("single", empty_file, "is 0 bytes, too short for a safetensors file"),
     ("sharded", remove_a_shard, "does not exist: the shard is missing"),
     ("sharded", index_names_a_tensor_the_shard_lacks, "does not hold them: the index and the shards come from"),

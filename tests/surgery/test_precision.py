@@ -102,7 +102,10 @@ def test_lora_keeps_frozen_base_in_bf16_and_the_step_of_fp32_frozen_weights(tmp_
     assert {dtypes[n] for n in base} == {dtypes[n] for n in dtypes if n.endswith("embed_tokens.weight")}
     assert {dtypes[n] for n in base} == {torch.bfloat16}
     assert {dtypes[n] for n in adapters + norms} == {torch.float32}
-    assert trainer.plan.plan.terms.compute_copy_bytes < trainer.plan.plan.terms.weights_bytes / 10
+    assert (
+        trainer.plan.plan.chosen.usage.terms.compute_copy_bytes
+        < trainer.plan.plan.chosen.usage.terms.weights_bytes / 10
+    )
     got = [trainer.train_step()["loss"] for _ in range(2)]
 
     monkeypatch.setattr(flexengine.run, "apply_precision", lambda model, spec: 0)
@@ -174,4 +177,4 @@ def test_a_new_mode_composes_and_plans_from_its_spec_entry_alone(tmp_path, monke
     assert precision.precision_spec("bf16_new", "adamw_8bit").optimizer == "adamw_8bit"
     assert precision.auto_order(on_cuda=True)[-1] == "bf16_new"
     fit = plan_job(job, build_hf_config(job.model), assumed_hardware(job.hardware))
-    assert fit.precision == new and fit.plan.step_s > 0
+    assert fit.precision == new and fit.plan.chosen.time.step_s > 0

@@ -250,7 +250,7 @@ def resolve_resume(spec: str, root: Path, explicit_output_dir: bool = True) -> O
 
 def nonfinite_weights(path: Path) -> list[str]:
     """Names of the NaN/Inf tensors in a verified checkpoint's weight files; [] at once when the manifest records
-    the save-time check (a checkpoint written before that check is scanned, one file at a time)."""
+    the save-time check (one saved without it, by a direct save_checkpoint call, is scanned one file at a time)."""
     if read_manifest(path).get("finite") is True:
         return []
     files = [path / "adapter_model.safetensors"] if (path / "adapter_model.safetensors").is_file() else []
@@ -260,20 +260,13 @@ def nonfinite_weights(path: Path) -> list[str]:
     return bad
 
 
-def _saved_world_size(path: Path) -> int:
-    manifest = read_manifest(path)
-    if "world_size" in manifest:
-        return int(manifest["world_size"])
-    return 1 + sum(1 for name in manifest["files"] if RANK_FILE.match(name))  # one state file per rank > 0
-
-
 def load_checkpoint_state(path: Path) -> dict:
     """This rank's trainer state of a verified checkpoint (rank 0: trainer_state.pt, rank r: its own file), after
     checking the world size. Every rank calls it; a failure on one rank raises on all."""
     rank, world_size = global_rank(), global_world_size()
 
     def read() -> dict:
-        saved_world = _saved_world_size(path)
+        saved_world = int(read_manifest(path)["world_size"])
         if saved_world != world_size:
             raise UserError(
                 f"train.resume={path}: the checkpoint was written by {saved_world} rank(s) but this job has "

@@ -113,7 +113,7 @@ def apply_memory_policy(
     model: nn.Module, specs: Sequence[MemorySpec], max_pinned_bytes: Optional[int] = None
 ) -> list[int]:
     """Apply one MemorySpec per decoder block in place (recorded in `model.flexengine.memory`); returns the indices
-    of the blocks it changed. specs: the ones the fit chose (`FitPlan.memory_specs`), or any memory.* as
+    of the blocks it changed. specs: the ones the fit chose (`ResolvedRun.memory_specs`), or any memory.* as
     `block_memory_specs(memory, n_layers)` -- the planner's own conversion, so what runs is what was priced.
 
     max_pinned_bytes: offload's bound on pinned host memory (the plan's `offload_pinned_bound_bytes`, from the

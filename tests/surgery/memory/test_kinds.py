@@ -84,8 +84,8 @@ def test_new_kind_is_planned_like_the_kind_it_extends(new_kind):
     assert len(new) >= cfg.num_hidden_layers  # one per k at least
     for (_, *rest), row in new.items():
         block = rows[("block", *rest)]
-        assert row.total_bytes == block.total_bytes and row.step_s == block.step_s
-    assert plan.memory.granularity != new_kind.name  # ties go to the coarser shipped kind
+        assert row.usage.terms.total_bytes == block.usage.terms.total_bytes and row.time.step_s == block.time.step_s
+    assert plan.chosen.memory.granularity != new_kind.name  # ties go to the coarser shipped kind
 
 
 def _train_losses(memory: MemoryConfig, tmp_path) -> tuple[list[int], list[str], list[float]]:
