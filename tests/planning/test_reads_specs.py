@@ -184,7 +184,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "core/device_speed.py:_measurements": "torch.device.type, not a config value",
     "core/device_speed.py:_sync": "torch.device.type, not a config value",
     "core/device_speed.py:device_key": "torch.device.type, not a config value",
-    "core/device_speed.py:measure_device_speed": "torch.device.type, not a config value",
     "core/device_speed.py:release_measurement": "torch.device.type, not a config value",
     "planning/max_seq_len.py:longest_over_modes": "precision=auto: the search weighs every mode; a set mode alone",
     "planning/resolve.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
