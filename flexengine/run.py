@@ -15,6 +15,7 @@ from torch import nn
 from flexengine.core.allocator import allocator_line
 from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.core.config_record import AUTO_EPOCHS, FROM_CALLER, FROM_MODEL_PATH, RESOLVED_CONFIG_FILE, ConfigRecord
+from flexengine.core.device_speed import cache_path
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device
@@ -34,7 +35,7 @@ from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
 from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
-from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, UNKNOWN
+from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, UNKNOWN
 from flexengine.planning.fit import check_fit
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
 from flexengine.planning.resolve import (
@@ -405,6 +406,18 @@ def _step_vs_plan(report: Optional[dict]) -> str:
     return (
         f", step {report['measured_s']:.2f} s measured vs {report['planned_s']:.2f} s planned ({ratio}; planned from "
         f"{report['planned_source']}; median after the first {report['excluded_first_steps']} step(s))"
+        + _stale_speed_hint(report)
+    )
+
+
+def _stale_speed_hint(report: dict) -> str:
+    """A step beyond 2x of a plan priced with the cached device speed: the speed is measured once per device and
+    kept, so one measured while other jobs loaded a shared machine misprices every later run (seen: 0.09x)."""
+    if report["planned_source"] != MEASURED or report["ratio"] is None or 0.5 <= report["ratio"] <= 2:
+        return ""
+    return (
+        f"; far from its plan: if the device speed cached in {cache_path()} was measured under another load than "
+        "now, delete that file to measure it again"
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from flexengine.run import run_training
 from tests.helpers import DEBUG_FAST, make_job
 
@@ -159,3 +161,17 @@ def test_the_done_line_compares_no_step_with_an_unknown_speed():
     assert line == ", step 2.50 s measured (no planned time: unknown device speed)" and "planned (" not in line
     known = _step_vs_plan({**report, "planned_s": 2.0, "ratio": 1.25, "planned_source": "measured device speed"})
     assert "2.50 s measured vs 2.00 s planned (1.25x; planned from measured device speed" in known
+    assert "far from its plan" not in known
+
+
+@pytest.mark.parametrize("ratio", [0.09, 2.5])
+def test_the_done_line_names_the_speed_cache_when_a_step_is_beyond_twice_its_plan(ratio, tmp_path, monkeypatch):
+    from flexengine.core import device_speed
+    from flexengine.run import _step_vs_plan
+
+    monkeypatch.setenv(device_speed.CACHE_ENV, str(tmp_path / "speed.json"))
+    report = {"measured_s": ratio, "planned_s": 1.0, "ratio": ratio, "excluded_first_steps": 1}
+    line = _step_vs_plan({**report, "planned_source": "measured device speed"})
+    assert f"cached in {tmp_path / 'speed.json'}" in line and "delete that file" in line
+    assumed = _step_vs_plan({**report, "planned_source": "assumed MFU x datasheet peak"})
+    assert "far from its plan" not in assumed  # an assumed speed has no cache to delete
