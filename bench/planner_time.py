@@ -42,6 +42,7 @@ MODEL = [
     "model.arch.num_key_value_heads=4",
 ]
 BASE = [*MODEL, "data.seq_len=512", "train.micro_batch=1", "train.grad_accum=1", "precision=fp32", "memory=none"]
+ROUNDS = 3  # the grid measured this many times, interleaved; a point's figures are the rounds' medians
 STEPS = 5  # measured steps per point, after WARMUP: the median of 5 (3 left ~15 % between two runs of one point)
 WARMUP = 1
 
@@ -146,6 +147,16 @@ def measure(point: Point, corpora: dict[str, str], out: Path) -> dict:
     }
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One point's rounds as one row: the medians of its measured step and phases (the planned step is the same in
+    every round: one device speed per process), and each round's measured step for the spread."""
+    row = dict(rounds[0])
+    row["measured_s"] = statistics.median(r["measured_s"] for r in rounds)
+    row["measured_rounds_s"] = [r["measured_s"] for r in rounds]
+    row["phases_s"] = {p: statistics.median(r["phases_s"][p] for r in rounds) for p in row["phases_s"]}
+    return row
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (no ties expected among measured seconds)."""
 
@@ -223,9 +234,10 @@ def to_markdown(rows: list[dict], summary: dict, terms: list[dict], speed: dict,
         "",
         (
             f"`OMP_NUM_THREADS=1 python bench/planner_time.py`: {len(rows)} points, {STEPS} measured steps each "
-            f"after {WARMUP} warm-up step, {wall_s / 60:.1f} min on a shared, loaded 2-core machine. Steps and the "
-            "device speed (measured in the same process right before the grid) are both timed in this process's CPU "
-            "seconds (FLEXENGINE_SPEED_CLOCK=process), so the other jobs' load is left out of both."
+            f"after {WARMUP} warm-up step, the grid run {ROUNDS} times interleaved and each point's median round "
+            f"taken (the rounds' spread is in the table), {wall_s / 60:.1f} min on a shared 2-core machine. Steps "
+            "and the device speed (measured in the same process right before the grid) are both timed in this "
+            "process's CPU seconds (FLEXENGINE_SPEED_CLOCK=process), so the other jobs' load is left out of both."
         ),
         "",
         (
@@ -240,14 +252,15 @@ def to_markdown(rows: list[dict], summary: dict, terms: list[dict], speed: dict,
             f"{len(summary['choice_sets'])} choice sets (>= 90 %)."
         ),
         "",
-        "| point | policy | precision | backend | planned s | measured s | error |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| point | policy | precision | backend | planned s | measured s | rounds' spread | error |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         err = r["planned_s"] / r["measured_s"] - 1
+        spread = max(r["measured_rounds_s"]) / min(r["measured_rounds_s"]) - 1
         lines.append(
             f"| {r['name']} | {r['policy']} | {r['precision']} | {r['backend']} | {r['planned_s']:.3f} | "
-            f"{r['measured_s']:.3f} | {err:+.0%} |"
+            f"{r['measured_s']:.3f} | {spread:.0%} | {err:+.0%} |"
         )
     lines += [
         "",
@@ -311,11 +324,13 @@ def main() -> None:
         # the process's first run pays one-time costs its warm-up step does not absorb (allocator growth, lazy
         # imports, first kernels): measured at S=512 twice, the first point was ~12 % slower than the second
         measure(GRID[0], corpora, root / "warm-up")
-        rows = []
-        for i, point in enumerate(p for p in GRID if not args.quick or p.name in QUICK):
-            rows.append(measure(point, corpora, root / f"run{i}"))
-            r = rows[-1]
-            print(f"{r['name']:<20} planned {r['planned_s']:.3f} s, measured {r['measured_s']:.3f} s", flush=True)
+        points = [p for p in GRID if not args.quick or p.name in QUICK]
+        rounds = []
+        for k in range(ROUNDS):  # interleaved: a drift in the machine's load falls on every point alike
+            rounds.append([measure(point, corpora, root / f"round{k}-{i}") for i, point in enumerate(points)])
+            for r in rounds[-1]:
+                print(f"{k} {r['name']:<20} planned {r['planned_s']:.3f} s, measured {r['measured_s']:.3f} s")
+        rows = [combine(list(same)) for same in zip(*rounds)]
         speed = json.loads((root / "speed.json").read_text())
     wall = time.perf_counter() - start
     summary, terms = summarize(rows), term_checks(rows)
