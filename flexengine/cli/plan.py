@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.cli.first_contact import format_params
+from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, max_seq_len_png
 from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import FROM_MODEL_PATH, ConfigRecord
 from flexengine.core.errors import UserError
@@ -45,7 +46,7 @@ class PlanOptions:
     format: str = "table"  # table | json | resolved (the config a run of these overrides would record, each value
     # with its source: resolved_config.yaml without training)
     max_seq_len: bool = False  # instead: the longest data.seq_len that fits per policy, its step time, and a PNG
-    png: str = "plan_max_seq_len.png"  # where plan.max_seq_len=true draws memory vs seq_len per policy
+    png: Optional[str] = DEFAULT_PNG  # where plan.max_seq_len=true draws memory vs seq_len per policy; null: none
     cp: Optional[int] = None  # context-parallel degree to plan for (hardware.world_size ranks, cp of them share
     # each row); None = the job's parallel.cp
     candidates: bool = False  # plan.format=json: also every candidate the search weighed (~380 KB at 7B)
@@ -412,9 +413,7 @@ def main(cfg: DictConfig) -> None:
             return
         job = plan_job_config(cfg)
         if cfg.plan.max_seq_len:
-            from flexengine.cli.plan_max_seq_len import build_max_seq_len, format_max_seq_len
-
-            report = build_max_seq_len(job, Path(cfg.plan.png) if cfg.plan.png else None)
+            report = build_max_seq_len(job, max_seq_len_png(cfg.plan.png))
             print(json.dumps(report, indent=1) if fmt == "json" else format_max_seq_len(report))
             return
         plan, hours, rows = plan_report(job, cfg.plan, has_documents="data.source" not in plan_only)

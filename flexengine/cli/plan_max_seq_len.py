@@ -6,6 +6,7 @@ with memory-vs-length curves as a PNG.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,26 @@ def step_time_footer(rows: list[dict]) -> list[str]:
     if UNKNOWN in sources:
         lines.append(f"step time n/a: {NO_SPEED}")
     return lines
+
+
+DEFAULT_PNG = "plan_max_seq_len.png"
+
+
+def max_seq_len_png(png: Optional[str]) -> Optional[Path]:
+    """Where to draw the memory plot, checked before the search: a path the user gave stops now without matplotlib
+    (not after minutes of searching); the default picture is left out with a note, and the table still prints."""
+    from flexengine.core.extras import install_command, installed, require
+
+    if not png:
+        return None
+    if png == DEFAULT_PNG and not installed("matplotlib"):
+        print(
+            f"plan.png: the memory plot is left out (matplotlib is not installed: {install_command('matplotlib')})",
+            file=sys.stderr,
+        )
+        return None
+    require("matplotlib", f"plan.png={png} (the memory plot)", "plan.png=null for the table alone")
+    return Path(png)
 
 
 def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:

@@ -69,10 +69,18 @@ def _damage(file: Path, reason: str) -> str:
         raw = f.read(length)
     if "JSON" in reason or "UTF-8" in reason:
         return f"is damaged: its header is not a JSON table of tensors ({reason})"
-    try:  # safetensors parsed the header: every entry has its dtype, shape and byte range
-        entries = {name: e for name, e in json.loads(raw).items() if name != "__metadata__"}
+    try:
+        header = json.loads(raw)
     except ValueError:  # a header too large for safetensors to read, unreadable here too
         return f"is damaged: safetensors refuses it ({reason})"
+    try:  # safetensors' older releases say only "InvalidHeaderDeserialization": a malformed entry lands here too
+        return _sizes_damage({name: e for name, e in header.items() if name != "__metadata__"}, size, length, reason)
+    except (KeyError, TypeError, AttributeError, ValueError):  # not a table of {dtype, shape, data_offsets}
+        return f"is damaged: its header is not a JSON table of tensors ({reason})"
+
+
+def _sizes_damage(entries: dict, size: int, length: int, reason: str) -> str:
+    """Which tensor's bytes disagree with its shape, or whether the data after the header is cut short or overlong."""
     for name, e in entries.items():
         width, (begin, end) = DTYPE_BYTES.get(e["dtype"]), e["data_offsets"]
         if width is not None and end - begin != math.prod(e["shape"]) * width:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from flexengine.cli.common import compose_job
 from flexengine.cli.plan_max_seq_len import (
     build_max_seq_len,
@@ -58,3 +60,29 @@ def test_the_footer_names_each_source_the_rows_were_timed_from():
     assert step_time_footer(rows[:1]) == [step_time_footer(rows)[1]]  # measured alone: no assumed MFU named
     assert "100s" in format_longest_over_modes(rows) and "n/a" not in format_longest_over_modes(rows)
     assert "n/a" in format_longest_over_modes([{**rows[0], "time_source": UNKNOWN}])
+
+
+def test_the_default_picture_without_matplotlib_is_left_out_with_a_note_and_a_given_path_stops_before_searching(
+    monkeypatch, capsys, tmp_path
+):
+    from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, max_seq_len_png
+    from flexengine.core.errors import UserError
+    from tests.helpers import hide_package
+
+    assert max_seq_len_png(None) is None and max_seq_len_png("") is None  # plan.png=null: no picture
+    assert max_seq_len_png(str(tmp_path / "m.png")) == tmp_path / "m.png"
+    hide_package(monkeypatch, "matplotlib")
+    assert max_seq_len_png(DEFAULT_PNG) is None
+    assert "pip install 'flexengine[plots]'" in capsys.readouterr().err  # stderr: plan.format=json stays JSON
+    with pytest.raises(UserError, match=r"plan\.png=.*m\.png .*flexengine\[plots\].*plan\.png=null"):
+        max_seq_len_png(str(tmp_path / "m.png"))
+
+
+def test_plan_png_null_composes():
+    from omegaconf import OmegaConf
+
+    from flexengine.cli.plan import PlanOptions
+
+    # the schema Hydra merges overrides into: a non-Optional field refuses null ("field 'plan.png' is not Optional")
+    merged = OmegaConf.merge(OmegaConf.structured(PlanOptions), OmegaConf.from_dotlist(["png=null"]))
+    assert merged.png is None

@@ -304,3 +304,25 @@ def test_an_index_naming_shards_outside_the_model_directory_is_refused(copy_of, 
     index.write_text(json.dumps(data))
     with pytest.raises(UserError, match=rf"{index} names shard files outside {d} \({name!r}"):
         stored_tensors(d)
+
+
+def header_is_a_list(d: Path) -> Path:
+    f = d / "model.safetensors"
+    raw = b'["not", "a", "table"]'
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return f
+
+
+@pytest.mark.parametrize("damage", [drop_a_dtype, header_is_a_list])
+def test_an_older_safetensors_that_only_says_invalid_header_still_gets_one_clear_message(copy_of, damage, monkeypatch):
+    """safetensors 0.4's refusal names no JSON: the header's own shape must not raise KeyError or AttributeError."""
+    from flexengine.surgery import model_files
+
+    def old_safe_open(*args, **kwargs):
+        raise model_files.SafetensorError("Error while deserializing header: InvalidHeaderDeserialization")
+
+    directory = copy_of("single")
+    damage(directory)
+    monkeypatch.setattr(model_files, "safe_open", old_safe_open)
+    with pytest.raises(UserError, match="is damaged: its header is not a JSON table of tensors"):
+        stored_tensors(directory)
