@@ -35,6 +35,7 @@ from tests.helpers import run_entry_point
 
 CONF = conf_dir()
 SHRUNK_HIDDEN, SHRUNK_INTERMEDIATE, SHRUNK_HEADS, SEQ_LEN, WINDOW = 32, 64, 2, 256, 64
+LOSS_CHUNK = 64  # a row's 255 predicting positions in four chunks: the chunked (or fused) loss, not one piece
 
 
 def _group_options(group: str) -> List[str]:
@@ -50,6 +51,7 @@ DIMENSIONS: Dict[str, List[str]] = {
     "attn.backend": list(ATTN_BACKENDS),
     "data.format": list(DATA_FORMATS),
     "model": _group_options("model"),
+    "loss.fused": ["false", "true"],  # with every row's loss in chunks (LOSS_CHUNK): fused or re-run in backward
 }
 
 Pair = Tuple[Tuple[str, str], Tuple[str, str]]
@@ -112,6 +114,7 @@ def test_dimensions_come_from_conf_and_the_schema():
     assert {"auto", "fp32", "bf16_mixed", "bf16_sr", "bf16_cpu_master", "bf16_pure"} <= set(DIMENSIONS["precision"])
     assert {"none", "full", "selective", "offload", "auto"} <= set(DIMENSIONS["memory"])
     assert {"deepseek7b", "tiny"} <= set(DIMENSIONS["model"]) and "varlen" in DIMENSIONS["attn.backend"]
+    assert DIMENSIONS["loss.fused"] == ["false", "true"]
 
 
 # --- the runs -----------------------------------------------------------------------------------------------
@@ -160,6 +163,7 @@ def _overrides(row: Dict[str, str], data: Path, tokenizer: Path, run_dir: Path) 
         f"data.format={row['data.format']}",  # after data=jsonl, which would reset it
         "data.num_workers=0",
         f"data.seq_len={SEQ_LEN}",
+        f"loss.chunk_size={LOSS_CHUNK}",
         "train.max_steps=2",
         "train.micro_batch=1",
         "train.grad_accum=2",  # accumulation exercised: two micro-batches per step
