@@ -459,8 +459,8 @@ MIRROR_EXEMPT = {
     "loop/checkpoint/__init__.py": "docstring only (the checkpoint layout on disk)",
     "planning/__init__.py": "docstring only",
     "surgery/__init__.py": "docstring only",
-    # `python -m flexengine.<command>` shims, one import and a call each: tests/cli/test_init.py checks what each
-    # imports first, and the command-line tests run them (python -m flexengine.train, .stats, .plan, ...)
+    # `python -m flexengine.<command>` shims, one import and a call each: tests/integration/cli/test_init.py checks
+    # what each imports first, and the command-line tests run them (python -m flexengine.train, .stats, .plan, ...)
     "doctor.py": "python -m shim for cli/doctor.py",
     "plan.py": "python -m shim for cli/plan.py",
     "stats.py": "python -m shim for cli/stats.py",

@@ -1,5 +1,5 @@
 """The numbers behind `flexengine-stats` (flexengine/data/stats.py): percentiles, per-strategy costs, context
-coverage. The command itself is tested in tests/cli/test_stats.py."""
+coverage. The command itself is tested in tests/integration/cli/test_stats.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from flexengine.cli.common import compose_config, compose_job, to_job_config
 from flexengine.core.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess:

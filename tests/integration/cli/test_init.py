@@ -16,7 +16,7 @@ import tomllib
 
 from flexengine.core.allocator import ALLOC_CONF_NAMES, DEFAULT_MARK
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHIMS = ("train", "plan", "doctor", "stats", "sweep")
 
 

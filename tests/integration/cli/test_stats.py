@@ -14,7 +14,7 @@ import numpy as np
 from flexengine.data.demo import load_demo_tokenizer
 from tests.helpers import hide_package
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _env() -> dict:
