@@ -276,9 +276,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
     train.epochs, the attention backend)."""
     record = record if record is not None else ConfigRecord(job, FROM_CALLER)
-    resolve_attention_rules(
-        job.attn, job.data, job.model
-    )  # a hand-built JobConfig too (the CLI applied them at composition)
+    resolve_attention_rules(job.attn, job.data, job.model)  # a hand-built job too (the CLI applied them already)
     torch.manual_seed(job.train.seed)
     check_granularity(job.memory.granularity)  # a hand-built JobConfig too (the CLI checked it at composition)
     device = resolve_device(job.hardware.device)

@@ -214,14 +214,14 @@ def choose_row_length(
 ) -> RowLengthChoice:
     """data.seq_len=auto: every candidate weighed, the fastest eligible one that keeps documents whole taken (else
     the longest eligible one: the fewest documents split); limits: the model's context_limits. UserError: none fits."""
-    lengths, describe, long = documents.lengths, documents.describe, long_context
+    lengths, describe = documents.lengths, documents.describe
     if len(lengths) == 0:
         raise UserError("data.seq_len=auto chooses from the documents' lengths, and there are no documents.")
-    block, ranks = CP_BLOCK_SIZE * cp, hardware.world_size // cp
+    block, dp = CP_BLOCK_SIZE * cp, hardware.world_size // cp  # dp: the ranks that split the rows
 
     def weigh(lengths_to_try: Sequence[int]) -> tuple[RowOption, ...]:
         return tuple(
-            weigh_row_length(plan_at, n, documents, attention, limits, cp=cp, data_ranks=ranks, long_context=long)
+            weigh_row_length(plan_at, n, documents, attention, limits, cp=cp, data_ranks=dp, long_context=long_context)
             for n in lengths_to_try
         )
 
