@@ -90,7 +90,7 @@ def readme_fit(grad_accum: int, cli: bool = False):
     `cli`, through the planner CLI's own function (its JSON adds the 8-GPU and context reports)."""
     from flexengine.cli.common import compose_job
     from flexengine.cli.plan import build_plan
-    from flexengine.planning.resolve import resolve_planned
+    from flexengine.resolve import resolve_planned
 
     run = resolve_planned(compose_job(readme_overrides(grad_accum)))
     return build_plan(run).fit if cli else run.fit
@@ -174,7 +174,7 @@ def expected_h200(fit, job_overrides: list[str]) -> dict:
     """The planner's step time for the same choices on an H200 (its peak and HBM; PCIe as the A100 plan assumed,
     and at PCIe 5.0's 50 GB/s), against the A100 plan's, with the pure compute and bandwidth ratios."""
     from flexengine.cli.common import compose_job
-    from flexengine.planning.resolve import resolve_planned
+    from flexengine.resolve import resolve_planned
 
     steps = {}
     for pcie in (fit.hardware.pcie_gb_s, 50.0):
@@ -342,7 +342,7 @@ def problems_of(run: dict, memory: dict, offload: dict | None = None) -> list[st
 def replans_the_same(pinned: list[str], fit) -> dict:
     """The run path's planner on the pinned job (explicit choices, no search), without a card: the same step?"""
     from flexengine.cli.common import compose_job
-    from flexengine.planning.resolve import resolve_planned
+    from flexengine.resolve import resolve_planned
 
     again = resolve_planned(compose_job(pinned)).fit
     same = (

@@ -115,7 +115,7 @@ def job_overrides() -> dict[str, list[str]]:
 def plan_for_gpu(overrides: list[str]) -> dict:
     """The planner's verdict for a GPU job, computed here (no device needed): what the GPU numbers face."""
     from flexengine.cli.common import compose_job
-    from flexengine.planning.resolve import resolve
+    from flexengine.resolve import resolve
     from flexengine.surgery.model import build_hf_config
 
     job = compose_job(overrides)

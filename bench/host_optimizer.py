@@ -34,8 +34,8 @@ from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import HOST_STEP_NS_PER_PARAM, host_optimizer_bytes, host_optimizer_seconds
-from flexengine.planning.resolve import resolve
 from flexengine.planning.shapes import ModelShape
+from flexengine.resolve import resolve
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
 

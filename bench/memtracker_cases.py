@@ -8,11 +8,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from flexengine.cli.common import compose_job
 from flexengine.core.config import MemoryConfig
+from flexengine.planning.fit import plan_specs  # fit.py imported it from specs.py in older revisions: both have it
 from flexengine.planning.planner import evaluate, spread_layers
 from flexengine.planning.shapes import ModelShape
-from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+from flexengine.planning.specs import plan_inputs
+from flexengine.surgery.attention.spec import resolve_attention_spec
 from flexengine.surgery.model import build_hf_config
 from flexengine.surgery.precision import precision_spec
 
@@ -102,7 +106,9 @@ def planner_step(case: Case) -> dict:
     spec = precision_spec(job.precision.mode)
     hf_config = build_hf_config(job.model)
     m = ModelShape.from_hf_config(hf_config)
-    specs = plan_specs(job, hf_config, planned_attention(job, hf_config, job.hardware))
+    device = torch.device("cuda" if job.hardware.on_cuda else "cpu")  # as the plan resolves attn.* for its card
+    attention = resolve_attention_spec(job.attn, hf_config, device=device)
+    specs = plan_specs(job, hf_config, attention)
     row = evaluate(m, plan_inputs(specs, job.hardware, spec, on_cuda=True), case.memory)
     by_name = row.usage.terms.to_json()
     terms = {part: sum(by_name.get(key, 0) for key in keys) for part, keys in PLANNER_TERMS.items()}

@@ -38,8 +38,8 @@ from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, UNKNOWN
 from flexengine.planning.fit import check_fit
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
-from flexengine.planning.resolve import (
-    Documents,
+from flexengine.planning.row_length import Documents, format_row_length
+from flexengine.resolve import (
     ResolvedRun,
     check_checkpoint_rope,
     record_attention_backend,
@@ -47,7 +47,6 @@ from flexengine.planning.resolve import (
     resolve,
     resolve_target_hardware,
 )
-from flexengine.planning.row_length import format_row_length
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
@@ -277,7 +276,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
     composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
     train.epochs, the attention backend)."""
     record = record if record is not None else ConfigRecord(job, FROM_CALLER)
-    resolve_attention_rules(job)  # a hand-built JobConfig too (the CLI applied them at composition)
+    resolve_attention_rules(job.attn, job.data, job.model)  # a hand-built job too (the CLI applied them already)
     torch.manual_seed(job.train.seed)
     check_granularity(job.memory.granularity)  # a hand-built JobConfig too (the CLI checked it at composition)
     device = resolve_device(job.hardware.device)

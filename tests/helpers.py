@@ -312,11 +312,12 @@ def random_row_loader(micro_batch: int, seq_len: int = 64, n_docs: int = 60):
 def plan_inputs_of(job: JobConfig, hardware, precision, on_cuda=None, hf_config=None):
     """PlanInputs of a whole job as the plan command builds them: attn.* resolved for the hardware's device, the
     job's resolved specs (flexengine.planning.specs), under a PrecisionSpec. hf_config: None = the job's model."""
-    from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+    from flexengine.planning.fit import plan_specs
+    from flexengine.planning.specs import plan_inputs, planned_attention
     from flexengine.surgery.model import build_hf_config
 
     hf_config = hf_config if hf_config is not None else build_hf_config(job.model)
-    specs = plan_specs(job, hf_config, planned_attention(job, hf_config, hardware))
+    specs = plan_specs(job, hf_config, planned_attention(job.attn, hf_config, hardware))
     return plan_inputs(specs, hardware, precision, on_cuda)
 
 

@@ -200,6 +200,7 @@ LAYER_OF_TOP_LEVEL = {
     "flexengine.sweep": "cli",
     "flexengine.stats": "cli",
     "flexengine.run": "run",
+    "flexengine.resolve": "run",  # the one resolution sequence, beside the composition root that runs it
 }
 ALLOWED = {
     "cli": {"cli", "run", "loop", "surgery", "planning", "data", "core"},
@@ -261,6 +262,68 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     assert forbidden_arrows(renamed) == ["flexengine.data.loader (data) -> flexengine.loop.loss (loop)"]
     with pytest.raises(AssertionError, match="sits in no layer"):
         layer_of("flexengine.misc.helper")
+
+
+# The job stops at the composition root (run.py, resolve.py, cli/): below it a module takes its own config sections,
+# specs and plain values, never the whole JobConfig. planning/fit.py alone reads one: the fit plans a job's variants.
+BELOW_THE_ROOT = ("loop", "surgery", "planning", "data")
+JOB_READERS = {"planning/fit.py"}
+# Still handed the job until the loop/data branch (components built from their own sections, Trainer(run,
+# components)) is merged: empty this set then, and the test keeps them out for good.
+_LOOP_FILES_PENDING = {
+    "data/build.py",
+    "loop/checkpointer.py",
+    "loop/components.py",
+    "loop/forward.py",
+    "loop/progress.py",
+    "loop/trainer.py",
+}
+
+
+def job_importers(package: Path) -> list[str]:
+    """Modules under BELOW_THE_ROOT, but JOB_READERS, that import JobConfig or reach it as an attribute
+    (`config.JobConfig`), anywhere in their source (a lazy or TYPE_CHECKING import is an import too)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.split("/")[0] not in BELOW_THE_ROOT or rel in JOB_READERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            imported = isinstance(node, ast.ImportFrom) and any(a.name == "JobConfig" for a in node.names)
+            if imported or (isinstance(node, ast.Attribute) and node.attr == "JobConfig"):
+                found.append(rel)
+                break
+    return found
+
+
+def test_no_module_below_the_root_imports_the_job():
+    found = set(job_importers(PACKAGE))
+    assert not _LOOP_FILES_PENDING - found, (
+        f"no longer import JobConfig (remove them from _LOOP_FILES_PENDING): {sorted(_LOOP_FILES_PENDING - found)}"
+    )
+    assert found <= _LOOP_FILES_PENDING, (
+        "modules below the composition root that import JobConfig: take the config sections (AttnConfig, "
+        "DataConfig, ...), specs or plain values they read, or a callable built in flexengine/resolve.py:\n"
+        + "\n".join(sorted(found - _LOOP_FILES_PENDING))
+    )
+
+
+def test_job_check_sees_imports_and_attributes_below_the_root_only(tmp_path):
+    job = "from pkg.core.config import JobConfig\n"
+    package = _write_package(
+        tmp_path,
+        {
+            "run.py": job,
+            "resolve.py": job,
+            "cli/plan.py": job,
+            "planning/fit.py": job,  # the one reader below the root
+            "planning/costs.py": "from pkg.core.config import HardwareConfig\n",
+            "loop/trainer.py": f"def f():\n    {job}",  # lazily
+            "surgery/lora.py": "from pkg.core import config\n\n\ndef f(job: config.JobConfig) -> None:\n    pass\n",
+            "data/build.py": f"from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    {job}",
+        },
+    )
+    assert job_importers(package) == ["data/build.py", "loop/trainer.py", "surgery/lora.py"]
 
 
 MAX_FILE_LINES = 500  # small rooms: a file a reader holds in mind at once

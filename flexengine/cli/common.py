@@ -93,7 +93,7 @@ def to_job_record(
     for key, (winner, file) in overruled.items():
         where = FROM_COMMAND_LINE if file is None else from_config_file(file)
         record.set(key, None, f"{where} ({winner} {'typed' if file is None else 'set'} there excludes it)")
-    resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
+    resolve_attention_rules(job.attn, job.data, job.model)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
     job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))
     record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")

@@ -32,10 +32,10 @@ if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that 
     from flexengine.planning.corpus_time import Corpus
     from flexengine.planning.fit import FitPlan
     from flexengine.planning.plan import Plan
-    from flexengine.planning.resolve import Documents, ResolvedRun
-    from flexengine.planning.row_length import RowLengthChoice
+    from flexengine.planning.row_length import Documents, RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.planning.work import WorkPerToken
+    from flexengine.resolve import ResolvedRun
     from flexengine.surgery.attention.spec import AttentionSpec
 
 
@@ -164,8 +164,8 @@ def context_report(job: JobConfig, hf_config) -> dict:
 def build_plan(run: ResolvedRun) -> PlanReport:
     """The plan of a resolved job (architecture only; named hardware is not probed), and on a GPU with fewer than 8
     ranks the same job on a node of 8."""
-    from flexengine.planning.resolve import resolve
     from flexengine.planning.shapes import ModelShape
+    from flexengine.resolve import resolve
 
     job, hardware, node = run.planned, run.hardware, None
     if not hardware.on_cpu and hardware.world_size < 8:  # what a full node changes
@@ -291,13 +291,12 @@ class CorpusPairs:
 def plan_report(
     job: JobConfig, options: PlanOptions, has_documents: bool = True
 ) -> tuple[PlanReport, Optional[dict], Optional[RowLengthChoice]]:
-    """The plan of `job` resolved on its hardware (planning/resolve), the work per useful token; with plan.epochs /
+    """The plan of `job` resolved on its hardware (flexengine.resolve), the work per useful token; with plan.epochs /
     plan.tokens / plan.documents the corpus in packed rows and its hours for the plan and the alternatives
-    (flexengine.planning.corpus_time) as {"corpus": ..., "alternatives": [...]}, whose rows also give the attended
+    (flexengine.cli.plan_corpus) as {"corpus": ..., "alternatives": [...]}, whose rows also give the attended
     pairs their masks allow (else each layer's mask over one whole-row document); and data.seq_len=auto's choice."""
-    from flexengine.cli.plan_corpus import wants_corpus_time
-    from flexengine.planning.corpus_time import corpus_hours
-    from flexengine.planning.resolve import resolve_planned
+    from flexengine.cli.plan_corpus import corpus_hours, wants_corpus_time
+    from flexengine.resolve import resolve_planned
 
     corpus = CorpusPairs(options) if wants_corpus_time(options) else None
     run = resolve_planned(job, plan_documents(job, options, has_documents), pairs=corpus)
@@ -335,7 +334,7 @@ def plan_documents(job: JobConfig, options: PlanOptions, has_documents: bool = T
     both choose the same length."""
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.data.packing import packer
-    from flexengine.planning.resolve import Documents
+    from flexengine.planning.row_length import Documents
 
     if job.data.fixed_seq_len is not None:
         return None
@@ -375,7 +374,7 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
     the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
     as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
-    from flexengine.planning.resolve import record_attention_backend, record_resolution, resolve_planned
+    from flexengine.resolve import record_attention_backend, record_resolution, resolve_planned
     from flexengine.surgery.model_files import architecture_of
 
     job, record = to_job_record(cfg)

@@ -10,14 +10,61 @@ The rows come from, in this order of preference:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
 import numpy as np
 
-from flexengine.core.config import JobConfig
+from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.core.errors import UserError
-from flexengine.planning.corpus_time import Corpus
+from flexengine.planning.corpus_time import Corpus, corpus_row
+from flexengine.planning.shapes import AttendedPairs
+from flexengine.resolve import resolve, with_lora_rank
+from flexengine.surgery.attention.spec import AttentionSpec
+
+LORA_RANK = 16  # the LoRA alternative's rank when the job has none (a common choice for 7B fine-tunes)
+NODE = 8  # the other card count weighed when the job plans one card: a node of them
+
+
+def corpus_hours(
+    job: JobConfig,
+    hf_config,
+    hardware: HardwareConfig,
+    corpus: Corpus,
+    *,
+    attention: Optional[AttentionSpec] = None,
+    pairs: Optional[AttendedPairs] = None,
+) -> list[dict]:
+    """One row per alternative: the job as planned, then full fine-tune vs LoRA on 1 and NODE cards (each planned
+    for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours.
+    attention, pairs: as `resolve` takes them (the corpus's packed rows' attended pairs, when known)."""
+    rows = []
+    for label, variant, hw in _alternatives(job, hardware):
+        fit = resolve(variant, hf_config, hw, attention=attention, pairs=pairs).fit
+        cp, r = variant.parallel.cp, variant.model.lora.r
+        rows.append(corpus_row(label, fit, corpus, world_size=hw.world_size, cp=cp, lora_r=r))
+    return rows
+
+
+def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, JobConfig, HardwareConfig]]:
+    """(label, job, hardware): the job as configured first, then each of full / LoRA x 1 / NODE cards it is not.
+    On more cards the accumulation shrinks so the rows per optimizer step stay the job's where they divide (the
+    same optimization, done faster), as one would rerun it."""
+    lora_r = job.model.lora.r or LORA_RANK
+    counts = sorted({hardware.world_size, 1, NODE}) if hardware.on_cuda else [hardware.world_size]
+    out = [("as configured", job, hardware)]
+    for r in (0, lora_r):
+        for n in counts:
+            if (r, n) == (job.model.lora.r, hardware.world_size):
+                continue
+            accum = max(1, round(job.train.grad_accum * hardware.world_size / n))
+            variant = with_lora_rank(job, r)
+            variant = dataclasses.replace(variant, train=dataclasses.replace(job.train, grad_accum=accum))
+            unit = "GPU" if hardware.on_cuda else "CPU"  # the device the rows are planned for, never "GPU" on CPU
+            label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} {unit}{'s' if n > 1 else ''}"
+            out.append((label, variant, dataclasses.replace(hardware, world_size=n)))
+    return out
 
 
 def wants_corpus_time(options: Any) -> bool:

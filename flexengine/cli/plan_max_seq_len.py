@@ -70,16 +70,16 @@ def max_seq_len_png(png: Optional[str]) -> Optional[Path]:
 
 def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
     """plan.max_seq_len=true: per policy the longest seq_len that fits, its step time; memory curves (+ PNG)."""
+    from flexengine.cli.plan_corpus import LORA_RANK
     from flexengine.planning.budget import device_budget
-    from flexengine.planning.corpus_time import LORA_RANK
     from flexengine.planning.max_seq_len import (
         longest_over_modes,
         max_seq_len_table,
         memory_curves,
         plot_memory_vs_seq_len,
     )
-    from flexengine.planning.resolve import resolve_planned
     from flexengine.planning.specs import whole_row_pairs
+    from flexengine.resolve import resolve_planned, with_lora_rank
     from flexengine.surgery.rope import context_limits
 
     # auto: no documents, so the policy table's precision is the fit's at the supported context
@@ -94,7 +94,8 @@ def build_max_seq_len(job: JobConfig, png: Optional[Path]) -> dict:
 
     rows = max_seq_len_table(hf_config, x, tiled, pairs_at=pairs_at)
     ranks = sorted({0, job.model.lora.r or LORA_RANK})  # full fine-tuning and LoRA, whichever the job is
-    modes = longest_over_modes(job, hf_config, hardware, attention, lora_ranks=ranks, pairs_at=pairs_at)
+    specs = {r: run.specs(with_lora_rank(job, r)) for r in ranks}
+    modes = longest_over_modes(specs, hf_config, hardware, job.precision, job.optim, tiled_mlp=tiled, pairs_at=pairs_at)
     longest = max((r["max_seq_len"] for r in rows), default=0)
     lengths = [2**k for k in range(10, max(11, (2 * max(longest, 1024) - 1).bit_length()))]
     curves = memory_curves(hf_config, x, lengths, tiled, pairs_at=pairs_at)

@@ -141,8 +141,8 @@ def build_data(
     if job.data.packing == "auto":
         raise UserError(
             "data.packing=auto is decided by attn.mode (bfd when the mode packs documents, else none): resolve the "
-            "job first (flexengine.surgery.attention.job_rules.resolve_attention_rules(job); a job composed by the "
-            "CLI or cli.common.compose_job already is), or set data.packing."
+            "job first (flexengine.surgery.attention.job_rules.resolve_attention_rules(job.attn, job.data, job.model); "
+            "a job composed by the CLI or cli.common.compose_job already is), or set data.packing."
         )
     corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(job, tokenizer, dist_info)
     plan = _plan_training_rows(corpus, train_docs, job.data)

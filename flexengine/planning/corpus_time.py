@@ -12,19 +12,11 @@ counted, not assumed away. `flexengine-doctor` measures the epoch from real step
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
 
-from flexengine.core.config import HardwareConfig, JobConfig
 from flexengine.planning.costs import NO_SPEED, UNKNOWN
-from flexengine.planning.resolve import resolve
-from flexengine.planning.shapes import AttendedPairs
-from flexengine.surgery.attention.spec import AttentionSpec
-
-LORA_RANK = 16  # the LoRA alternative's rank when the job has none (a common choice for 7B fine-tunes)
-NODE = 8  # the other card count weighed when the job plans one card: a node of them
+from flexengine.planning.fit import FitPlan
 
 
 @dataclass(frozen=True)
@@ -38,68 +30,30 @@ class Corpus:
     describe: str = ""  # where the numbers come from (the data, or the lengths assumed)
 
 
-def corpus_hours(
-    job: JobConfig,
-    hf_config,
-    hardware: HardwareConfig,
-    corpus: Corpus,
-    *,
-    attention: Optional[AttentionSpec] = None,
-    pairs: Optional[AttendedPairs] = None,
-) -> list[dict]:
-    """One row per alternative: the job as planned, then full fine-tune vs LoRA on 1 and NODE cards (each planned
-    for its precision, memory policy and micro-batch), with steps, step time, useful tokens/s and hours.
-    attention, pairs: as `resolve` takes them (the corpus's packed rows' attended pairs, when known)."""
-    rows = []
-    for label, variant, hw in _alternatives(job, hardware):
-        fit = resolve(variant, hf_config, hw, attention=attention, pairs=pairs).fit
-        data_ranks = max(1, hw.world_size // variant.parallel.cp)
-        rows_per_step = fit.plan.chosen.micro_batch * fit.plan.chosen.grad_accum * data_ranks
-        steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
-        known = fit.plan.chosen.time.source != UNKNOWN  # an unknown speed ranks policies, but is no time
-        seconds = steps * fit.plan.chosen.time.step_s if known else None
-        rows.append(
-            {
-                "label": label,
-                "world_size": hw.world_size,
-                "lora_r": variant.model.lora.r,
-                "fits": fit.plan.chosen.usage.fits,
-                "precision": fit.precision.name,
-                "policy": fit.plan.chosen.label,
-                "micro_batch": fit.plan.chosen.micro_batch,
-                "grad_accum": fit.plan.chosen.grad_accum,
-                "rows_per_step": rows_per_step,
-                "steps": steps,
-                "step_s": fit.plan.chosen.time.step_s if known else None,
-                "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
-                "hours": seconds / 3600 if seconds is not None else None,
-                "time_source": fit.plan.chosen.time.source,
-            }
-        )
-    return rows
-
-
-def _alternatives(job: JobConfig, hardware: HardwareConfig) -> list[tuple[str, JobConfig, HardwareConfig]]:
-    """(label, job, hardware): the job as configured first, then each of full / LoRA x 1 / NODE cards it is not.
-    On more cards the accumulation shrinks so the rows per optimizer step stay the job's where they divide (the
-    same optimization, done faster), as one would rerun it."""
-    lora_r = job.model.lora.r or LORA_RANK
-    counts = sorted({hardware.world_size, 1, NODE}) if hardware.on_cuda else [hardware.world_size]
-    out = [("as configured", job, hardware)]
-    for r in (0, lora_r):
-        for n in counts:
-            if (r, n) == (job.model.lora.r, hardware.world_size):
-                continue
-            accum = max(1, round(job.train.grad_accum * hardware.world_size / n))
-            variant = dataclasses.replace(
-                job,
-                model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r)),
-                train=dataclasses.replace(job.train, grad_accum=accum),
-            )
-            unit = "GPU" if hardware.on_cuda else "CPU"  # the device the rows are planned for, never "GPU" on CPU
-            label = f"{'LoRA r=' + str(r) if r else 'full fine-tune'}, {n} {unit}{'s' if n > 1 else ''}"
-            out.append((label, variant, dataclasses.replace(hardware, world_size=n)))
-    return out
+def corpus_row(label: str, fit: FitPlan, corpus: Corpus, *, world_size: int, cp: int, lora_r: int) -> dict:
+    """One alternative's row (cli/plan_corpus.corpus_hours plans each): its fit on `world_size` devices (cp of them
+    share a row), with steps, step time, useful tokens/s and hours over the corpus."""
+    best = fit.plan.chosen
+    rows_per_step = best.micro_batch * best.grad_accum * max(1, world_size // cp)
+    steps = math.ceil(corpus.rows * corpus.epochs / rows_per_step)
+    known = best.time.source != UNKNOWN  # an unknown speed ranks policies, but is no time
+    seconds = steps * best.time.step_s if known else None
+    return {
+        "label": label,
+        "world_size": world_size,
+        "lora_r": lora_r,
+        "fits": best.usage.fits,
+        "precision": fit.precision.name,
+        "policy": best.label,
+        "micro_batch": best.micro_batch,
+        "grad_accum": best.grad_accum,
+        "rows_per_step": rows_per_step,
+        "steps": steps,
+        "step_s": best.time.step_s if known else None,
+        "useful_tokens_per_s": corpus.useful_tokens * corpus.epochs / seconds if seconds else None,
+        "hours": seconds / 3600 if seconds is not None else None,
+        "time_source": best.time.source,
+    }
 
 
 def format_corpus_hours(rows: list[dict], corpus: Corpus, hardware_name: str) -> str:

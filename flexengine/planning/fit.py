@@ -17,14 +17,15 @@ from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
-from flexengine.core.parallel_spec import ReduceEvery
+from flexengine.core.parallel_spec import ReduceEvery, resolve_parallel
 from flexengine.core.units import GiB
 from flexengine.planning.costs import UNKNOWN
 from flexengine.planning.plan import Candidate, Plan
 from flexengine.planning.planner import candidate_family, k_table, offloads, plan_memory
-from flexengine.planning.shapes import AttendedPairs
-from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+from flexengine.planning.shapes import AttendedPairs, ModelShape
+from flexengine.planning.specs import PlanSpecs, plan_inputs, planned_attention, whole_row_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
+from flexengine.surgery.family import resolve_family
 from flexengine.surgery.precision import (
     PrecisionSpec,
     auto_order,
@@ -83,7 +84,7 @@ def plan_job(
     attention: the AttentionSpec the caller resolved (None: attn.* resolved for `hardware`'s device); pairs: the
     attended-pair count of the corpus's packed rows (None: each layer's mask over one whole-row document)."""
     on_cuda = hardware.on_cuda
-    attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
+    attention = attention if attention is not None else planned_attention(job.attn, hf_config, hardware)
     specs = plan_specs(job, hf_config, attention, pairs)
     modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
     search_mb = job.memory.policy == "auto"
@@ -114,6 +115,28 @@ def plan_job(
     chosen = choose_precision(table, timed=timed)
     spec, plan = plans[chosen]
     return FitPlan(hardware, spec, plan, with_verdicts(table, chosen, timed=timed))
+
+
+def plan_specs(job: JobConfig, hf_config, attention: AttentionSpec, pairs: Optional[AttendedPairs] = None) -> PlanSpecs:
+    """The PlanSpecs of a job on its model, with the AttentionSpec the composition root resolved; pairs: a known
+    corpus's packed rows' count (None: each layer's mask over one whole-row document, `whole_row_pairs`)."""
+    lora = job.model.lora
+    fraction = None
+    if lora.r > 0:  # only adapters have grads and optimizer states
+        shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
+        fraction = shape.lora_params(lora.r, family.lora_targets_of(lora.target_modules), family) / shape.params
+    return PlanSpecs(
+        seq_len=job.data.seq_len,
+        micro_batch=job.train.micro_batch,
+        grad_accum=job.train.grad_accum,
+        chunk_size=job.loss.chunk_size,
+        attention=attention,
+        parallel=resolve_parallel(job.parallel),
+        lora_fraction=fraction,
+        pairs=pairs if pairs is not None else whole_row_pairs(attention, job.data.seq_len),
+        compiled=job.train.compile,
+        fused_loss=job.loss.fused,
+    )
 
 
 def comparable_times(rows: Sequence[PrecisionTrial]) -> bool:
@@ -249,7 +272,7 @@ def _gib(n: float) -> str:
 
 
 def check_fit(job: JobConfig, fit: FitPlan, hf_config, attention: AttentionSpec) -> None:
-    """Log a run's fit of `job` (planning/resolve) and raise UserError naming what would fit when it does not, or
+    """Log a run's fit of `job` (flexengine/resolve.py) and raise UserError naming what would fit when it does not, or
     when optim.lr's updates would round away in the stored weights."""
     hardware = fit.hardware
     # one line in the run's log; the whole table with hydra.verbose=flexengine.planning.fit, or from flexengine-plan

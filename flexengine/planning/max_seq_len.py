@@ -9,18 +9,17 @@ into whole blocks per rank) finds the boundary exactly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
+from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, OptimConfig, PrecisionConfig
 from flexengine.core.extras import require
 from flexengine.core.units import GiB
 from flexengine.planning.activations import memory_specs
 from flexengine.planning.planner import candidates_for, evaluate, offloads
 from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
-from flexengine.planning.specs import plan_inputs, plan_specs
-from flexengine.surgery.attention.spec import AttentionSpec
+from flexengine.planning.specs import PlanSpecs, plan_inputs
 from flexengine.surgery.precision import auto_order, precision_spec
 
 MAX_SEARCH_TOKENS = 1 << 24  # 16M tokens: past any card's memory for a 1B+ model
@@ -87,30 +86,26 @@ def max_seq_len_table(
 
 
 def longest_over_modes(
-    job: JobConfig,
+    specs_by_rank: Mapping[int, PlanSpecs],
     hf_config,
     hardware: HardwareConfig,
-    attention: AttentionSpec,
+    precision: PrecisionConfig,
+    optim: OptimConfig,
     *,
-    lora_ranks: Sequence[int],
+    tiled_mlp: Any = "auto",
     pairs_at: Optional[PairsAt] = None,
 ) -> list[dict]:
     """The longest row per (LoRA rank, precision mode), each mode searched over every policy as the memory search
     searches them: one row each with the mode, the policy that reaches it and what the host holds there (host
     optimizer state plus offloaded activations), and whether precision=auto may take the mode (it trains correctly).
-    Modes: precision.mode, or under auto the ones auto weighs on this device."""
-    on_cuda = hardware.on_cuda
-    modes = [job.precision.mode] if job.precision.mode != "auto" else list(auto_order(on_cuda, job.optim.name))
-    tiled = job.memory.tiled_mlp or "auto"
+    specs_by_rank: the job's PlanSpecs at each LoRA rank. Modes: precision.mode, or under auto the ones auto weighs
+    on this device."""
+    modes = [precision.mode] if precision.mode != "auto" else list(auto_order(hardware.on_cuda, optim.name))
     out = []
-    for r in lora_ranks:
-        variant = dataclasses.replace(
-            job, model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r))
-        )
-        specs = plan_specs(variant, hf_config, attention)
+    for r, specs in specs_by_rank.items():
         for mode in modes:
-            spec = precision_spec(mode, job.optim.name)
-            rows = max_seq_len_table(hf_config, plan_inputs(specs, hardware, spec), tiled, pairs_at=pairs_at)
+            spec = precision_spec(mode, optim.name)
+            rows = max_seq_len_table(hf_config, plan_inputs(specs, hardware, spec), tiled_mlp, pairs_at=pairs_at)
             best = max(rows, key=lambda row: row["max_seq_len"])
             out.append(
                 {

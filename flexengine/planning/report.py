@@ -25,7 +25,7 @@ def activation_summary(model: nn.Module, inputs: PlanInputs, memory: MemoryConfi
     with the meter's measurement of the first training forward where the meter can see the blocks
     (meters_first_forward). No forward runs here: a synthetic one of a whole micro-batch before step 1 cost about a
     step's forward (17-45 s on CPU at 1-2 x 1,024 tokens; on a GPU a full 7B forward at 8K). inputs: the run's
-    resolved PlanInputs (planning/resolve: ResolvedRun.inputs); memory: the policy applied."""
+    resolved PlanInputs (flexengine/resolve.py: ResolvedRun.inputs); memory: the policy applied."""
     shape = ModelShape.from_hf_config(model.config)
     est = estimate_activations(shape, rank_workload(inputs), memory_specs(memory, shape))
     return {

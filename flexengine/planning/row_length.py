@@ -1,7 +1,7 @@
 """data.seq_len=auto: the row length with the least estimated epoch time over a corpus's documents.
 
 Each candidate length packs the documents as training packs them (data/packing.py), counts the attention pairs
-of those rows, and is planned like a run (precision, memory policy, micro-batch: `fit.plan_job`); its epoch is the
+of those rows, and is planned like a run (precision, memory policy, micro-batch: `PlanAt`); its epoch is the
 planned optimizer steps the rows need times the planned step. The fastest candidate that fits the device, keeps
 the model's context guard (no document piece past the positions it supports: surgery/rope.check_context) and keeps
 documents whole wins.
@@ -27,14 +27,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
+from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig
 from flexengine.core.errors import UserError
 from flexengine.planning.costs import ASSUMED, NO_SPEED, UNKNOWN
-from flexengine.planning.fit import FitPlan, plan_job
-from flexengine.planning.specs import context_rows as context_rows  # re-exported (the speed is measured at these rows)
+from flexengine.planning.fit import FitPlan
+from flexengine.planning.shapes import AttendedPairs
 from flexengine.planning.specs import packed_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
-from flexengine.surgery.rope import ContextLimits, context_limits
+from flexengine.surgery.rope import ContextLimits
 
 KEEP_WHOLE = 0.99  # the share of documents a row must hold whole (the rest are split per data.long_docs)
 QUANTILES = (0.5, 0.9, 0.99, 1.0)  # document-length quantiles tried as row lengths
@@ -48,6 +48,19 @@ TIE_BAND = 0.01  # lengths within 1 % of the least epoch time tie, the shortest 
 # planner does not reach into data): the packing's statistics (rows, useful_token_fraction, documents_split /
 # _truncated / _dropped, longest_piece) and each row as its document pieces' lengths
 Pack = Callable[[int], tuple[Any, list[list[int]]]]
+# The job planned at a row length with its packed rows' attended pairs: fit.plan_job, built in the composition root
+PlanAt = Callable[[int, AttendedPairs], FitPlan]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents data.seq_len=auto chooses a row length over: their token lengths, how they pack, and where
+    they come from (the choice's log line)."""
+
+    lengths: Sequence[int] | np.ndarray
+    pack: Pack
+    describe: str = ""
+    epochs: float = 1.0  # the passes the epoch time is weighed for
 
 
 def on_grid(n: int, block: int) -> int:
@@ -142,33 +155,29 @@ CONTEXT_ROWS = (
 )
 
 
-def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:
-    """The job with rows of `seq_len` tokens."""
-    return dataclasses.replace(job, data=dataclasses.replace(job.data, seq_len=seq_len))
-
-
 def epoch_steps(fit: FitPlan, rows: int, epochs: float, data_ranks: int) -> int:
     """Optimizer steps `epochs` passes over `rows` packed rows take under this fit."""
     return math.ceil(rows * epochs / (fit.plan.chosen.micro_batch * fit.plan.chosen.grad_accum * max(1, data_ranks)))
 
 
 def weigh_row_length(
-    job: JobConfig,
-    hf_config,
-    hardware: HardwareConfig,
+    plan_at: PlanAt,
+    seq_len: int,
+    documents: Documents,
     attention: AttentionSpec,
-    lengths: Sequence[int] | np.ndarray,
-    *,
-    pack: Pack,
     limits: ContextLimits,
-    epochs: float = 1.0,
+    *,
+    cp: int,
+    data_ranks: int,
+    long_context: bool,
 ) -> RowOption:
-    """One candidate: `job` (at its data.seq_len) over documents of these lengths, packed by `pack` and planned."""
-    seq_len = job.data.seq_len
+    """One candidate: rows of `seq_len` over the documents, packed and planned by `plan_at` (cp: parallel.cp,
+    data_ranks: the ranks that split the rows, long_context: model.allow_long_context)."""
+    lengths, pack = documents.lengths, documents.pack
     stats, pieces = pack(seq_len)
     pairs = packed_pairs(attention, pieces, seq_len, f"the mask of the packed rows of {seq_len:,} tokens")
-    fit = plan_job(job, hf_config, hardware, attention=attention, pairs=pairs)
-    steps = epoch_steps(fit, stats.rows, epochs, hardware.world_size // job.parallel.cp)
+    fit = plan_at(seq_len, pairs)
+    steps = epoch_steps(fit, stats.rows, documents.epochs, data_ranks)
     return RowOption(
         seq_len=seq_len,
         rows=stats.rows,
@@ -176,8 +185,8 @@ def weigh_row_length(
         documents_split=stats.documents_split + stats.documents_truncated + stats.documents_dropped,
         longest_piece=stats.longest_piece,
         fits=fit.plan.chosen.usage.fits,
-        within_context=stats.longest_piece <= limits.supported or job.model.allow_long_context,
-        keeps_whole=seq_len >= keep_whole_length(lengths, CP_BLOCK_SIZE * job.parallel.cp),
+        within_context=stats.longest_piece <= limits.supported or long_context,
+        keeps_whole=seq_len >= keep_whole_length(lengths, CP_BLOCK_SIZE * cp),
         steps=steps,
         step_s=fit.plan.chosen.time.step_s,
         hours=steps * fit.plan.chosen.time.step_s / 3600,
@@ -194,28 +203,25 @@ def fastest(options: Sequence[RowOption]) -> RowOption:
 
 
 def choose_row_length(
-    job: JobConfig,
-    hf_config,
+    plan_at: PlanAt,
+    documents: Documents,
     hardware: HardwareConfig,
     attention: AttentionSpec,
-    lengths: Sequence[int] | np.ndarray,
+    limits: ContextLimits,
     *,
-    pack: Pack,
-    epochs: float = 1.0,
-    describe: str = "",
+    cp: int = 1,
+    long_context: bool = False,  # model.allow_long_context
 ) -> RowLengthChoice:
     """data.seq_len=auto: every candidate weighed, the fastest eligible one that keeps documents whole taken (else
-    the longest eligible one: the fewest documents split). UserError when none fits."""
-    limits = context_limits(hf_config)
+    the longest eligible one: the fewest documents split); limits: the model's context_limits. UserError: none fits."""
+    lengths, describe = documents.lengths, documents.describe
     if len(lengths) == 0:
         raise UserError("data.seq_len=auto chooses from the documents' lengths, and there are no documents.")
-    block = CP_BLOCK_SIZE * job.parallel.cp
+    block, dp = CP_BLOCK_SIZE * cp, hardware.world_size // cp  # dp: the ranks that split the rows
 
     def weigh(lengths_to_try: Sequence[int]) -> tuple[RowOption, ...]:
         return tuple(
-            weigh_row_length(
-                with_seq_len(job, n), hf_config, hardware, attention, lengths, pack=pack, limits=limits, epochs=epochs
-            )
+            weigh_row_length(plan_at, n, documents, attention, limits, cp=cp, data_ranks=dp, long_context=long_context)
             for n in lengths_to_try
         )
 

@@ -2,8 +2,8 @@
 AttentionSpec and ParallelSpec, the row shape, LoRA's trainable share, the attended-pair count), and `plan_inputs`,
 which turns them and a PrecisionSpec into the PlanInputs every cost reads.
 
-`plan_specs` is the one place a JobConfig becomes these specs; planning/resolve.py resolves the AttentionSpec once
-and hands it in, and with a known corpus the pair count of its packed rows (`packed_pairs`).
+`fit.plan_specs` is the one place a JobConfig becomes these specs; flexengine/resolve.py resolves the AttentionSpec
+once and hands it in, and with a known corpus the pair count of its packed rows (`packed_pairs`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from flexengine.core.config import CP_BLOCK_SIZE, HardwareConfig, JobConfig
-from flexengine.core.parallel_spec import ParallelSpec, Strategy, resolve_parallel
-from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
+from flexengine.core.config import CP_BLOCK_SIZE, AttnConfig, HardwareConfig
+from flexengine.core.parallel_spec import ParallelSpec, Strategy
+from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, PlanInputs
 from flexengine.surgery.attention.mask_mode import MaskMode
 from flexengine.surgery.attention.masks import Causal
 from flexengine.surgery.attention.spec import AttentionSpec, AttnBackend, resolve_attention_spec
-from flexengine.surgery.family import resolve_family
 from flexengine.surgery.precision import PrecisionSpec
 from flexengine.surgery.rope import context_limits
 
@@ -40,33 +39,11 @@ class PlanSpecs:
     fused_loss: bool = False  # loss.fused
 
 
-def planned_attention(job: JobConfig, hf_config, hardware: HardwareConfig) -> AttentionSpec:
+def planned_attention(attn: AttnConfig, hf_config, hardware: HardwareConfig) -> AttentionSpec:
     """attn.* resolved as training resolves it on `hardware`'s device type (a plan runs on another machine)."""
     import torch
 
-    return resolve_attention_spec(job.attn, hf_config, device=torch.device("cuda" if hardware.on_cuda else "cpu"))
-
-
-def plan_specs(job: JobConfig, hf_config, attention: AttentionSpec, pairs: Optional[AttendedPairs] = None) -> PlanSpecs:
-    """The PlanSpecs of a job on its model, with the AttentionSpec the composition root resolved; pairs: a known
-    corpus's packed rows' count (None: each layer's mask over one whole-row document, `whole_row_pairs`)."""
-    lora = job.model.lora
-    fraction = None
-    if lora.r > 0:  # only adapters have grads and optimizer states
-        shape, family = ModelShape.from_hf_config(hf_config), resolve_family(hf_config)
-        fraction = shape.lora_params(lora.r, family.lora_targets_of(lora.target_modules), family) / shape.params
-    return PlanSpecs(
-        seq_len=job.data.seq_len,
-        micro_batch=job.train.micro_batch,
-        grad_accum=job.train.grad_accum,
-        chunk_size=job.loss.chunk_size,
-        attention=attention,
-        parallel=resolve_parallel(job.parallel),
-        lora_fraction=fraction,
-        pairs=pairs if pairs is not None else whole_row_pairs(attention, job.data.seq_len),
-        compiled=job.train.compile,
-        fused_loss=job.loss.fused,
-    )
+    return resolve_attention_spec(attn, hf_config, device=torch.device("cuda" if hardware.on_cuda else "cpu"))
 
 
 def whole_row_pairs(attention: AttentionSpec, seq_len: int) -> AttendedPairs:

@@ -219,7 +219,7 @@ def spec_for_params(mode: str, optimizer: str, param_dtype: torch.dtype) -> Prec
     if mode == "auto":
         if param_dtype != torch.float32:
             raise UserError(
-                f"precision=auto with {param_dtype} weights: resolve it with flexengine.planning.resolve.resolve "
+                f"precision=auto with {param_dtype} weights: resolve it with flexengine.resolve.resolve "
                 "(run.py does) or give precision=<mode>."
             )
         mode = "fp32"

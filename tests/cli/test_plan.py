@@ -278,13 +278,13 @@ def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
     length from the same documents, every option's step time the same."""
     import torch
 
+    from flexengine import resolve as resolve_module
     from flexengine import run
     from flexengine.cli.common import compose_job
     from flexengine.cli.plan import PlanOptions, plan_documents
     from flexengine.cli.plan_corpus import document_lengths
     from flexengine.core.distributed import DistInfo
-    from flexengine.planning import resolve as resolve_module
-    from flexengine.planning.resolve import resolve, resolve_target_hardware
+    from flexengine.resolve import resolve, resolve_target_hardware
     from flexengine.surgery.model import build_hf_config
     from tests.planning.test_costs import _speed
 

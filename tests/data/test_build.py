@@ -181,9 +181,10 @@ def test_a_hand_built_job_packs_once_its_attention_rules_are_resolved(tmp_path, 
         train=TrainConfig(output_dir=str(tmp_path / "run")),
     )
     tokenizer = load_tokenizer(job.model)
-    with pytest.raises(UserError, match=r"data.packing=auto .*resolve_attention_rules\(job\)"):
+    with pytest.raises(UserError, match=r"data.packing=auto .*resolve_attention_rules\(job.attn, job.data"):
         build_data(job, tokenizer, DistInfo())
-    loader, _, _ = build_data(resolve_attention_rules(job), tokenizer, DistInfo())
+    resolve_attention_rules(job.attn, job.data, job.model)
+    loader, _, _ = build_data(job, tokenizer, DistInfo())
     assert job.data.packing == packing and loader.batches_per_epoch > 0
 
 

@@ -22,9 +22,9 @@ from flexengine.cli.common import compose_job
 from flexengine.core.config import conf_dir
 from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.fit import plan_job
-from flexengine.planning.row_length import with_seq_len
 from flexengine.planning.shapes import ModelShape
 from flexengine.planning.specs import context_rows
+from flexengine.resolve import with_seq_len
 from flexengine.surgery.memory import decoder_layers
 from flexengine.surgery.model import build_hf_config, build_meta_model
 

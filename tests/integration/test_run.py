@@ -231,9 +231,8 @@ def _rank_hardware(rank: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from flexengine import run
+    from flexengine import resolve, run
     from flexengine.core.distributed import DistInfo
-    from flexengine.planning import resolve
     from flexengine.surgery.model import build_hf_config
     from tests.planning.test_costs import _speed
 

@@ -24,7 +24,7 @@ from flexengine.planning.fit import (
     precision_verdicts,
     step_cell,
 )
-from flexengine.planning.resolve import resolve
+from flexengine.resolve import resolve
 from flexengine.surgery.model import build_hf_config
 
 SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=8192", "hardware=a100_80g"]

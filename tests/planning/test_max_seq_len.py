@@ -192,17 +192,20 @@ def test_the_longest_row_is_searched_over_precision_modes_and_lora():
     what the host holds, and `longest_of` skips a mode that does not train correctly."""
     from flexengine.cli.common import compose_job
     from flexengine.core.hardware import assumed_hardware
+    from flexengine.planning.fit import plan_specs
     from flexengine.planning.max_seq_len import longest_of, longest_over_modes
     from flexengine.planning.specs import planned_attention, whole_row_pairs
+    from flexengine.resolve import with_lora_rank
 
     job = compose_job(
         ["model=deepseek7b", "model.init=random", "hardware=a100_80g", "train.micro_batch=1", "loss.chunk_size=1024"]
     )
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
-    attention = planned_attention(job, hf_config, hardware)
-    master = dataclasses.replace(job, precision=dataclasses.replace(job.precision, mode="bf16_cpu_master"))
+    attention = planned_attention(job.attn, hf_config, hardware)
+    specs = {r: plan_specs(with_lora_rank(job, r), hf_config, attention) for r in (0, 16)}
+    master = dataclasses.replace(job.precision, mode="bf16_cpu_master")
     rows = longest_over_modes(
-        master, hf_config, hardware, attention, lora_ranks=[0, 16], pairs_at=lambda n: whole_row_pairs(attention, n)
+        specs, hf_config, hardware, master, job.optim, pairs_at=lambda n: whole_row_pairs(attention, n)
     )
     full, lora = longest_of(rows, 0), longest_of(rows, 16)
     assert full is not None and lora is not None

@@ -291,7 +291,7 @@ def test_the_8_gpu_deepseek_plan_reduces_per_micro_batch_instead_of_offloading(t
     from flexengine.cli.common import compose_job
     from flexengine.core.hardware import assumed_hardware
     from flexengine.planning.fit import plan_job
-    from flexengine.planning.resolve import resolved_job
+    from flexengine.resolve import resolved_job
 
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     common = [

@@ -86,7 +86,7 @@ def test_costs_compare_no_config_strings(path):
 
 # -- any config choice compared as a string, anywhere below the composition root ---------------------------------------
 # where config strings are the subject: the entry points and the composition root, and core's schemas that check them
-COMPOSITION_ROOT = ("cli/", "run.py", "core/config.py", "core/config_model.py", "core/config_data.py")
+COMPOSITION_ROOT = ("cli/", "run.py", "resolve.py", "core/config.py", "core/config_model.py", "core/config_data.py")
 COMPOSITION_ROOT += ("core/config_checks.py", "core/config_keys.py", "core/config_record.py")
 
 
@@ -164,7 +164,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
     "planning/planner.py:candidates_for": "builds MemoryConfig candidates: the search space is memory.* itself",
     "planning/planner.py:search_space": "builds MemoryConfig candidates: the search space is memory.* itself",
-    "planning/resolve.py:record_attention_backend": "records what the user's attn.backend=auto resolved to",
     "surgery/attention/block_mask.py:_create_block_mask": "torch.device.type, not a config value",
     "surgery/attention/job_rules.py:resolve_attention_rules": "resolves data.packing=auto (composition root only)",
     "surgery/attention/spec.py:resolve_backend": "the resolver of attn.backend=auto into an AttnBackend",
@@ -186,7 +185,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "core/device_speed.py:device_key": "torch.device.type, not a config value",
     "core/device_speed.py:release_measurement": "torch.device.type, not a config value",
     "planning/max_seq_len.py:longest_over_modes": "precision=auto: the search weighs every mode; a set mode alone",
-    "planning/resolve.py:with_measured_speed": "precision=auto: each compute dtype the modes auto weighs is measured",
     "surgery/compile.py:why_uncompiled": "torch.compiler's stance, not a config value",
 }
 

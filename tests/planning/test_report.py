@@ -11,7 +11,7 @@ import torch
 from flexengine.cli.common import compose_job
 from flexengine.core.hardware import resolve_hardware
 from flexengine.planning.report import FirstForwardMeter, activation_summary, meters_first_forward
-from flexengine.planning.resolve import resolve
+from flexengine.resolve import resolve
 from flexengine.surgery.applied import applied, attention_spec
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs

@@ -13,9 +13,11 @@ from flexengine.core.errors import UserError
 from flexengine.core.hardware import assumed_hardware
 from flexengine.data.packing import packer
 from flexengine.planning.costs import NO_SPEED
+from flexengine.planning.fit import plan_job
 from flexengine.planning.row_length import (
     KEEP_WHOLE,
     TIE_BAND,
+    Documents,
     RowOption,
     candidate_lengths,
     choose_row_length,
@@ -27,15 +29,22 @@ from flexengine.planning.row_length import (
     on_grid,
 )
 from flexengine.planning.specs import context_rows, planned_attention
+from flexengine.resolve import with_seq_len
 from flexengine.surgery.model import build_hf_config
 from flexengine.surgery.rope import context_limits
 
 
 def _choose(job, lengths):
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
-    attention = planned_attention(job, hf_config, hardware)
+    attention = planned_attention(job.attn, hf_config, hardware)
     pack = packer(lengths, job.data.packing, job.data.long_docs)
-    return choose_row_length(job, hf_config, hardware, attention, lengths, pack=pack, describe="test documents")
+
+    def plan_at(seq_len, pairs):  # the composition root's: the job at that length (flexengine/resolve.py)
+        return plan_job(with_seq_len(job, seq_len), hf_config, hardware, attention=attention, pairs=pairs)
+
+    documents = Documents(lengths, pack, "test documents")
+    limits, cp, long_context = context_limits(hf_config), job.parallel.cp, job.model.allow_long_context
+    return choose_row_length(plan_at, documents, hardware, attention, limits, cp=cp, long_context=long_context)
 
 
 @pytest.mark.parametrize("n", [1, 127, 128, 129, 1000, 4097, 6000, 8192, 100_000, 333_333])

@@ -12,9 +12,10 @@ from transformers import LlamaConfig
 from flexengine.core.config import AttnConfig, JobConfig, MemoryConfig, ParallelConfig
 from flexengine.core.parallel_spec import ReduceEvery, Strategy
 from flexengine.loop.flops import attended_pairs, layer_attended_pairs
+from flexengine.planning.fit import plan_specs
 from flexengine.planning.planner import evaluate, plan_memory
 from flexengine.planning.shapes import NO_CORPUS, AttendedPairs, ModelShape, PlanInputs
-from flexengine.planning.specs import packed_pairs, plan_inputs, plan_specs, whole_row_pairs
+from flexengine.planning.specs import packed_pairs, plan_inputs, whole_row_pairs
 from flexengine.surgery.attention import masks
 from flexengine.surgery.attention.mask_mode import band_mode
 from flexengine.surgery.attention.spec import resolve_attention_spec

@@ -9,8 +9,8 @@ from flexengine.cli.common import compose_job
 from flexengine.cli.plan import plan_work
 from flexengine.core.hardware import assumed_hardware
 from flexengine.planning.costs import ASSUMED_MFU
-from flexengine.planning.resolve import resolve
 from flexengine.planning.specs import packed_pairs, planned_attention
+from flexengine.resolve import resolve
 from flexengine.surgery.model import build_hf_config
 
 ROWS = [[600, 300, 100], [1000], [700]]  # document pieces of three 1,024-token rows (the last padded by 324)
@@ -19,7 +19,7 @@ ROWS = [[600, 300, 100], [1000], [700]]  # document pieces of three 1,024-token 
 def _work(*overrides: str, rows=ROWS):
     job = compose_job(["hardware=a100_80g", "attn=packed_doc", "data.seq_len=1024", *overrides])
     hf_config, hardware = build_hf_config(job.model), assumed_hardware(job.hardware)
-    attention = planned_attention(job, hf_config, hardware)
+    attention = planned_attention(job.attn, hf_config, hardware)
     pairs = packed_pairs(attention, rows, 1024, "test rows") if rows else None
     run = resolve(job, hf_config, hardware, attention=attention, pairs=pairs)
     return run.fit, plan_work(run, rows)
@@ -52,7 +52,7 @@ def test_the_models_count_is_loop_flops_model_count_of_the_same_documents():
     hf_config = build_hf_config(job.model)
     model = AutoModelForCausalLM.from_config(hf_config)
     apply_memory_policy(model, block_memory_specs(job.memory, hf_config.num_hidden_layers))  # what TrainFlops reads
-    attention = planned_attention(job, hf_config, assumed_hardware(job.hardware))
+    attention = planned_attention(job.attn, hf_config, assumed_hardware(job.hardware))
     flops = TrainFlops(model)
     useful = sum(map(sum, ROWS))
     pairs = [sum(layer) for layer in zip(*(layer_attended_pairs(attention, row, 4) for row in ROWS))]

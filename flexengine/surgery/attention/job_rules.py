@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flexengine.core.config import AttnConfig, JobConfig, check_choice, check_fixed_rope
+from flexengine.core.config import AttnConfig, DataConfig, ModelConfig, check_choice, check_fixed_rope
 from flexengine.core.errors import UserError
 from flexengine.surgery.attention.masks import MODES, ModeEntry
 
@@ -37,10 +37,9 @@ def packs_documents(mode: str) -> bool:
     return mode_entry(mode).documents
 
 
-def resolve_attention_rules(job: JobConfig) -> JobConfig:
-    """Check attn.* against the job and resolve data.packing=auto (bfd when the mode packs, else none); in place,
-    idempotent, returns the job."""
-    attn, data = job.attn, job.data
+def resolve_attention_rules(attn: AttnConfig, data: DataConfig, model: ModelConfig) -> None:
+    """Check attn.* against the job's data.* and model.* and resolve data.packing=auto (bfd when the mode packs,
+    else none); in place, idempotent."""
     entry = checked_mode(attn)
     seq_len = data.fixed_seq_len  # None: data.seq_len=auto, checked again once the length is chosen (flexengine.run)
     if attn.window is not None and seq_len is not None and attn.window > seq_len:
@@ -62,23 +61,22 @@ def resolve_attention_rules(job: JobConfig) -> JobConfig:
             "or data.packing=none for one document per row."
         )
     # model.path's config.json (or an auto length) is checked at run time (flexengine.run)
-    if seq_len is not None and _trained_context(job) is not None:
-        rows = (data.seq_len, _trained_context(job))
+    if seq_len is not None and _trained_context(model) is not None:
+        rows = (data.seq_len, _trained_context(model))
         check_fixed_rope(
-            job.model.rope_scaling.rope_type,
+            model.rope_scaling.rope_type,
             "model.rope_scaling",
             attn_mode=attn.mode,
             packs=entry.documents,
             rows=rows,
         )
-    return job
 
 
-def _trained_context(job: JobConfig) -> Optional[int]:
+def _trained_context(model: ModelConfig) -> Optional[int]:
     """The trained context composition can see for a position-dependent RoPE: longrope's
     original_max_position_embeddings, else model.arch's max_position_embeddings (what dynamic NTK reads); None
     with model.path, whose config.json is read at run time."""
-    scaling = job.model.rope_scaling
+    scaling = model.rope_scaling
     if scaling.rope_type == "longrope" and scaling.original_max_position_embeddings:
         return scaling.original_max_position_embeddings
-    return None if job.model.path else job.model.arch.get("max_position_embeddings")
+    return None if model.path else model.arch.get("max_position_embeddings")

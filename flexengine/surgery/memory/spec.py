@@ -72,7 +72,7 @@ def block_memory_specs(memory: MemoryConfig, n_layers: int) -> tuple[MemorySpec,
     if memory.policy == "auto" or memory.tiled_mlp == "auto":
         raise UserError(
             "memory.policy=auto / memory.tiled_mlp=auto must be resolved to a concrete policy by the planner first "
-            "(flexengine.planning.resolve.resolve); run.py does this for training"
+            "(flexengine.resolve.resolve); run.py does this for training"
         )
     tile = int(memory.tiled_mlp)  # every block's MLP, whichever blocks memory.layers selects
     if memory.policy == "none":

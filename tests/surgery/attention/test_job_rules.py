@@ -27,6 +27,12 @@ def _job(mode: str, *, window=None, seq_len=1024, packing="auto", model=None) ->
     )
 
 
+def _resolved(job: JobConfig) -> JobConfig:
+    """The job after resolve_attention_rules, which reads its attn, data and model sections (data in place)."""
+    resolve_attention_rules(job.attn, job.data, job.model)
+    return job
+
+
 @pytest.mark.parametrize("mode", sorted(SHIPPED))
 def test_each_shipped_mode_packs_and_takes_a_window_as_documented(mode):
     documents, windowed = SHIPPED[mode]
@@ -49,8 +55,8 @@ def test_a_window_is_refused_on_a_mode_that_takes_none():
 @pytest.mark.parametrize(("mode", "packing"), [(m, "bfd" if d else "none") for m, (d, _) in SHIPPED.items()])
 def test_auto_packing_follows_the_mode_in_place_and_twice_the_same(mode, packing):
     job = _job(mode)
-    assert resolve_attention_rules(job) is job and job.data.packing == packing
-    assert resolve_attention_rules(job).data.packing == packing  # idempotent: a resolved job passes again
+    assert _resolved(job).data.packing == packing
+    assert _resolved(job).data.packing == packing  # idempotent: a resolved job passes again
 
 
 @pytest.mark.parametrize(
@@ -63,20 +69,20 @@ def test_auto_packing_follows_the_mode_in_place_and_twice_the_same(mode, packing
 )
 def test_a_mode_at_odds_with_the_data_is_refused_naming_both_keys(mode, kwargs, needle):
     with pytest.raises(UserError, match=needle):
-        resolve_attention_rules(_job(mode, **kwargs))
+        _resolved(_job(mode, **kwargs))
 
 
 def test_position_dependent_rope_is_checked_against_the_context_composition_can_see():
     dynamic = RopeScalingConfig(rope_type="dynamic", factor=2.0)  # reads model.arch's max_position_embeddings
     arch = {"model_type": "llama", "max_position_embeddings": 4096}
-    resolve_attention_rules(_job("packed_doc", seq_len=4096, model=ModelConfig(arch=arch, rope_scaling=dynamic)))
+    _resolved(_job("packed_doc", seq_len=4096, model=ModelConfig(arch=arch, rope_scaling=dynamic)))
     with pytest.raises(UserError, match="rows of data.seq_len=8192 pass the trained context of 4096 positions"):
-        resolve_attention_rules(_job("packed_doc", seq_len=8192, model=ModelConfig(arch=arch, rope_scaling=dynamic)))
+        _resolved(_job("packed_doc", seq_len=8192, model=ModelConfig(arch=arch, rope_scaling=dynamic)))
     # longrope's own original_max_position_embeddings is the trained context, whatever the arch says
     longrope = RopeScalingConfig(rope_type="dynamic", factor=2.0)
     longrope.rope_type, longrope.original_max_position_embeddings = "longrope", 2048  # not a schema choice
     with pytest.raises(UserError, match="trained context of 2048 positions"):
-        resolve_attention_rules(_job("causal", seq_len=4096, model=ModelConfig(arch=arch, rope_scaling=longrope)))
+        _resolved(_job("causal", seq_len=4096, model=ModelConfig(arch=arch, rope_scaling=longrope)))
     # with model.path, config.json tells the trained context: checked at run time, not here
     from_path = ModelConfig(path="/models/m", rope_scaling=dynamic)
-    assert resolve_attention_rules(_job("packed_doc", seq_len=65536, model=from_path)).data.packing == "bfd"
+    assert _resolved(_job("packed_doc", seq_len=65536, model=from_path)).data.packing == "bfd"

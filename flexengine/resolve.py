@@ -10,11 +10,8 @@ hardware, the Attention/Parallel/Precision specs, the per-block MemorySpecs, the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
-
-import numpy as np
 
 from flexengine.core.config import HardwareConfig, JobConfig, PrecisionConfig, check_fixed_rope
 from flexengine.core.config_record import (
@@ -28,11 +25,11 @@ from flexengine.core.device_speed import measure_device_speed
 from flexengine.core.hardware import assumed_hardware, plans_this_machine, resolve_hardware
 from flexengine.core.parallel_spec import ParallelSpec, resolve_parallel
 from flexengine.planning.costs import speed_shapes
-from flexengine.planning.fit import FitPlan, plan_job
+from flexengine.planning.fit import FitPlan, plan_job, plan_specs
 from flexengine.planning.plan import Plan
-from flexengine.planning.row_length import Pack, RowLengthChoice, choose_row_length, context_rows, with_seq_len
+from flexengine.planning.row_length import Documents, RowLengthChoice, choose_row_length
 from flexengine.planning.shapes import AttendedPairs, ModelShape, PlanInputs
-from flexengine.planning.specs import plan_inputs, plan_specs, planned_attention
+from flexengine.planning.specs import PlanSpecs, context_rows, plan_inputs, planned_attention
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.memory.spec import MemorySpec
@@ -44,17 +41,6 @@ if TYPE_CHECKING:
 
 # the attended pairs of a known corpus's packed rows: a count, or one computed at the resolved row length
 PairsOf = Callable[[JobConfig, AttentionSpec], Optional[AttendedPairs]]
-
-
-@dataclass(frozen=True)
-class Documents:
-    """The documents data.seq_len=auto chooses a row length over: their token lengths, how they pack, and where
-    they come from (the choice's log line)."""
-
-    lengths: Union[Sequence[int], np.ndarray]
-    pack: Pack
-    describe: str = ""
-    epochs: float = 1.0  # the passes the epoch time is weighed for
 
 
 @dataclass(frozen=True)
@@ -78,11 +64,15 @@ class ResolvedRun:
     pairs: Optional[AttendedPairs] = None  # the corpus's packed rows' count (None: whole-row documents)
     auto_seq_len: bool = False  # data.seq_len=auto was resolved here (from documents or the model's context)
 
+    def specs(self, of: Optional[JobConfig] = None) -> PlanSpecs:
+        """The PlanSpecs of what runs (the fit's batch shape); of: another variant of the job on the same
+        resolution (the job as planned at its given batch, or at another LoRA rank)."""
+        return plan_specs(self.job if of is None else of, self.hf_config, self.attention, self.pairs)
+
     def inputs(self, batch_of: Optional[JobConfig] = None) -> PlanInputs:
         """The PlanInputs of what runs (the fit's batch shape); batch_of: another job's micro-batch and
         accumulation on the same resolution (the job as planned, for a table at its given batch)."""
-        job = self.job if batch_of is None else batch_of
-        return plan_inputs(plan_specs(job, self.hf_config, self.attention, self.pairs), self.hardware, self.precision)
+        return plan_inputs(self.specs(batch_of), self.hardware, self.precision)
 
 
 def resolve_target_hardware(
@@ -151,7 +141,7 @@ def resolve(
     (precision, memory policy, micro-batch) and parallel.*. pairs: the corpus's attended-pair count, or a function
     giving it at the resolved row length (None: each layer's mask over one whole-row document). Raises UserError
     where the chosen row length breaks an attention or RoPE rule."""
-    attention = attention if attention is not None else planned_attention(job, hf_config, hardware)
+    attention = attention if attention is not None else planned_attention(job.attn, hf_config, hardware)
     planned, rows = _row_length(job, hf_config, hardware, attention, documents)
     counted = pairs(planned, attention) if callable(pairs) else pairs
     fit = plan_job(planned, hf_config, hardware, attention=attention, pairs=counted)
@@ -207,20 +197,26 @@ def _row_length(
         return job, None
     if documents is None:
         return with_seq_len(job, context_rows(hf_config, job.parallel.cp)), None
-    choice = choose_row_length(
-        job,
-        hf_config,
-        hardware,
-        attention,
-        documents.lengths,
-        pack=documents.pack,
-        epochs=documents.epochs,
-        describe=documents.describe,
-    )
+
+    def plan_at(seq_len: int, pairs: AttendedPairs) -> FitPlan:
+        return plan_job(with_seq_len(job, seq_len), hf_config, hardware, attention=attention, pairs=pairs)
+
+    limits, cp, allow_long_context = context_limits(hf_config), job.parallel.cp, job.model.allow_long_context
+    choice = choose_row_length(plan_at, documents, hardware, attention, limits, cp=cp, long_context=allow_long_context)
     job = with_seq_len(job, choice.seq_len)
-    resolve_attention_rules(job)  # the window and RoPE rules that needed the length
+    resolve_attention_rules(job.attn, job.data, job.model)  # the window and RoPE rules that needed the length
     check_checkpoint_rope(job, hf_config)
     return job, choice
+
+
+def with_seq_len(job: JobConfig, seq_len: int) -> JobConfig:
+    """The job with rows of `seq_len` tokens."""
+    return dataclasses.replace(job, data=dataclasses.replace(job.data, seq_len=seq_len))
+
+
+def with_lora_rank(job: JobConfig, r: int) -> JobConfig:
+    """The job with LoRA adapters of rank `r` (0: a full fine-tune)."""
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, lora=dataclasses.replace(job.model.lora, r=r)))
 
 
 def check_checkpoint_rope(job: JobConfig, hf_config) -> None:

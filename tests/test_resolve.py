@@ -1,4 +1,4 @@
-"""One resolution of a job (flexengine/planning/resolve.py): hardware -> attention -> row length -> fit -> parallel,
+"""One resolution of a job (flexengine/resolve.py): hardware -> attention -> row length -> fit -> parallel,
 written out once; its answer holds what later stages read, and the record takes its choices from it."""
 
 from __future__ import annotations
@@ -16,18 +16,17 @@ from flexengine.core.hardware import assumed_hardware
 from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.data.packing import packer
 from flexengine.planning.fit import plan_job
-from flexengine.planning.resolve import (
-    Documents,
+from flexengine.planning.row_length import Documents
+from flexengine.planning.specs import context_rows, planned_attention
+from flexengine.resolve import (
     record_resolution,
     resolve,
     resolve_planned,
     resolve_target_hardware,
 )
-from flexengine.planning.row_length import context_rows
-from flexengine.planning.specs import planned_attention
 from flexengine.surgery.model import build_hf_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SEVEN_B = ["model=llama2_7b", "model.init=random", "data.seq_len=4096", "hardware=a100_80g"]
 
 
@@ -38,7 +37,7 @@ def test_the_answer_is_the_fit_of_the_job_on_its_hardware():
     hf_config = build_hf_config(job.model)
     hardware = assumed_hardware(job.hardware)
     run = resolve(job, hf_config, hardware)
-    fit = plan_job(job, hf_config, hardware, attention=planned_attention(job, hf_config, hardware))
+    fit = plan_job(job, hf_config, hardware, attention=planned_attention(job.attn, hf_config, hardware))
     assert run.plan.to_json() == fit.plan.to_json() and run.precision == fit.precision
     best = fit.plan.chosen
     assert (run.micro_batch, run.grad_accum, run.seq_len) == (best.micro_batch, best.grad_accum, 4096)
@@ -91,19 +90,20 @@ def test_the_record_takes_each_choice_with_its_source():
     assert values["train.micro_batch"] == run.micro_batch
 
 
-# The sequence's steps, each called once in the package: in planning/resolve.py (and the planner's own search
-# modules, which plan many variants of one job). A second copy elsewhere is the drift this module exists to stop.
+# The sequence's steps, each called once in the package: in resolve.py, the composition root's (and the planner's
+# own search in planning/fit.py, which plans variants of one job). A second copy elsewhere is the drift this module
+# exists to stop.
 SEQUENCE = {
-    "plan_job": {"planning/resolve.py", "planning/fit.py", "planning/row_length.py"},
-    "resolved_job": {"planning/resolve.py"},
-    "resolve_target_hardware": {"planning/resolve.py", "run.py"},
-    "planned_attention": {"planning/resolve.py", "planning/fit.py"},
-    "choose_row_length": {"planning/resolve.py"},
-    "resolve_parallel": {"planning/resolve.py", "planning/specs.py", "loop/trainer.py"},  # trainer: built by hand
-    "plan_specs": {"planning/resolve.py", "planning/fit.py", "planning/max_seq_len.py"},
+    "plan_job": {"resolve.py", "planning/fit.py"},
+    "resolved_job": {"resolve.py"},
+    "resolve_target_hardware": {"resolve.py", "run.py"},
+    "planned_attention": {"resolve.py", "planning/fit.py"},
+    "choose_row_length": {"resolve.py"},
+    "resolve_parallel": {"resolve.py", "planning/fit.py", "loop/trainer.py"},  # trainer: built by hand
+    "plan_specs": {"resolve.py", "planning/fit.py"},
 }
 # bench/memtracker_cases.py is run on the planner of older revisions too (planner_vs_memtracker --baseline), which
-# have no planning/resolve: it keeps the public calls those revisions share
+# have no flexengine/resolve.py: it keeps the public calls those revisions share
 BENCH_EXEMPT = {"bench/memtracker_cases.py"}
 
 
@@ -130,5 +130,5 @@ def test_the_resolution_sequence_is_written_once():
         for name in _calls(path) & SEQUENCE.keys():
             found[name].add(key)
     extra = {name: sorted(where - SEQUENCE[name]) for name, where in found.items() if where - SEQUENCE[name]}
-    assert not extra, f"a step of the resolution sequence called outside planning/resolve.py: {extra}"
-    assert found["plan_job"] >= {"planning/resolve.py"} and found["resolved_job"] == {"planning/resolve.py"}
+    assert not extra, f"a step of the resolution sequence called outside resolve.py: {extra}"
+    assert found["plan_job"] >= {"resolve.py"} and found["resolved_job"] == {"resolve.py"}
