@@ -44,7 +44,7 @@ from flexengine.core.config_data import SEQ_LEN_AUTO, DataConfig, MixSource  # n
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
 from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
-from flexengine.core.memory_policies import AUTO, MEMORY_POLICIES
+from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.core.optimizers import OPTIMIZERS
 
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
@@ -117,8 +117,8 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         self.tiled_mlp = parse_tiled_mlp(self.tiled_mlp)
-        check_choice("memory.policy", self.policy, (*MEMORY_POLICIES, AUTO))  # read now: a test may add one
-        if self.policy == AUTO:
+        check_choice("memory.policy", self.policy, (*MEMORY_POLICIES, "auto"))  # read now: a test may add one
+        if self.policy == "auto":
             return
         self.layers = "all" if self.layers is None else self.layers
         self.granularity = "block" if self.granularity is None else self.granularity

@@ -6,14 +6,18 @@ memory.layers chooses do (surgery/memory/spec.block_memory_specs) and what memor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from flexengine.core.errors import UserError
 
-if TYPE_CHECKING:
-    from flexengine.core.config import MemoryConfig
 
-AUTO = "auto"  # memory.policy=auto: the planner weighs the table's policies
+class MemoryFields(Protocol):
+    """The memory.* fields a policy reads: core/config.MemoryConfig's (which imports this table)."""
+
+    layers: Optional[str]
+    granularity: Optional[str]
+    offload: Optional[bool]
+    tiled_mlp: Any
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class MemoryPolicy:
         """Whether memory.layers picks blocks it changes (none changes none)."""
         return self.recomputes or self.offloads
 
-    def check(self, memory: MemoryConfig) -> None:
+    def check(self, memory: MemoryFields) -> None:
         """Refuse the memory.* it does not compose with (MemoryConfig has filled in its defaults)."""
         if memory.offload and not self.offloads_inputs:
             raise UserError(
@@ -50,7 +54,7 @@ class MemoryPolicy:
         return not (self.recomputes and granularity == "mlp")
 
     def searched(
-        self, layers: Optional[str], granularities: Sequence[str], offloads: Sequence[bool], given: MemoryConfig
+        self, layers: Optional[str], granularities: Sequence[str], offloads: Sequence[bool], given: MemoryFields
     ) -> list[dict[str, Any]]:
         """The MemoryConfig fields memory=auto weighs of it on `layers` (None: no block), keeping what the user
         gave (`given`; `granularities` and `offloads` are what that leaves open)."""
@@ -71,7 +75,8 @@ class MemoryPolicy:
 class WholeBlocks(MemoryPolicy):
     """A policy that recomputes whole blocks only: memory.granularity may not name a part."""
 
-    def check(self, memory: MemoryConfig) -> None:
+    def check(self, memory: MemoryFields) -> None:
+        """memory.granularity is its own, then the base's refusals."""
         if memory.granularity != self.granularity:
             raise UserError(
                 f"memory={self.name} recomputes whole blocks, but memory.granularity={memory.granularity!r}; to "

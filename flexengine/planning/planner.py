@@ -118,12 +118,11 @@ def describe(specs: Sequence[MemorySpec]) -> str:
 
 
 def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
-    """Concrete policies the planner weighs: what each policy of MEMORY_POLICIES weighs (`searched`) on k = 0..L
-    blocks spread evenly -- whole or partial recompute x granularity x offload (checkpoint inputs in host memory),
-    and plain activation offload of k blocks. memory.* fields the user
-    gave under memory=auto (layers, granularity, offload) fix those dimensions. memory.tiled_mlp=auto adds the
-    MLP over token tiles to whole-block checkpointing (long rows), and to an explicit policy (untiled if that
-    fits: the ranking prefers it)."""
+    """Concrete policies the planner weighs: each MEMORY_POLICIES entry's own (`searched`) on k = 0..L blocks
+    spread evenly -- recompute x granularity x offload (checkpoint inputs in host memory), plain activation
+    offload of k blocks. memory.* fields the user gave under memory=auto (layers, granularity, offload) fix those
+    dimensions. memory.tiled_mlp=auto adds the MLP over token tiles to whole-block checkpointing (long rows), and
+    to an explicit policy (untiled if that fits: the ranking prefers it)."""
     given = given or MemoryConfig(policy="auto", tiled_mlp="auto")
     if given.policy != "auto":  # an explicit policy is evaluated as given
         if given.tiled_mlp == "auto":
@@ -148,13 +147,12 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
             if MEMORY_POLICIES[mem.policy].tiles_when_auto and mem.layers == "all"
         ]
     elif tiles:
-        out = [dataclasses.replace(mem, tiled_mlp=tiles) for mem in out if _tiles(mem)]
+        out = [
+            dataclasses.replace(mem, tiled_mlp=tiles)
+            for mem in out
+            if MEMORY_POLICIES[mem.policy].tiles_mlp(mem.granularity)
+        ]
     return out
-
-
-def _tiles(memory: MemoryConfig) -> bool:
-    """Whether this policy's MLP may run over tiles (its own check: not around an MLP recomputed whole)."""
-    return MEMORY_POLICIES[memory.policy].tiles_mlp(memory.granularity)
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> Candidate:
@@ -328,7 +326,9 @@ def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
     if not tiled_mlp:
         return plain
     return [
-        (f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp)) for label, mem in plain if _tiles(mem)
+        (f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp))
+        for label, mem in plain
+        if MEMORY_POLICIES[mem.policy].tiles_mlp(mem.granularity)  # not around an MLP recomputed whole
     ]
 
 
