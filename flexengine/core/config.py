@@ -120,10 +120,11 @@ class MemoryConfig:
         check_choice("memory.policy", self.policy, (*MEMORY_POLICIES, "auto"))  # read now: a test may add one
         if self.policy == "auto":
             return
+        policy = MEMORY_POLICIES[self.policy]
         self.layers = "all" if self.layers is None else self.layers
-        self.granularity = "block" if self.granularity is None else self.granularity
+        self.granularity = (policy.granularity or "block") if self.granularity is None else self.granularity
         self.offload = bool(self.offload)
-        MEMORY_POLICIES[self.policy].check(self)
+        policy.check(self)
 
 
 @dataclass

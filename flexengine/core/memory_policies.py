@@ -75,6 +75,9 @@ class MemoryPolicy:
 class WholeBlocks(MemoryPolicy):
     """A policy that recomputes whole blocks only: memory.granularity may not name a part."""
 
+    recomputes: bool = True
+    granularity: Optional[str] = "block"
+
     def check(self, memory: MemoryFields) -> None:
         """memory.granularity is its own, then the base's refusals."""
         if memory.granularity != self.granularity:
@@ -91,7 +94,7 @@ MEMORY_POLICIES: dict[str, MemoryPolicy] = {
     p.name: p
     for p in (
         MemoryPolicy("none"),  # every block keeps all its activations
-        WholeBlocks("full", recomputes=True, offloads_inputs=True, granularity="block", tiles_when_auto=True),
+        WholeBlocks("full", offloads_inputs=True, tiles_when_auto=True),
         MemoryPolicy("selective", recomputes=True, offloads_inputs=True),  # the memory.granularity part re-runs
         MemoryPolicy("offload", offloads=True),  # every saved tensor in host memory, nothing re-runs
     )

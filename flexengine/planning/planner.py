@@ -119,10 +119,9 @@ def describe(specs: Sequence[MemorySpec]) -> str:
 
 def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
     """Concrete policies the planner weighs: each MEMORY_POLICIES entry's own (`searched`) on k = 0..L blocks
-    spread evenly -- recompute x granularity x offload (checkpoint inputs in host memory), plain activation
-    offload of k blocks. memory.* fields the user gave under memory=auto (layers, granularity, offload) fix those
-    dimensions. memory.tiled_mlp=auto adds the MLP over token tiles to whole-block checkpointing (long rows), and
-    to an explicit policy (untiled if that fits: the ranking prefers it)."""
+    spread evenly, keeping the memory.* fields the user gave under memory=auto (layers, granularity, offload).
+    memory.tiled_mlp=auto adds the MLP over token tiles to whole-block checkpointing (long rows), and to an
+    explicit policy (untiled if that fits: the ranking prefers it)."""
     given = given or MemoryConfig(policy="auto", tiled_mlp="auto")
     if given.policy != "auto":  # an explicit policy is evaluated as given
         if given.tiled_mlp == "auto":

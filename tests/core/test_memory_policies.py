@@ -21,7 +21,7 @@ from flexengine.surgery.model import build_hf_config
 from tests.helpers import A100, make_job
 from tests.surgery.memory.test_kinds import SEVEN_B
 
-FULL_OFFLOAD = WholeBlocks("full_offload", recomputes=True, offloads=True, granularity="block")
+FULL_OFFLOAD = WholeBlocks("full_offload", offloads=True)  # whole blocks re-run, their inputs in host memory
 
 
 @pytest.fixture
