@@ -26,7 +26,6 @@ from flexengine.core.config_checks import (  # noqa: F401 (re-exported)
     FIXED_ROPE_INSTEAD,
     LONG_DOC_POLICIES,
     MAX_SAMPLE_TOKENS,
-    MEMORY_POLICIES,
     MODEL_INITS,
     OPTIM_NAMES,
     PACKING_STRATEGIES,
@@ -45,6 +44,7 @@ from flexengine.core.config_data import SEQ_LEN_AUTO, DataConfig, MixSource  # n
 from flexengine.core.config_model import LoraConfig, ModelConfig, RopeScalingConfig  # noqa: F401 (re-exported)
 from flexengine.core.device_speed import DeviceSpeed
 from flexengine.core.errors import UserError
+from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.core.optimizers import OPTIMIZERS
 
 DEFAULT_WARMUP_STEPS = 10  # optim.warmup_steps when neither it nor optim.warmup_ratio is set
@@ -101,8 +101,7 @@ class AttnConfig:
 class MemoryConfig:
     """Activation memory policy per decoder block (see flexengine.surgery.memory)."""
 
-    # none: keep everything | full: recompute whole selected blocks | selective: recompute at `granularity` |
-    # offload: keep the selected blocks' saved tensors in CPU memory (no recompute) | auto: the planner picks
+    # a name of core/memory_policies.MEMORY_POLICIES (none | full | selective | offload), or auto: the planner picks
     policy: str = "none"  # (the shipped conf/ default is memory=auto)
     # The three below: null under policy=auto lets the planner choose; a value given is respected by it.
     # Under a concrete policy null means all / block / false.
@@ -118,29 +117,14 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         self.tiled_mlp = parse_tiled_mlp(self.tiled_mlp)
-        check_choice("memory.policy", self.policy, MEMORY_POLICIES)
-        if self.policy != "auto":
-            self.layers = "all" if self.layers is None else self.layers
-            self.granularity = "block" if self.granularity is None else self.granularity
-            self.offload = bool(self.offload)
+        check_choice("memory.policy", self.policy, (*MEMORY_POLICIES, "auto"))  # read now: a test may add one
         if self.policy == "auto":
             return
-        if self.policy == "full" and self.granularity != "block":
-            raise UserError(
-                f"memory=full recomputes whole blocks, but memory.granularity={self.granularity!r}; to recompute "
-                "part of each block use memory=selective with that granularity (its kinds are checked at "
-                "composition), or drop memory.granularity."
-            )
-        if self.policy in ("none", "offload") and self.offload:
-            raise UserError(
-                f"memory.offload=true offloads checkpoint inputs; memory.policy={self.policy} has none. "
-                "Use memory=offload to offload every saved tensor, or memory=full memory.offload=true."
-            )
-        if self.tiled_mlp and self.policy == "selective" and self.granularity == "mlp":
-            raise UserError(
-                f"memory.tiled_mlp={self.tiled_mlp} already recomputes the MLP (per tile) and "
-                "memory.granularity=mlp would recompute it again around the tiles: use one of them."
-            )
+        policy = MEMORY_POLICIES[self.policy]
+        self.layers = "all" if self.layers is None else self.layers
+        self.granularity = (policy.granularity or "block") if self.granularity is None else self.granularity
+        self.offload = bool(self.offload)
+        policy.check(self)
 
 
 @dataclass

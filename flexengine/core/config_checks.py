@@ -21,7 +21,6 @@ DATA_FORMATS = tuple(FORMATS)  # the shipped record formats (core/data_formats.p
 DATA_SOURCES = ("demo", "jsonl", "parquet", "hf")
 EVAL_OVERLAP = ("auto", "drop", "refuse", "allow")  # data.eval_overlap
 MODEL_INITS = ("auto", "pretrained", "random")
-MEMORY_POLICIES = ("none", "full", "selective", "offload", "auto")
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "llama3")
 REDUCE_EVERY = tuple(r.value for r in ReduceEvery)  # auto, window, micro_batch
 PARALLEL_STRATEGIES = tuple(s.value for s in Strategy)

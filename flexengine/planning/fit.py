@@ -17,6 +17,7 @@ from typing import Optional
 
 from flexengine.core.config import HardwareConfig, JobConfig, MemoryConfig, PrecisionConfig
 from flexengine.core.errors import UserError
+from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.core.parallel_spec import ReduceEvery, resolve_parallel
 from flexengine.core.units import GiB
 from flexengine.planning.costs import UNKNOWN
@@ -257,12 +258,10 @@ def _what_fits(job: JobConfig, hf_config, hardware: HardwareConfig, attention: O
 def _overrides(row: Candidate) -> str:
     """The command-line overrides that select a candidate."""
     mem = row.memory
-    parts = [f"memory={mem.policy}"]
-    if mem.policy != "none":
-        parts.append(f"memory.layers={mem.layers}")
-    if mem.policy in ("full", "selective"):
-        parts.append(f"memory.granularity={mem.granularity}" if mem.policy == "selective" else "")
-        parts.append("memory.offload=true" if mem.offload else "")
+    policy = MEMORY_POLICIES[mem.policy]
+    parts = [f"memory={mem.policy}", f"memory.layers={mem.layers}" if policy.chooses_blocks else ""]
+    parts.append(f"memory.granularity={mem.granularity}" if policy.recomputes and policy.granularity is None else "")
+    parts.append("memory.offload=true" if mem.offload else "")  # (only a policy that offloads inputs has it)
     parts.append(f"train.micro_batch={row.micro_batch} train.grad_accum={row.grad_accum}")
     return " ".join(p for p in parts if p)
 

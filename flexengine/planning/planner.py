@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from flexengine.core.config import MemoryConfig
+from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.core.units import GiB
 from flexengine.planning.activations import (
@@ -117,11 +118,10 @@ def describe(specs: Sequence[MemorySpec]) -> str:
 
 
 def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[MemoryConfig]:
-    """Concrete policies the planner weighs: k = 0..L checkpointed blocks spread evenly x granularity x offload
-    (checkpoint inputs in host memory), and plain activation offload of k blocks. memory.* fields the user
-    gave under memory=auto (layers, granularity, offload) fix those dimensions. memory.tiled_mlp=auto adds the
-    MLP over token tiles to whole-block checkpointing (long rows), and to an explicit policy (untiled if that
-    fits: the ranking prefers it)."""
+    """Concrete policies the planner weighs: each MEMORY_POLICIES entry's own (`searched`) on k = 0..L blocks
+    spread evenly, keeping the memory.* fields the user gave under memory=auto (layers, granularity, offload).
+    memory.tiled_mlp=auto adds the MLP over token tiles to whole-block checkpointing (long rows), and to an
+    explicit policy (untiled if that fits: the ranking prefers it)."""
     given = given or MemoryConfig(policy="auto", tiled_mlp="auto")
     if given.policy != "auto":  # an explicit policy is evaluated as given
         if given.tiled_mlp == "auto":
@@ -130,26 +130,26 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
     ks = [len(select_layers(given.layers, n_layers))] if given.layers is not None else range(n_layers + 1)
     grans = [given.granularity] if given.granularity is not None else granularities()
     offloads = [given.offload] if given.offload is not None else [False, True]
-    out = [MemoryConfig(policy="none")] if (given.offload is not True and given.layers is None) else []
-    for k in ks:
-        if k == 0:
-            continue
-        layers = given.layers if given.layers is not None else spread_layers(k, n_layers)
-        for gran in grans:
-            policy = "full" if gran == "block" else "selective"
-            out += [MemoryConfig(policy=policy, layers=layers, granularity=gran, offload=off) for off in offloads]
-        if True in offloads and given.granularity is None:
-            out.append(MemoryConfig(policy="offload", layers=layers))
+    layer_choices = [given.layers if given.layers is not None else spread_layers(k, n_layers) for k in ks if k]
+    blocks: list[Optional[str]] = [None, *layer_choices]  # None: no block (k=0)
+    out = [
+        MemoryConfig(**fields)
+        for layers in blocks
+        for policy in MEMORY_POLICIES.values()
+        for fields in policy.searched(layers, grans, offloads, given)
+    ]
     tiles = given.tiled_mlp
     if tiles == "auto":  # tiling pays off only where the MLP's whole-row tensors still live: whole-block recompute
         out += [
-            dataclasses.replace(mem, tiled_mlp="auto") for mem in out if mem.policy == "full" and mem.layers == "all"
+            dataclasses.replace(mem, tiled_mlp="auto")
+            for mem in out
+            if MEMORY_POLICIES[mem.policy].tiles_when_auto and mem.layers == "all"
         ]
     elif tiles:
         out = [
             dataclasses.replace(mem, tiled_mlp=tiles)
             for mem in out
-            if not (mem.policy == "selective" and mem.granularity == "mlp")
+            if MEMORY_POLICIES[mem.policy].tiles_mlp(mem.granularity)
         ]
     return out
 
@@ -327,7 +327,7 @@ def candidates_for(tiled_mlp: Any = "auto") -> list[tuple[str, MemoryConfig]]:
     return [
         (f"{label} + tiled MLP", dataclasses.replace(mem, tiled_mlp=tiled_mlp))
         for label, mem in plain
-        if not (mem.policy == "selective" and mem.granularity == "mlp")
+        if MEMORY_POLICIES[mem.policy].tiles_mlp(mem.granularity)  # not around an MLP recomputed whole
     ]
 
 

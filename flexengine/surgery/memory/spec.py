@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from flexengine.core.config import MemoryConfig
 from flexengine.core.errors import UserError
+from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.surgery.memory.kinds import KINDS, BlockFlops, RecomputeKind, kind
 
 
@@ -75,7 +76,8 @@ def block_memory_specs(memory: MemoryConfig, n_layers: int) -> tuple[MemorySpec,
             "(flexengine.resolve.resolve); run.py does this for training"
         )
     tile = int(memory.tiled_mlp)  # every block's MLP, whichever blocks memory.layers selects
-    if memory.policy == "none":
+    policy = MEMORY_POLICIES[memory.policy]
+    if not policy.chooses_blocks:
         return (MemorySpec(mlp_tile=tile),) * n_layers
     if memory.layers is None or memory.granularity is None or memory.offload is None:
         # MemoryConfig.__post_init__ fills all three under a concrete policy: a None is a config changed after it
@@ -85,6 +87,6 @@ def block_memory_specs(memory: MemoryConfig, n_layers: int) -> tuple[MemorySpec,
             "MemoryConfig(...) or dataclasses.replace so that its defaults are filled in"
         )
     chosen = set(select_layers(memory.layers, n_layers))
-    recompute = Recompute(memory.granularity) if memory.policy in ("full", "selective") else Recompute.NONE
-    selected = MemorySpec(recompute, offload=memory.policy == "offload" or memory.offload, mlp_tile=tile)
+    recompute = Recompute(memory.granularity) if policy.recomputes else Recompute.NONE
+    selected = MemorySpec(recompute, offload=policy.offloads or memory.offload, mlp_tile=tile)
     return tuple(selected if i in chosen else MemorySpec(mlp_tile=tile) for i in range(n_layers))
