@@ -61,10 +61,10 @@ def to_job_record(
     defaults when model.path holds pretrained weights and no model group is named, and of two keys that exclude
     each other the later-set one winning (flexengine.cli.first_contact; overrides: the command line's, kept as
     given; None = Hydra's record of them inside a Hydra app); and the record of where each of its values came from
-    (hydra_cfg: Hydra's own node, for the group options chosen; None = the running Hydra app's)."""
+    (hydra_cfg: Hydra's own node, for the files composed; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.config_sources import composed_sources, hydra_runtime, last_file_setting, value_from_files
+    from flexengine.cli.config_sources import COMMAND_LINE, composed_sources, hydra_layers
     from flexengine.cli.first_contact import (
         apply_pretrained_defaults,
         command_line_keys,
@@ -76,9 +76,10 @@ def to_job_record(
     from flexengine.surgery.memory.kinds import check_granularity  # KINDS, torch-free
 
     given = given_overrides(overrides)
-    check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
-    runtime = hydra_runtime(hydra_cfg)
-    overruled = later_setting_wins(cfg, given, lambda key: last_file_setting(key, runtime))
+    typed = command_line_keys(given)
+    check_known_keys(cfg, typed)  # a + / ++ key the conversion below would drop unread
+    layers = hydra_layers(given, typed, hydra_cfg)
+    overruled = later_setting_wins(cfg, layers)
     try:
         job = OmegaConf.to_object(cfg)
     except UserError:
@@ -89,13 +90,14 @@ def to_job_record(
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    record = ConfigRecord(job, composed_sources(job, command_line_keys(given), runtime))
-    for key, (winner, file) in overruled.items():
-        where = FROM_COMMAND_LINE if file is None else from_config_file(file)
-        record.set(key, None, f"{where} ({winner} {'typed' if file is None else 'set'} there excludes it)")
+    record = ConfigRecord(job, composed_sources(job, layers, typed))
+    for key, (winner, label) in overruled.items():
+        how = "typed" if label == COMMAND_LINE else "set"
+        where = FROM_COMMAND_LINE if label == COMMAND_LINE else from_config_file(label)
+        record.set(key, None, f"{where} ({winner} {how} there excludes it)")
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
-    job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))
+    job = keep_rows_per_step(job, typed, layers)
     record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
     check_granularity(job.memory.granularity)  # a kind of the recompute table, the only list of them
@@ -127,25 +129,26 @@ def group_options(group: str) -> tuple[str, ...]:
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
     """Compose the shipped conf/ with the same overrides as `flexengine train`: the DictConfig an entry point gets."""
-    return _compose(overrides, schema)[0]
+    return _compose(overrides, schema, lambda cfg, hydra_cfg: cfg)
 
 
-def _compose(overrides: Sequence[str], schema: type) -> tuple[Any, Any]:
-    """(the DictConfig an entry point gets, Hydra's own node: the group options chosen, the search path)."""
+def _compose(overrides: Sequence[str], schema: type, then: Callable[[Any, Any], Any]) -> Any:
+    """then(the DictConfig an entry point gets, Hydra's own node), called inside the composition: there Hydra's
+    loader can say which files it composed."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import open_dict
 
     register_schema(schema)
-    try:
-        with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+    with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+        try:
             cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    except HydraException as e:  # a misspelled key or group option, an override it cannot parse
-        raise composition_error(e, schema, overrides) from None
-    hydra_cfg = cfg.hydra
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, hydra_cfg
+        except HydraException as e:  # a misspelled key or group option, an override it cannot parse
+            raise composition_error(e, schema, overrides) from None
+        hydra_cfg = cfg.hydra
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return then(cfg, hydra_cfg)
 
 
 def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
@@ -155,8 +158,7 @@ def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig
 
 def compose_job_record(overrides: Sequence[str], schema: type = JobConfig) -> tuple[JobConfig, ConfigRecord]:
     """compose_job, and the record of where each value came from (flexengine.core.config_record)."""
-    cfg, hydra_cfg = _compose(overrides, schema)
-    return to_job_record(cfg, overrides, hydra_cfg)
+    return _compose(overrides, schema, lambda cfg, hydra_cfg: to_job_record(cfg, overrides, hydra_cfg))
 
 
 # Third-party lines that bury a run's first useful ones: torchao's optional CUDA kernels its wheel cannot load,
