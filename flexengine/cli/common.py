@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
-from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord, from_config_file
+from flexengine.core.config_record import AUTO_ATTENTION_RULES, ConfigRecord
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
 
@@ -64,21 +64,13 @@ def to_job_record(
     (hydra_cfg: Hydra's own node, for the files composed; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.config_sources import COMMAND_LINE, composed_sources, hydra_layers
-    from flexengine.cli.first_contact import (
-        apply_pretrained_defaults,
-        command_line_keys,
-        given_overrides,
-        keep_rows_per_step,
-        later_setting_wins,
-    )
+    from flexengine.cli.config_sources import composed_sources, composition
+    from flexengine.cli.first_contact import apply_pretrained_defaults, keep_rows_per_step, later_setting_wins
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
     from flexengine.surgery.memory.kinds import check_granularity  # KINDS, torch-free
 
-    given = given_overrides(overrides)
-    typed = command_line_keys(given)
+    typed, layers = composition(overrides, hydra_cfg)
     check_known_keys(cfg, typed)  # a + / ++ key the conversion below would drop unread
-    layers = hydra_layers(given, typed, hydra_cfg)
     overruled = later_setting_wins(cfg, layers)
     try:
         job = OmegaConf.to_object(cfg)
@@ -91,17 +83,15 @@ def to_job_record(
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
     record = ConfigRecord(job, composed_sources(job, layers, typed))
-    for key, (winner, label) in overruled.items():
-        how = "typed" if label == COMMAND_LINE else "set"
-        where = FROM_COMMAND_LINE if label == COMMAND_LINE else from_config_file(label)
-        record.set(key, None, f"{where} ({winner} {how} there excludes it)")
+    for key, source in overruled.items():
+        record.set(key, None, source)
     resolve_attention_rules(job)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
     job = keep_rows_per_step(job, typed, layers)
     record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
     check_granularity(job.memory.granularity)  # a kind of the recompute table, the only list of them
-    return apply_pretrained_defaults(job, given, record), record
+    return apply_pretrained_defaults(job, typed, record), record
 
 
 def check_inputs_early(job: JobConfig) -> None:
@@ -224,7 +214,7 @@ def check_keys_before_hydra(argv: Sequence[str], schema: type = JobConfig) -> No
     overrides = _first_combination(argv)
     if overrides is None:
         return
-    from flexengine.cli.first_contact import command_line_keys
+    from flexengine.cli.config_sources import command_line_keys
 
     check_known_keys(compose_config(overrides, schema), command_line_keys(overrides))
 

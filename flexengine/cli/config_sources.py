@@ -9,7 +9,7 @@ owns it. The record starts here; flexengine.core.config_record follows the run's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import yaml
 
@@ -21,25 +21,33 @@ COMMAND_LINE = "command line"  # the label of the last layer: the keys typed
 Layers = Optional[list[tuple[str, dict[str, Any]]]]
 
 
-def hydra_layers(overrides: Sequence[str], typed: set[str], hydra_cfg: Any = None) -> Layers:
-    """The layers of the composition running now (hydra_cfg: Hydra's own node, else the running app's; overrides:
-    all of the command line, Hydra's own included; typed: its dotted keys). None outside a Hydra composition."""
+def command_line_keys(overrides: Iterable[str]) -> set[str]:
+    """The dotted keys a list of Hydra overrides sets (`optim.lr=1e-4`, `+train.x=1`; group choices too)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+def composition(overrides: Optional[Sequence[str]], hydra_cfg: Any = None) -> tuple[set[str], Layers]:
+    """(the keys the command line typed, the layers of the composition). overrides: the command line's, None =
+    Hydra's record of them inside a Hydra app; hydra_cfg: Hydra's own node, None = the running app's (then
+    Hydra's own overrides count too: a hydra.searchpath adds files). Layers are None outside a Hydra composition."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if hydra_cfg is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        if not HydraConfig.initialized() or not GlobalHydra.instance().is_initialized():
-            return None  # a library call, or a config composed without its hydra node
+    given = list(overrides or ())
+    if hydra_cfg is None and HydraConfig.initialized():  # a Hydra app, or a test's compose
         hydra_cfg = HydraConfig.get()
+        given = list(hydra_cfg.overrides.task) if overrides is None else given
         overrides = [*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task]
+    typed = command_line_keys(given)
+    if hydra_cfg is None or not GlobalHydra.instance().is_initialized():
+        return typed, None  # a library call, or a config composed without its hydra node
     loader = GlobalHydra.instance().config_loader()
-    defaults = loader.compute_defaults_list("config", list(overrides), RunMode.RUN).defaults
+    defaults = loader.compute_defaults_list(hydra_cfg.job.config_name, list(overrides or ()), RunMode.RUN).defaults
     dirs = _search_dirs(hydra_cfg.runtime.config_sources)
     layers = [_file_layer(d.config_path, d.package or "", dirs) for d in defaults if d.config_path and not d.primary]
     choices = set(hydra_cfg.runtime.choices)  # a group typed (model=...) is its file's layer, not a key
-    return [*(layer for layer in layers if layer), (COMMAND_LINE, dict.fromkeys(typed - choices))]
+    return typed, [*(layer for layer in layers if layer), (COMMAND_LINE, dict.fromkeys(typed - choices))]
 
 
 def _search_dirs(config_sources: Any) -> list[tuple[Path, str]]:

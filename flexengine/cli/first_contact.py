@@ -23,9 +23,9 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from flexengine.cli.config_sources import Layers, file_setting, last_setting
+from flexengine.cli.config_sources import COMMAND_LINE, Layers, file_setting, last_setting
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
-from flexengine.core.config_record import ConfigRecord
+from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,6 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 def holds_weights(path: str) -> bool:
     """Whether a model directory has weight files (not just config.json: model.init=random benchmarks)."""
     return any(any(Path(path).glob(pattern)) for pattern in WEIGHT_FILES)
-
-
-def command_line_keys(overrides: Iterable[str]) -> set[str]:
-    """The dotted keys a list of Hydra overrides sets (`optim.lr=1e-4`, `+train.x=1`; group choices too)."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
 def format_params(params: int) -> str:
@@ -135,17 +130,17 @@ def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
 
 
 def apply_pretrained_defaults(
-    job: JobConfig, given: Iterable[str] = (), record: Optional[ConfigRecord] = None
+    job: JobConfig, explicit: Iterable[str] = (), record: Optional[ConfigRecord] = None
 ) -> JobConfig:
     """The job with fine-tuning defaults when model.path holds pretrained weights and the model group is the demo's
-    (see the module docstring); unchanged otherwise. given: the command line's overrides (those keys are kept);
+    (see the module docstring); unchanged otherwise. explicit: the keys the command line typed (those are kept);
     record: takes each value changed, labelled first-contact with the file it came from."""
     model = job.model
     if model.name != DEMO_MODEL or not model.loads_weights or not holds_weights(str(model.path)):
         return job
     params = _counted_params(model)
     source, raw, source_params = min(_shipped_finetune_configs(), key=lambda c: abs(math.log(c[2] / params)))
-    explicit = command_line_keys(given)
+    explicit = set(explicit)
     notes = [f"model.name={Path(str(model.path)).name} (the directory name of model.path)"]
     rows_kept: dict = {}
     if max(params, source_params) / min(params, source_params) <= SAME_SIZE:
@@ -269,29 +264,16 @@ def keep_rows_per_step(job: JobConfig, explicit: set[str], layers: Layers) -> Jo
     return dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=accum))
 
 
-def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
-    """The command line's overrides, or Hydra's record of them (None: inside a Hydra app, read from HydraConfig;
-    outside one, nothing was given)."""
-    if overrides is not None:
-        return list(overrides)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except ValueError:  # not inside a Hydra app
-        return []
-
-
 # keys that exclude each other (JobConfig refuses both set): of two set by different sources, the later one wins
 # (a 7B model config warms up by optim.warmup_ratio, debug=fast and a user's older experiment by optim.warmup_steps)
 EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
 
 
-def later_setting_wins(cfg: Any, layers: Layers) -> dict[str, tuple[str, str]]:
+def later_setting_wins(cfg: Any, layers: Layers) -> dict[str, str]:
     """Null, in the composed DictConfig cfg, the earlier-set key of two that exclude each other, both set (logged):
     the command line's over any config file's, a later file's in the defaults order over an earlier one's. Both
-    typed, or both from one file, stay JobConfig's error. Returns {nulled key: (the key that excluded it, the
-    label of the layer that set that one)}."""
+    typed, or both from one file, stay JobConfig's error. Returns {nulled key: its source label, naming the key
+    that excluded it and where that was set}."""
     from omegaconf import OmegaConf, read_write
 
     overruled = {}
@@ -312,5 +294,6 @@ def later_setting_wins(cfg: Any, layers: Layers) -> dict[str, tuple[str, str]]:
         )
         with read_write(cfg):
             OmegaConf.update(cfg, earlier, None)
-        overruled[earlier] = (later, late)
+        where = FROM_COMMAND_LINE if late == COMMAND_LINE else from_config_file(late)
+        overruled[earlier] = f"{where} ({later} {'typed' if late == COMMAND_LINE else 'set'} there excludes it)"
     return overruled
