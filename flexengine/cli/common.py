@@ -8,7 +8,6 @@ Importing this module registers nothing and imports neither Hydra nor torch: eac
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
-from flexengine.core.config_record import AUTO_ATTENTION_RULES, ConfigRecord
+from flexengine.core.config_record import AUTO_ATTENTION_RULES, ConfigRecord, flat_config
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
 
@@ -298,48 +297,20 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, dict)):
-        text = json.dumps(
-            value,
-            separators=(",", ":"),
-            default=lambda o: (
-                dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type) else str(o)
-            ),
-        )
+        text = json.dumps(value, separators=(",", ":"), default=str)
         return text if len(text) <= 40 else text[:37] + "..."
     return str(value)
 
 
 def format_job_short(job: JobConfig) -> str:
     """The resolved config in a few lines: each group's main fields and whatever differs from the defaults."""
-    lines = []
-    for group in dataclasses.fields(job):
-        shown = []
-        for key, value, default in _flat_fields(getattr(job, group.name)):
-            if key in _SHORT_KEYS.get(group.name, ()) or (value != default and value is not None):
-                shown.append(f"{key}={_short(value)}")
-        if shown:
-            lines.append(f"  {group.name}: " + " ".join(shown))
-    return "\n".join(lines)
-
-
-def _flat_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, value, schema default) of a config dataclass, nested dataclasses flattened."""
-    out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out += _flat_fields(value, f"{prefix}{f.name}.")
-        else:
-            out.append((prefix + f.name, value, _field_default(f)))
-    return out
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
+    defaults = flat_config(type(job)())
+    shown: dict[str, list[str]] = {}
+    for key, value in flat_config(job).items():
+        group, _, name = key.partition(".")
+        if name in _SHORT_KEYS.get(group, ()) or (value != defaults[key] and value is not None):
+            shown.setdefault(group, []).append(f"{name}={_short(value)}")
+    return "\n".join(f"  {group}: " + " ".join(fields) for group, fields in shown.items())
 
 
 def copy_config(name: str, dest: Path) -> Path:
