@@ -56,16 +56,16 @@ def test_the_resolved_yaml_runs_again_as_an_experiment(tmp_path):
 
 def test_a_hydra_app_names_a_config_dirs_file_and_the_files_its_defaults_chose(tmp_path):
     """Inside a Hydra app (flexengine-plan, as flexengine-train) the files come from Hydra's own defaults list: a
-    --config-dir experiment's values are named by its path, the model group its defaults list overrides by the
+    --config-dir experiment's values are named by its path, the attn group its defaults list overrides by the
     shipped file, and a micro_batch typed alone keeps the experiment's rows per optimizer step."""
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(
-        "# @package _global_\ndefaults:\n  - override /model: deepseek7b\n"
-        "optim:\n  lr: 3.0e-4\ntrain:\n  grad_accum: 4\n"
+        "# @package _global_\ndefaults:\n  - override /attn: causal\n"
+        "optim:\n  lr: 3.0e-4\ntrain:\n  micro_batch: 1\n  grad_accum: 4\n"
     )
-    overrides = ["experiment=mine", "model.init=random", "data.source=demo", "train.micro_batch=2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "flexengine.plan", "--config-dir", str(tmp_path), *overrides, "plan.format=resolved"],
+        [sys.executable, "-m", "flexengine.plan", "--config-dir", str(tmp_path), "experiment=mine"]
+        + ["train.micro_batch=2", "plan.format=resolved"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -73,10 +73,16 @@ def test_a_hydra_app_names_a_config_dirs_file_and_the_files_its_defaults_chose(t
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.partition("  # ") for line in proc.stdout.splitlines() if "  # " in line]
-    sources = {value.split(":")[0].strip(): source for value, _, source in lines}  # lr, grad_accum: one group's
-    assert sources["lr"] == from_config_file(f"{tmp_path}/experiment/mine.yaml")
-    assert sources["weight_decay"] == from_config_file("conf/model/deepseek7b.yaml")
-    assert sources["micro_batch"] == FROM_COMMAND_LINE
-    assert sources["grad_accum"].startswith("auto: keeps the config file's rows per optimizer step")
-    assert "grad_accum: 2  #" in proc.stdout  # the file's 1 x 4 rows at micro_batch 2
+    group, sources = "", {}
+    for line in proc.stdout.splitlines():  # resolved_config.yaml: groups, then `  key: value  # source`
+        value, _, source = line.partition("  # ")
+        if not line.startswith(("#", " ")):
+            group = line.rstrip(":")
+        elif source:
+            sources[f"{group}.{value.split(':')[0].strip()}"] = source
+    assert sources["optim.lr"] == from_config_file(f"{tmp_path}/experiment/mine.yaml")
+    assert sources["attn.mode"] == from_config_file("conf/attn/causal.yaml")
+    assert sources["optim.weight_decay"] == from_config_file("conf/optim/adamw.yaml")
+    assert sources["train.micro_batch"] == FROM_COMMAND_LINE
+    assert sources["train.grad_accum"].startswith("auto: keeps the config file's rows per optimizer step")
+    assert "  grad_accum: 2  #" in proc.stdout  # the file's 1 x 4 rows at micro_batch 2
