@@ -8,7 +8,6 @@ Importing this module registers nothing and imports neither Hydra nor torch: eac
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 from flexengine.cli.config_errors import check_known_keys, composition_error
 from flexengine.core.config import JobConfig, check_choice, conf_dir
-from flexengine.core.config_record import AUTO_ATTENTION_RULES, FROM_COMMAND_LINE, ConfigRecord, from_config_file
+from flexengine.core.config_record import AUTO_ATTENTION_RULES, ConfigRecord, flat_config
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
 
@@ -61,24 +60,17 @@ def to_job_record(
     defaults when model.path holds pretrained weights and no model group is named, and of two keys that exclude
     each other the later-set one winning (flexengine.cli.first_contact; overrides: the command line's, kept as
     given; None = Hydra's record of them inside a Hydra app); and the record of where each of its values came from
-    (hydra_cfg: Hydra's own node, for the group options chosen; None = the running Hydra app's)."""
+    (hydra_cfg: Hydra's own node, for the files composed; None = the running Hydra app's)."""
     from omegaconf import OmegaConf
 
-    from flexengine.cli.config_sources import composed_sources, hydra_runtime, last_file_setting, value_from_files
-    from flexengine.cli.first_contact import (
-        apply_pretrained_defaults,
-        command_line_keys,
-        given_overrides,
-        keep_rows_per_step,
-        later_setting_wins,
-    )
+    from flexengine.cli.config_sources import composed_sources, composition
+    from flexengine.cli.first_contact import apply_pretrained_defaults, keep_rows_per_step, later_setting_wins
     from flexengine.surgery.attention.job_rules import resolve_attention_rules  # MODES, torch-free
     from flexengine.surgery.memory.kinds import check_granularity  # KINDS, torch-free
 
-    given = given_overrides(overrides)
-    check_known_keys(cfg, command_line_keys(given))  # a + / ++ key the conversion below would drop unread
-    runtime = hydra_runtime(hydra_cfg)
-    overruled = later_setting_wins(cfg, given, lambda key: last_file_setting(key, runtime))
+    typed, layers = composition(overrides, hydra_cfg)
+    check_known_keys(cfg, typed)  # a + / ++ key the conversion below would drop unread
+    overruled = later_setting_wins(cfg, layers)
     try:
         job = OmegaConf.to_object(cfg)
     except UserError:
@@ -89,17 +81,16 @@ def to_job_record(
             raise cause from None
         raise UserError(f"invalid configuration: {e}") from None
     assert isinstance(job, JobConfig)
-    record = ConfigRecord(job, composed_sources(job, command_line_keys(given), runtime))
-    for key, (winner, file) in overruled.items():
-        where = FROM_COMMAND_LINE if file is None else from_config_file(file)
-        record.set(key, None, f"{where} ({winner} {'typed' if file is None else 'set'} there excludes it)")
+    record = ConfigRecord(job, composed_sources(job, layers, typed))
+    for key, source in overruled.items():
+        record.set(key, None, source)
     resolve_attention_rules(job.attn, job.data, job.model)  # attn.mode against packing, window, RoPE
     record.update(job, AUTO_ATTENTION_RULES)
-    job = keep_rows_per_step(job, command_line_keys(given), lambda key: value_from_files(key, runtime))
+    job = keep_rows_per_step(job, typed, layers)
     record.update(job, "auto: keeps the config file's rows per optimizer step (train.micro_batch typed alone)")
     check_choice("precision.mode", job.precision.mode, group_options("precision"))
     check_granularity(job.memory.granularity)  # a kind of the recompute table, the only list of them
-    return apply_pretrained_defaults(job, given, record), record
+    return apply_pretrained_defaults(job, typed, record), record
 
 
 def check_inputs_early(job: JobConfig) -> None:
@@ -127,25 +118,26 @@ def group_options(group: str) -> tuple[str, ...]:
 
 def compose_config(overrides: Sequence[str], schema: type = JobConfig) -> Any:
     """Compose the shipped conf/ with the same overrides as `flexengine train`: the DictConfig an entry point gets."""
-    return _compose(overrides, schema)[0]
+    return _compose(overrides, schema, lambda cfg, hydra_cfg: cfg)
 
 
-def _compose(overrides: Sequence[str], schema: type) -> tuple[Any, Any]:
-    """(the DictConfig an entry point gets, Hydra's own node: the group options chosen, the search path)."""
+def _compose(overrides: Sequence[str], schema: type, then: Callable[[Any, Any], Any]) -> Any:
+    """then(the DictConfig an entry point gets, Hydra's own node), called inside the composition: there Hydra's
+    loader can say which files it composed."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import open_dict
 
     register_schema(schema)
-    try:
-        with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+    with initialize_config_module(version_base="1.3", config_module=CONFIG_MODULE):
+        try:
             cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    except HydraException as e:  # a misspelled key or group option, an override it cannot parse
-        raise composition_error(e, schema, overrides) from None
-    hydra_cfg = cfg.hydra
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, hydra_cfg
+        except HydraException as e:  # a misspelled key or group option, an override it cannot parse
+            raise composition_error(e, schema, overrides) from None
+        hydra_cfg = cfg.hydra
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return then(cfg, hydra_cfg)
 
 
 def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig:
@@ -155,8 +147,7 @@ def compose_job(overrides: Sequence[str], schema: type = JobConfig) -> JobConfig
 
 def compose_job_record(overrides: Sequence[str], schema: type = JobConfig) -> tuple[JobConfig, ConfigRecord]:
     """compose_job, and the record of where each value came from (flexengine.core.config_record)."""
-    cfg, hydra_cfg = _compose(overrides, schema)
-    return to_job_record(cfg, overrides, hydra_cfg)
+    return _compose(overrides, schema, lambda cfg, hydra_cfg: to_job_record(cfg, overrides, hydra_cfg))
 
 
 # Third-party lines that bury a run's first useful ones: torchao's optional CUDA kernels its wheel cannot load,
@@ -222,7 +213,7 @@ def check_keys_before_hydra(argv: Sequence[str], schema: type = JobConfig) -> No
     overrides = _first_combination(argv)
     if overrides is None:
         return
-    from flexengine.cli.first_contact import command_line_keys
+    from flexengine.cli.config_sources import command_line_keys
 
     check_known_keys(compose_config(overrides, schema), command_line_keys(overrides))
 
@@ -306,48 +297,20 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, dict)):
-        text = json.dumps(
-            value,
-            separators=(",", ":"),
-            default=lambda o: (
-                dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type) else str(o)
-            ),
-        )
+        text = json.dumps(value, separators=(",", ":"), default=str)
         return text if len(text) <= 40 else text[:37] + "..."
     return str(value)
 
 
 def format_job_short(job: JobConfig) -> str:
     """The resolved config in a few lines: each group's main fields and whatever differs from the defaults."""
-    lines = []
-    for group in dataclasses.fields(job):
-        shown = []
-        for key, value, default in _flat_fields(getattr(job, group.name)):
-            if key in _SHORT_KEYS.get(group.name, ()) or (value != default and value is not None):
-                shown.append(f"{key}={_short(value)}")
-        if shown:
-            lines.append(f"  {group.name}: " + " ".join(shown))
-    return "\n".join(lines)
-
-
-def _flat_fields(obj: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted key, value, schema default) of a config dataclass, nested dataclasses flattened."""
-    out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out += _flat_fields(value, f"{prefix}{f.name}.")
-        else:
-            out.append((prefix + f.name, value, _field_default(f)))
-    return out
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
+    defaults = flat_config(type(job)())
+    shown: dict[str, list[str]] = {}
+    for key, value in flat_config(job).items():
+        group, _, name = key.partition(".")
+        if name in _SHORT_KEYS.get(group, ()) or (value != defaults[key] and value is not None):
+            shown.setdefault(group, []).append(f"{name}={_short(value)}")
+    return "\n".join(f"  {group}: " + " ".join(fields) for group, fields in shown.items())
 
 
 def copy_config(name: str, dest: Path) -> Path:

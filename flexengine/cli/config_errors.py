@@ -82,7 +82,7 @@ def composition_error(e: BaseException, schema: type, overrides: Sequence[str]) 
     (overrides: the command line's, to tell a key typed there from one in a config file)."""
     from hydra.errors import MissingConfigException, OverrideParseException
 
-    from flexengine.cli.first_contact import command_line_keys
+    from flexengine.cli.config_sources import command_line_keys
 
     cause = e.__cause__
     text = f"{e}\n{cause or ''}"

@@ -1,65 +1,60 @@
 """Where each value of a composed config came from: the command line, a config file (named), or the schema's default.
 
-Hydra composes the schema's defaults, then each chosen group option's YAML in the order of the defaults list, then
-the command line; it keeps no per-value record. This module rebuilds one from what Hydra does keep: the overrides
-typed, the group options chosen (`hydra.runtime.choices`) and the search path (`hydra.runtime.config_sources`),
-reading each chosen option's file (with its `# @package`) and letting the last file that sets a key own it. The
-record starts here; flexengine.core.config_record follows the run's later stages.
+Hydra keeps no per-value record, but it knows the rest: its defaults list is every config file it composed, in
+order, each under its package, and `hydra.runtime.config_sources` is the search path that found them. The layers
+below are those files' values in that order, then the keys the command line typed: the last layer that sets a key
+owns it. The record starts here; flexengine.core.config_record follows the run's later stages.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import yaml
 
 from flexengine.core.config import conf_dir
 from flexengine.core.config_record import FROM_COMMAND_LINE, FROM_SCHEMA_DEFAULT, flat_config, from_config_file
 
-_PACKAGE = re.compile(r"^#\s*@package\s+(\S+)")
+COMMAND_LINE = "command line"  # the label of the last layer: the keys typed
+# (label: a file, or COMMAND_LINE; {dotted key: value}) in composition order; None outside a Hydra composition
+Layers = Optional[list[tuple[str, dict[str, Any]]]]
 
 
-def hydra_runtime(hydra_cfg: Any = None) -> Optional[Any]:
-    """Hydra's `hydra.runtime` node: of hydra_cfg when given, else of the running Hydra app; None outside one."""
-    if hydra_cfg is not None:
-        return hydra_cfg.runtime
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime
-    except ValueError:  # not inside a Hydra app (a library call, or compose without its hydra node)
-        return None
+def command_line_keys(overrides: Iterable[str]) -> set[str]:
+    """The dotted keys a list of Hydra overrides sets (`optim.lr=1e-4`, `+train.x=1`; group choices too)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
-def composed_sources(job: Any, typed: Iterable[str], runtime: Optional[Any]) -> dict[str, str]:
-    """Dotted key -> source label for every value of the composed job. typed: the keys the command line set;
-    runtime: Hydra's `hydra.runtime` (its choices and search path), or None: then a value no key typed explains
-    and that differs from the schema's default is labelled as coming from "the composed config files"."""
-    typed = set(typed)
-    choices = dict(runtime.choices) if runtime is not None else {}
-    values = flat_config(job)
-    file_keys = _keys_set_by_files(choices, _search_dirs(runtime), values) if runtime is not None else {}
-    defaults = flat_config(type(job)())
-    out = {}
-    for key, value in values.items():
-        if any(t == key or t.startswith(key + ".") or key.startswith(t + ".") for t in typed - choices.keys()):
-            out[key] = FROM_COMMAND_LINE
-        elif key in file_keys:
-            out[key] = from_config_file(file_keys[key])
-        elif runtime is None and value != defaults.get(key):
-            out[key] = from_config_file("the composed config files")
-        else:
-            out[key] = FROM_SCHEMA_DEFAULT
-    return out
+def composition(overrides: Optional[Sequence[str]], hydra_cfg: Any = None) -> tuple[set[str], Layers]:
+    """(the keys the command line typed, the layers of the composition). overrides: the command line's, None =
+    Hydra's record of them inside a Hydra app; hydra_cfg: Hydra's own node, None = the running app's (then
+    Hydra's own overrides count too: a hydra.searchpath adds files). Layers are None outside a Hydra composition."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    given = list(overrides or ())
+    if hydra_cfg is None and HydraConfig.initialized():  # a Hydra app, or a test's compose
+        hydra_cfg = HydraConfig.get()
+        given = list(hydra_cfg.overrides.task) if overrides is None else given
+        overrides = [*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task]
+    typed = command_line_keys(given)
+    if hydra_cfg is None or not GlobalHydra.instance().is_initialized():
+        return typed, None  # a library call, or a config composed without its hydra node
+    loader = GlobalHydra.instance().config_loader()
+    defaults = loader.compute_defaults_list(hydra_cfg.job.config_name, list(overrides or ()), RunMode.RUN).defaults
+    dirs = _search_dirs(hydra_cfg.runtime.config_sources)
+    layers = [_file_layer(d.config_path, d.package or "", dirs) for d in defaults if d.config_path and not d.primary]
+    choices = set(hydra_cfg.runtime.choices)  # a group typed (model=...) is its file's layer, not a key
+    return typed, [*(layer for layer in layers if layer), (COMMAND_LINE, dict.fromkeys(typed - choices))]
 
 
-def _search_dirs(runtime: Any) -> list[tuple[Path, str]]:
+def _search_dirs(config_sources: Any) -> list[tuple[Path, str]]:
     """(directory, how to name a file in it) of the config search path, first match first: a --config-dir's files by
     their path, the shipped ones as conf/<group>/<option>.yaml."""
     dirs = []
-    for source in runtime.config_sources:
+    for source in config_sources:
         if source.schema == "file" and source.path:
             dirs.append((Path(source.path), str(Path(source.path))))
         elif source.schema == "pkg" and source.path == "flexengine.conf":
@@ -67,70 +62,15 @@ def _search_dirs(runtime: Any) -> list[tuple[Path, str]]:
     return dirs
 
 
-def _keys_set_by_files(
-    choices: Mapping[str, Optional[str]], dirs: list[tuple[Path, str]], leaves: Iterable[str]
-) -> dict[str, str]:
-    """The job's dotted key -> the last chosen option's file that sets it (or part of it: model.arch.hidden_size
-    sets model.arch)."""
-    leaves = list(leaves)
-    owner: dict[str, str] = {}
-    for label, values in _chosen_files(choices, dirs):
-        for key in values:
-            for leaf in leaves:
-                if leaf == key or key.startswith(leaf + ".") or leaf.startswith(key + "."):
-                    owner[leaf] = label
-    return owner
-
-
-def value_from_files(key: str, runtime: Optional[Any]) -> Optional[tuple[Any, str]]:
-    """(value, file) of the last chosen config file that sets the dotted `key`, before the command line; None when
-    no file sets it (or outside Hydra)."""
-    found = last_file_setting(key, runtime)
-    return None if found is None else found[1:]
-
-
-def last_file_setting(key: str, runtime: Optional[Any]) -> Optional[tuple[int, Any, str]]:
-    """(position in composition order, value, file) of the last chosen config file that sets the dotted `key`: of
-    two files, the one at the higher position composed later and its value stands. None when no file sets it (or
-    outside Hydra)."""
-    if runtime is None:
+def _file_layer(config_path: str, package: str, dirs: list[tuple[Path, str]]) -> Optional[tuple[str, dict]]:
+    """(label, {dotted key: value}) of one composed file, its keys under the package Hydra put it in; None for a
+    config found nowhere in dirs (the schema, Hydra's own, a plugin's search path: not attributed)."""
+    found = next(((d / f"{config_path}.yaml", n) for d, n in dirs if (d / f"{config_path}.yaml").is_file()), None)
+    if found is None:
         return None
-    found = None
-    for position, (label, values) in enumerate(_chosen_files(dict(runtime.choices), _search_dirs(runtime))):
-        if key in values:
-            found = position, values[key], label
-    return found
-
-
-def _chosen_files(choices: Mapping[str, Optional[str]], dirs: list[tuple[Path, str]]) -> list[tuple[str, dict]]:
-    """(file label, {dotted key: value}) of each chosen group option's file, in composition order. Hydra's choices
-    list the defaults tree last-composed first (experiment before model before optim), hence reversed."""
-    out = []
-    for group, option in reversed(list(choices.items())):
-        if option is None or group.startswith("hydra"):
-            continue
-        path, name = next(
-            ((d / group / f"{option}.yaml", n) for d, n in dirs if (d / group / f"{option}.yaml").is_file()), (None, "")
-        )
-        if path is not None:  # else an option Hydra found elsewhere (a plugin's search path): not attributed
-            out.append((f"{name}/{group}/{option}.yaml", _file_values(path, group)))
-    return out
-
-
-def _file_values(path: Path, group: str) -> dict[str, Any]:
-    """The dotted keys one option file sets and their values, under its package (`# @package _global_`, else the
-    group's)."""
-    text = path.read_text(encoding="utf-8")
-    package = group.replace("/", ".")
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        match = _PACKAGE.match(line)
-        if match:
-            package = "" if match.group(1) == "_global_" else match.group(1).replace("_group_", package)
-    body = yaml.safe_load(text) or {}
+    body = yaml.safe_load(found[0].read_text(encoding="utf-8")) or {}
     body.pop("defaults", None)
-    return {f"{package}.{key}" if package else key: value for key, value in _flat_values(body).items()}
+    return f"{found[1]}/{config_path}.yaml", _flat_values(body, f"{package}." if package else "")
 
 
 def _flat_values(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -141,3 +81,40 @@ def _flat_values(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _touches(a: str, b: str) -> bool:
+    """Whether setting dotted key a sets part of b or b itself (model.arch.hidden_size sets model.arch)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def composed_sources(job: Any, layers: Layers, typed: set[str]) -> dict[str, str]:
+    """Dotted key -> source label for every value of the composed job: the last layer that sets it, else the
+    schema's default. Without layers (outside Hydra) a key typed is the command line's, and a value that differs
+    from the schema's default is labelled as coming from "the composed config files"."""
+    defaults = flat_config(type(job)())
+    out = {}
+    for key, value in flat_config(job).items():
+        owners = layers or [(COMMAND_LINE, dict.fromkeys(typed))]
+        owner = next((label for label, keys in reversed(owners) if any(_touches(k, key) for k in keys)), None)
+        if owner == COMMAND_LINE:
+            out[key] = FROM_COMMAND_LINE
+        elif owner is not None:
+            out[key] = from_config_file(owner)
+        elif layers is None and value != defaults.get(key):
+            out[key] = from_config_file("the composed config files")
+        else:
+            out[key] = FROM_SCHEMA_DEFAULT
+    return out
+
+
+def last_setting(key: str, layers: Layers) -> Optional[tuple[int, str, Any]]:
+    """(position in composition order, label, value) of the last layer that sets the dotted key: of two, the one at
+    the higher position composed later and its value stands. None when none sets it (or outside Hydra)."""
+    found = [(i, label, keys[key]) for i, (label, keys) in enumerate(layers or ()) if key in keys]
+    return found[-1] if found else None
+
+
+def file_setting(key: str, layers: Layers) -> Optional[tuple[int, str, Any]]:
+    """last_setting among the config files only, before the command line."""
+    return last_setting(key, [layer for layer in layers or () if layer[0] != COMMAND_LINE])

@@ -19,12 +19,13 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import yaml
 
+from flexengine.cli.config_sources import COMMAND_LINE, Layers, file_setting, last_setting
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
-from flexengine.core.config_record import ConfigRecord
+from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,6 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 def holds_weights(path: str) -> bool:
     """Whether a model directory has weight files (not just config.json: model.init=random benchmarks)."""
     return any(any(Path(path).glob(pattern)) for pattern in WEIGHT_FILES)
-
-
-def command_line_keys(overrides: Iterable[str]) -> set[str]:
-    """The dotted keys a list of Hydra overrides sets (`optim.lr=1e-4`, `+train.x=1`; group choices too)."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
 def format_params(params: int) -> str:
@@ -113,36 +109,38 @@ def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
     return out
 
 
-def _schema_default(group: str, key: str) -> Any:
-    f = next(f for f in dataclasses.fields(type(getattr(JobConfig(), group))) if f.name == key)
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    raise ValueError(f"the schema gives {group}.{key} no default")
+def _value(job: JobConfig, key: str) -> Any:
+    """The value of a dotted group.field key (optim.lr) of a job; of JobConfig(): the schema's default."""
+    group, field = key.split(".")
+    return getattr(getattr(job, group), field)
+
+
+def _yours(job: JobConfig, key: str, explicit: set[str]) -> bool:
+    """Whether the user set key: typed, or changed from the schema's default by a config of theirs."""
+    return key in explicit or _value(job, key) != _value(JobConfig(), key)
 
 
 def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
     """train.max_steps is kept, never taken from a 7B config (the step count follows the user's data, not the model's
     size), but the demo's count is one of the settings that wreck a 7B run: say so where the defaults are listed."""
     steps = job.train.max_steps
-    if "train.max_steps" in explicit or steps != _schema_default("train", "max_steps"):
+    if _yours(job, "train.max_steps", explicit):
         return f"train.max_steps={steps} (yours)"
     return f"train.max_steps={steps} (kept: the demo's; set it for your data)"
 
 
 def apply_pretrained_defaults(
-    job: JobConfig, given: Iterable[str] = (), record: Optional[ConfigRecord] = None
+    job: JobConfig, explicit: Iterable[str] = (), record: Optional[ConfigRecord] = None
 ) -> JobConfig:
     """The job with fine-tuning defaults when model.path holds pretrained weights and the model group is the demo's
-    (see the module docstring); unchanged otherwise. given: the command line's overrides (those keys are kept);
+    (see the module docstring); unchanged otherwise. explicit: the keys the command line typed (those are kept);
     record: takes each value changed, labelled first-contact with the file it came from."""
     model = job.model
     if model.name != DEMO_MODEL or not model.loads_weights or not holds_weights(str(model.path)):
         return job
     params = _counted_params(model)
     source, raw, source_params = min(_shipped_finetune_configs(), key=lambda c: abs(math.log(c[2] / params)))
-    explicit = command_line_keys(given)
+    explicit = set(explicit)
     notes = [f"model.name={Path(str(model.path)).name} (the directory name of model.path)"]
     rows_kept: dict = {}
     if max(params, source_params) / min(params, source_params) <= SAME_SIZE:
@@ -170,8 +168,8 @@ def apply_pretrained_defaults(
         model.path,
         format_params(params),
         DEMO_MODEL,
-        _schema_default("optim", "lr"),  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
-        _schema_default("optim", "weight_decay"),
+        _value(JobConfig(), "optim.lr"),  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
+        _value(JobConfig(), "optim.weight_decay"),
         "\n  ".join(notes),
     )
     groups: dict[str, dict] = {}
@@ -188,13 +186,8 @@ def apply_pretrained_defaults(
 def _whose_rows(job: JobConfig, explicit: set[str]) -> str:
     """train.micro_batch and train.grad_accum, each said to be the user's (typed, or changed from the demo's by a
     config of theirs) or the demo's."""
-    parts = []
-    for key in SIZE_KEYS:
-        group, field = key.split(".")
-        value = getattr(job.train, field)
-        yours = key in explicit or value != _schema_default(group, field)
-        parts.append(f"{key}={value} " + ("(yours)" if yours else "(the demo's)"))
-    return " x ".join(parts)
+    whose = {True: "(yours)", False: "(the demo's)"}
+    return " x ".join(f"{key}={_value(job, key)} {whose[_yours(job, key, explicit)]}" for key in SIZE_KEYS)
 
 
 def _rows_kept(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
@@ -233,10 +226,8 @@ def _taken_defaults(
     set. Each one noted."""
     changes = {}
     for key, value in defaults.items():
-        group, field = key.split(".")
-        current = getattr(getattr(job, group), field)
-        if key in explicit or current != _schema_default(group, field):
-            notes.append(f"{key}={current} (yours)")
+        if _yours(job, key, explicit):
+            notes.append(f"{key}={_value(job, key)} (yours)")
         elif key == "optim.warmup_ratio" and job.optim.warmup_steps is not None:
             notes.append(f"optim.warmup_steps={job.optim.warmup_steps} (yours)")
         else:
@@ -245,21 +236,17 @@ def _taken_defaults(
     return changes
 
 
-def keep_rows_per_step(
-    job: JobConfig, explicit: set[str], from_files: Callable[[str], Optional[tuple[Any, str]]]
-) -> JobConfig:
+def keep_rows_per_step(job: JobConfig, explicit: set[str], layers: Layers) -> JobConfig:
     """train.micro_batch typed alone, over a config file's micro_batch x grad_accum (a 7B experiment's 1 x 8): the
     accumulation follows, so the file's rows per optimizer step stay (logged; typing train.grad_accum too keeps
-    both as typed). from_files(key): (value, file) as the config files set key, or None."""
-    if not micro_batch_typed_alone(explicit):
+    both as typed)."""
+    accum_from = file_setting("train.grad_accum", layers)
+    if not micro_batch_typed_alone(explicit) or accum_from is None:
         return job
-    accum_from = from_files("train.grad_accum")
-    if accum_from is None:
-        return job
-    micro_from = from_files("train.micro_batch")
-    file_micro = micro_from[0] if micro_from else _schema_default("train", "micro_batch")
+    micro_from = file_setting("train.micro_batch", layers)
+    file_micro = micro_from[2] if micro_from else _value(JobConfig(), "train.micro_batch")
     micro = job.train.micro_batch
-    accum, rows = accumulation_keeping_rows(file_micro, accum_from[0], micro)
+    accum, rows = accumulation_keeping_rows(file_micro, accum_from[2], micro)
     if accum == job.train.grad_accum and accum * micro == rows:
         return job
     log.warning(
@@ -271,23 +258,10 @@ def keep_rows_per_step(
         rows,
         accum_from[1],
         file_micro,
-        accum_from[0],
+        accum_from[2],
         "" if accum * micro == rows else f" as near as {micro} divides them: {accum * micro}",
     )
     return dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=accum))
-
-
-def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
-    """The command line's overrides, or Hydra's record of them (None: inside a Hydra app, read from HydraConfig;
-    outside one, nothing was given)."""
-    if overrides is not None:
-        return list(overrides)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except ValueError:  # not inside a Hydra app
-        return []
 
 
 # keys that exclude each other (JobConfig refuses both set): of two set by different sources, the later one wins
@@ -295,44 +269,31 @@ def given_overrides(overrides: Optional[Iterable[str]]) -> list[str]:
 EXCLUSIVE_KEYS = (("optim.warmup_ratio", "optim.warmup_steps"),)
 
 
-def later_setting_wins(
-    cfg: Any, given: Iterable[str], set_by_file: Callable[[str], Optional[tuple[int, Any, str]]]
-) -> dict[str, tuple[str, Optional[str]]]:
+def later_setting_wins(cfg: Any, layers: Layers) -> dict[str, str]:
     """Null, in the composed DictConfig cfg, the earlier-set key of two that exclude each other, both set (logged):
     the command line's over any config file's, a later file's in the defaults order over an earlier one's. Both
-    typed, or both from one file, stay JobConfig's error. set_by_file(key): (position, value, file) of the last
-    config file that sets key, or None. Returns {nulled key: (the key that excluded it, its file or None: typed)}."""
+    typed, or both from one file, stay JobConfig's error. Returns {nulled key: its source label, naming the key
+    that excluded it and where that was set}."""
     from omegaconf import OmegaConf, read_write
 
-    explicit = command_line_keys(given)
     overruled = {}
     for pair in EXCLUSIVE_KEYS:
-        if any(OmegaConf.select(cfg, key) is None for key in pair):
-            continue
-        when = {key: _set_when(key, explicit, set_by_file) for key in pair}
-        if None in when.values() or when[pair[0]] == when[pair[1]]:
-            continue  # both typed, both from one file, or a value no file explains: JobConfig names the pair
-        later, earlier = sorted(pair, key=lambda key: when[key][0], reverse=True)  # type: ignore[index]
+        found = [(key, last_setting(key, layers)) for key in pair if OmegaConf.select(cfg, key) is not None]
+        setters = sorted(((at[0], key, at[1]) for key, at in found if at is not None))
+        if len(setters) < 2 or setters[0][0] == setters[1][0]:
+            continue  # both typed, both from one file, or a value no layer explains: JobConfig names the pair
+        (_, earlier, early), (_, later, late) = setters
         log.info(
             "%s=%s (%s) wins over %s=%s (%s, composed before it)",
             later,
             OmegaConf.select(cfg, later),
-            when[later][1],  # type: ignore[index]
+            late,
             earlier,
             OmegaConf.select(cfg, earlier),
-            when[earlier][1],  # type: ignore[index]
+            early,
         )
         with read_write(cfg):
             OmegaConf.update(cfg, earlier, None)
-        overruled[earlier] = (later, None if later in explicit else when[later][1])  # type: ignore[index]
+        where = FROM_COMMAND_LINE if late == COMMAND_LINE else from_config_file(late)
+        overruled[earlier] = f"{where} ({later} {'typed' if late == COMMAND_LINE else 'set'} there excludes it)"
     return overruled
-
-
-def _set_when(
-    key: str, explicit: set[str], set_by_file: Callable[[str], Optional[tuple[int, Any, str]]]
-) -> Optional[tuple[float, str]]:
-    """(when key was set in composition order, by what): the command line last of all, else its last file."""
-    if key in explicit:
-        return math.inf, "command line"
-    found = set_by_file(key)
-    return None if found is None else (found[0], found[2])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from flexengine.cli.common import compose_job_record
 from flexengine.core.config_record import FROM_COMMAND_LINE, FROM_SCHEMA_DEFAULT, from_config_file
 
@@ -48,3 +52,37 @@ def test_the_resolved_yaml_runs_again_as_an_experiment(tmp_path):
     (tmp_path / "experiment" / "rerun.yaml").write_text(record.to_yaml())
     again, _ = compose_job_record([f"hydra.searchpath=[file://{tmp_path}]", "experiment=rerun"])
     assert again == job
+
+
+def test_a_hydra_app_names_a_config_dirs_file_and_the_files_its_defaults_chose(tmp_path):
+    """Inside a Hydra app (flexengine-plan, as flexengine-train) the files come from Hydra's own defaults list: a
+    --config-dir experiment's values are named by its path, the attn group its defaults list overrides by the
+    shipped file, and a micro_batch typed alone keeps the experiment's rows per optimizer step."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /attn: causal\n"
+        "optim:\n  lr: 3.0e-4\ntrain:\n  micro_batch: 1\n  grad_accum: 4\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexengine.plan", "--config-dir", str(tmp_path), "experiment=mine"]
+        + ["train.micro_batch=2", "plan.format=resolved"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group, sources = "", {}
+    for line in proc.stdout.splitlines():  # resolved_config.yaml: groups, then `  key: value  # source`
+        value, _, source = line.partition("  # ")
+        if not line.startswith(("#", " ")):
+            group = line.rstrip(":")
+        elif source:
+            sources[f"{group}.{value.split(':')[0].strip()}"] = source
+    assert sources["optim.lr"] == from_config_file(f"{tmp_path}/experiment/mine.yaml")
+    assert sources["attn.mode"] == from_config_file("conf/attn/causal.yaml")
+    assert sources["optim.weight_decay"] == from_config_file("conf/optim/adamw.yaml")
+    assert sources["train.micro_batch"] == FROM_COMMAND_LINE
+    assert sources["train.grad_accum"].startswith("auto: keeps the config file's rows per optimizer step")
+    assert "  grad_accum: 2  #" in proc.stdout  # the file's 1 x 4 rows at micro_batch 2
