@@ -19,7 +19,7 @@ from flexengine.core.device_speed import cache_path
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device
-from flexengine.core.parallel_spec import ParallelSpec
+from flexengine.core.parallel_spec import resolve_parallel
 from flexengine.core.storage import (
     CHECKPOINTS,
     check_output_dir,
@@ -146,15 +146,9 @@ def _build_checked_data(
 ) -> tuple[JobConfig, RowLoader, Optional[HeldOut], dict]:
     """build_data with its longest piece checked against the model's context; train.epochs becomes max_steps:
     (job, training loader, held-out batches or None, data report)."""
-    # pinned batches on CUDA: the trainer's non_blocking copies really are asynchronous
+    pin = device.type == "cuda"  # pinned batches on CUDA: the trainer's non_blocking copies really are asynchronous
     loader, eval_data, data_report = build_data(
-        job.data,
-        job.train,
-        tokenizer,
-        dist_info,
-        timeout_s=job.parallel.data_timeout_s,
-        flex=flex,
-        pin_memory=device.type == "cuda",
+        job.data, job.train, tokenizer, dist_info, timeout_s=job.parallel.data_timeout_s, flex=flex, pin_memory=pin
     )
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
     check_context(
@@ -207,7 +201,6 @@ def _apply_surgery(
 
 def _components(
     setup: TrainerSetup,
-    job: JobConfig,
     forward: ForwardPath,
     tokenizer: PreTrainedTokenizerBase,
     loader: RowLoader,
@@ -224,11 +217,11 @@ def _components(
     data_plan = data_plan_fingerprint(
         loader.corpus,
         loader.plan,
-        data=job.data,
-        micro_batch=job.train.micro_batch,
+        data=setup.data,
+        micro_batch=setup.train.micro_batch,
         world_size=dist_info.world_size,
         cp=dist_info.cp,
-        seed=job.train.seed,
+        seed=setup.train.seed,
     )
     components = build_components(
         setup, forward, loader, tokenizer, out_dir=out_dir, dist=dist_info, held_out=eval_data, data_plan=data_plan
@@ -275,54 +268,48 @@ def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) ->
 def trainer_setup(
     job: JobConfig,
     model: nn.Module,
+    run: Optional[ResolvedRun] = None,
     *,
-    parallel: ParallelSpec,
-    planned: Optional[PlannedStep] = None,
     data_report: Optional[dict] = None,
     memory_report: Optional[dict] = None,
 ) -> TrainerSetup:
-    """What the loop reads of the job (its sections, LoRA's merge on save, the hyperparameters TensorBoard lists),
-    with the resolved parallel spec and the plan's step and reports where there is a plan."""
-    lora = job.model.lora
+    """What the loop reads of the job: its sections, LoRA's merge on save, the choices TensorBoard's HPARAMS tab
+    lists; with `run`, the planner's parallel spec and step (None: the job's parallel.*, no plan to compare with)."""
+    lora, attn = job.model.lora, attention_spec(model)
     merge = lora if lora.r > 0 and job.train.merge_lora_on_save else None
     return TrainerSetup(
         train=job.train,
         optim=job.optim,
         loss=job.loss,
         data=job.data,
-        parallel=parallel,
+        parallel=run.parallel if run is not None else resolve_parallel(job.parallel),
         block_size=job.attn.block_size,
         peak_tflops=job.hardware.peak_tflops,
         merge_lora=merge,
         lora_base=Path(job.model.path) if merge is not None and job.model.path and job.model.loads_weights else None,
-        planned=planned,
-        hparams=hparams(job, attention_spec(model)),
+        planned=planned_step(run) if run is not None else None,
+        hparams={
+            "model": job.model.name,
+            "attn": job.attn.mode,
+            "backend": attn.backend.value if attn is not None else "hf",
+            "memory": job.memory.policy,
+            "precision": job.precision.mode,
+            "optimizer": job.optim.name,
+            "seq_len": job.data.seq_len,
+            "packing": job.data.packing,
+            "micro_batch": job.train.micro_batch,
+            "grad_accum": job.train.grad_accum,
+            "lr": job.optim.lr,
+            "schedule": job.optim.schedule,
+            "warmup_steps": job.optim.warmup_for(job.train.max_steps),
+            "weight_decay": job.optim.weight_decay,
+            "max_steps": job.train.max_steps,
+            "lora_r": lora.r,  # 0 = full fine-tuning
+            "eval_fraction": job.data.eval_fraction,
+        },
         data_report=data_report if data_report is not None else {},
         memory_report=memory_report if memory_report is not None else {},
     )
-
-
-def hparams(job: JobConfig, attn: Optional[AttentionSpec]) -> dict:
-    """The run's choices TensorBoard's HPARAMS tab lists beside its metrics."""
-    return {
-        "model": job.model.name,
-        "attn": job.attn.mode,
-        "backend": attn.backend.value if attn is not None else "hf",
-        "memory": job.memory.policy,
-        "precision": job.precision.mode,
-        "optimizer": job.optim.name,
-        "seq_len": job.data.seq_len,
-        "packing": job.data.packing,
-        "micro_batch": job.train.micro_batch,
-        "grad_accum": job.train.grad_accum,
-        "lr": job.optim.lr,
-        "schedule": job.optim.schedule,
-        "warmup_steps": job.optim.warmup_for(job.train.max_steps),
-        "weight_decay": job.optim.weight_decay,
-        "max_steps": job.train.max_steps,
-        "lora_r": job.model.lora.r,  # 0 = full fine-tuning
-        "eval_fraction": job.data.eval_fraction,
-    }
 
 
 def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> Trainer:
@@ -374,16 +361,9 @@ def build_planned_trainer(
     forward = ForwardPath.build(
         job.loss, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
     )
-    setup = trainer_setup(
-        job,
-        model,
-        parallel=run.parallel,
-        planned=planned_step(run),
-        data_report=data_report,
-        memory_report=memory_report,
-    )
+    setup = trainer_setup(job, model, run, data_report=data_report, memory_report=memory_report)
     components = _components(
-        setup, job, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data
+        setup, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data
     )
     return Trainer(setup, components), run
 

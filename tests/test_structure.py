@@ -554,3 +554,29 @@ def test_stray_check_names_a_script_outside_support(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     assert stray_test_files(tmp_path) == ["run_me.py"]
+
+
+# Config stops at the composition root: below it, each component takes its own config section and the resolved specs
+# (torchtitan's CheckpointManager takes its checkpoint_config), never the whole job.
+JOB_FREE_FOLDERS = ("loop", "data")
+
+
+def job_config_imports(package: Path, folders: tuple[str, ...]) -> list[str]:
+    """Every import of JobConfig (module level or in a function) in the modules under `folders`, as 'file:line'."""
+    found = []
+    for folder in folders:
+        for path in sorted((package / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name.split(".")[-1] for a in node.names] if isinstance(node, ast.ImportFrom) else []
+                if "JobConfig" in names:
+                    found.append(f"{path.relative_to(package).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_module_below_the_composition_root_imports_the_job():
+    assert job_config_imports(PACKAGE, ("cli",)), "the walker found no JobConfig import even in cli/: is it right?"
+    found = job_config_imports(PACKAGE, JOB_FREE_FOLDERS)
+    assert not found, (
+        "these modules import JobConfig: take the config sections (TrainConfig, DataConfig, ...) and specs they "
+        "read instead, and let run.py pass them in:\n" + "\n".join(found)
+    )
