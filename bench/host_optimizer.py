@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
 from flexengine.core.distributed import DistInfo
+from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
@@ -130,7 +131,7 @@ def run_variant(variant: str) -> dict:
     if variant != "new":
         job.optim.name = "adamw"  # a torch AdamW that never steps (holds nothing), replaced below
     forward = ForwardPath.build(job.loss, model, torch.device("cpu"), precision=SPECS["bf16_cpu_master"])
-    setup = trainer_setup(job, model)
+    setup = trainer_setup(job, model, parallel=ParallelSpec())  # one process: no gradient sync to choose
     out = Path("/tmp/host_optimizer_bench")
     trainer = Trainer(setup, build_components(setup, forward, _loader(), None, out_dir=out, dist=DistInfo()))
     if variant == "baseline":

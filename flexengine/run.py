@@ -19,7 +19,7 @@ from flexengine.core.device_speed import cache_path
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device
-from flexengine.core.parallel_spec import resolve_parallel
+from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.core.storage import (
     CHECKPOINTS,
     check_output_dir,
@@ -268,13 +268,14 @@ def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) ->
 def trainer_setup(
     job: JobConfig,
     model: nn.Module,
-    run: Optional[ResolvedRun] = None,
     *,
+    parallel: ParallelSpec,
+    planned: Optional[PlannedStep] = None,
     data_report: Optional[dict] = None,
     memory_report: Optional[dict] = None,
 ) -> TrainerSetup:
     """What the loop reads of the job: its sections, LoRA's merge on save, the choices TensorBoard's HPARAMS tab
-    lists; with `run`, the planner's parallel spec and step (None: the job's parallel.*, no plan to compare with)."""
+    lists; with the planner's parallel spec and step (planned None: no plan to compare the steps with)."""
     lora, attn = job.model.lora, attention_spec(model)
     merge = lora if lora.r > 0 and job.train.merge_lora_on_save else None
     return TrainerSetup(
@@ -282,12 +283,12 @@ def trainer_setup(
         optim=job.optim,
         loss=job.loss,
         data=job.data,
-        parallel=run.parallel if run is not None else resolve_parallel(job.parallel),
+        parallel=parallel,
         block_size=job.attn.block_size,
         peak_tflops=job.hardware.peak_tflops,
         merge_lora=merge,
         lora_base=Path(job.model.path) if merge is not None and job.model.path and job.model.loads_weights else None,
-        planned=planned_step(run) if run is not None else None,
+        planned=planned,
         hparams={
             "model": job.model.name,
             "attn": job.attn.mode,
@@ -361,7 +362,14 @@ def build_planned_trainer(
     forward = ForwardPath.build(
         job.loss, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
     )
-    setup = trainer_setup(job, model, run, data_report=data_report, memory_report=memory_report)
+    setup = trainer_setup(
+        job,
+        model,
+        parallel=run.parallel,
+        planned=planned_step(run),
+        data_report=data_report,
+        memory_report=memory_report,
+    )
     components = _components(
         setup, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data
     )

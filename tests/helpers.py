@@ -90,10 +90,11 @@ def job_forward(job: JobConfig, model, device=None, *, precision=None, train_mod
 def job_components(job: JobConfig, forward, loader, out_dir: Path, *, tokenizer=None, dist=None, held_out=None):
     """build_components from a job by hand, with flexengine.run.trainer_setup's sections of it; (setup, components)."""
     from flexengine.core.distributed import DistInfo
+    from flexengine.core.parallel_spec import resolve_parallel
     from flexengine.loop.components import build_components
     from flexengine.run import trainer_setup
 
-    setup = trainer_setup(job, forward.model)
+    setup = trainer_setup(job, forward.model, parallel=resolve_parallel(job.parallel))
     dist = dist if dist is not None else DistInfo()
     components = build_components(setup, forward, loader, tokenizer, out_dir=out_dir, dist=dist, held_out=held_out)
     return setup, components

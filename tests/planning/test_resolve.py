@@ -99,7 +99,7 @@ SEQUENCE = {
     "resolve_target_hardware": {"planning/resolve.py", "run.py"},
     "planned_attention": {"planning/resolve.py", "planning/fit.py"},
     "choose_row_length": {"planning/resolve.py"},
-    "resolve_parallel": {"planning/resolve.py", "planning/specs.py", "loop/trainer.py"},  # trainer: built by hand
+    "resolve_parallel": {"planning/resolve.py", "planning/specs.py"},
     "plan_specs": {"planning/resolve.py", "planning/fit.py", "planning/max_seq_len.py"},
 }
 # bench/memtracker_cases.py is run on the planner of older revisions too (planner_vs_memtracker --baseline), which
