@@ -181,7 +181,7 @@ def _apply_surgery(
     model: nn.Module, run: ResolvedRun, *, context_parallel: Optional[ContextParallel]
 ) -> tuple[nn.Module, dict]:
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
-    LoRA) and the planner's activation summary (the first training forward may measure it: build_trainer)."""
+    LoRA) and the planner's activation summary (the first training forward may measure it: _components)."""
     job = run.job
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     apply_precision(model, run.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
