@@ -349,7 +349,7 @@ def build_planned_trainer(
         data_report["row_length"] = run.rows.to_json()  # every length weighed: summary.json's data section
     _record_what_runs(record, job, run)
     model, from_rank0 = _load_weights(job, run.precision, device, dist_info, tokenizer)
-    model, memory_report = _apply_surgery(model, run, context_parallel=context_parallel)
+    model, activations = _apply_surgery(model, run, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
         model,
         run.parallel,
@@ -363,12 +363,7 @@ def build_planned_trainer(
         job.loss, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
     )
     setup = trainer_setup(
-        job,
-        model,
-        parallel=run.parallel,
-        planned=planned_step(run),
-        data_report=data_report,
-        memory_report=memory_report,
+        job, model, parallel=run.parallel, planned=planned_step(run), data_report=data_report, memory_report=activations
     )
     components = _components(
         setup, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data

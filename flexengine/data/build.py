@@ -62,9 +62,7 @@ def training_lengths(
     """The training documents' lengths in tokens (the held-out ones and the mixture's weights applied), tokenized
     through the cache build_data then reads: what data.seq_len=auto chooses a row length from. timeout_s:
     parallel.data_timeout_s, how long the other ranks wait for rank 0 to fill the cache."""
-    corpus, _eval_corpus, train_docs, _eval_docs, _mix = _documents(
-        data, train, tokenizer, dist_info, timeout_s=timeout_s
-    )
+    corpus, _, train_docs, _, _ = _documents(data, train, tokenizer, dist_info, timeout_s=timeout_s)
     return np.asarray(corpus.lengths)[train_docs]
 
 

@@ -65,22 +65,14 @@ class Trainer:
             )
         self.forward = components.forward
         self.model, self.device = self.forward.model, self.forward.device
-        # the run's data, tokenizer and directory: the ones the Checkpointer saves and restores with
-        checkpointer = components.checkpointer
-        self.loader, self.tokenizer, self.out_dir = (
-            checkpointer.loader,
-            checkpointer.tokenizer,
-            checkpointer.root.parent,
-        )
+        self.checkpointer = components.checkpointer  # the run's data, tokenizer and directory: its checkpoints'
+        self.loader, self.tokenizer = self.checkpointer.loader, self.checkpointer.tokenizer
+        self.out_dir = self.checkpointer.root.parent
         self.train_module, self.precision = self.forward.train_module, self.forward.precision
         self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
         self.state, self.metrics, self.progress = components.state, components.metrics, components.progress
-        self.signals, self.checkpointer, self.evaluator = (
-            components.signals,
-            components.checkpointer,
-            components.evaluator,
-        )
+        self.signals, self.evaluator = components.signals, components.evaluator
         self.attn = attention_spec(self.model)  # None: HF's own attention, untouched
         # recompute: what the memory surgery recorded; the loss's lm_head re-run: loss.chunk_size and loss.fused
         self.flops = TrainFlops(self.model, setup.loss.chunk_size, setup.loss.fused)
