@@ -218,13 +218,13 @@ def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
     """Build the trainer (the real path: plan, data, surgery) and run 1 warm-up + `steps` optimizer steps; the
     measured numbers next to the plan's. Device memory is counted from this trainer's baseline."""
     from flexengine.cli.common import compose_job
-    from flexengine.run import build_trainer
+    from flexengine.run import build_planned_trainer
     from flexengine.surgery.compile import CompileWatch
 
     with tempfile.TemporaryDirectory() as out:
         mark = allocator_mark()
         t0, watch = time.perf_counter(), CompileWatch()
-        trainer = build_trainer(compose_job(overrides), Path(out))
+        trainer, run = build_planned_trainer(compose_job(overrides), Path(out))
         progress(f"built: plan, data, model, surgery in {time.perf_counter() - t0:.0f} s")
         handle = micro_batch_progress(trainer)
         try:
@@ -233,7 +233,7 @@ def run_steps(overrides: list[str], steps: int = TIMED_STEPS) -> dict:
             handle.remove()
         # read before the CPU meter, which runs compiled blocks eagerly
         observed = {"compile": compile_record(trainer, watch), "offload": OFFLOAD_STEPS[:]}
-        result = {**step_numbers(trainer, metrics, step_times), **observed, **measured_memory(trainer, mark)}
+        result = {**step_numbers(trainer, run, metrics, step_times), **observed, **measured_memory(trainer, mark)}
         trainer.metrics.close()
         del trainer  # before the next trainer of this check is built (8 layers at 32K: 87 GiB)
     result["left_allocated_gib"] = release_device_memory()
@@ -308,9 +308,10 @@ def timed_steps(trainer, steps: int) -> tuple[list[dict], list[float]]:
     return metrics, times
 
 
-def step_numbers(trainer, metrics: list[dict], step_times: list[float]) -> dict:
-    """The timed steps' throughput and MFU (against this device's own peak) next to the plan's numbers."""
-    fit = trainer.plan
+def step_numbers(trainer, run, metrics: list[dict], step_times: list[float]) -> dict:
+    """The timed steps' throughput and MFU (against this device's own peak) next to the plan's numbers (run: the
+    ResolvedRun the trainer was built with)."""
+    fit = run
     plan = fit.plan
     timed, seconds = metrics[1:], sum(step_times)
     peak_tflops = device_peak_tflops() or fit.hardware.peak_tflops or float("nan")

@@ -29,13 +29,18 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexengine.core.config import HardwareConfig, JobConfig, OptimConfig, PrecisionConfig, TrainConfig
+from flexengine.core.distributed import DistInfo
+from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.data.corpus import Corpus
 from flexengine.data.loader import RowLoader
 from flexengine.data.packing import flatten_documents, plan_packing
+from flexengine.loop.components import build_components
+from flexengine.loop.forward import ForwardPath
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import HOST_STEP_NS_PER_PARAM, host_optimizer_bytes, host_optimizer_seconds
 from flexengine.planning.shapes import ModelShape
 from flexengine.resolve import resolve
+from flexengine.run import trainer_setup
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
 
@@ -125,10 +130,10 @@ def run_variant(variant: str) -> dict:
     job = _job()
     if variant != "new":
         job.optim.name = "adamw"  # a torch AdamW that never steps (holds nothing), replaced below
-    trainer = Trainer(
-        job, model, None, _loader(), out_dir=Path("/tmp/host_optimizer_bench"), device=torch.device("cpu"),
-        precision=SPECS["bf16_cpu_master"],
-    )  # fmt: skip
+    forward = ForwardPath.build(job.loss, model, torch.device("cpu"), precision=SPECS["bf16_cpu_master"])
+    setup = trainer_setup(job, model, parallel=ParallelSpec())  # one process: no gradient sync to choose
+    out = Path("/tmp/host_optimizer_bench")
+    trainer = Trainer(setup, build_components(setup, forward, _loader(), None, out_dir=out, dist=DistInfo()))
     if variant == "baseline":
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     elif variant == "old":

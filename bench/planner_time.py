@@ -108,12 +108,12 @@ def measure(point: Point, corpora: dict[str, str], out: Path) -> dict:
     """Build the point's run as training does, step it, and set its plan beside the measured steps."""
     from flexengine.cli.common import compose_job
     from flexengine.cli.doctor import DoctorHooks
-    from flexengine.run import build_trainer, planned_step
+    from flexengine.run import build_planned_trainer, planned_step
 
     overrides = [*BASE, *(o.format(**corpora) for o in point.overrides), f"train.output_dir={out}"]
     job = compose_job(overrides)
     job.train.progress = False
-    trainer = build_trainer(job, out)
+    trainer, run = build_planned_trainer(job, out)
     hooks = DoctorHooks()
     trainer.add_hooks(hooks)
     trainer.model.train()
@@ -127,23 +127,23 @@ def measure(point: Point, corpora: dict[str, str], out: Path) -> dict:
     # the phases are wall-clock (the trainer's hooks): scaled to the step's CPU seconds, the clock compared
     share = statistics.median(c / s["time_s"] for c, s in zip(cpu_s, steps))
     phases = {p: share * statistics.median(s["phases"][p] for s in steps) for p in steps[0]["phases"]}
-    plan = trainer.plan.plan
+    plan = run.plan
     return {
         "name": point.name,
         "choices": list(point.choices),
         "tokens_per_step": job.data.seq_len * job.train.micro_batch * job.train.grad_accum,
         "overrides": list(point.overrides),
         "policy": plan.chosen.label,
-        "precision": trainer.plan.precision.name,
+        "precision": run.precision.name,
         "backend": trainer.attn.backend.value,
         "planned_s": plan.chosen.time.step_s,
         "source": plan.chosen.time.source,
         "measured_s": statistics.median(cpu_s),  # this process's CPU seconds: other jobs' load left out
         "measured_wall_s": statistics.median(s["time_s"] for s in steps),
-        "terms_s": planned_step(trainer.plan).terms,
+        "terms_s": planned_step(run).terms,
         "phases_s": phases,
         "attended_fraction": plan.attention_pairs.as_dict()["fraction_of_row_squared"],
-        "speed": [speed.as_dict() for speed in trainer.plan.hardware.speed],
+        "speed": [speed.as_dict() for speed in run.hardware.speed],
     }
 
 

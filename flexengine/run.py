@@ -19,6 +19,7 @@ from flexengine.core.device_speed import cache_path
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
 from flexengine.core.hardware import resolve_device
+from flexengine.core.parallel_spec import ParallelSpec
 from flexengine.core.storage import (
     CHECKPOINTS,
     check_output_dir,
@@ -30,9 +31,10 @@ from flexengine.data.build import build_data, training_lengths
 from flexengine.data.loader import HeldOut, RowLoader, data_plan_fingerprint
 from flexengine.data.packing import packer
 from flexengine.loop.checkpoint.rank_sync import run_on_rank0
-from flexengine.loop.components import Components, build_components
+from flexengine.loop.components import Components, TrainerSetup, build_components
 from flexengine.loop.flops import work_per_useful_token
 from flexengine.loop.forward import ForwardPath
+from flexengine.loop.metrics import MetricsWriter
 from flexengine.loop.progress import PlannedStep
 from flexengine.loop.trainer import Trainer
 from flexengine.planning.costs import ASSUMED, ASSUMED_MFU, MEASURED, UNKNOWN
@@ -47,6 +49,7 @@ from flexengine.resolve import (
     resolve,
     resolve_target_hardware,
 )
+from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention import AttentionSpec, AttnBackend, apply_attention, resolve_attention_spec
 from flexengine.surgery.attention.job_rules import resolve_attention_rules
 from flexengine.surgery.compile import apply_compile, needs_compiled_blocks
@@ -120,7 +123,8 @@ def _resolve_run(
     hardware = _run_hardware(job, device, dist_info, hf_config)
     documents = None
     if job.data.fixed_seq_len is None:
-        lengths = training_lengths(job, load_tokenizer(job.model), dist_info)
+        tokenizer = load_tokenizer(job.model)
+        lengths = training_lengths(job.data, job.train, tokenizer, dist_info, timeout_s=job.parallel.data_timeout_s)
         where = f"{len(lengths):,} training documents of {job.data.path or 'the demo corpus'}"
         documents = Documents(lengths, packer(lengths, job.data.packing, job.data.long_docs), where)
     run = resolve(job, hf_config, hardware, attention=attention, documents=documents)  # planned as it runs
@@ -141,8 +145,10 @@ def _build_checked_data(
 ) -> tuple[JobConfig, RowLoader, Optional[HeldOut], dict]:
     """build_data with its longest piece checked against the model's context; train.epochs becomes max_steps:
     (job, training loader, held-out batches or None, data report)."""
-    # pinned batches on CUDA: the trainer's non_blocking copies really are asynchronous
-    loader, eval_data, data_report = build_data(job, tokenizer, dist_info, flex=flex, pin_memory=device.type == "cuda")
+    pin = device.type == "cuda"  # pinned batches on CUDA: the trainer's non_blocking copies really are asynchronous
+    loader, eval_data, data_report = build_data(
+        job.data, job.train, tokenizer, dist_info, timeout_s=job.parallel.data_timeout_s, flex=flex, pin_memory=pin
+    )
     longest = max(data_report["longest_piece"], data_report.get("eval", {}).get("longest_piece", 0))
     check_context(
         longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs, job.model.allow_long_context
@@ -174,7 +180,7 @@ def _apply_surgery(
     model: nn.Module, run: ResolvedRun, *, context_parallel: Optional[ContextParallel]
 ) -> tuple[nn.Module, dict]:
     """LoRA, attention, checkpoint/offload and compile, in that order; returns the model (peft's wrapper with
-    LoRA) and the planner's activation summary (the first training forward may measure it: _attach_reports)."""
+    LoRA) and the planner's activation summary (the first training forward may measure it: _components)."""
     job = run.job
     model = apply_lora(model, job.model.lora)  # before any wrapper, so peft finds the plain Linear names
     apply_precision(model, run.precision)  # LoRA: frozen base weights in bf16, adapters keep the master dtype
@@ -193,7 +199,7 @@ def _apply_surgery(
 
 
 def _components(
-    job: JobConfig,
+    setup: TrainerSetup,
     forward: ForwardPath,
     tokenizer: PreTrainedTokenizerBase,
     loader: RowLoader,
@@ -204,46 +210,33 @@ def _components(
 ) -> Components:
     """The trainer's components, each owning its state (loop/components.py): the Checkpointer (with the fingerprint
     of the data stream a resume must match), the Evaluator (held-out set, samples), Progress (the run clock, the
-    step line), the optimizer and its schedule, the metrics writer and the stop signals, around one TrainState."""
+    step line), the optimizer and its schedule, the metrics writer and the stop signals, around one TrainState.
+    Where the meter can see the blocks, the first training forward is measured (FirstForwardMeter): its bytes
+    replace the planner's in the memory report, and TensorBoard gets the figure the summary keeps."""
     data_plan = data_plan_fingerprint(
         loader.corpus,
         loader.plan,
-        data=job.data,
-        micro_batch=job.train.micro_batch,
+        data=setup.data,
+        micro_batch=setup.train.micro_batch,
         world_size=dist_info.world_size,
         cp=dist_info.cp,
-        seed=job.train.seed,
+        seed=setup.train.seed,
     )
-    return build_components(
-        job, forward, loader, tokenizer, out_dir=out_dir, dist=dist_info, held_out=eval_data, data_plan=data_plan
+    components = build_components(
+        setup, forward, loader, tokenizer, out_dir=out_dir, dist=dist_info, held_out=eval_data, data_plan=data_plan
     )
+    if meters_first_forward(forward.model, dist_info.world_size):  # written when measured
+        write = _write_memory_section(components.metrics)
+        FirstForwardMeter(forward.train_module, forward.model, setup.memory_report, write)
+    return components
 
 
-def resolved_of(trainer: Trainer) -> ResolvedRun:
-    """The ResolvedRun build_trainer attached to the trainer (what the run was planned with)."""
-    if not isinstance(trainer.plan, ResolvedRun):
-        raise ValueError("this Trainer was not built by flexengine.run.build_trainer: it carries no ResolvedRun")
-    return trainer.plan
-
-
-def _attach_reports(trainer: Trainer, run: ResolvedRun, data_report: dict, memory_report: dict) -> None:
-    """What the run was built from, for the summary and the doctor: the resolution, the data and the memory
-    reports. Where the meter can see the blocks, the first training forward is measured (FirstForwardMeter) and its
-    bytes replace the planner's in the memory report; TensorBoard gets the figure the summary keeps."""
-    trainer.plan = run
-    trainer.progress.planned = planned_step(run)
-    trainer.data_report = data_report
-    trainer.memory_report = memory_report
-    if meters_first_forward(trainer.model, trainer.dist.world_size):  # written when measured
-        FirstForwardMeter(trainer.forward.train_module, trainer.model, memory_report, _write_memory_section(trainer))
-
-
-def _write_memory_section(trainer: Trainer) -> Callable[[dict], None]:
+def _write_memory_section(metrics: MetricsWriter) -> Callable[[dict], None]:
     """TensorBoard's memory section from a memory report (the planner's, or the first forward's measurement)."""
 
     def write(report: dict) -> None:
         blocks = {f"activation_bytes_block_{i}": b for i, b in enumerate(report["activation_bytes_per_block"])}
-        trainer.metrics.section("memory", blocks, 0)
+        metrics.section("memory", blocks, 0)
 
     return write
 
@@ -271,10 +264,65 @@ def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) ->
         record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
 
 
+def trainer_setup(
+    job: JobConfig,
+    model: nn.Module,
+    *,
+    parallel: ParallelSpec,
+    planned: Optional[PlannedStep] = None,
+    data_report: Optional[dict] = None,
+    memory_report: Optional[dict] = None,
+) -> TrainerSetup:
+    """What the loop reads of the job: its sections, LoRA's merge on save, the choices TensorBoard's HPARAMS tab
+    lists; with the planner's parallel spec and step (planned None: no plan to compare the steps with)."""
+    lora, attn = job.model.lora, attention_spec(model)
+    merge = lora if lora.r > 0 and job.train.merge_lora_on_save else None
+    return TrainerSetup(
+        train=job.train,
+        optim=job.optim,
+        loss=job.loss,
+        data=job.data,
+        parallel=parallel,
+        block_size=job.attn.block_size,
+        peak_tflops=job.hardware.peak_tflops,
+        merge_lora=merge,
+        lora_base=Path(job.model.path) if merge is not None and job.model.path and job.model.loads_weights else None,
+        planned=planned,
+        hparams={
+            "model": job.model.name,
+            "attn": job.attn.mode,
+            "backend": attn.backend.value if attn is not None else "hf",
+            "memory": job.memory.policy,
+            "precision": job.precision.mode,
+            "optimizer": job.optim.name,
+            "seq_len": job.data.seq_len,
+            "packing": job.data.packing,
+            "micro_batch": job.train.micro_batch,
+            "grad_accum": job.train.grad_accum,
+            "lr": job.optim.lr,
+            "schedule": job.optim.schedule,
+            "warmup_steps": job.optim.warmup_for(job.train.max_steps),
+            "weight_decay": job.optim.weight_decay,
+            "max_steps": job.train.max_steps,
+            "lora_r": lora.r,  # 0 = full fine-tuning
+            "eval_fraction": job.data.eval_fraction,
+        },
+        data_report=data_report if data_report is not None else {},
+        memory_report=memory_report if memory_report is not None else {},
+    )
+
+
 def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> Trainer:
-    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last). record: the
-    composed job's values and sources, which takes each value resolved here (hardware, the planner's choices,
-    train.epochs, the attention backend)."""
+    """build_planned_trainer's trainer."""
+    return build_planned_trainer(job, out_dir, record)[0]
+
+
+def build_planned_trainer(
+    job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None
+) -> tuple[Trainer, ResolvedRun]:
+    """Config -> tokenizer -> data -> model surgery -> Trainer (cheap checks first, weights last), and the
+    ResolvedRun it was planned with. record: the composed job's values and sources, which takes each value
+    resolved here (hardware, the planner's choices, train.epochs, the attention backend)."""
     record = record if record is not None else ConfigRecord(job, FROM_CALLER)
     resolve_attention_rules(job.attn, job.data, job.model)  # a hand-built job too (the CLI applied them already)
     torch.manual_seed(job.train.seed)
@@ -300,7 +348,7 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         data_report["row_length"] = run.rows.to_json()  # every length weighed: summary.json's data section
     _record_what_runs(record, job, run)
     model, from_rank0 = _load_weights(job, run.precision, device, dist_info, tokenizer)
-    model, memory_report = _apply_surgery(model, run, context_parallel=context_parallel)
+    model, activations = _apply_surgery(model, run, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
         model,
         run.parallel,
@@ -311,22 +359,15 @@ def build_trainer(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] 
         fsdp_mesh=context_parallel.fsdp_mesh if context_parallel else None,
     )
     forward = ForwardPath.build(
-        job, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
+        job.loss, model, device, train_module=train_module, precision=run.precision, context_parallel=context_parallel
     )
-    components = _components(job, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data)
-    trainer = Trainer(
-        job,
-        model,
-        tokenizer,
-        loader,
-        out_dir=out_dir,
-        device=device,
-        dist=dist_info,
-        parallel=run.parallel,
-        components=components,
+    setup = trainer_setup(
+        job, model, parallel=run.parallel, planned=planned_step(run), data_report=data_report, memory_report=activations
     )
-    _attach_reports(trainer, run, data_report, memory_report)
-    return trainer
+    components = _components(
+        setup, forward, tokenizer, loader, out_dir=out_dir, dist_info=dist_info, eval_data=eval_data
+    )
+    return Trainer(setup, components), run
 
 
 def run_training(job: JobConfig, out_dir: Path, record: Optional[ConfigRecord] = None) -> dict:
@@ -354,7 +395,7 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         # first: a dead save's leftovers may be what fills the disk; resume=auto owns the directory (a requeue on
         # another node removes the saves its previous node left unfinished)
         clean_stale_temp_dirs(out_dir / CHECKPOINTS, owned=job.train.resume == "auto")
-    trainer = build_trainer(job, out_dir, record)
+    trainer, run = build_planned_trainer(job, out_dir, record)
     with trainer.stop_on_signals():  # from here a signal ends in a checkpoint and a summary, not a traceback
         trainer.checkpointer.resume()  # train.resume: auto or a step_<N> dir (none: a fresh run)
         if trainer.dist.is_main:  # after the resume's checks: a refused resume leaves the run's record as it was
@@ -363,12 +404,12 @@ def _run_training(job: JobConfig, out_dir: Path, record: ConfigRecord) -> dict:
         summary["data"] = trainer.data_report
         summary.update(trainer.memory_report)  # activation_bytes, activation_bytes_per_block, memory_policy
         # what the plan allowed, beside what the allocator reserved (max_memory_reserved_bytes on CUDA)
-        plan = resolved_of(trainer).plan
+        plan = run.plan
         summary.update(
             planned_peak_bytes=plan.chosen.usage.terms.total_bytes,
             plan_budget_bytes=plan.chosen.usage.budget.usable_bytes,
         )
-        slots = trainer.job.train.micro_batch * trainer.job.data.seq_len
+        slots = trainer.setup.train.micro_batch * trainer.setup.data.seq_len
         summary["work_per_useful_token"] = work_per_useful_token(trainer.flops, summary, slots)  # vs 6N + pairs
         summary.update(config=record.as_config(), config_sources=record.sources)
         if trainer.dist.is_main:
@@ -431,7 +472,7 @@ def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None
     metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
     metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     if not meters_first_forward(trainer.model, trainer.dist.world_size):  # else at the first forward
-        _write_memory_section(trainer)(trainer.memory_report)
+        _write_memory_section(metrics)(trainer.memory_report)
 
 
 def _fmt_loss(loss: Optional[float]) -> str:

@@ -31,6 +31,7 @@ INTEGRATION_DIR = TESTS / "integration"
 RUN_NAMES = {
     "run_training",
     "build_trainer",
+    "build_planned_trainer",
     "diagnose",
     "run_doctor",
     "subprocess",

@@ -58,6 +58,67 @@ def make_job(out_dir: Path, *overrides: str) -> JobConfig:
     return compose_job([*FAST, f"train.output_dir={out_dir}", *overrides])
 
 
+def job_precision(job: JobConfig, model):
+    """The spec a model prepared by hand trains under: the one apply_precision recorded on it, else the job's
+    precision.mode (auto: fp32 weights train as fp32). run.py hands the planner's resolved spec instead."""
+    from flexengine.surgery.applied import applied
+    from flexengine.surgery.precision import precision_spec
+
+    if applied(model).precision is not None:
+        return applied(model).precision
+    mode = job.precision.mode
+    if mode == "auto":
+        assert next(model.parameters()).dtype == torch.float32, "precision=auto on a hand-built model: fp32 only"
+        mode = "fp32"
+    return precision_spec(mode, job.optim.name)
+
+
+def job_forward(job: JobConfig, model, device=None, *, precision=None, train_module=None, context_parallel=None):
+    """ForwardPath.build from a job, as a test builds it by hand: the job's loss and precision (job_precision)."""
+    from flexengine.loop.forward import ForwardPath
+
+    return ForwardPath.build(
+        job.loss,
+        model,
+        device if device is not None else torch.device("cpu"),
+        precision=precision if precision is not None else job_precision(job, model),
+        train_module=train_module,
+        context_parallel=context_parallel,
+    )
+
+
+def job_components(job: JobConfig, forward, loader, out_dir: Path, *, tokenizer=None, dist=None, held_out=None):
+    """build_components from a job by hand, with flexengine.run.trainer_setup's sections of it; (setup, components)."""
+    from flexengine.core.distributed import DistInfo
+    from flexengine.core.parallel_spec import resolve_parallel
+    from flexengine.loop.components import build_components
+    from flexengine.run import trainer_setup
+
+    setup = trainer_setup(job, forward.model, parallel=resolve_parallel(job.parallel))
+    dist = dist if dist is not None else DistInfo()
+    components = build_components(setup, forward, loader, tokenizer, out_dir=out_dir, dist=dist, held_out=held_out)
+    return setup, components
+
+
+def trainer_for(job: JobConfig, model, loader, out_dir: Path, *, tokenizer=None, dist=None, device=None, **forward):
+    """A Trainer of `model` over `loader` by the one path (Trainer(setup, components)) without the entry point: no
+    plan, no held-out set, no data plan to check on resume. forward: job_forward's precision, train_module,
+    context_parallel."""
+    from flexengine.loop.trainer import Trainer
+
+    path = job_forward(job, model, device, **forward)
+    return Trainer(*job_components(job, path, loader, out_dir, tokenizer=tokenizer, dist=dist))
+
+
+def job_data(job: JobConfig, tokenizer, dist=None, **options):
+    """flexengine.data.build.build_data of a job's sections (options: flex, pin_memory)."""
+    from flexengine.core.distributed import DistInfo
+    from flexengine.data.build import build_data
+
+    dist = dist if dist is not None else DistInfo()
+    return build_data(job.data, job.train, tokenizer, dist, timeout_s=job.parallel.data_timeout_s, **options)
+
+
 # ChatML, with HF's {% generation %} markers so transformers' own assistant mask can serve as a reference. The
 # block closes at <|im_end|>: the newline after it is the template's trailer, which the model never generates.
 CHATML_TEMPLATE = (

@@ -99,7 +99,7 @@ SEQUENCE = {
     "resolve_target_hardware": {"resolve.py", "run.py"},
     "planned_attention": {"resolve.py", "planning/fit.py"},
     "choose_row_length": {"resolve.py"},
-    "resolve_parallel": {"resolve.py", "planning/fit.py", "loop/trainer.py"},  # trainer: built by hand
+    "resolve_parallel": {"resolve.py", "planning/fit.py"},
     "plan_specs": {"resolve.py", "planning/fit.py"},
 }
 # bench/memtracker_cases.py is run on the planner of older revisions too (planner_vs_memtracker --baseline), which

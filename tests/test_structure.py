@@ -268,16 +268,6 @@ def test_layer_check_catches_an_upward_import(tmp_path):
 # specs and plain values, never the whole JobConfig. planning/fit.py alone reads one: the fit plans a job's variants.
 BELOW_THE_ROOT = ("loop", "surgery", "planning", "data")
 JOB_READERS = {"planning/fit.py"}
-# Still handed the job until the loop/data branch (components built from their own sections, Trainer(run,
-# components)) is merged: empty this set then, and the test keeps them out for good.
-_LOOP_FILES_PENDING = {
-    "data/build.py",
-    "loop/checkpointer.py",
-    "loop/components.py",
-    "loop/forward.py",
-    "loop/progress.py",
-    "loop/trainer.py",
-}
 
 
 def job_importers(package: Path) -> list[str]:
@@ -297,14 +287,11 @@ def job_importers(package: Path) -> list[str]:
 
 
 def test_no_module_below_the_root_imports_the_job():
-    found = set(job_importers(PACKAGE))
-    assert not _LOOP_FILES_PENDING - found, (
-        f"no longer import JobConfig (remove them from _LOOP_FILES_PENDING): {sorted(_LOOP_FILES_PENDING - found)}"
-    )
-    assert found <= _LOOP_FILES_PENDING, (
+    found = job_importers(PACKAGE)
+    assert not found, (
         "modules below the composition root that import JobConfig: take the config sections (AttnConfig, "
         "DataConfig, ...), specs or plain values they read, or a callable built in flexengine/resolve.py:\n"
-        + "\n".join(sorted(found - _LOOP_FILES_PENDING))
+        + "\n".join(found)
     )
 
 

@@ -1,6 +1,6 @@
 """`python -m flexengine.doctor <train overrides>`: run a few real training steps and explain a slow run.
 
-The doctor is a client of the trainer: it builds the run exactly like training (`build_trainer`), registers
+The doctor is a client of the trainer: it builds the run exactly like training (`build_planned_trainer`), registers
 `StepHooks` (the trainer's own callbacks: step start/end and the time of each phase), counts what dynamo
 compiled (`flexengine.surgery.compile.CompileWatch`), and takes memory from the planner -- the same bytes model that
 chose the run's policy -- checked against the allocator's peak on CUDA. It patches nothing and runs no
@@ -71,13 +71,12 @@ class DoctorHooks(StepHooks):
 
 
 # -- memory -----------------------------------------------------------------------------------------------
-def memory_report(trainer, allocator: dict) -> dict:
+def memory_report(trainer, run, allocator: dict) -> dict:
     """The planner's bytes for the policy this run applied and for the planner's own choice; on CUDA also what the
-    caching allocator held over the diagnosed steps (flexengine.loop.metrics.allocator_stats; None on CPU)."""
-    from flexengine.run import resolved_of
-
-    run, model = resolved_of(trainer), trainer.model
-    x, current = run.inputs(), run.job.memory  # what build_trainer resolved and applied
+    caching allocator held over the diagnosed steps (flexengine.loop.metrics.allocator_stats; None on CPU). run:
+    the ResolvedRun the trainer was built with (flexengine.run.build_planned_trainer)."""
+    model = trainer.model
+    x, current = run.inputs(), run.job.memory  # what build_planned_trainer resolved and applied
     now = evaluate(ModelShape.from_hf_config(model.config), x, current)
     plan = plan_memory(model.config, x)
     specs = applied(model).memory
@@ -111,14 +110,15 @@ def memory_report(trainer, allocator: dict) -> dict:
 
 
 # -- the run ------------------------------------------------------------------------------------------------
-def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, trainer=None) -> dict:
-    """Run warmup + steps optimizer steps with the doctor's hooks; returns the report (also doctor.json)."""
-    from flexengine.run import build_trainer
+def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, built=None) -> dict:
+    """Run warmup + steps optimizer steps with the doctor's hooks; returns the report (also doctor.json). built:
+    (trainer, ResolvedRun) from flexengine.run.build_planned_trainer (None: built here from `job`)."""
+    from flexengine.run import build_planned_trainer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     job.train.progress = False
-    trainer = trainer if trainer is not None else build_trainer(job, out_dir)
+    trainer, run = built if built is not None else build_planned_trainer(job, out_dir)
     hooks = DoctorHooks()
     trainer.add_hooks(hooks)
     trainer.model.train()
@@ -138,15 +138,16 @@ def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, tra
     compiles.setdefault("warmup", compiles["measured"])
     for i, step in enumerate(hooks.steps):
         step["warmup"] = i < warmup
-    report = build_report(trainer, hooks.steps, compiles, memory_report(trainer, allocator_stats(trainer.device)))
+    memory = memory_report(trainer, run, allocator_stats(trainer.device))
+    report = build_report(trainer, run.job, hooks.steps, compiles, memory)
     write_json_atomic(out_dir / "doctor.json", report)
     trainer.metrics.close()
     return report
 
 
-def build_report(trainer, per_step: list, compiles: dict, memory: dict) -> dict:
-    """Numbers -> checks (verdict ok / info / warn / bad, with details) -> suggestions."""
-    job, device, spec = trainer.job, trainer.device, trainer.attn
+def build_report(trainer, job: JobConfig, per_step: list, compiles: dict, memory: dict) -> dict:
+    """Numbers -> checks (verdict ok / info / warn / bad, with details) -> suggestions; job: the one that trains."""
+    device, spec = trainer.device, trainer.attn
     measured = [s for s in per_step if not s["warmup"]] or per_step
     wall = sum(s["time_s"] for s in measured)
     tokens, useful = sum(s["tokens"] for s in measured), sum(s["useful_tokens"] for s in measured)

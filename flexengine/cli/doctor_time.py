@@ -21,7 +21,7 @@ def step_time_numbers(trainer, measured: list[dict]) -> dict:
     planned = trainer.progress.planned
     step_s = statistics.median(s["time_s"] for s in measured)
     phases = {p: statistics.median(s["phases"][p] for s in measured) for p in PHASES}
-    steps_per_epoch = max(1, math.ceil(trainer.loader.batches_per_epoch / trainer.job.train.grad_accum))
+    steps_per_epoch = max(1, math.ceil(trainer.loader.batches_per_epoch / trainer.setup.train.grad_accum))
     return {
         "measured_s": step_s,
         "planned_s": planned.step_s if planned is not None else None,

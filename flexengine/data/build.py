@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from flexengine.core.config import DataConfig, JobConfig
+from flexengine.core.config import DataConfig, TrainConfig
 from flexengine.core.distributed import DistInfo, main_rank_first
 from flexengine.core.errors import UserError
 from flexengine.data.corpus import Corpus, build_corpus
@@ -36,30 +36,33 @@ def pad_token_id(tokenizer) -> int:
 
 
 def _documents(
-    job: JobConfig, tokenizer, dist_info: DistInfo
+    data: DataConfig, train: TrainConfig, tokenizer, dist_info: DistInfo, *, timeout_s: float
 ) -> tuple[Corpus, Corpus, np.ndarray, np.ndarray, Optional[list[dict]]]:
     """The tokenized corpora (cached) and which documents train and which are held out:
     (corpus, eval corpus, training documents, held-out documents, the mix report or None)."""
-    separated = describe_separator(tokenizer, job.data)
+    separated = describe_separator(tokenizer, data)
     if separated and dist_info.is_main:
         log.info("data: %s", separated)
-    with main_rank_first(dist_info, timeout_s=job.parallel.data_timeout_s):  # rank 0 fills the cache
-        corpus, source_of = build_sources(job.data, tokenizer)
-        eval_corpus = build_corpus(eval_source(job.data), tokenizer) if job.data.eval_path else corpus
-    train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, job.data.eval_fraction)
+    with main_rank_first(dist_info, timeout_s=timeout_s):  # rank 0 fills the cache
+        corpus, source_of = build_sources(data, tokenizer)
+        eval_corpus = build_corpus(eval_source(data), tokenizer) if data.eval_path else corpus
+    train_docs, eval_docs = split_documents(corpus.tokens, corpus.offsets, data.eval_fraction)
     mix_report = None
     if source_of is not None:  # each source's weight as its share of the training tokens
-        train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, job.data.mix, job.train.seed)
+        train_docs, mix_report = mix_documents(corpus.lengths, source_of, train_docs, data.mix, train.seed)
         log.info("data mix: %s", format_mix_report(mix_report))
-    if job.data.eval_path:
-        eval_docs = held_out_without_overlap(corpus, train_docs, eval_corpus, job.data)
+    if data.eval_path:
+        eval_docs = held_out_without_overlap(corpus, train_docs, eval_corpus, data)
     return corpus, eval_corpus, train_docs, eval_docs, mix_report
 
 
-def training_lengths(job: JobConfig, tokenizer, dist_info: DistInfo) -> np.ndarray:
+def training_lengths(
+    data: DataConfig, train: TrainConfig, tokenizer, dist_info: DistInfo, *, timeout_s: float
+) -> np.ndarray:
     """The training documents' lengths in tokens (the held-out ones and the mixture's weights applied), tokenized
-    through the cache build_data then reads: what data.seq_len=auto chooses a row length from."""
-    corpus, _eval_corpus, train_docs, _eval_docs, _mix = _documents(job, tokenizer, dist_info)
+    through the cache build_data then reads: what data.seq_len=auto chooses a row length from. timeout_s:
+    parallel.data_timeout_s, how long the other ranks wait for rank 0 to fill the cache."""
+    corpus, _, train_docs, _, _ = _documents(data, train, tokenizer, dist_info, timeout_s=timeout_s)
     return np.asarray(corpus.lengths)[train_docs]
 
 
@@ -103,29 +106,36 @@ def _log_unused_eval_split(data: DataConfig) -> None:
 
 
 def _held_out(
-    job: JobConfig, tokenizer, dist_info: DistInfo, eval_corpus: Corpus, eval_docs: np.ndarray, *, trim: bool
+    tokenizer,
+    dist_info: DistInfo,
+    eval_corpus: Corpus,
+    eval_docs: np.ndarray,
+    *,
+    data: DataConfig,
+    train: TrainConfig,
+    trim: bool,
 ) -> tuple[HeldOut, dict]:
     """The held-out batches and their report (statistics, skipped documents, source)."""
     # packed and masked exactly like the training rows
-    eval_plan = plan_packing(eval_corpus.lengths, job.data.seq_len, job.data.packing, job.data.long_docs, eval_docs)
+    eval_plan = plan_packing(eval_corpus.lengths, data.seq_len, data.packing, data.long_docs, eval_docs)
     if eval_plan.stats.rows == 0:
         raise UserError("data: every held-out document was dropped (data.long_docs=drop?); nothing to evaluate.")
     report = {
         **eval_plan.stats.as_dict(),
         "documents_skipped": eval_corpus.skipped,
-        "source": (job.data.eval_path and describe_eval_source(job.data))
+        "source": (data.eval_path and describe_eval_source(data))
         # no data.eval_path: eval_corpus is the training corpus, eval_docs the share data.eval_fraction held out
-        or f"{len(eval_docs)} of {len(eval_corpus)} documents (data.eval_fraction={job.data.eval_fraction})",
+        or f"{len(eval_docs)} of {len(eval_corpus)} documents (data.eval_fraction={data.eval_fraction})",
     }
     log.info("eval data: %s, from %s", eval_plan.stats.describe(), report["source"])
     held_out = HeldOut(
         eval_corpus,
         eval_plan,
-        seq_len=job.data.seq_len,
-        micro_batch=job.train.micro_batch,
+        seq_len=data.seq_len,
+        micro_batch=train.micro_batch,
         pad_id=pad_token_id(tokenizer),
         trim_padding=trim,
-        max_batches=job.train.eval_batches,
+        max_batches=train.eval_batches,
         rank=dist_info.data_rank,
         world_size=dist_info.data_world_size,
     )
@@ -133,32 +143,42 @@ def _held_out(
 
 
 def build_data(
-    job: JobConfig, tokenizer, dist_info: DistInfo, *, flex: bool = False, pin_memory: bool = False
+    data: DataConfig,
+    train: TrainConfig,
+    tokenizer,
+    dist_info: DistInfo,
+    *,
+    timeout_s: float,
+    flex: bool = False,
+    pin_memory: bool = False,
 ) -> tuple[RowLoader, Optional[HeldOut], dict]:
     """Tokenize (cached), hold out whole documents, pack: (training loader, held-out batches or None, report).
-    flex: the attention backend is FlexAttention (rows keep their full length, see below). pin_memory: the
-    training batches go to a CUDA device (pinned, its copies are asynchronous)."""
-    if job.data.packing == "auto":
+    timeout_s: parallel.data_timeout_s (training_lengths). flex: the attention backend is FlexAttention (rows keep
+    their full length, see below). pin_memory: the training batches go to a CUDA device (pinned, its copies are
+    asynchronous)."""
+    if data.packing == "auto":
         raise UserError(
             "data.packing=auto is decided by attn.mode (bfd when the mode packs documents, else none): resolve the "
             "job first (flexengine.surgery.attention.job_rules.resolve_attention_rules(job.attn, job.data, job.model); "
             "a job composed by the CLI or cli.common.compose_job already is), or set data.packing."
         )
-    corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(job, tokenizer, dist_info)
-    plan = _plan_training_rows(corpus, train_docs, job.data)
+    corpus, eval_corpus, train_docs, eval_docs, mix_report = _documents(
+        data, train, tokenizer, dist_info, timeout_s=timeout_s
+    )
+    plan = _plan_training_rows(corpus, train_docs, data)
     # Flex compiles for one row shape: trimming one-document rows to each batch's longest would recompile
     # on nearly every batch, so flex keeps full rows (the dense and sdpa paths trim).
-    trim = job.data.packing == "none" and not flex
+    trim = data.packing == "none" and not flex
     try:
         loader = RowLoader(
             corpus,
             plan,
-            seq_len=job.data.seq_len,
-            micro_batch=job.train.micro_batch,
+            seq_len=data.seq_len,
+            micro_batch=train.micro_batch,
             pad_id=pad_token_id(tokenizer),
-            seed=job.train.seed,
-            shuffle=job.data.shuffle,
-            bucket=job.data.bucket,
+            seed=train.seed,
+            shuffle=data.shuffle,
+            bucket=data.bucket,
             trim_padding=trim,
             rank=dist_info.data_rank,
             world_size=dist_info.data_world_size,
@@ -166,9 +186,11 @@ def build_data(
         )
     except ValueError as e:
         raise UserError(f"{e}.") from None
-    report = _data_report(plan, corpus, mix_report, job.data)
+    report = _data_report(plan, corpus, mix_report, data)
     if not len(eval_docs):
-        _log_unused_eval_split(job.data)
+        _log_unused_eval_split(data)
         return loader, None, report
-    held_out, report["eval"] = _held_out(job, tokenizer, dist_info, eval_corpus, eval_docs, trim=trim)
+    held_out, report["eval"] = _held_out(
+        tokenizer, dist_info, eval_corpus, eval_docs, data=data, train=train, trim=trim
+    )
     return loader, held_out, report

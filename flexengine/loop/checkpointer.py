@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from flexengine.core.config import JobConfig, OptimConfig, TrainConfig
+from flexengine.core.config import LoraConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
 from flexengine.data.loader import RowLoader
 from flexengine.loop.checkpoint.load import load_checkpoint_state, load_checkpoint_weights, resolve_resume
@@ -72,8 +72,11 @@ class Checkpointer:
     def __init__(
         self,
         root: Path,
-        job: JobConfig,
         *,
+        train: TrainConfig,
+        optim: OptimConfig,
+        merge_lora: Optional[LoraConfig] = None,
+        lora_base: Optional[Path] = None,
         forward: ForwardPath,
         tokenizer: Optional[PreTrainedTokenizerBase],
         optimizer: torch.optim.Optimizer,
@@ -85,7 +88,9 @@ class Checkpointer:
         data_plan: Optional[dict[str, Any]] = None,
         is_main: bool = True,
     ) -> None:
-        self.root, self.job, self.forward, self.tokenizer = root, job, forward, tokenizer
+        self.root, self.train, self.optim, self.forward, self.tokenizer = root, train, optim, forward, tokenizer
+        # merge_lora: the adapters merged into a save's weights; lora_base: the checkpoint its other files come from
+        self.merge_lora, self.lora_base = merge_lora, lora_base
         self.optimizer, self.scheduler, self.loader = optimizer, scheduler, loader
         self.state, self.progress, self.metrics, self.is_main = state, progress, metrics, is_main
         self.data_plan = dict(data_plan or {})  # what the data stream depends on; a resume must match it
@@ -102,7 +107,7 @@ class Checkpointer:
             "rng": _rng_state(),
             "wall_s": self.progress.elapsed_wall(),
             "train_s": self.progress.elapsed_train(),  # this launch's loop so far included
-            "max_steps": self.job.train.max_steps,  # the schedule's length: a resume with another one is told
+            "max_steps": self.train.max_steps,  # the schedule's length: a resume with another one is told
             "data_plan": dict(self.data_plan),
         }
 
@@ -111,38 +116,37 @@ class Checkpointer:
         weights)."""
         if step != self.state.step:
             raise ValueError(f"Checkpointer.save({step}): the run's state is at step {self.state.step}")
-        job, model = self.job, self.forward.model
-        merge = job.model.lora if job.model.lora.r > 0 and job.train.merge_lora_on_save else None
+        model = self.forward.model
         weights = exported_weights(self.optimizer, model)
-        check_finite(self.forward, self.optimizer, weights, step=step, optim=job.optim)
+        check_finite(self.forward, self.optimizer, weights, step=step, optim=self.optim)
         path = save_checkpoint(
             self.root,
             step,
             model,
             self.tokenizer,
             self.state_dict(),
-            merge_lora=merge,
+            merge_lora=self.merge_lora,
             weights=weights,
             finite_checked=True,
-            base_dir=Path(job.model.path) if merge is not None and job.model.path and job.model.loads_weights else None,
+            base_dir=self.lora_base,
         )
         self.saved_step = step
-        self.prune(job.train.keep_last)
+        self.prune(self.train.keep_last)
         return path
 
     def keep_best(self) -> None:
         """A new best eval loss at the current step: with train.save_best, save it (once) and point best/ at it."""
-        if not saves_best(self.job.train):
+        if not saves_best(self.train):
             return
         step = self.state.step
         path = self.save(step) if self.saved_step != step else step_dir(self.root, step)
         if self.is_main:
             mark_best(self.root, path)
-        self.prune(self.job.train.keep_last)  # the previous best may be past keep_last now
+        self.prune(self.train.keep_last)  # the previous best may be past keep_last now
 
     def best_checkpoint(self) -> Optional[Path]:
         """Where the best step's checkpoint is (None when train.save_best keeps none)."""
-        return step_dir(self.root, self.state.best_step) if saves_best(self.job.train) else None
+        return step_dir(self.root, self.state.best_step) if saves_best(self.train) else None
 
     def prune(self, keep_last: int) -> None:
         """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
@@ -152,7 +156,7 @@ class Checkpointer:
     def resume(self, spec: Optional[str] = None) -> Optional[Path]:
         """train.resume (or `spec`): auto (newest verifying checkpoint under the root, if any) or a step_<N> dir;
         the checkpoint's path, or None when there is none to resume (or no resume asked for)."""
-        train = self.job.train
+        train = self.train
         spec = train.resume if spec is None else spec
         if not spec:
             return None
@@ -164,7 +168,7 @@ class Checkpointer:
         new_data = check_data_plan(self.data_plan, state["data_plan"], path, train.resume_new_data)  # cheap
         load_checkpoint_weights(path, self.forward.model)
         self.optimizer.load_state_dict(state["optimizer"])
-        resume_schedule(self.scheduler, self.job, state)
+        resume_schedule(self.scheduler, self.optim, train, state)
         if not new_data:
             try:
                 self.loader.load_state_dict(state["data"])
@@ -202,18 +206,17 @@ def check_finite(
         raise UserError(nonfinite_message(step, bad, optim))
 
 
-def resume_schedule(scheduler: LambdaLR, job: JobConfig, state: dict[str, Any]) -> None:
+def resume_schedule(scheduler: LambdaLR, optim: OptimConfig, train: TrainConfig, state: dict[str, Any]) -> None:
     """Load the saved schedule and fit it to this run's train.max_steps (train.resume_schedule: continue or
     rederive, see optim.resumed_knots)."""
-    train = job.train
     scheduler.load_state_dict(state["scheduler"])
     saved_lr = float(scheduler.optimizer.param_groups[0]["lr"])  # what the saved schedule had for the next step
     knots = state["scheduler"]["knots"]  # the saved run's schedule (apply_knots keeps them on the scheduler)
     done = scheduler.last_epoch
-    apply_knots(scheduler, job.optim, knots)  # the saved run's schedule, for the lr its last step ran at
+    apply_knots(scheduler, optim, knots)  # the saved run's schedule, for the lr its last step ran at
     # float(): torch types base_lrs as float | Tensor (a tensor lr, as torchao keeps it, stays one here)
     last_lr = float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](done - 1)) if done > 0 else saved_lr
-    apply_knots(scheduler, job.optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
+    apply_knots(scheduler, optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
     lr = float(scheduler.optimizer.param_groups[0]["lr"])
     finished = planned_update(done, knots) >= knots[-1][1]
     warn_schedule_change(train, state, lr, saved_lr, last_lr, finished=finished)

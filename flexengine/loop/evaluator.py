@@ -279,7 +279,7 @@ def evaluate_loss(
     on_batch: Optional[Callable[[int], None]] = None,
 ) -> Optional[dict]:
     """{"loss", "ppl", "tokens"} over the batches (every rank passes its own share; the sums are all-reduced).
-    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (Trainer.prepare_batch).
+    prepare: batch -> (what this rank computes of it, its mask kwargs), as in training (ForwardPath.prepare).
     stop: asked before each batch (the same answer on every rank); True ends the evaluation there: None, since
     a part of the held-out set is no eval loss to compare or keep (a stop signal must not wait for hours of eval).
     on_batch: called with the number of batches done after each one (progress lines)."""

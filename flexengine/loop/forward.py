@@ -11,17 +11,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from flexengine.core.config import JobConfig
+from flexengine.core.config import LossConfig
 from flexengine.surgery.applied import applied
 from flexengine.surgery.attention import mask_kwargs
 from flexengine.surgery.context_parallel import ContextParallel
 from flexengine.surgery.parallel import LossForward
-from flexengine.surgery.precision import PrecisionSpec, spec_for_params
+from flexengine.surgery.precision import PrecisionSpec
 
 
 @dataclass(frozen=True)
 class ForwardPath:
-    """The model and how a batch goes through it (see the module docstring); `build` fills in the defaults."""
+    """The model and how a batch goes through it (see the module docstring); `build` checks the parts agree."""
 
     model: nn.Module
     train_module: nn.Module  # what forward/backward goes through: the FSDP/DDP root under torchrun, else LossForward
@@ -32,18 +32,25 @@ class ForwardPath:
     @classmethod
     def build(
         cls,
-        job: JobConfig,
+        loss: LossConfig,
         model: nn.Module,
         device: torch.device,
         *,
+        precision: PrecisionSpec,
         train_module: Optional[nn.Module] = None,
-        precision: Optional[PrecisionSpec] = None,
         context_parallel: Optional[ContextParallel] = None,
     ) -> ForwardPath:
-        """The path for `model`: a plain loss module unless a parallel root is given, and the precision the model
-        was prepared for (`precision_of`)."""
-        module = train_module if train_module is not None else LossForward(model, job.loss.chunk_size, job.loss.fused)
-        return cls(model, module, device, precision_of(job, model, precision), context_parallel)
+        """The path for `model`: a plain loss module unless a parallel root is given, under `precision`, which must
+        be the spec the model was prepared for when one was applied (surgery/precision.apply_precision; FSDP's
+        policy came from it)."""
+        recorded = applied(model).precision
+        if recorded is not None and precision != recorded:
+            raise ValueError(
+                f"ForwardPath(precision={precision.name}) but the model was prepared for precision={recorded.name} "
+                "(apply_precision; FSDP shards with its policy): pass the same spec"
+            )
+        module = train_module if train_module is not None else LossForward(model, loss.chunk_size, loss.fused)
+        return cls(model, module, device, precision, context_parallel)
 
     @property
     def cp(self) -> int:
@@ -60,20 +67,3 @@ class ForwardPath:
     def compute_context(self) -> contextlib.AbstractContextManager:
         """What forward runs under: the precision spec decides, told whether FSDP's policy already casts."""
         return self.precision.compute_context(self.device, fsdp_casts=applied(self.model).fsdp_policy is not None)
-
-
-def precision_of(job: JobConfig, model: nn.Module, given: Optional[PrecisionSpec]) -> PrecisionSpec:
-    """The spec the step runs under: the one run.py resolved (planning/fit.py) and recorded on the model when it
-    applied it (surgery/precision.apply_precision; FSDP's policy came from it), which a `given` spec must match; a
-    model prepared by hand gets its job's mode or its weights' dtype."""
-    recorded = applied(model).precision
-    if given is not None and recorded is not None and given != recorded:
-        raise ValueError(
-            f"Trainer(precision={given.name}) but the model was prepared for precision={recorded.name} "
-            "(apply_precision; FSDP shards with its policy): pass the same spec, or none"
-        )
-    if given is not None:
-        return given
-    if recorded is not None:
-        return recorded
-    return spec_for_params(job.precision.mode, job.optim.name, next(model.parameters()).dtype)

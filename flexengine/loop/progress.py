@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from flexengine.core.config import JobConfig, TrainConfig
+from flexengine.core.config import TrainConfig
 from flexengine.loop.metrics import MetricsWriter, allocator_stats, peak_memory_bytes, utilization
 from flexengine.loop.state import TrainState
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -71,6 +71,7 @@ class Progress:
         peak_tflops: Optional[float],
         is_main: bool = True,
         compiled_blocks: Optional[bool] = None,
+        planned: Optional[PlannedStep] = None,
     ):
         self.train, self.state, self.peak_tflops, self.is_main = train, state, peak_tflops, is_main
         # whether the decoder blocks run compiled (they compile in their first steps); None: as train.compile says
@@ -84,7 +85,7 @@ class Progress:
         self._in_loop = False  # inside the loop: its running time is training time not yet added to train_s
         self._paused_s = 0.0  # evaluation/sampling time inside this loop (not training)
         self._window = _Window(time.perf_counter())
-        self.planned: Optional[PlannedStep] = None  # run.py sets it once the plan exists
+        self.planned = planned  # the plan's step (None: no plan to compare with)
         self.step_times: list[float] = []  # this launch's optimizer steps, each from its start to its metrics
         self._step_start = time.perf_counter()
 
@@ -259,29 +260,6 @@ class Progress:
             "train_s": self.train_s,  # training steps only (tokens/s, MFU)
             "step_time": self.step_time_report(),
         }
-
-
-def hparams(job: JobConfig, attn: Optional[AttentionSpec]) -> dict:
-    """The run's choices TensorBoard's HPARAMS tab lists beside its metrics."""
-    return {
-        "model": job.model.name,
-        "attn": job.attn.mode,
-        "backend": attn.backend.value if attn is not None else "hf",
-        "memory": job.memory.policy,
-        "precision": job.precision.mode,
-        "optimizer": job.optim.name,
-        "seq_len": job.data.seq_len,
-        "packing": job.data.packing,
-        "micro_batch": job.train.micro_batch,
-        "grad_accum": job.train.grad_accum,
-        "lr": job.optim.lr,
-        "schedule": job.optim.schedule,
-        "warmup_steps": job.optim.warmup_for(job.train.max_steps),
-        "weight_decay": job.optim.weight_decay,
-        "max_steps": job.train.max_steps,
-        "lora_r": job.model.lora.r,  # 0 = full fine-tuning
-        "eval_fraction": job.data.eval_fraction,
-    }
 
 
 def _or_nan(value: Optional[float]) -> float:

@@ -9,34 +9,24 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from torch import nn
 
-from flexengine.core.config import JobConfig
-from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.core.parallel_spec import ParallelSpec, ReduceEvery, resolve_parallel
-from flexengine.data.loader import RowLoader
+from flexengine.core.parallel_spec import ReduceEvery
 from flexengine.data.targets import count_valid_targets
-from flexengine.loop.components import Components, build_components
+from flexengine.loop.components import Components, TrainerSetup
 from flexengine.loop.flops import TrainFlops, layer_attended_pairs
-from flexengine.loop.forward import ForwardPath
 from flexengine.loop.hooks import StepHooks
 from flexengine.loop.nonfinite import suspect_settings
 from flexengine.loop.optim import clip_gradients, describe_resumed_schedule, describe_schedule, last_backward
 from flexengine.loop.profiling import start_profiler
-from flexengine.loop.progress import hparam_metrics, hparams, tqdm_logging
+from flexengine.loop.progress import hparam_metrics, tqdm_logging
 from flexengine.surgery.applied import attention_spec
 from flexengine.surgery.attention.patch import MASK_KWARG
 from flexengine.surgery.compile import verify_compiled_blocks
-from flexengine.surgery.context_parallel import ContextParallel
 from flexengine.surgery.parallel import grad_norm_value, gradient_sync
-from flexengine.surgery.precision import PrecisionSpec
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -59,66 +49,38 @@ class _Window:
 
 
 class Trainer:
-    """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader. Its components own their own
-    state and are handed to it (run.py builds them; a Trainer built by hand gets defaults): the Checkpointer
-    (save, resume), the Evaluator (held-out evaluations, samples, early stopping), Progress (the run clock, the
-    step line) and StopSignals. Only this class writes its own fields."""
+    """Runs `train.max_steps` optimizer steps of a patched model over a RowLoader. `setup` holds the config sections
+    and resolved specs the run reads; its components own their own state and are handed to it (built by
+    loop/components.build_components: run.py's build_trainer): the Checkpointer (save, resume), the Evaluator
+    (held-out evaluations, samples, early stopping), Progress (the run clock, the step line) and StopSignals. Only
+    this class writes its own fields."""
 
-    def __init__(
-        self,
-        job: JobConfig,
-        model: nn.Module,
-        tokenizer: Optional[PreTrainedTokenizerBase],
-        loader: RowLoader,
-        *,
-        out_dir: Path,
-        device: torch.device,
-        dist: Optional[DistInfo] = None,
-        train_module: Optional[nn.Module] = None,
-        precision: Optional[PrecisionSpec] = None,
-        parallel: Optional[ParallelSpec] = None,
-        context_parallel: Optional[ContextParallel] = None,
-        components: Optional[Components] = None,
-    ) -> None:
-        self.job, self.model, self.tokenizer, self.loader = job, model, tokenizer, loader
-        self.out_dir, self.device, self.dist = out_dir, device, dist if dist is not None else DistInfo()
-        # run.py resolves parallel.* once (reduce_every as the fit chose it); a Trainer built by hand: its job's
-        self.parallel = parallel if parallel is not None else resolve_parallel(job.parallel)
+    def __init__(self, setup: TrainerSetup, components: Components) -> None:
+        self.setup, self.dist, self.parallel = setup, components.dist, setup.parallel
         # several ranks accumulating: when to sync is a choice (the planner's), never a guess
-        if self.parallel.reduce_every is ReduceEvery.AUTO and self.dist.world_size > 1 and job.train.grad_accum > 1:
+        if self.parallel.reduce_every is ReduceEvery.AUTO and self.dist.world_size > 1 and setup.train.grad_accum > 1:
             raise ValueError(
                 "Trainer: parallel.reduce_every=auto reached the loop unresolved over several ranks; the planner "
                 "chooses it (flexengine.run.build_trainer), or set parallel.reduce_every=window|micro_batch"
             )
-        if components is None:  # a Trainer built by hand: no held-out set, no data plan to check on resume
-            forward = ForwardPath.build(
-                job, model, device, train_module=train_module, precision=precision, context_parallel=context_parallel
-            )
-            components = build_components(job, forward, loader, tokenizer, out_dir=out_dir, dist=self.dist)
-        elif components.forward.model is not model or (train_module, precision, context_parallel) != (None,) * 3:
-            raise ValueError("Trainer(components=...): pass the components' model, and its forward path in them only")
-        components.check_built_for(job, loader, tokenizer, out_dir, self.dist)
         self.forward = components.forward
+        self.model, self.device = self.forward.model, self.forward.device
+        self.checkpointer = components.checkpointer  # the run's data, tokenizer and directory: its checkpoints'
+        self.loader, self.tokenizer = self.checkpointer.loader, self.checkpointer.tokenizer
+        self.out_dir = self.checkpointer.root.parent
         self.train_module, self.precision = self.forward.train_module, self.forward.precision
         self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
         self.state, self.metrics, self.progress = components.state, components.metrics, components.progress
-        self.signals, self.checkpointer, self.evaluator = (
-            components.signals,
-            components.checkpointer,
-            components.evaluator,
-        )
-        self.attn = attention_spec(model)  # None: HF's own attention, untouched
+        self.signals, self.evaluator = components.signals, components.evaluator
+        self.attn = attention_spec(self.model)  # None: HF's own attention, untouched
         # recompute: what the memory surgery recorded; the loss's lm_head re-run: loss.chunk_size and loss.fused
-        self.flops = TrainFlops(model, job.loss.chunk_size, job.loss.fused)
+        self.flops = TrainFlops(self.model, setup.loss.chunk_size, setup.loss.fused)
         self._interrupted = False  # a signal stopped the loop, or cut an evaluation/sampling short (not: a signal
         # that came after the last step, during the final save)
         self.hooks: list[StepHooks] = []  # observers of each step (the doctor); none in a plain run
-        # what the run was built from (run.py attaches them): the resolution (a planning.resolve.ResolvedRun:
-        # planning is a layer beside loop, so the trainer only carries it), the data and the activation-memory reports
-        self.plan: object = None
-        self.data_report: dict[str, Any] = {}
-        self.memory_report: dict[str, Any] = {}
+        # what the run was built from, for summary.json: the data and the activation-memory reports
+        self.data_report, self.memory_report = setup.data_report, setup.memory_report
 
     def add_hooks(self, hooks: StepHooks) -> None:
         """Register step callbacks (flexengine.loop.hooks.StepHooks)."""
@@ -144,11 +106,6 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------------------
-    def prepare_batch(self, batch: dict) -> tuple[dict, dict]:
-        """(the batch this rank computes, its mask kwargs): the attention mask is built once, here, so every layer
-        shares it (and we can log its density); under context parallelism the rows are split over the cp ranks."""
-        return self.forward.prepare(batch)
-
     @property
     def _cp(self) -> int:
         return self.forward.cp
@@ -163,11 +120,11 @@ class Trainer:
         for h in self.hooks:
             h.on_step_start(self, self.state.step + 1)
         with self._phase("data"):
-            micro_batches = [self.loader.next_batch() for _ in range(self.job.train.grad_accum)]
+            micro_batches = [self.loader.next_batch() for _ in range(self.setup.train.grad_accum)]
         counts = self._window_counts(micro_batches)
         rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
         window = self._accumulate(micro_batches, n_valid=rows[0].clamp(min=1).float())
-        clip = self.job.optim.grad_clip if self.job.optim.grad_clip > 0 else float("inf")
+        clip = self.setup.optim.grad_clip if self.setup.optim.grad_clip > 0 else float("inf")
         grad_norm = grad_norm_value(clip_gradients(self.optimizer, self.model.parameters(), clip))
         # the one host sync per step: loss, grad norm, density, flex's executed FLOPs and the job's token counts
         # come back together (float64: token counts stay exact integers)
@@ -235,7 +192,7 @@ class Trainer:
                 k: v.to(self.device, non_blocking=True) for k, v in host_batch.items() if isinstance(v, torch.Tensor)
             }
             with self._phase("mask"):
-                batch, mask_kwargs = self.prepare_batch(batch)
+                batch, mask_kwargs = self.forward.prepare(batch)  # one mask, shared by every layer
             model_flops_mb, hardware_flops_mb = self._flops(host_batch, mask_kwargs)
             model_flops, hardware_flops = model_flops + model_flops_mb, hardware_flops + hardware_flops_mb
             loss_sum += self._forward_backward(batch, mask_kwargs, n_valid, last=i == len(micro_batches) - 1)
@@ -267,13 +224,13 @@ class Trainer:
             with self._phase("optimizer"):
                 self.optimizer.step()
             self.scheduler.step()  # counts updates: a skipped step leaves the schedule where it was
-        elif self.job.train.skip_nonfinite:
+        elif self.setup.train.skip_nonfinite:
             self.state.skipped_nonfinite += 1
             log.warning("step %d: non-finite loss/grad (%s), step skipped", self.state.step + 1, loss_value)
         else:
             raise UserError(
                 f"step {self.state.step + 1}: loss is {loss_value} (grad norm {norm_value}); training stopped "
-                f"before the update. Likely cause: {suspect_settings(self.job.optim)}. Or set "
+                f"before the update. Likely cause: {suspect_settings(self.setup.optim)}. Or set "
                 "train.skip_nonfinite=true to skip (and count) such steps."
             )
         self.optimizer.zero_grad(set_to_none=True)
@@ -296,7 +253,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run to train.max_steps (or a stop signal, or early stopping); returns the run summary."""
-        cfg, state = self.job.train, self.state
+        cfg, state = self.setup.train, self.state
         if self.dist.is_main:  # here, not at construction: a resume has fitted the schedule by now
             log.info("optim: %s", self._schedule_line())
         self.progress.start_run()
@@ -318,21 +275,21 @@ class Trainer:
             if (cfg.save_final or self._interrupted) and unsaved:
                 self.save(completes_run=not self._interrupted)
             result = self.summary()
-            self.metrics.hparams(hparams(self.job, self.attn), hparam_metrics(result))
+            self.metrics.hparams(self.setup.hparams, hparam_metrics(result))
             self.metrics.close()
         return result
 
     def _schedule_line(self) -> str:
         """The schedule in words; a resumed run's says where it resumed and the lr it goes on at."""
         if self.checkpointer.resumed_from is None:
-            return describe_schedule(self.job.optim, self.job.train.max_steps)
+            return describe_schedule(self.setup.optim, self.setup.train.max_steps)
         lr = float(self.optimizer.param_groups[0]["lr"])
         done = self.scheduler.last_epoch
         knots = self.scheduler.state_dict()["knots"]  # optim.apply_knots keeps them on the scheduler (and its state)
-        return describe_resumed_schedule(self.job.optim, self.job.train.max_steps, knots, done, lr)
+        return describe_resumed_schedule(self.setup.optim, self.setup.train.max_steps, knots, done, lr)
 
     def _loop(self) -> None:
-        cfg = self.job.train
+        cfg = self.setup.train
         bar = self.progress.bar(self.state.step)
         self.model.train()
         profiler = (
@@ -387,7 +344,7 @@ class Trainer:
         """Seconds left: the remaining steps at this launch's mean training step time, plus the evaluations still
         due (the Evaluator's estimate)."""
         step_s = self.progress.mean_step_s(self.state.step)
-        steps_left = self.job.train.max_steps - self.state.step
+        steps_left = self.setup.train.max_steps - self.state.step
         return step_s * steps_left + self.evaluator.seconds_left(self.state.step, step_s)
 
     @property

@@ -213,19 +213,6 @@ def precision_spec(mode: str, optimizer: str = "adamw") -> PrecisionSpec:
     return spec
 
 
-def spec_for_params(mode: str, optimizer: str, param_dtype: torch.dtype) -> PrecisionSpec:
-    """A concrete mode's spec; `auto` unresolved by flexengine.planning.fit (a hand-built Trainer) reads fp32 weights as
-    fp32 and refuses to guess for others."""
-    if mode == "auto":
-        if param_dtype != torch.float32:
-            raise UserError(
-                f"precision=auto with {param_dtype} weights: resolve it with flexengine.resolve.resolve "
-                "(run.py does) or give precision=<mode>."
-            )
-        mode = "fp32"
-    return precision_spec(mode, optimizer)
-
-
 def check_updates_arrive(spec: PrecisionSpec, lr: float) -> None:
     """Warn loudly when pure bf16 would round most updates away at this learning rate."""
     if not spec.updates_arrive(lr):

@@ -12,7 +12,7 @@ from flexengine.cli.doctor import allocator_check, compose_job, diagnose, exit_s
 from flexengine.core.config import SEQ_LEN_AUTO, JobConfig, TrainConfig, conf_dir
 from flexengine.core.errors import UserError
 from flexengine.loop.hooks import StepHooks
-from flexengine.run import build_trainer
+from flexengine.run import build_planned_trainer
 from tests.helpers import DEBUG_FAST
 
 STEPS = 1
@@ -91,12 +91,13 @@ def test_compiled_blocks_are_diagnosed_and_a_recompile_is_counted(tmp_path):
     """No dispatch mode around compiled code, and fullgraph recompiles are counted (they were always 0)."""
     torch._dynamo.reset()
     job = compose_job([*DEBUG_FAST, "attn=packed_doc", "train.compile=true", "train.compile_backend=aot_eager"])
-    trainer = build_trainer(job, tmp_path)
-    healthy = diagnose(job, tmp_path, steps=1, trainer=trainer)["numbers"]
+    built = build_planned_trainer(job, tmp_path)
+    trainer = built[0]
+    healthy = diagnose(job, tmp_path, steps=1, built=built)["numbers"]
     assert healthy["graphs_compiled_warmup"] >= 1 and healthy["graphs_compiled_after_warmup"] == 0
     assert healthy["compile_backend"] == "aot_eager"
     trainer.add_hooks(_SmallerBatchAtStep())
-    report = diagnose(job, tmp_path, steps=1, trainer=trainer)  # one warm-up step, then the planted one
+    report = diagnose(job, tmp_path, steps=1, built=built)  # one warm-up step, then the planted one
     n = report["numbers"]
     assert n["recompiles_after_warmup"] >= 1 and "size mismatch" in " ".join(n["recompile_reasons"])
     assert check(report, "compile")["verdict"] == "warn"

@@ -296,7 +296,7 @@ def test_plan_and_run_choose_the_same_row_length(monkeypatch, measured):
     hf_config = build_hf_config(job.model)
     planned = resolve(job, hf_config, resolve_target_hardware(job, hf_config), documents=plan_documents(job, options))
     lengths, _ = document_lengths(job, options)
-    monkeypatch.setattr(run, "training_lengths", lambda *a: lengths)
+    monkeypatch.setattr(run, "training_lengths", lambda *a, **k: lengths)
     monkeypatch.setattr(run, "load_tokenizer", lambda model: None)
     device = torch.device("cpu")
     ran = run._resolve_run(job, hf_config, planned.attention, device=device, dist_info=DistInfo())

@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from flexengine.cli.common import compose_job
-from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.data.build import build_data, pad_token_id
+from flexengine.data.build import pad_token_id
 from flexengine.surgery.model import load_tokenizer
+from tests.helpers import job_data
 
 # distinct documents long enough to fill rows of 64 tokens
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i} - {i % 7}  # function number {i}\n" * 3 for i in range(60)]
@@ -29,7 +29,7 @@ def _build(tmp_path, *overrides: str):
             *overrides,
         ]
     )
-    return build_data(job, load_tokenizer(job.model), DistInfo())
+    return job_data(job, load_tokenizer(job.model))
 
 
 def _dataset_dict(path, **splits):
@@ -182,9 +182,9 @@ def test_a_hand_built_job_packs_once_its_attention_rules_are_resolved(tmp_path, 
     )
     tokenizer = load_tokenizer(job.model)
     with pytest.raises(UserError, match=r"data.packing=auto .*resolve_attention_rules\(job.attn, job.data"):
-        build_data(job, tokenizer, DistInfo())
+        job_data(job, tokenizer)
     resolve_attention_rules(job.attn, job.data, job.model)
-    loader, _, _ = build_data(job, tokenizer, DistInfo())
+    loader, _, _ = job_data(job, tokenizer)
     assert job.data.packing == packing and loader.batches_per_epoch > 0
 
 
@@ -192,8 +192,8 @@ def test_the_loader_is_built_pinned_when_asked(tmp_path):
     """run.py asks for pinned batches on CUDA at construction (no attribute set on a built loader afterwards)."""
     job = compose_job(["debug=fast", "data.seq_len=64", "data.num_workers=0", f"data.cache_dir={tmp_path / 'c'}"])
     tokenizer = load_tokenizer(job.model)
-    assert build_data(job, tokenizer, DistInfo(), pin_memory=True)[0].pin_memory is True
-    assert build_data(job, tokenizer, DistInfo())[0].pin_memory is False
+    assert job_data(job, tokenizer, pin_memory=True)[0].pin_memory is True
+    assert job_data(job, tokenizer)[0].pin_memory is False
 
 
 class _Tokenizer:

@@ -9,12 +9,11 @@ import logging
 import pytest
 
 from flexengine.cli.common import compose_job
-from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.data.build import build_data
 from flexengine.data.packing import IGNORE_INDEX
 from flexengine.run import run_training
 from flexengine.surgery.model import load_tokenizer
+from tests.helpers import job_data
 
 
 def _conversation(i: int, turns: int) -> list[dict]:
@@ -64,7 +63,7 @@ def test_chat_sft_trains_only_assistant_replies_and_counts_long_conversations(ch
     job = _job(tmp_path, tok_dir, path)
     tokenizer = load_tokenizer(job.model)
     assert "{% generation %}" in tokenizer.chat_template  # loaded from disk, as from an instruct model directory
-    loader, _, report = build_data(job, tokenizer, DistInfo())
+    loader, _, report = job_data(job, tokenizer)
     assert report["chats_longer_than_seq_len"] == {"truncated": 2, "dropped": 0, "policy": "truncate"}
     assert report["documents_split"] == 0  # nothing split mid-turn
     trained, prompts = [], []
@@ -84,7 +83,7 @@ def test_full_sequence_loss_and_drop_policy(chat_dir):
     tmp_path, tok_dir, path = chat_dir
     job = _job(tmp_path, tok_dir, path, "data.train_on=all", "data.long_chats=drop")
     tokenizer = load_tokenizer(job.model)
-    loader, _, report = build_data(job, tokenizer, DistInfo())
+    loader, _, report = job_data(job, tokenizer)
     assert report["chats_longer_than_seq_len"] == {"truncated": 0, "dropped": 2, "policy": "drop"}
     batch = loader.next_batch()
     text = tokenizer.decode(batch["input_ids"][batch["labels"] != IGNORE_INDEX].tolist())
@@ -101,7 +100,7 @@ def test_template_without_markers_trains_with_the_prefix_mask_and_reports_token_
     )
     caplog.set_level(logging.INFO, logger="flexengine")
     job = _job(tmp_path, tok_dir, path)
-    loader, _, _ = build_data(job, load_tokenizer(job.model), DistInfo())
+    loader, _, _ = job_data(job, load_tokenizer(job.model))
     assert "no {% generation %} markers" in caplog.text
     mask = loader.corpus.loss_mask
     trained, total = int(mask.sum()), len(mask)

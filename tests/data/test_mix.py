@@ -10,11 +10,10 @@ import pytest
 
 from flexengine.cli.common import compose_job
 from flexengine.core.config import MixSource
-from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.data.build import build_data
 from flexengine.data.mix import mix_documents
 from flexengine.surgery.model import load_tokenizer
+from tests.helpers import job_data
 
 
 def test_weights_become_token_shares_by_whole_documents():
@@ -58,7 +57,7 @@ def test_mixture_through_the_data_path_reports_each_source(tmp_path):
             f"data.cache_dir={tmp_path / 'cache'}",
         ]
     )
-    _, _, report = build_data(job, load_tokenizer(job.model), DistInfo())
+    _, _, report = job_data(job, load_tokenizer(job.model))
     mix = report["mix"]
     assert [m["source"] for m in mix] == [str(a), "b"]
     assert [m["share"] for m in mix] == pytest.approx([0.75, 0.25], abs=0.03)

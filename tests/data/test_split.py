@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from flexengine.cli.common import compose_job
-from flexengine.core.distributed import DistInfo
 from flexengine.core.errors import UserError
-from flexengine.data.build import build_data
 from flexengine.data.packing import flatten_documents
 from flexengine.data.split import split_documents
 from flexengine.surgery.model import load_tokenizer
+from tests.helpers import job_data
 
 
 def test_split_is_deterministic_sized_and_keeps_duplicates_together():
@@ -77,7 +76,7 @@ def test_no_document_crosses_the_train_eval_boundary(tmp_path):
             f"data.cache_dir={tmp_path / 'cache'}",
         ]
     )
-    loader, held, report = build_data(job, load_tokenizer(job.model), DistInfo())
+    loader, held, report = job_data(job, load_tokenizer(job.model))
     train_docs = {seg[0] for row in loader.plan.rows for seg in row}
     eval_docs = {seg[0] for row in held.plan.rows for seg in row}
     assert train_docs.isdisjoint(eval_docs)

@@ -142,17 +142,17 @@ def _shrunk(job, fit) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_b_two_steps_at_full_depth_on_cpu(config, jsonl, tmp_path):
-    from flexengine.run import build_trainer
+    from flexengine.run import build_planned_trainer
 
     job, _, fit = _plan(config, jsonl)
     overrides = [*_shipped(config, jsonl), "hardware=cpu", *_shrunk(job, fit), f"train.output_dir={tmp_path}"]
     run_job = compose_job(overrides)
-    trainer = build_trainer(run_job, tmp_path)
+    trainer, run = build_planned_trainer(run_job, tmp_path)
     layers = decoder_layers(trainer.model)
     assert len(layers) == job.model.arch["num_hidden_layers"]  # full depth
-    assert trainer.job.precision.mode == fit.precision.name and trainer.job.memory == fit.plan.chosen.memory
+    assert run.job.precision.mode == fit.precision.name and run.job.memory == fit.plan.chosen.memory
     assert {p.dtype for p in trainer.model.parameters()} == {fit.precision.param_dtype}
-    assert trainer.job.train.compile == job.train.compile
+    assert trainer.setup.train.compile == job.train.compile
     before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
     summary = trainer.train()
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in summary["losses"]), summary["losses"]

@@ -11,7 +11,7 @@ from flexengine.core.errors import UserError
 from flexengine.loop.checkpointer import check_data_plan
 from flexengine.loop.trainer import Trainer
 from flexengine.surgery.attention import patch_attention
-from tests.helpers import make_llama, random_row_loader
+from tests.helpers import make_llama, random_row_loader, trainer_for
 
 CPU = torch.device("cpu")
 SEQ_LEN = 64
@@ -24,7 +24,7 @@ def _trainer(out, *, seed: int, max_steps: int = 4, **train) -> Trainer:
     )
     job.data.seq_len = SEQ_LEN
     model = patch_attention(make_llama(seed), mode="packed_doc", backend="dense")
-    return Trainer(job, model, None, random_row_loader(2, SEQ_LEN), out_dir=out, device=CPU)
+    return trainer_for(job, model, random_row_loader(2, SEQ_LEN), out)
 
 
 def test_a_resumed_trainer_continues_bit_for_bit_and_owns_what_it_restored(tmp_path):

@@ -61,15 +61,14 @@ class _HeldOut:
 def _evaluator(tmp_path, train, held_out):
     """A hand-built run's Evaluator (loop/components.py) around a tiny model, with `held_out` as its set."""
     from flexengine.core.config import JobConfig
-    from flexengine.core.distributed import DistInfo
     from flexengine.data.demo import load_demo_tokenizer
-    from flexengine.loop.components import build_components
-    from flexengine.loop.forward import ForwardPath
+    from tests.helpers import job_components, job_forward
 
     job = JobConfig(train=train)
-    forward = ForwardPath.build(job, make_llama(), torch.device("cpu"))
     tokenizer = load_demo_tokenizer()  # train.sample_prompts needs one
-    components = build_components(job, forward, None, tokenizer, out_dir=tmp_path, dist=DistInfo(), held_out=held_out)
+    _, components = job_components(
+        job, job_forward(job, make_llama()), None, tmp_path, tokenizer=tokenizer, held_out=held_out
+    )
     return components.evaluator
 
 

@@ -3,13 +3,11 @@ number and its metrics, and each timed phase only for a hook that asks for times
 
 from __future__ import annotations
 
-import torch
-
 from flexengine.core.config import JobConfig, OptimConfig, TrainConfig
 from flexengine.loop.hooks import PHASES, StepHooks
 from flexengine.loop.trainer import Trainer
 from flexengine.surgery.attention import patch_attention
-from tests.helpers import make_llama, random_row_loader
+from tests.helpers import make_llama, random_row_loader, trainer_for
 
 SEQ_LEN = 64
 
@@ -38,7 +36,7 @@ def _trainer(tmp_path, grad_accum: int) -> Trainer:
     job.data.seq_len = SEQ_LEN
     model = patch_attention(make_llama(0), mode="packed_doc", backend="dense")
     loader = random_row_loader(1, SEQ_LEN, 20)
-    return Trainer(job, model, None, loader, out_dir=tmp_path, device=torch.device("cpu"))
+    return trainer_for(job, model, loader, tmp_path)
 
 
 def test_every_hook_sees_the_step_and_only_a_timed_one_its_phases(tmp_path):

@@ -19,7 +19,7 @@ from flexengine.planning.costs import host_optimizer_bytes, host_optimizer_secon
 from flexengine.planning.shapes import ModelShape
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.precision import SPECS
-from tests.helpers import make_llama, plan_inputs_of, random_row_loader
+from tests.helpers import make_llama, plan_inputs_of, random_row_loader, trainer_for
 
 CPU = torch.device("cpu")
 A100 = HardwareConfig(name="a100_80g", device="cuda", memory_gb=79.3, peak_tflops=312, host_memory_gb=128)
@@ -235,7 +235,7 @@ def _trainer(tmp_path, *, lr: float = 2e-5, max_steps: int = 4, save_every: int 
     )
     job.data.seq_len = SEQ_LEN
     model = patch_attention(_bf16_llama(), mode="packed_doc", backend="dense")
-    return Trainer(job, model, None, _loader(1), out_dir=tmp_path, device=CPU, precision=SPECS["bf16_cpu_master"])
+    return trainer_for(job, model, _loader(1), tmp_path, precision=SPECS["bf16_cpu_master"])
 
 
 def test_trainer_downloads_in_the_last_micro_batch_and_equals_the_plain_step(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from flexengine.core.errors import UserError
 from flexengine.data.loader import RowLoader
 from flexengine.loop.trainer import Trainer, rows_counted_once
 from flexengine.surgery.attention import patch_attention
-from tests.helpers import make_job, make_llama, random_row_loader
+from tests.helpers import make_job, make_llama, random_row_loader, trainer_for
 
 SEQ_LEN = 64
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def _trainer(tmp_path, model, *, micro_batch: int = 2, grad_accum: int = 2, **tr
         ),
     )
     job.data.seq_len = SEQ_LEN
-    return Trainer(job, model, None, _loader(micro_batch), out_dir=tmp_path, device=CPU)
+    return trainer_for(job, model, _loader(micro_batch), tmp_path)
 
 
 def _patched(seed: int = 0) -> torch.nn.Module:
@@ -158,7 +158,7 @@ def test_the_trainer_runs_under_the_precision_the_model_was_prepared_for(tmp_pat
     assert _trainer(tmp_path, model).precision == SPECS["bf16_mixed"]  # was: fp32 read from the weights' dtype
     job = JobConfig()
     with pytest.raises(ValueError, match="prepared for precision=bf16_mixed"):
-        Trainer(job, model, None, _loader(2), out_dir=tmp_path, device=CPU, precision=SPECS["fp32"])
+        trainer_for(job, model, _loader(2), tmp_path, precision=SPECS["fp32"])
 
 
 def test_a_hand_built_trainer_over_several_ranks_refuses_an_unresolved_reduce_every(tmp_path):
@@ -168,12 +168,4 @@ def test_a_hand_built_trainer_over_several_ranks_refuses_an_unresolved_reduce_ev
 
     job = make_job(tmp_path, "parallel.reduce_every=auto", "train.grad_accum=2")
     with pytest.raises(ValueError, match=r"parallel.reduce_every=auto .*window\|micro_batch"):
-        Trainer(
-            job,
-            make_llama(0),
-            None,
-            random_row_loader(2, 32, 60),
-            out_dir=tmp_path,
-            device=torch.device("cpu"),
-            dist=DistInfo(world_size=2),
-        )
+        trainer_for(job, make_llama(0), random_row_loader(2, 32, 60), tmp_path, dist=DistInfo(world_size=2))

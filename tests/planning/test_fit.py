@@ -247,10 +247,10 @@ def test_trainer_offload_manager_gets_the_rank_share_of_host_memory(tmp_path, mo
     monkeypatch.setattr(hardware, "available_host_memory_gb", lambda: 64.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     job = compose_job(["debug=fast", "memory=offload", "precision=fp32", f"train.output_dir={tmp_path}"])
-    trainer = run.build_trainer(job, tmp_path)
+    trainer, resolved = run.build_planned_trainer(job, tmp_path)
     manager = applied(trainer.model).offload
-    assert trainer.plan.hardware.host_memory_gb == 16.0
-    assert manager.max_pinned_bytes == trainer.plan.plan.chosen.usage.offload_pinned_bound_bytes == 16 * 2**30
+    assert resolved.hardware.host_memory_gb == 16.0
+    assert manager.max_pinned_bytes == resolved.plan.chosen.usage.offload_pinned_bound_bytes == 16 * 2**30
 
 
 def test_the_deepseek_experiment_compiles_because_the_planner_says_it_pays(tmp_path):

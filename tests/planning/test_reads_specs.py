@@ -175,7 +175,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "surgery/precision.py:auto_order": "the resolver of precision=auto: its order depends on optim.name",
     "surgery/precision.py:fsdp_policy": "torch.device.type, not a config value",
     "surgery/precision.py:precision_spec": "the resolver of precision.mode + optim.name into a PrecisionSpec",
-    "surgery/precision.py:spec_for_params": "the resolver of precision=auto for a built model",
     "surgery/rope.py:apply_rope_scaling": "the resolver of model.rope_scaling against HF's rope_type",
     "surgery/rope.py:context_limits": "HF's rope_type of the model config, not a choice of ours",
     "surgery/rope.py:describe": "HF's rope_type of the model config, for the log",

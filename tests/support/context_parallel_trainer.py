@@ -25,15 +25,13 @@ def main(out: Path, overrides: list[str]) -> None:
     from flexengine.cli.doctor import compose_job
     from flexengine.core.distributed import init_distributed
     from flexengine.core.parallel_spec import resolve_parallel
-    from flexengine.data.build import build_data
-    from flexengine.loop.trainer import Trainer
     from flexengine.surgery.attention import apply_attention, resolve_attention_spec
     from flexengine.surgery.attention.patch import CP_ATTENTION
     from flexengine.surgery.context_parallel import build_context_parallel
     from flexengine.surgery.memory import decoder_layers
     from flexengine.surgery.model import load_model, load_tokenizer
     from flexengine.surgery.parallel import apply_parallel
-    from tests.helpers import sdpa_on_block_mask
+    from tests.helpers import job_data, sdpa_on_block_mask, trainer_for
     from tests.support.parallel_grads import record_steps
 
     # torch's CP mask builder, uncompiled: compiling it costs each of up to 4 processes on 2 cores ~10 s, and
@@ -47,15 +45,15 @@ def main(out: Path, overrides: list[str]) -> None:
     info = init_distributed(job.parallel, device)
     cp = build_context_parallel(info, device)
     tokenizer = load_tokenizer(job.model)
-    loader, _, _ = build_data(job, tokenizer, info, flex=True)
+    loader, _, _ = job_data(job, tokenizer, info, flex=True)
     model = load_model(job.model, device)
     apply_attention(model, resolve_attention_spec(job.attn, model.config, device=device))
     cp.apply(model)
     for layer in decoder_layers(model):
         getattr(layer.self_attn, CP_ATTENTION).flex = sdpa_on_block_mask
     root = apply_parallel(model, resolve_parallel(job.parallel), info, device, job.loss, fsdp_mesh=cp.fsdp_mesh)
-    trainer = Trainer(
-        job, model, tokenizer, loader, out_dir=out, device=device, dist=info, train_module=root, context_parallel=cp
+    trainer = trainer_for(
+        job, model, loader, out, tokenizer=tokenizer, dist=info, device=device, train_module=root, context_parallel=cp
     )
     record_steps(trainer, out, accums=(2,))  # the first step's gradients: one accumulation window of 2
 

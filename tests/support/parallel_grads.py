@@ -39,7 +39,7 @@ def record_steps(trainer, out: Path, accums: tuple = (2, 2, 1)) -> None:
     # the same number of gradient reductions at grad_accum 2 and 1 is the proof of one sync per window; the
     # first step only warms up (DDP rebuilds its buckets after it) and gives the gradients
     for accum in accums:
-        trainer.job.train.grad_accum = accum
+        trainer.setup.train.grad_accum = accum
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             metrics.append(trainer.train_step())
         collectives[accum] = [e.name for e in prof.events() if e.name.startswith("c10d::")]

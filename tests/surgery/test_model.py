@@ -107,16 +107,16 @@ def test_meta_model_allocates_nothing_and_counts_like_the_planner():
 def test_training_config_with_model_path_trains_those_weights(tmp_path):
     """Defect 1: `model.path=DIR` on the default config (model=tiny) used to build tiny at random."""
     from flexengine.data.demo import load_demo_tokenizer
-    from flexengine.run import build_trainer
+    from flexengine.run import build_planned_trainer
     from tests.helpers import make_job
 
     model = make_llama(num_hidden_layers=3, vocab_size=2048)
     model.save_pretrained(tmp_path / "ckpt")
     load_demo_tokenizer().save_pretrained(tmp_path / "ckpt")
-    trainer = build_trainer(
+    trainer, run = build_planned_trainer(
         make_job(tmp_path / "run", f"model.path={tmp_path / 'ckpt'}", "train.max_steps=1"), tmp_path / "run"
     )
-    assert trainer.job.model.init == "auto" and trainer.job.model.loads_weights
+    assert run.job.model.init == "auto" and run.job.model.loads_weights
     assert len(trainer.model.model.layers) == 3
     torch.testing.assert_close(trainer.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
 

@@ -20,7 +20,7 @@ from flexengine.core.distributed import DistInfo
 from flexengine.core.parallel_spec import ParallelSpec, Strategy
 from flexengine.surgery.loss import forward_loss_sum
 from flexengine.surgery.parallel import LossForward, apply_parallel
-from tests.helpers import free_port, python_launcher, run_grads_script
+from tests.helpers import free_port, python_launcher, run_grads_script, trainer_for
 
 # eps=1e-6: with AdamW's default 1e-8, float-rounding noise on near-zero gradients (rare-token embedding rows)
 # is amplified to a full lr-sized step, which says nothing about the parallel engine
@@ -225,7 +225,6 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
     """apply_fsdp takes its MixedPrecisionPolicy from the recorded spec (not parallel.mixed_precision alone: bf16_sr
     gets none), records it, and the trainer's compute context follows the record (no autocast over FSDP's cast)."""
     from flexengine.core.config import JobConfig
-    from flexengine.loop.trainer import Trainer
     from flexengine.surgery.applied import applied
     from flexengine.surgery.parallel import apply_fsdp
     from flexengine.surgery.precision import SPECS, apply_precision
@@ -244,7 +243,7 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
     assert (shard_policy.param_dtype, shard_policy.reduce_dtype) == (
         (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
     )
-    trainer = Trainer(JobConfig(), tiny_llama, None, None, out_dir=tmp_path, device=torch.device("cpu"), precision=spec)
+    trainer = trainer_for(JobConfig(), tiny_llama, None, tmp_path, precision=spec)
     with trainer.compute_context():
         assert torch.is_autocast_enabled("cpu") == (spec.autocast and policy is None)
 

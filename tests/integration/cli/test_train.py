@@ -356,7 +356,7 @@ def test_only_os_errors_with_a_path_become_a_path_message(tmp_path, monkeypatch,
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(run_module, "build_trainer", fail)
+    monkeypatch.setattr(run_module, "build_planned_trainer", fail)
     with pytest.raises(UserError if raised == "UserError" else raised) as err:
         run_training(make_job(tmp_path, "train.max_steps=1"), tmp_path)
     if raised == "UserError":
@@ -408,7 +408,7 @@ import sys
 from flexengine import run
 def tokenizing(*args, **kwargs):
     raise KeyboardInterrupt
-run.build_trainer = tokenizing
+run.build_planned_trainer = tokenizing
 from flexengine.cli.train import main
 sys.argv = ["train", *sys.argv[1:]]
 main()

@@ -139,7 +139,7 @@ def test_keep_last_never_deletes_best_or_resumed_from(tmp_path):
 def test_epochs_set_max_steps_from_the_packed_plan(tmp_path):
     trainer = build_trainer(make_job(tmp_path, *WORKFLOW, "train.epochs=0.5", "train.grad_accum=2"), tmp_path)
     per_epoch = trainer.loader.batches_per_epoch
-    assert trainer.job.train.max_steps == math.ceil(0.5 * per_epoch / 2)
+    assert trainer.setup.train.max_steps == math.ceil(0.5 * per_epoch / 2)
 
 
 def test_resume_truncates_metrics_of_the_lost_steps(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from flexengine.core import device_speed
 from flexengine.planning import planner
 from flexengine.planning.fit import plan_job
-from flexengine.run import build_trainer
+from flexengine.run import build_planned_trainer
 from tests.helpers import make_job
 
 # the bench's width (128) and row (512) at 8 blocks: at width 64 and 256 tokens the eager per-op costs the planner
@@ -32,7 +32,7 @@ STEPS = 4  # measured, after one warm-up step
 def _measure(tmp_path, memory: str):
     """(the job, the hardware it was planned on, the planned step, the median measured step in CPU seconds)."""
     job = make_job(tmp_path / memory, *POINT, f"memory={memory}")
-    trainer = build_trainer(job, tmp_path / memory)
+    trainer, run = build_planned_trainer(job, tmp_path / memory)
     trainer.model.train()
     seconds = []
     for _ in range(1 + STEPS):
@@ -40,7 +40,7 @@ def _measure(tmp_path, memory: str):
         trainer.train_step()
         seconds.append(time.process_time() - t0)
     trainer.metrics.close()
-    return job, trainer.plan.hardware, trainer.plan.plan.chosen.time.step_s, statistics.median(seconds[1:])
+    return job, run.hardware, run.plan.chosen.time.step_s, statistics.median(seconds[1:])
 
 
 def _check(planned: dict[str, float], measured: dict[str, float]) -> None:

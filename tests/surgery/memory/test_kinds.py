@@ -6,19 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from flexengine.cli.common import compose_job
 from flexengine.core.config import JobConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
 from flexengine.core.errors import UserError
-from flexengine.loop.trainer import Trainer
 from flexengine.planning.planner import plan_memory
 from flexengine.planning.shapes import PlanInputs
 from flexengine.surgery.attention import patch_attention
 from flexengine.surgery.memory import apply_memory_policy, block_memory_specs
 from flexengine.surgery.memory.kinds import KINDS, WholeBlock, check_granularity, granularities, kind
 from flexengine.surgery.model import build_hf_config
-from tests.helpers import A100, make_llama, random_row_loader
+from tests.helpers import A100, make_llama, random_row_loader, trainer_for
 
 SEQ_LEN = 64
 SEVEN_B = dict(  # a LLaMA-2-7B-shaped architecture
@@ -97,7 +95,7 @@ def _train_losses(memory: MemoryConfig, tmp_path) -> tuple[list[int], list[str],
         train=TrainConfig(micro_batch=2, grad_accum=1, max_steps=2, progress=False, save_final=False),
     )
     job.data.seq_len = SEQ_LEN
-    trainer = Trainer(job, model, None, random_row_loader(2, SEQ_LEN, 60), out_dir=tmp_path, device=torch.device("cpu"))
+    trainer = trainer_for(job, model, random_row_loader(2, SEQ_LEN, 60), tmp_path)
     losses = [trainer.train_step()["loss"] for _ in range(2)]
     return changed, [type(layer).__name__ for layer in model.model.layers], losses
 
