@@ -130,18 +130,6 @@ def build_block_mask(mode: MaskMode, document_ids_BS: Tensor, block_size: int) -
     )
 
 
-def document_block_mask(documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> BlockMask:
-    """`build_block_mask` of causal (or sliding-window) attention, per document or not (context-parallel callers)."""
-    return build_block_mask(band_mode(documents, window), document_ids_BS, block_size)
-
-
-def block_occupancy(
-    documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int
-) -> tuple[Tensor, Tensor]:
-    """`MaskMode.block_occupancy` of causal (or sliding-window) attention, per document or not."""
-    return band_mode(documents, window).block_occupancy(document_ids_BS, block_size)
-
-
 def _causal_block_count(B: int, S: int, block_size: int) -> int:
     n = -(-S // block_size)
     return B * n * (n + 1) // 2
