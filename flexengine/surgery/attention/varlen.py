@@ -20,6 +20,7 @@ input is the [B, S] document ids (a new layout is new data, not a recompile). Th
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -39,19 +40,10 @@ def band_chunk(window: int) -> int:
 
 def document_runs(document_ids_BS: Tensor) -> list[list[tuple[int, int]]]:
     """(start, length) of every run of equal document ids, per row; reads the ids on the host once."""
-    ids = document_ids_BS.cpu()
-    B, S = ids.shape
-    change = torch.ones(B, S, dtype=torch.bool)
-    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    runs: list[list[tuple[int, int]]] = [[] for _ in range(B)]
-    rows, starts = change.nonzero(as_tuple=True)
-    for b, s in zip(rows.tolist(), starts.tolist()):
-        if runs[b]:
-            prev_start, _ = runs[b][-1]
-            runs[b][-1] = (prev_start, s - prev_start)
-        runs[b].append((s, 0))
-    for row in runs:
-        row[-1] = (row[-1][0], S - row[-1][0])
+    runs: list[list[tuple[int, int]]] = []
+    for row in document_ids_BS.cpu():
+        lengths = torch.unique_consecutive(row, return_counts=True)[1].tolist()
+        runs.append(list(zip(itertools.accumulate(lengths, initial=0), lengths)))
     return runs
 
 
