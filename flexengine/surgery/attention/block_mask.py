@@ -6,6 +6,7 @@ each backend consumes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, TypedDict
 
@@ -87,20 +88,16 @@ class _CommonFields(TypedDict):
     block_size: int
 
 
-_compiled_create_block_mask = None
+@functools.cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask, dynamic=False)  # once per process
 
 
 def _create_block_mask(mask_mod, B: int, S: int, device: torch.device, block_size: int) -> BlockMask:
     # torch's element-wise builder, O(S^2) per row: kept as the reference the tests compare the block-level one
     # with. On CUDA a compiled builder avoids materialising [S, S] per row (pytorch #151043); on CPU compiling it
     # costs ~27 s, more than the eager build of any CPU-sized run saves.
-    global _compiled_create_block_mask
-    if device.type == "cuda":
-        if _compiled_create_block_mask is None:
-            _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-        build = _compiled_create_block_mask
-    else:
-        build = create_block_mask
+    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
     return build(mask_mod, B, None, S, S, device=device, BLOCK_SIZE=block_size)
 
 
