@@ -155,22 +155,6 @@ def _call_shapes(kind: int, q_len: int, window: int) -> tuple[int, int, bool]:
     return -(window - 1), q_len + window - 1, False
 
 
-def plan_mask(plan: Tensor, B: int, S: int, window: int) -> tuple[Tensor, Tensor]:
-    """[B, S, S] bool: the (query, key) pairs the plan's kernel calls attend, and [B, S] int: how many spans
-    cover each query (tests check both against the mask_mod: exactly once, and the same pairs)."""
-    pairs = torch.zeros(B, S, S, dtype=torch.bool)
-    covered = torch.zeros(B, S, dtype=torch.int64)
-    for kind, row, start, length in plan.tolist():
-        k_off, k_len, causal = _call_shapes(kind, length, window)
-        if causal:  # SDPA's is_causal on a square call: top-left aligned
-            allowed = torch.ones(length, k_len, dtype=torch.bool).tril()
-        else:
-            allowed = _band_mask(length, window, torch.float32, torch.device("cpu")) == 0
-        pairs[row, start : start + length, start + k_off : start + k_off + k_len] |= allowed
-        covered[row, start : start + length] += 1
-    return pairs, covered
-
-
 @torch.library.custom_op("flexengine::varlen_attention", mutates_args=(), device_types="cpu")
 def _varlen_forward(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, window: int, scale: Optional[float]
