@@ -427,7 +427,8 @@ def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192, backward: bool = True, re
     from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexengine.surgery.attention.block_mask import canonical_document_ids, document_block_mask
+    from flexengine.surgery.attention.block_mask import build_block_mask
+    from flexengine.surgery.attention.mask_mode import band_mode, canonical_document_ids
 
     dev = device()
     flex = torch.compile(flex_attention, dynamic=False) if dev.type == "cuda" else flex_attention
@@ -435,7 +436,7 @@ def cp_virtual_ranks(cp: int = 2, seq_len: int = 8192, backward: bool = True, re
     doc = canonical_document_ids(
         torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(dev)
     )
-    mask = document_block_mask(True, doc, None, 128)
+    mask = build_block_mask(band_mode(True, None), doc, 128)
     g = torch.Generator(device=dev).manual_seed(0)
     heads, dim = (32, 8, 8), 128 if dev.type == "cuda" else 32
     q, k, v = (torch.randn(1, h, seq_len, dim, device=dev, generator=g, requires_grad=backward) for h in heads)

@@ -61,12 +61,8 @@ def _field_types(schema: type) -> dict[str, Any]:
 
 def _dataclass_in(tp: Any) -> Optional[type]:
     """The dataclass a field holds (itself, or inside Optional[...]), else None."""
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return tp
-    for arg in typing.get_args(tp):
-        if isinstance(arg, type) and dataclasses.is_dataclass(arg):  # NoneType is no dataclass
-            return arg
-    return None
+    held = (tp, *typing.get_args(tp))  # NoneType is no dataclass
+    return next((t for t in held if isinstance(t, type) and dataclasses.is_dataclass(t)), None)
 
 
 def _is_mapping(tp: Any) -> bool:

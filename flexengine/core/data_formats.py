@@ -53,10 +53,8 @@ def _column(spelling: str, data: DataConfig) -> tuple[str, Optional[str]]:
     return spelling, None
 
 
-_CHECKS, _ENCODINGS = (
-    "flexengine.data.sources:",
-    "flexengine.data.encode:",
-)  # where the shipped checks and encodings live
+_CHECKS = "flexengine.data.sources:"  # where the shipped record checks live
+_ENCODINGS = "flexengine.data.encode:"  # where the shipped encodings live
 FORMATS: dict[str, DataFormat] = {
     # one document per record, its text in data.text_field
     "text": DataFormat(_CHECKS + "check_text_record", _ENCODINGS + "encode_texts", "data.text_field", texts=True),

@@ -46,10 +46,7 @@ PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
 
 def lookup_peak_tflops(device_name: str) -> Optional[float]:
     """Dense bf16 TFLOP/s of a known device name, else None (no MFU for unknown devices)."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops
-    return None
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key.lower() in device_name.lower()), None)
 
 
 def available_host_memory_gb() -> float:

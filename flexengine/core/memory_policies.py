@@ -28,7 +28,7 @@ class MemoryPolicy:
     recomputes: bool = False  # the chosen blocks re-run in backward, at memory.granularity
     offloads: bool = False  # the chosen blocks keep every saved tensor in host memory
     offloads_inputs: bool = False  # memory.offload=true: its checkpoints' inputs live in host memory too
-    granularity: Optional[str] = None  # the one recompute kind it takes (None: memory.granularity's)
+    granularity: Optional[str] = None  # the one recompute kind it takes: "block" (None: memory.granularity's)
     tiles_when_auto: bool = False  # memory.tiled_mlp=auto weighs it tiled: the MLP's whole-row tensors still live
 
     @property
@@ -38,6 +38,12 @@ class MemoryPolicy:
 
     def check(self, memory: MemoryFields) -> None:
         """Refuse the memory.* it does not compose with (MemoryConfig has filled in its defaults)."""
+        if self.granularity is not None and memory.granularity != self.granularity:
+            raise UserError(
+                f"memory={self.name} recomputes whole blocks, but memory.granularity={memory.granularity!r}; to "
+                "recompute part of each block use memory=selective with that granularity (its kinds are checked at "
+                "composition), or drop memory.granularity."
+            )
         if memory.offload and not self.offloads_inputs:
             raise UserError(
                 f"memory.offload=true offloads checkpoint inputs; memory.policy={self.name} has none. "
@@ -71,30 +77,12 @@ class MemoryPolicy:
         return [dict(policy=self.name, layers=layers, granularity=g, offload=off) for g in grans for off in flags]
 
 
-@dataclass(frozen=True)
-class WholeBlocks(MemoryPolicy):
-    """A policy that recomputes whole blocks only: memory.granularity may not name a part."""
-
-    recomputes: bool = True
-    granularity: Optional[str] = "block"
-
-    def check(self, memory: MemoryFields) -> None:
-        """memory.granularity is its own, then the base's refusals."""
-        if memory.granularity != self.granularity:
-            raise UserError(
-                f"memory={self.name} recomputes whole blocks, but memory.granularity={memory.granularity!r}; to "
-                "recompute part of each block use memory=selective with that granularity (its kinds are checked at "
-                "composition), or drop memory.granularity."
-            )
-        super().check(memory)
-
-
 # in the order memory=auto weighs them on each number of blocks (the plan's candidate order)
 MEMORY_POLICIES: dict[str, MemoryPolicy] = {
     p.name: p
     for p in (
         MemoryPolicy("none"),  # every block keeps all its activations
-        WholeBlocks("full", offloads_inputs=True, tiles_when_auto=True),
+        MemoryPolicy("full", recomputes=True, granularity="block", offloads_inputs=True, tiles_when_auto=True),
         MemoryPolicy("selective", recomputes=True, offloads_inputs=True),  # the memory.granularity part re-runs
         MemoryPolicy("offload", offloads=True),  # every saved tensor in host memory, nothing re-runs
     )

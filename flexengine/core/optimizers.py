@@ -34,10 +34,6 @@ class OptimizerSpec:
     other_dtypes_hint: str = ""  # what to do instead when the weights are another dtype
     embedding_state_bytes: Optional[float] = None  # per input-embedding element, in place of the above there
 
-    def device_state_bytes(self, param_element_size: int) -> float:
-        """Device bytes of optimizer state per trainable parameter stored with `param_element_size`-byte elements."""
-        return self.states_in_param_dtype * param_element_size + self.state_bytes
-
 
 OPTIMIZERS = {
     # torch AdamW: exp_avg + exp_avg_sq in the parameter dtype

@@ -238,11 +238,8 @@ def unfinished_saves(root: Path) -> list[tuple[Path, str, int, int]]:
     """(path, host, pid, bytes) of every `.tmp_step_*` directory under root."""
     if not root.is_dir():
         return []
-    found = []
-    for p in sorted(root.iterdir()):
-        if (m := _TMP_DIR.match(p.name)) and p.is_dir():
-            found.append((p, m["host"], int(m["pid"]), tree_bytes(p)))
-    return found
+    dirs = [(p, m) for p in sorted(root.iterdir()) if (m := _TMP_DIR.match(p.name)) and p.is_dir()]
+    return [(p, m["host"], int(m["pid"]), tree_bytes(p)) for p, m in dirs]
 
 
 def clean_stale_temp_dirs(root: Path, owned: bool = False) -> list[Path]:
@@ -394,16 +391,12 @@ def _warn_unlocked(out_dir: Path, e: OSError) -> None:
 
 
 def _in_use_message(out_dir: Path, resume: Optional[str], holder: str) -> str:
-    what = (
-        f"train.resume={resume}: the run in {out_dir} is still running"
-        if resume == "auto"
-        else f"train.output_dir={out_dir} is in use by a live run"
-    )
-    harm = (
-        "resuming it now would truncate its metrics and load a checkpoint it is about to supersede"
-        if resume == "auto"
-        else "two runs in one directory would mix their checkpoints and metrics.jsonl"
-    )
+    if resume == "auto":
+        what = f"train.resume={resume}: the run in {out_dir} is still running"
+        harm = "resuming it now would truncate its metrics and load a checkpoint it is about to supersede"
+    else:
+        what = f"train.output_dir={out_dir} is in use by a live run"
+        harm = "two runs in one directory would mix their checkpoints and metrics.jsonl"
     return (
         f"{what} ({holder} holds {out_dir / RUN_LOCK}); {harm}. Wait for it to end or stop it (a stopped run "
         "resumes with train.resume=auto), or choose a new train.output_dir."

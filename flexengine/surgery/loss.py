@@ -87,18 +87,11 @@ def forward_loss_sum(
     lm = hf_causal_lm(model)
     decoder = lm.get_decoder()
     out = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **mask_kwargs)
-    if "targets" in batch:  # a context-parallel shard: this rank's tokens, each with its own target
-        return shifted_loss_sum(
-            out.last_hidden_state,
-            batch["targets"],
-            lm.get_output_embeddings(),
-            chunk_size,
-            batch.get("predicting_index"),
-            fused,
-        )
-    return causal_lm_loss_sum(
+    shifted = "targets" in batch  # a context-parallel shard: this rank's tokens, each with its own target
+    loss_sum = shifted_loss_sum if shifted else causal_lm_loss_sum
+    return loss_sum(
         out.last_hidden_state,
-        batch["labels"],
+        batch["targets" if shifted else "labels"],
         lm.get_output_embeddings(),
         chunk_size,
         batch.get("predicting_index"),

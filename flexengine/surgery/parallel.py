@@ -173,23 +173,16 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """Forward + backward of one micro-batch, reducing gradients across ranks only if `enabled` (the last
     micro-batch of an accumulation window): DDP's no_sync, FSDP2's set_requires_gradient_sync. Skipped
     reductions leave unsharded gradients accumulating locally until the window's last backward."""
-    if enabled or not dist.is_initialized():
-        yield
-        return
     no_sync = getattr(module, "no_sync", None)  # DDP
-    if no_sync is not None:
-        with no_sync():
-            yield
-        return
     set_sync = getattr(module, "set_requires_gradient_sync", None)  # an FSDP2 module (the root)
-    if set_sync is None:
+    with contextlib.ExitStack() as stack:
+        if not enabled and dist.is_initialized():
+            if no_sync is not None:
+                stack.enter_context(no_sync())
+            elif set_sync is not None:
+                set_sync(False)
+                stack.callback(set_sync, True)
         yield
-        return
-    set_sync(False)
-    try:
-        yield
-    finally:
-        set_sync(True)
 
 
 def grad_norm_value(grad_norm: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def optimizer_state_bytes_per_param(name: str, param_dtype: torch.dtype = torch.
     keeps in host memory. Divide by the world size under FSDP (states are sharded like the parameters).
     """
     spec = optimizer_spec(name)
-    return spec.device_state_bytes(torch.empty((), dtype=param_dtype).element_size()), spec.host_bytes
+    return spec.states_in_param_dtype * param_dtype.itemsize + spec.state_bytes, spec.host_bytes
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class PrecisionSpec:
     @property
     def act_bytes(self) -> int:
         """Bytes per activation element."""
-        return torch.empty((), dtype=self.compute_dtype).element_size()
+        return self.compute_dtype.itemsize
 
     def bytes_per_param(self) -> dict[str, Optional[float]]:
         """Bytes per trainable parameter: weights, grads, states on the device, and host bytes.
@@ -94,7 +94,7 @@ class PrecisionSpec:
         states and its slot of the transfer buffer (the device dtype: gradients come down and weights go up in it),
         plus one fp32 scratch of the largest parameter when that dtype is not fp32 ("host_scratch" bytes per
         element of the largest trainable tensor; flexengine.loop.host_adamw)."""
-        w = torch.empty((), dtype=self.param_dtype).element_size()
+        w = self.param_dtype.itemsize
         device, host = optimizer_state_bytes_per_param(self.optimizer, self.param_dtype)
         on_host = optimizer_spec(self.optimizer).steps_on_host
         transfer = w if on_host else 0.0  # the pinned slot each parameter's gradient and weights cross PCIe in
@@ -103,7 +103,7 @@ class PrecisionSpec:
             "grads": w,
             "optimizer": device,
             "compute_copy": 2.0 if self.autocast else 0.0,
-            "frozen_weights": torch.empty((), dtype=self.frozen_dtype).element_size(),
+            "frozen_weights": self.frozen_dtype.itemsize,
             "host": host + transfer,
             "host_scratch": 4.0 if on_host and w != 4 else 0.0,
             # per input-embedding element, in place of "optimizer" there (None: like every parameter)

@@ -12,7 +12,7 @@ import pytest
 
 from flexengine.core.config import MemoryConfig, ModelConfig
 from flexengine.core.errors import UserError
-from flexengine.core.memory_policies import MEMORY_POLICIES, WholeBlocks
+from flexengine.core.memory_policies import MEMORY_POLICIES, MemoryPolicy
 from flexengine.planning.planner import plan_memory
 from flexengine.planning.shapes import PlanInputs
 from flexengine.run import run_training
@@ -21,7 +21,9 @@ from flexengine.surgery.model import build_hf_config
 from tests.helpers import A100, make_job
 from tests.surgery.memory.test_kinds import SEVEN_B
 
-FULL_OFFLOAD = WholeBlocks("full_offload", offloads=True)  # whole blocks re-run, their inputs in host memory
+FULL_OFFLOAD = MemoryPolicy(
+    "full_offload", recomputes=True, granularity="block", offloads=True
+)  # whole blocks re-run, their inputs in host memory
 
 
 @pytest.fixture

@@ -223,10 +223,11 @@ def test_ranks_get_equal_attention_work(cp_run):
     """PTRR load balancing: each rank computes nearly the same number of attention blocks; a plain split into
     the first and second half of each row would give the second half more (causal rows, long documents).
     Measured on the test batch: 23 vs 24 blocks; halves: 20 vs 27."""
-    from flexengine.surgery.attention.block_mask import canonical_document_ids, document_block_mask
+    from flexengine.surgery.attention.block_mask import build_block_mask
+    from flexengine.surgery.attention.mask_mode import band_mode, canonical_document_ids
 
     blocks = [int(r["blocks"]) for r in cp_run["ranks"]]
-    mask = document_block_mask(True, canonical_document_ids(cp_run["batch"]["document_ids"]), None, 128)
+    mask = build_block_mask(band_mode(True, None), canonical_document_ids(cp_run["batch"]["document_ids"]), 128)
     per_q_block = (mask.kv_num_blocks + mask.full_kv_num_blocks)[:, 0]  # [B, q blocks]
     half = per_q_block.shape[1] // 2
     contiguous = [int(per_q_block[:, :half].sum()), int(per_q_block[:, half:].sum())]
@@ -240,14 +241,14 @@ def test_windowed_layers_stay_balanced_in_the_full_masks_order():
     32K row of 200..12,000-token documents over 8 ranks, window 4,096. Measured: max/mean 1.006."""
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _PTRRLoadBalancer
 
-    from flexengine.surgery.attention.block_mask import block_occupancy, canonical_document_ids
+    from flexengine.surgery.attention.mask_mode import band_mode, canonical_document_ids
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(200, 12000, (12,), generator=g).tolist()
     ids = canonical_document_ids(torch.repeat_interleave(torch.arange(12), torch.tensor(lengths))[None, :32768])
 
     def work(window):  # attended key blocks per 128-token query block
-        return block_occupancy(True, ids, window, 128)[0].sum(-1)[0].float()
+        return band_mode(True, window).block_occupancy(ids, 128)[0].sum(-1)[0].float()
 
     order = _PTRRLoadBalancer.ptrr_scheduling(work(None), 8)  # [rank, its query blocks]
     for window in (None, 4096):

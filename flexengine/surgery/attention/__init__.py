@@ -10,31 +10,22 @@ mask_mode` (the package attribute of that name is its submodule).
 from importlib import import_module
 
 _PACKAGE = "flexengine.surgery.attention"
-# public name -> the submodule that defines it. Not the function `mask_mode`: it shares its module's name, and once
+# each submodule -> the public names it defines. Not the function `mask_mode`: it shares its module's name, and once
 # the submodule is imported the package attribute `mask_mode` is the module, so take it from .mask_mode itself.
-_LAZY = {
-    "BatchMask": "block_mask",
-    "DenseMask": "block_mask",
-    "FlexMask": "block_mask",
-    "VarlenMask": "block_mask",
-    "build_batch_mask": "block_mask",
-    "MaskMode": "mask_mode",
-    "get_mask_mod": "mask_mode",
-    "Causal": "masks",
-    "InnerMask": "masks",
-    "SlidingWindow": "masks",
-    "document_ids_from_position_ids": "masks",
-    "position_ids_from_document_ids": "masks",
-    "MASK_KWARG": "patch",
-    "LayerMasks": "patch",
-    "apply_attention": "patch",
-    "mask_kwargs": "patch",
-    "patch_attention": "patch",
-    "AttentionSpec": "spec",
-    "AttnBackend": "spec",
-    "resolve_attention_spec": "spec",
-    "resolve_backend": "spec",
+_MODULE_NAMES = {
+    "block_mask": ("BatchMask", "DenseMask", "FlexMask", "VarlenMask", "build_batch_mask"),
+    "mask_mode": ("MaskMode", "get_mask_mod"),
+    "masks": (
+        "Causal",
+        "InnerMask",
+        "SlidingWindow",
+        "document_ids_from_position_ids",
+        "position_ids_from_document_ids",
+    ),
+    "patch": ("MASK_KWARG", "LayerMasks", "apply_attention", "mask_kwargs", "patch_attention"),
+    "spec": ("AttentionSpec", "AttnBackend", "resolve_attention_spec", "resolve_backend"),
 }
+_LAZY = {name: module for module, names in _MODULE_NAMES.items() for name in names}
 
 __all__ = sorted(_LAZY)
 

@@ -6,6 +6,7 @@ each backend consumes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, TypedDict
 
@@ -87,20 +88,16 @@ class _CommonFields(TypedDict):
     block_size: int
 
 
-_compiled_create_block_mask = None
+@functools.cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask, dynamic=False)  # once per process
 
 
 def _create_block_mask(mask_mod, B: int, S: int, device: torch.device, block_size: int) -> BlockMask:
     # torch's element-wise builder, O(S^2) per row: kept as the reference the tests compare the block-level one
     # with. On CUDA a compiled builder avoids materialising [S, S] per row (pytorch #151043); on CPU compiling it
     # costs ~27 s, more than the eager build of any CPU-sized run saves.
-    global _compiled_create_block_mask
-    if device.type == "cuda":
-        if _compiled_create_block_mask is None:
-            _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-        build = _compiled_create_block_mask
-    else:
-        build = create_block_mask
+    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
     return build(mask_mod, B, None, S, S, device=device, BLOCK_SIZE=block_size)
 
 
@@ -128,18 +125,6 @@ def build_block_mask(mode: MaskMode, document_ids_BS: Tensor, block_size: int) -
         mask_mod=mode.mask_mod(document_ids_BS),
         seq_lengths=(S, S),
     )
-
-
-def document_block_mask(documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int) -> BlockMask:
-    """`build_block_mask` of causal (or sliding-window) attention, per document or not (context-parallel callers)."""
-    return build_block_mask(band_mode(documents, window), document_ids_BS, block_size)
-
-
-def block_occupancy(
-    documents: bool, document_ids_BS: Tensor, window: Optional[int], block_size: int
-) -> tuple[Tensor, Tensor]:
-    """`MaskMode.block_occupancy` of causal (or sliding-window) attention, per document or not."""
-    return band_mode(documents, window).block_occupancy(document_ids_BS, block_size)
 
 
 def _causal_block_count(B: int, S: int, block_size: int) -> int:

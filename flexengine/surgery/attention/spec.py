@@ -8,6 +8,7 @@ nothing else parses attn.mode or attn.backend. The window is per decoder layer: 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
@@ -93,9 +94,7 @@ class AttentionSpec:
 
     def describe(self) -> str:
         """One log line: mode, backend and the windows with their source."""
-        groups: dict[Optional[int], int] = {}
-        for w in self.layer_windows:
-            groups[w] = groups.get(w, 0) + 1
+        groups = Counter(self.layer_windows)  # in layer order: a Counter keeps first-seen order
         windows = ", ".join(f"{'none' if w is None else w} on {n} layer{'s' * (n > 1)}" for w, n in groups.items())
         return f"mode={self.mode} backend={self.backend.value} window: {windows} (from {self.window_source})"
 
@@ -145,17 +144,8 @@ def resolve_attention_spec(attn: AttnConfig, hf_config, *, device: Optional[torc
                 f"attn.backend=sdpa is HF's own causal attention; attn={mode} needs "
                 "attn.backend=flex, varlen, dense or auto."
             )
-        return AttentionSpec(
-            mode,
-            backend,
-            native,
-            native,
-            f"HF's own attention ({native_source})",
-            attn.block_size,
-            attn.dense_chunk,
-            attn.compile,
-        )
-    if entry.windowed:
+        windows, source = native, f"HF's own attention ({native_source})"
+    elif entry.windowed:
         if attn.window is not None:
             # on the model's windowed layers only (its full-attention layers stay full), every layer if none
             layers = windowed_layers or range(len(native))

@@ -20,6 +20,7 @@ input is the [B, S] document ids (a new layout is new data, not a recompile). Th
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -39,19 +40,10 @@ def band_chunk(window: int) -> int:
 
 def document_runs(document_ids_BS: Tensor) -> list[list[tuple[int, int]]]:
     """(start, length) of every run of equal document ids, per row; reads the ids on the host once."""
-    ids = document_ids_BS.cpu()
-    B, S = ids.shape
-    change = torch.ones(B, S, dtype=torch.bool)
-    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    runs: list[list[tuple[int, int]]] = [[] for _ in range(B)]
-    rows, starts = change.nonzero(as_tuple=True)
-    for b, s in zip(rows.tolist(), starts.tolist()):
-        if runs[b]:
-            prev_start, _ = runs[b][-1]
-            runs[b][-1] = (prev_start, s - prev_start)
-        runs[b].append((s, 0))
-    for row in runs:
-        row[-1] = (row[-1][0], S - row[-1][0])
+    runs: list[list[tuple[int, int]]] = []
+    for row in document_ids_BS.cpu():
+        lengths = torch.unique_consecutive(row, return_counts=True)[1].tolist()
+        runs.append(list(zip(itertools.accumulate(lengths, initial=0), lengths)))
     return runs
 
 
@@ -161,22 +153,6 @@ def _call_shapes(kind: int, q_len: int, window: int) -> tuple[int, int, bool]:
     if kind == CAUSAL:
         return 0, q_len, True
     return -(window - 1), q_len + window - 1, False
-
-
-def plan_mask(plan: Tensor, B: int, S: int, window: int) -> tuple[Tensor, Tensor]:
-    """[B, S, S] bool: the (query, key) pairs the plan's kernel calls attend, and [B, S] int: how many spans
-    cover each query (tests check both against the mask_mod: exactly once, and the same pairs)."""
-    pairs = torch.zeros(B, S, S, dtype=torch.bool)
-    covered = torch.zeros(B, S, dtype=torch.int64)
-    for kind, row, start, length in plan.tolist():
-        k_off, k_len, causal = _call_shapes(kind, length, window)
-        if causal:  # SDPA's is_causal on a square call: top-left aligned
-            allowed = torch.ones(length, k_len, dtype=torch.bool).tril()
-        else:
-            allowed = _band_mask(length, window, torch.float32, torch.device("cpu")) == 0
-        pairs[row, start : start + length, start + k_off : start + k_off + k_len] |= allowed
-        covered[row, start : start + length] += 1
-    return pairs, covered
 
 
 @torch.library.custom_op("flexengine::varlen_attention", mutates_args=(), device_types="cpu")

@@ -54,11 +54,6 @@ class RecomputeKind:
     cache_outside_autograd: bool = False
 
     @property
-    def value(self) -> str:
-        """The memory.granularity name (the enum's spelling, kept for labels and errors)."""
-        return self.name
-
-    @property
     def recomputes(self) -> bool:
         """Whether backward re-runs anything (False only for `none`)."""
         return self.working_rank > 0

@@ -44,6 +44,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from flexengine.core.units import GiB
 
@@ -234,17 +235,6 @@ def _is_parameter_view(t: Tensor) -> bool:
     return base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter))
 
 
-def _tensors(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
 class OffloadManager:
     """Saved-tensor hooks for the blocks it is attached to; one side stream per model."""
 
@@ -277,7 +267,7 @@ class OffloadManager:
         self._bound_in_flight()
         self._holding.append(group)
         # Keyword tensors (rotary cos/sin, masks) are shared by all blocks of the batch: never copy them per block.
-        shared = {t.untyped_storage().data_ptr() for t in _tensors(kwargs)}
+        shared = {t.untyped_storage().data_ptr() for t in tree_leaves(kwargs) if isinstance(t, Tensor)}
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, shared, t), self._unpack):
             yield
         self._last = weakref.ref(group)

@@ -29,7 +29,6 @@ from flexengine.core.errors import UserError
 from flexengine.core.units import GiB
 from flexengine.surgery.applied import applied
 from flexengine.surgery.family import Family, family_of
-from flexengine.surgery.memory.kinds import RecomputeKind
 from flexengine.surgery.memory.layers import decoder_layers, select_layers  # noqa: F401  (re-exported)
 from flexengine.surgery.memory.offload import DEFAULT_MAX_PINNED_BYTES, OffloadManager
 from flexengine.surgery.memory.spec import MemorySpec, Recompute
@@ -77,13 +76,11 @@ def wrap_module(module: nn.Module, spec: MemorySpec, index: int, offload: Option
     module.memory_spec, module.memory_index, module.memory_offload = spec, index, offload
 
 
-def _submodule(layer: nn.Module, name: str, recompute: RecomputeKind) -> nn.Module:
+def _submodule(layer: nn.Module, name: str, setting: str, instead: str) -> nn.Module:
+    """layer's sub-module `name`, or a UserError naming the `setting` that needs it and what to use `instead`."""
     sub = getattr(layer, name, None)
     if not isinstance(sub, nn.Module):
-        raise UserError(
-            f"memory.granularity={recompute.name}: {type(layer).__name__} has no `{name}` sub-module; "
-            "use memory.granularity=block"
-        )
+        raise UserError(f"{setting}: {type(layer).__name__} has no `{name}` sub-module{instead}")
     return sub
 
 
@@ -95,14 +92,13 @@ def apply_block_spec(
         return
     sub = spec.recompute.submodule(family)
     if sub is not None:
-        wrap_module(_submodule(layer, sub.module, spec.recompute), MemorySpec(Recompute.BLOCK), index, None)
+        setting = f"memory.granularity={spec.recompute.name}"
+        module = _submodule(layer, sub.module, setting, "; use memory.granularity=block")
+        wrap_module(module, MemorySpec(Recompute.BLOCK), index, None)
     if spec.mlp_tile:
-        mlp = getattr(layer, family.mlp.module, None)
-        if not isinstance(mlp, nn.Module):
-            raise UserError(
-                f"memory.tiled_mlp={spec.mlp_tile}: {type(layer).__name__} has no `{family.mlp.module}` sub-module "
-                "to tile; use memory.tiled_mlp=0"
-            )
+        mlp = _submodule(
+            layer, family.mlp.module, f"memory.tiled_mlp={spec.mlp_tile}", " to tile; use memory.tiled_mlp=0"
+        )
         wrap_module(mlp, MemorySpec(mlp_tile=spec.mlp_tile), index, None)
     own = dataclasses.replace(spec, mlp_tile=0)  # the tiles belong to the mlp's forward, not the block's
     if own.changes_block or isinstance(layer, MemoryBlock):

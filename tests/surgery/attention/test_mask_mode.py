@@ -14,7 +14,7 @@ import torch
 from flexengine.surgery.attention.block_mask import _create_block_mask, build_block_mask, dense_mask_from_mod
 from flexengine.surgery.attention.mask_mode import MaskMode, canonical_document_ids, mask_mode
 from flexengine.surgery.attention.masks import MODES, InnerMask
-from flexengine.surgery.attention.varlen import plan_mask
+from flexengine.surgery.attention.varlen import _band_mask, _call_shapes
 
 BLOCK = 128
 
@@ -35,6 +35,22 @@ class PrefixLM(InnerMask):
 
     def key_interval(self, q):
         return torch.zeros_like(q), q.clamp(min=self.prefix - 1)
+
+
+def _plan_mask(plan: torch.Tensor, B: int, S: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, S] bool: the (query, key) pairs the varlen plan's kernel calls attend, and [B, S] int: how many spans
+    cover each query (checked against the mask_mod: exactly once, and the same pairs)."""
+    pairs = torch.zeros(B, S, S, dtype=torch.bool)
+    covered = torch.zeros(B, S, dtype=torch.int64)
+    for kind, row, start, length in plan.tolist():
+        k_off, k_len, causal = _call_shapes(kind, length, window)
+        if causal:  # SDPA's is_causal on a square call: top-left aligned
+            allowed = torch.ones(length, k_len, dtype=torch.bool).tril()
+        else:
+            allowed = _band_mask(length, window, torch.float32, torch.device("cpu")) == 0
+        pairs[row, start : start + length, start + k_off : start + k_off + k_len] |= allowed
+        covered[row, start : start + length] += 1
+    return pairs, covered
 
 
 def _random_lengths(seq_len: int, g: torch.Generator) -> list[int]:
@@ -122,7 +138,7 @@ def test_every_form_matches_the_mask_mod(mode, rows):
         with pytest.raises(NotImplementedError, match="varlen"):
             _ = mode.varlen_window
         return
-    pairs, covered = plan_mask(mode.varlen_spans(ids), B, S, mode.varlen_window)
+    pairs, covered = _plan_mask(mode.varlen_spans(ids), B, S, mode.varlen_window)
     assert bool((covered == 1).all()), "varlen spans: every query exactly once"
     assert torch.equal(pairs, dense), "varlen spans"
 
