@@ -102,11 +102,6 @@ def policy_family(specs: Sequence[MemorySpec]) -> tuple[RecomputeKind, bool]:
     return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
 
 
-def candidate_family(candidate: Candidate) -> tuple[RecomputeKind, bool]:
-    """`policy_family` of a candidate, from the MemorySpecs it was priced with."""
-    return policy_family(candidate.specs)
-
-
 def describe(specs: Sequence[MemorySpec]) -> str:
     """A short label of a policy: 'none', 'block k=16/32', 'ops k=32/32 + offload', 'offload k=8/32'."""
     tiled = " + tiled MLP" if any(spec.mlp_tile for spec in specs) else ""
@@ -351,11 +346,11 @@ def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[t
     return out
 
 
-def _rank(candidate: tuple[Candidate, Sequence[MemorySpec]]) -> tuple[float, bool, bool, int, int, int, bool]:
+def _rank(row: Candidate) -> tuple[float, bool, bool, int, int, int, bool]:
     """Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, no MLP tiles,
     fewer checkpointed blocks, the larger micro-batch, the coarser recompute and one reduction per window. The
     policy is read from the candidate's MemorySpecs, not from its memory config's strings."""
-    row, specs = candidate
+    specs = row.specs
     return (
         round(row.time.step_s, 6),
         offloads(specs),
@@ -378,33 +373,24 @@ def plan_memory(
     given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
     search_micro_batch: also try smaller micro-batches (more accumulation, same rows per optimizer step)."""
     m = ModelShape.from_hf_config(hf_config)
-    space = [(mem, memory_specs(mem, m)) for mem in search_space(m.layers, given)]
+    space = search_space(m.layers, given)
     if x.hardware.on_cpu:  # offloading to host memory saves nothing when the device is the host
-        space = [(mem, specs) for mem, specs in space if not offloads(specs)] or space
+        space = [mem for mem in space if not offloads(memory_specs(mem, m))] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
-    candidates = [
-        (
-            _candidate(
-                m,
-                dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
-                mem,
-                x,
-            ),
-            specs,
-        )
+    rows = tuple(
+        _candidate(m, dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every), mem, x)
         for b, accum, reduce_every in _with_reduce_choices(shapes, x)
-        for mem, specs in space
-    ]
-    rows = tuple(row for row, _ in candidates)
-    fitting = [(row, specs) for row, specs in candidates if row.usage.fits]
+        for mem in space
+    )
+    fitting = [row for row in rows if row.usage.fits]
     leanest = min(rows, key=lambda r: r.usage.terms.total_bytes + r.usage.host_bytes)  # when nothing fits
-    best = min(fitting, key=_rank)[0] if fitting else leanest
+    best = min(fitting, key=_rank) if fitting else leanest
     return _plan(hf_config, m, x, rows, best, () if fitting else tuple(suggestions(m, x)))
 
 
 def _candidate(m: ModelShape, x: PlanInputs, memory: MemoryConfig, given: PlanInputs) -> Candidate:
-    """One candidate of the search: `evaluate`'s, its label naming the micro-batch where it differs from the given
-    one, and a reduction every micro-batch."""
+    """One candidate of the search: `evaluate`'s (priced with its own MemorySpecs, which it carries), its label
+    naming the micro-batch where it differs from the given one, and a reduction every micro-batch."""
     candidate = evaluate(m, x, memory)
     shape = "" if x.micro_batch == given.micro_batch else f" mb={x.micro_batch}"
     shape += " reduce/mb" if x.reduce_every is ReduceEvery.MICRO_BATCH and x.grad_accum > 1 else ""
@@ -447,7 +433,7 @@ def _plan(
 
 def k_table(plan: Plan) -> list[Candidate]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
-    family = candidate_family(plan.chosen)
+    family = policy_family(plan.chosen.specs)
     if family == (Recompute.NONE, False):  # nothing needed: show what whole-block checkpointing would cost
         family = (Recompute.BLOCK, False)
     rows = [
@@ -455,7 +441,7 @@ def k_table(plan: Plan) -> list[Candidate]:
         for r in plan.candidates
         if r.micro_batch == plan.chosen.micro_batch
         and r.time.reduce_every == plan.chosen.time.reduce_every
-        and (r.k == 0 or candidate_family(r) == family)
+        and (r.k == 0 or policy_family(r.specs) == family)
     ]
     return sorted(rows, key=lambda r: r.k)
 
