@@ -88,12 +88,11 @@ def plan_job(
     attention = attention if attention is not None else planned_attention(job.attn, hf_config, hardware)
     specs = plan_specs(job, hf_config, attention, pairs)
     modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
-    search_mb = job.memory.policy == "auto"
     table, plans = [], []
     for mode in modes:
         spec = precision_spec(mode, job.optim.name)
         x = plan_inputs(specs, hardware, spec)
-        plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=search_mb)
+        plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=job.memory.policy == "auto")
         best = plan.chosen
         table.append(
             PrecisionTrial(

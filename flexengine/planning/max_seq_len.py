@@ -8,6 +8,7 @@ into whole blocks per rank) finds the boundary exactly.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,10 +52,8 @@ def longest_fitting(
         lo, hi = hi, hi * 2
     if hi * step > MAX_SEARCH_TOKENS:
         return lo * step
-    while hi - lo > 1:  # fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+    # fits(lo), not fits(hi): the longest is the one before the first of lo + 1 .. hi - 1 that does not fit
+    return (lo + bisect.bisect_left(range(lo + 1, hi), True, key=lambda n: not fits(n))) * step
 
 
 def max_seq_len_table(

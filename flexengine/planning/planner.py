@@ -335,15 +335,13 @@ def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, in
 def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[tuple[int, int, ReduceEvery]]:
     """(micro_batch, grad_accum, reduce_every) to evaluate: both reductions under reduce_every=auto where they
     differ (FSDP over several ranks with accumulation), else the given one (auto: window)."""
-    out = []
-    for b, accum in shapes:
-        choices: tuple[ReduceEvery, ...]
+
+    def choices(accum: int) -> tuple[ReduceEvery, ...]:
         if x.reduce_every is not ReduceEvery.AUTO:
-            choices = (x.reduce_every,)
-        else:
-            choices = REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else (ReduceEvery.WINDOW,)
-        out += [(b, accum, r) for r in choices]
-    return out
+            return (x.reduce_every,)
+        return REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else (ReduceEvery.WINDOW,)
+
+    return [(b, accum, r) for b, accum in shapes for r in choices(accum)]
 
 
 def _rank(row: Candidate) -> tuple[float, bool, bool, int, int, int, bool]:
@@ -449,11 +447,11 @@ def k_table(plan: Plan) -> list[Candidate]:
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
     """Whether whole-block checkpointing, with or without offload, fits (the suggestions' probe)."""
     reductions = REDUCE_CHOICES if x.reduce_every is ReduceEvery.AUTO else (x.reduce_every,)
-    for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
-        for reduce_every in reductions:
-            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).usage.fits:
-                return True
-    return False
+    return any(
+        evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).usage.fits
+        for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True))
+        for reduce_every in reductions
+    )
 
 
 def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:

@@ -95,8 +95,7 @@ def plan_inputs(
     specs: PlanSpecs, hardware: HardwareConfig, precision: PrecisionSpec, on_cuda: Optional[bool] = None
 ) -> PlanInputs:
     """PlanInputs of resolved specs on concrete hardware under a PrecisionSpec."""
-    if on_cuda is None:
-        on_cuda = hardware.on_cuda
+    on_cuda = hardware.on_cuda if on_cuda is None else on_cuda
     # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
     resolved = specs.attention.backend
     backend = resolved if resolved in (AttnBackend.DENSE, AttnBackend.VARLEN) else AttnBackend.FLEX
