@@ -133,14 +133,6 @@ TERM_FIELDS = ("matmul_s", "attention_s", "pointwise_s", "loss_s", "recompute_s"
 
 
 @dataclass(frozen=True)
-class Estimate:
-    """The bytes and the step time of one concrete policy."""
-
-    usage: MemoryUse
-    time: StepTime
-
-
-@dataclass(frozen=True)
 class Candidate:
     """One evaluated policy: its label and batch shape, the concrete memory config, its bytes and step time."""
 

@@ -50,7 +50,7 @@ from flexengine.planning.costs import (
     reduce_scatter_traffic,
     static_bytes,
 )
-from flexengine.planning.plan import Candidate, DeviceTerms, Estimate, MemoryUse, Plan, StepTime
+from flexengine.planning.plan import Candidate, DeviceTerms, MemoryUse, Plan, StepTime
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.memory.kinds import RecomputeKind, granularities
 from flexengine.surgery.memory.layers import select_layers
@@ -150,25 +150,10 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> Candidate:
-    """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
+    """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy, from its
+    per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     memory = resolve_tiles(memory, m)
     specs = memory_specs(memory, m)
-    estimate = evaluate_specs(m, x, specs)
-    return Candidate(
-        label=describe(specs),
-        micro_batch=x.micro_batch,
-        grad_accum=x.grad_accum,
-        k=len(chosen_blocks(specs)),
-        uses_offload=offloads(specs),
-        memory=memory,
-        specs=tuple(specs),
-        usage=estimate.usage,
-        time=estimate.time,
-    )
-
-
-def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> Estimate:
-    """`evaluate` from the per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     if x.reduce_every is ReduceEvery.AUTO:  # one evaluation is one concrete plan; plan_memory weighs both
         x = dataclasses.replace(x, reduce_every=ReduceEvery.WINDOW)
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
@@ -177,19 +162,25 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
     # rows when the corpus is known, else over one whole-row document (planning/specs.whole_row_pairs)
     attended = x.pairs.of_rank(x.cp)
     act = estimate_activations(m, w, specs, attended_fraction=attended)
-    static = static_bytes(m, x)
-    return Estimate(_memory_use(m, x, w, act, static), _step_time(m, x, w, act, attended))
+    return Candidate(
+        label=describe(specs),
+        micro_batch=x.micro_batch,
+        grad_accum=x.grad_accum,
+        k=len(chosen_blocks(specs)),
+        uses_offload=offloads(specs),
+        memory=memory,
+        specs=tuple(specs),
+        usage=_memory_use(m, x, w, act),
+        time=_step_time(m, x, w, act, attended),
+    )
 
 
-def _memory_use(
-    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict[str, int]
-) -> MemoryUse:
+def _memory_use(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate) -> MemoryUse:
     """Device bytes by term, host bytes, the budgets and whether the step fits them."""
-    on_gpu = not x.hardware.on_cpu
     backward = _workspace_bytes(m, x, w, act)
     offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
     terms = DeviceTerms(
-        **static,
+        **static_bytes(m, x),
         activation_bytes=act.total_bytes,
         backward_workspace_bytes=backward,
         offload_in_flight_bytes=offload_resident,
@@ -199,10 +190,10 @@ def _memory_use(
     host_state = host_optimizer_bytes(m, x)  # masters/states a CPU optimizer keeps
     host = host_state + act.offloaded_bytes
     device = device_budget(x.hardware)  # the card less the CUDA context and the fragmentation margin
-    budget = device.usable_bytes
     # hardware.host_memory_gb is already this rank's share (flexengine.core.hardware divides by the node's ranks)
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
+    budget, on_gpu = device.usable_bytes, not x.hardware.on_cpu
     fits = (total <= budget and (host_budget is None or host <= host_budget)) if on_gpu else total + host <= budget
     return MemoryUse(
         terms=terms,
