@@ -427,16 +427,8 @@ def _short_verdict(verdict: str) -> str:
 def _reduce_line(p: Plan, hw: HardwareConfig) -> str:
     """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
     best, time = p.chosen, p.chosen.time
-    other = next(
-        (
-            r
-            for r in p.candidates
-            if r.time.reduce_every != time.reduce_every
-            and r.memory == best.memory
-            and r.micro_batch == best.micro_batch
-        ),
-        None,
-    )
+    same = (r for r in p.candidates if r.memory == best.memory and r.micro_batch == best.micro_batch)
+    other = next((r for r in same if r.time.reduce_every != time.reduce_every), None)
     every = "every micro-batch" if time.reduce_every is ReduceEvery.MICRO_BATCH else "once per accumulation window"
     line = (
         f"gradients: reduce-scatter {every} (parallel.reduce_every={time.reduce_every.value}): "

@@ -35,12 +35,10 @@ def at_length(x: PlanInputs, seq_len: int, pairs_at: Optional[PairsAt] = None) -
     return dataclasses.replace(x, seq_len=seq_len, pairs=pairs)
 
 
-def longest_fitting(
-    m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
-) -> int:
-    """The longest seq_len (a multiple of `step`, default 128 x cp) whose step fits under `memory`; 0 if not even
-    `step` does."""
-    step = step or CP_BLOCK_SIZE * x.cp
+def longest_fitting(m: ModelShape, x: PlanInputs, memory, pairs_at: Optional[PairsAt] = None) -> int:
+    """The longest seq_len (a multiple of `step`, 128 x cp) whose step fits under `memory`; 0 if not even `step`
+    does."""
+    step = CP_BLOCK_SIZE * x.cp
 
     def fits(n: int) -> bool:
         return evaluate(m, at_length(x, n * step, pairs_at), memory).usage.fits
@@ -57,7 +55,7 @@ def longest_fitting(
 
 
 def max_seq_len_table(
-    hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
+    hf_config, x: PlanInputs, tiled_mlp: Any = "auto", pairs_at: Optional[PairsAt] = None
 ) -> list[dict]:
     """Per candidate policy: the longest fitting seq_len, and the step time, tokens/s, recompute share and
     host traffic at that length (x.micro_batch rows per micro-batch; attention pairs by `pairs_at`)."""
@@ -66,7 +64,7 @@ def max_seq_len_table(
     for label, memory in candidates_for(tiled_mlp):
         if x.hardware.on_cpu and offloads(memory_specs(memory, m)):
             continue  # on a CPU "device" offloading saves nothing
-        n = longest_fitting(m, x, memory, step, pairs_at)
+        n = longest_fitting(m, x, memory, pairs_at)
         row = {"label": label, "max_seq_len": n}
         if n:
             at = evaluate(m, at_length(x, n, pairs_at), memory)
