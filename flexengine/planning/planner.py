@@ -412,8 +412,7 @@ def _plan(
         # the first candidate (none, where searched) and the chosen one, in that order (a set's order follows
         # PYTHONHASHSEED: the JSON differed between two runs of one plan)
         activation_bytes_per_block={label: per_block[label] for label in dict.fromkeys((rows[0].label, best.label))},
-        logits_bytes=sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
-        + loss_transient_bytes(m, w),
+        logits_bytes=constant_bytes(m, w, False).get("log_probs", 0) + loss_transient_bytes(m, w),
         pcie_seconds_per_step=best.time.offload_bytes_per_step / (x.hardware.pcie_gb_s * 1e9),
         candidates=rows,
         suggestions=hints,
