@@ -7,6 +7,7 @@ read + check records (sources.py) -> encode in worker processes (encode.py) -> s
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -71,13 +72,8 @@ class Corpus:
 
 
 def _batches(docs: Iterable[RawDoc], size: int) -> Iterator[list[RawDoc]]:
-    batch: list[RawDoc] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, size)):
         yield batch
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from collections import Counter
 from typing import Any, Optional
 
 import numpy as np
@@ -57,14 +58,11 @@ def _concatenate(parts: list[Corpus], data: DataConfig) -> Corpus:
     entry = load_entry(directory)
     assert entry is not None, f"cache entry {directory} vanished right after it was written"
     tokens, offsets, loss_mask, _ = entry
-    skipped: dict = {}
-    chats: dict = {}
+    skipped, chats = Counter[str](), Counter[str]()  # update keeps zero counts: every part's keys are reported
     for p in parts:
-        for k, v in p.skipped.items():
-            skipped[k] = skipped.get(k, 0) + v
-        for k, v in p.chats.items():
-            chats[k] = chats.get(k, 0) + v
-    return Corpus(tokens, offsets, loss_mask, skipped, chats=chats, cache_path=directory)
+        skipped.update(p.skipped)
+        chats.update(p.chats)
+    return Corpus(tokens, offsets, loss_mask, dict(skipped), chats=dict(chats), cache_path=directory)
 
 
 def build_sources(data: DataConfig, tokenizer) -> tuple[Corpus, Optional[np.ndarray]]:

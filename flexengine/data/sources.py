@@ -11,6 +11,7 @@ the format needs, is a config error naming the file and what to change.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -334,11 +335,9 @@ def _read_jsonl(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:
 
 def _rows(where: str, batches: Iterable[Any]) -> Iterator[ParsedRecord]:
     """The records of a table's Arrow batches (a Parquet file's, an HF dataset's), each at `where:row N` (0-based)."""
-    row = 0
-    for batch in batches:
-        for record in batch.to_pylist():
-            yield f"{where}:row {row}", record, None, ""
-            row += 1
+    records = itertools.chain.from_iterable(batch.to_pylist() for batch in batches)
+    for row, record in enumerate(records):
+        yield f"{where}:row {row}", record, None, ""
 
 
 def _read_parquet(path: Path, data: DataConfig) -> Iterator[ParsedRecord]:

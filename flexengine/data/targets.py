@@ -34,6 +34,4 @@ def batch_valid_targets(batch: dict[str, Tensor]) -> Tensor:
 def predicting_positions(labels_BS: Tensor) -> Tensor:
     """Flat [B*S] indices of the tokens whose next token is a valid target (computed once per batch, on the
     host by the loader, so selecting them costs no device sync)."""
-    predicts = torch.zeros_like(labels_BS, dtype=torch.bool)
-    predicts[:, :-1] = labels_BS[:, 1:] != IGNORE_INDEX
-    return torch.nonzero(predicts.reshape(-1)).squeeze(1)
+    return torch.nonzero(shift_targets(labels_BS).reshape(-1) != IGNORE_INDEX).squeeze(1)

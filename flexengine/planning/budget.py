@@ -62,14 +62,12 @@ def device_budget(hardware: HardwareConfig) -> DeviceBudget:
         raise ValueError("device_budget needs a resolved HardwareConfig (memory_gb set): call resolve_hardware first")
     card = int(hardware.memory_gb * GiB)
     on_gpu = not hardware.on_cpu
+    context = ASSUMED_CUDA_CONTEXT_BYTES if on_gpu else 0  # unless measured or given
     if hardware.cuda_context_gb is not None:
         context = int(hardware.cuda_context_gb * GiB)
-    else:
-        context = ASSUMED_CUDA_CONTEXT_BYTES if on_gpu else 0
+    margin = default_margin_bytes(card) if on_gpu else 0
     if hardware.memory_margin_gb is not None:
         margin = int(hardware.memory_margin_gb * GiB)
-    else:
-        margin = default_margin_bytes(card) if on_gpu else 0
     return DeviceBudget(card, context, margin)
 
 

@@ -110,8 +110,7 @@ def fsdp_bytes(m: ModelShape, x: PlanInputs) -> dict[str, int]:
     and FSDP2 prefetches the next block's all-gather while one computes (2 blocks gathered). The root (input
     embedding, final norm, lm_head) stays gathered through forward and backward. Unsharded gradients: see
     fsdp_unsharded_grads."""
-    world = max(1, x.hardware.world_size)
-    if world == 1:
+    if x.hardware.world_size <= 1:
         return {}
     gathered = x.fsdp_param_bytes if x.fsdp_param_bytes is not None else x.dtype_bytes
     root = m.embedding_params + m.hidden
@@ -249,11 +248,8 @@ def device_rates(hardware: HardwareConfig, dtype_bytes: int) -> Rates:
     if speed is not None:
         attention = speed.attention_tflops or speed.matmul_tflops
         return Rates(speed.matmul_tflops * 1e12, attention * 1e12, speed.memory_gb_s * 1e9, MEASURED, speed)
-    if hardware.peak_tflops:
-        flops = hardware.peak_tflops * 1e12 * ASSUMED_MFU
-        return Rates(flops, flops, hbm_gb_s(hardware) * 1e9, ASSUMED)
-    flops = FALLBACK_PEAK_TFLOPS * 1e12 * ASSUMED_MFU
-    return Rates(flops, flops, hbm_gb_s(hardware) * 1e9, UNKNOWN)
+    flops = (hardware.peak_tflops or FALLBACK_PEAK_TFLOPS) * 1e12 * ASSUMED_MFU
+    return Rates(flops, flops, hbm_gb_s(hardware) * 1e9, ASSUMED if hardware.peak_tflops else UNKNOWN)
 
 
 def speed_shapes(m: ModelShape, tokens: int, seq_len: int, chunk_size: int) -> tuple[list[Gemm], AttentionShape]:

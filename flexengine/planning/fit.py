@@ -20,9 +20,9 @@ from flexengine.core.errors import UserError
 from flexengine.core.memory_policies import MEMORY_POLICIES
 from flexengine.core.parallel_spec import ReduceEvery, resolve_parallel
 from flexengine.core.units import GiB
-from flexengine.planning.costs import UNKNOWN
+from flexengine.planning.costs import COMPILE_S, UNKNOWN, interconnect_gb_s
 from flexengine.planning.plan import Candidate, Plan
-from flexengine.planning.planner import candidate_family, k_table, offloads, plan_memory
+from flexengine.planning.planner import k_table, offloads, plan_memory, policy_family
 from flexengine.planning.shapes import AttendedPairs, ModelShape
 from flexengine.planning.specs import PlanSpecs, plan_inputs, planned_attention, whole_row_pairs
 from flexengine.surgery.attention.spec import AttentionSpec
@@ -88,12 +88,11 @@ def plan_job(
     attention = attention if attention is not None else planned_attention(job.attn, hf_config, hardware)
     specs = plan_specs(job, hf_config, attention, pairs)
     modes = [job.precision.mode] if job.precision.mode != "auto" else auto_order(on_cuda, job.optim.name)
-    search_mb = job.memory.policy == "auto"
     table, plans = [], []
     for mode in modes:
         spec = precision_spec(mode, job.optim.name)
         x = plan_inputs(specs, hardware, spec)
-        plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=search_mb)
+        plan = plan_memory(hf_config, x, given=job.memory, search_micro_batch=job.memory.policy == "auto")
         best = plan.chosen
         table.append(
             PrecisionTrial(
@@ -309,8 +308,6 @@ def check_fit(job: JobConfig, fit: FitPlan, hf_config, attention: AttentionSpec)
 def compile_hint(job: JobConfig, fit: FitPlan) -> str:
     """With train.compile=false on a GPU: what eager pointwise ops cost over the run against compiling once, when
     compiling pays (costs.eager_pointwise_s, COMPILE_S); else ''."""
-    from flexengine.planning.costs import COMPILE_S
-
     eager_s = fit.plan.chosen.time.eager_pointwise_s
     if job.train.compile or fit.hardware.on_cpu or eager_s * job.train.max_steps <= COMPILE_S:
         return ""
@@ -408,10 +405,10 @@ def format_fit_summary(fit: FitPlan) -> str:
             + ", ".join(f"{t.precision} {_short_verdict(t.verdict)}" for t in fit.precision_table)
             + ")"
         )
-    families, runners = {(candidate_family(best), best.micro_batch)}, []
+    families, runners = {(policy_family(best.specs), best.micro_batch)}, []
     fitting = (r for r in p.candidates if r.usage.fits)
     for r in sorted(fitting, key=lambda r: (r.time.cost, r.k, r.usage.terms.total_bytes)):
-        family = candidate_family(r), r.micro_batch  # another k of the same policy is not worth naming
+        family = policy_family(r.specs), r.micro_batch  # another k of the same policy is not worth naming
         if family in families:
             continue
         families.add(family)
@@ -429,19 +426,9 @@ def _short_verdict(verdict: str) -> str:
 
 def _reduce_line(p: Plan, hw: HardwareConfig) -> str:
     """FSDP's gradient reduce-scatter: which one the plan took, its traffic, and the other one's cost."""
-    from flexengine.planning.costs import interconnect_gb_s
-
     best, time = p.chosen, p.chosen.time
-    other = next(
-        (
-            r
-            for r in p.candidates
-            if r.time.reduce_every != time.reduce_every
-            and r.memory == best.memory
-            and r.micro_batch == best.micro_batch
-        ),
-        None,
-    )
+    same = (r for r in p.candidates if r.memory == best.memory and r.micro_batch == best.micro_batch)
+    other = next((r for r in same if r.time.reduce_every != time.reduce_every), None)
     every = "every micro-batch" if time.reduce_every is ReduceEvery.MICRO_BATCH else "once per accumulation window"
     line = (
         f"gradients: reduce-scatter {every} (parallel.reduce_every={time.reduce_every.value}): "

@@ -8,6 +8,7 @@ into whole blocks per rank) finds the boundary exactly.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,12 +35,10 @@ def at_length(x: PlanInputs, seq_len: int, pairs_at: Optional[PairsAt] = None) -
     return dataclasses.replace(x, seq_len=seq_len, pairs=pairs)
 
 
-def longest_fitting(
-    m: ModelShape, x: PlanInputs, memory, step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
-) -> int:
-    """The longest seq_len (a multiple of `step`, default 128 x cp) whose step fits under `memory`; 0 if not even
-    `step` does."""
-    step = step or CP_BLOCK_SIZE * x.cp
+def longest_fitting(m: ModelShape, x: PlanInputs, memory, pairs_at: Optional[PairsAt] = None) -> int:
+    """The longest seq_len (a multiple of `step`, 128 x cp) whose step fits under `memory`; 0 if not even `step`
+    does."""
+    step = CP_BLOCK_SIZE * x.cp
 
     def fits(n: int) -> bool:
         return evaluate(m, at_length(x, n * step, pairs_at), memory).usage.fits
@@ -51,14 +50,12 @@ def longest_fitting(
         lo, hi = hi, hi * 2
     if hi * step > MAX_SEARCH_TOKENS:
         return lo * step
-    while hi - lo > 1:  # fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+    # fits(lo), not fits(hi): the longest is the one before the first of lo + 1 .. hi - 1 that does not fit
+    return (lo + bisect.bisect_left(range(lo + 1, hi), True, key=lambda n: not fits(n))) * step
 
 
 def max_seq_len_table(
-    hf_config, x: PlanInputs, tiled_mlp: Any = "auto", step: Optional[int] = None, pairs_at: Optional[PairsAt] = None
+    hf_config, x: PlanInputs, tiled_mlp: Any = "auto", pairs_at: Optional[PairsAt] = None
 ) -> list[dict]:
     """Per candidate policy: the longest fitting seq_len, and the step time, tokens/s, recompute share and
     host traffic at that length (x.micro_batch rows per micro-batch; attention pairs by `pairs_at`)."""
@@ -67,7 +64,7 @@ def max_seq_len_table(
     for label, memory in candidates_for(tiled_mlp):
         if x.hardware.on_cpu and offloads(memory_specs(memory, m)):
             continue  # on a CPU "device" offloading saves nothing
-        n = longest_fitting(m, x, memory, step, pairs_at)
+        n = longest_fitting(m, x, memory, pairs_at)
         row = {"label": label, "max_seq_len": n}
         if n:
             at = evaluate(m, at_length(x, n, pairs_at), memory)

@@ -133,14 +133,6 @@ TERM_FIELDS = ("matmul_s", "attention_s", "pointwise_s", "loss_s", "recompute_s"
 
 
 @dataclass(frozen=True)
-class Estimate:
-    """The bytes and the step time of one concrete policy."""
-
-    usage: MemoryUse
-    time: StepTime
-
-
-@dataclass(frozen=True)
 class Candidate:
     """One evaluated policy: its label and batch shape, the concrete memory config, its bytes and step time."""
 
@@ -156,12 +148,7 @@ class Candidate:
 
     def to_json(self) -> JsonDict:
         """One row of the plan's candidate table."""
-        terms = self.usage.terms
-        static = {"weights_bytes": terms.weights_bytes, "grads_bytes": terms.grads_bytes}
-        static["optimizer_bytes"] = terms.optimizer_bytes
-        for name in ("embedding_optimizer_bytes", "compute_copy_bytes"):
-            if getattr(terms, name) is not None:
-                static[name] = getattr(terms, name)
+        static = {name: value for name, value in self.usage.terms.items() if name in STATIC_TERMS}
         return {
             "label": self.label,
             "micro_batch": self.micro_batch,
@@ -234,6 +221,9 @@ class Plan:
             "step_time_terms": time.terms_json(),  # the chosen step's seconds by term and where they come from
         }
 
+
+# The device terms a candidate's JSON row repeats after its step time (those that arise), in the terms' order
+STATIC_TERMS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "embedding_optimizer_bytes", "compute_copy_bytes")
 
 # The chosen step's time fields the JSON repeats at its top level, in its order
 PLAN_TIME_FIELDS = (

@@ -50,7 +50,7 @@ from flexengine.planning.costs import (
     reduce_scatter_traffic,
     static_bytes,
 )
-from flexengine.planning.plan import Candidate, DeviceTerms, Estimate, MemoryUse, Plan, StepTime
+from flexengine.planning.plan import Candidate, DeviceTerms, MemoryUse, Plan, StepTime
 from flexengine.planning.shapes import ModelShape, PlanInputs, Workload, rank_workload
 from flexengine.surgery.memory.kinds import RecomputeKind, granularities
 from flexengine.surgery.memory.layers import select_layers
@@ -102,11 +102,6 @@ def policy_family(specs: Sequence[MemorySpec]) -> tuple[RecomputeKind, bool]:
     return (chosen[0].recompute, chosen[0].offload) if chosen else (Recompute.NONE, False)
 
 
-def candidate_family(candidate: Candidate) -> tuple[RecomputeKind, bool]:
-    """`policy_family` of a candidate, from the MemorySpecs it was priced with."""
-    return policy_family(candidate.specs)
-
-
 def describe(specs: Sequence[MemorySpec]) -> str:
     """A short label of a policy: 'none', 'block k=16/32', 'ops k=32/32 + offload', 'offload k=8/32'."""
     tiled = " + tiled MLP" if any(spec.mlp_tile for spec in specs) else ""
@@ -155,25 +150,10 @@ def search_space(n_layers: int, given: Optional[MemoryConfig] = None) -> list[Me
 
 
 def evaluate(m: ModelShape, x: PlanInputs, memory: MemoryConfig) -> Candidate:
-    """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy."""
+    """Device bytes (by term), host bytes, fit and estimated optimizer-step time of one concrete policy, from its
+    per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     memory = resolve_tiles(memory, m)
     specs = memory_specs(memory, m)
-    estimate = evaluate_specs(m, x, specs)
-    return Candidate(
-        label=describe(specs),
-        micro_batch=x.micro_batch,
-        grad_accum=x.grad_accum,
-        k=len(chosen_blocks(specs)),
-        uses_offload=offloads(specs),
-        memory=memory,
-        specs=tuple(specs),
-        usage=estimate.usage,
-        time=estimate.time,
-    )
-
-
-def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) -> Estimate:
-    """`evaluate` from the per-block MemorySpecs: every cost below reads them, never memory.* strings."""
     if x.reduce_every is ReduceEvery.AUTO:  # one evaluation is one concrete plan; plan_memory weighs both
         x = dataclasses.replace(x, reduce_every=ReduceEvery.WINDOW)
     # Under CP every per-token tensor is this rank's seq_len / cp tokens; attention reads all keys (gathered K/V).
@@ -182,19 +162,25 @@ def evaluate_specs(m: ModelShape, x: PlanInputs, specs: Sequence[MemorySpec]) ->
     # rows when the corpus is known, else over one whole-row document (planning/specs.whole_row_pairs)
     attended = x.pairs.of_rank(x.cp)
     act = estimate_activations(m, w, specs, attended_fraction=attended)
-    static = static_bytes(m, x)
-    return Estimate(_memory_use(m, x, w, act, static), _step_time(m, x, w, act, attended))
+    return Candidate(
+        label=describe(specs),
+        micro_batch=x.micro_batch,
+        grad_accum=x.grad_accum,
+        k=len(chosen_blocks(specs)),
+        uses_offload=offloads(specs),
+        memory=memory,
+        specs=tuple(specs),
+        usage=_memory_use(m, x, w, act),
+        time=_step_time(m, x, w, act, attended),
+    )
 
 
-def _memory_use(
-    m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate, static: dict[str, int]
-) -> MemoryUse:
+def _memory_use(m: ModelShape, x: PlanInputs, w: Workload, act: ActivationEstimate) -> MemoryUse:
     """Device bytes by term, host bytes, the budgets and whether the step fits them."""
-    on_gpu = not x.hardware.on_cpu
     backward = _workspace_bytes(m, x, w, act)
     offload_resident = OFFLOAD_BLOCKS_IN_FLIGHT * max(act.offloaded_per_block, default=0)  # offload's bound x largest
     terms = DeviceTerms(
-        **static,
+        **static_bytes(m, x),
         activation_bytes=act.total_bytes,
         backward_workspace_bytes=backward,
         offload_in_flight_bytes=offload_resident,
@@ -204,10 +190,10 @@ def _memory_use(
     host_state = host_optimizer_bytes(m, x)  # masters/states a CPU optimizer keeps
     host = host_state + act.offloaded_bytes
     device = device_budget(x.hardware)  # the card less the CUDA context and the fragmentation margin
-    budget = device.usable_bytes
     # hardware.host_memory_gb is already this rank's share (flexengine.core.hardware divides by the node's ranks)
     host_budget = int((x.hardware.host_memory_gb or 0) * GiB) or None  # None: unchecked (library use)
     # On a CPU "device" the host memory is the device memory: one pool.
+    budget, on_gpu = device.usable_bytes, not x.hardware.on_cpu
     fits = (total <= budget and (host_budget is None or host <= host_budget)) if on_gpu else total + host <= budget
     return MemoryUse(
         terms=terms,
@@ -340,22 +326,20 @@ def micro_batch_choices(micro_batch: int, grad_accum: int) -> list[tuple[int, in
 def _with_reduce_choices(shapes: list[tuple[int, int]], x: PlanInputs) -> list[tuple[int, int, ReduceEvery]]:
     """(micro_batch, grad_accum, reduce_every) to evaluate: both reductions under reduce_every=auto where they
     differ (FSDP over several ranks with accumulation), else the given one (auto: window)."""
-    out = []
-    for b, accum in shapes:
-        choices: tuple[ReduceEvery, ...]
+
+    def choices(accum: int) -> tuple[ReduceEvery, ...]:
         if x.reduce_every is not ReduceEvery.AUTO:
-            choices = (x.reduce_every,)
-        else:
-            choices = REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else (ReduceEvery.WINDOW,)
-        out += [(b, accum, r) for r in choices]
-    return out
+            return (x.reduce_every,)
+        return REDUCE_CHOICES if accum > 1 and x.hardware.world_size > 1 else (ReduceEvery.WINDOW,)
+
+    return [(b, accum, r) for b, accum in shapes for r in choices(accum)]
 
 
-def _rank(candidate: tuple[Candidate, Sequence[MemorySpec]]) -> tuple[float, bool, bool, int, int, int, bool]:
+def _rank(row: Candidate) -> tuple[float, bool, bool, int, int, int, bool]:
     """Cheapest estimated step first; ties (e.g. fully overlapped offload vs none) go to no offload, no MLP tiles,
     fewer checkpointed blocks, the larger micro-batch, the coarser recompute and one reduction per window. The
     policy is read from the candidate's MemorySpecs, not from its memory config's strings."""
-    row, specs = candidate
+    specs = row.specs
     return (
         round(row.time.step_s, 6),
         offloads(specs),
@@ -378,33 +362,24 @@ def plan_memory(
     given: memory=auto's user-set fields (layers/granularity/offload) that the search must keep.
     search_micro_batch: also try smaller micro-batches (more accumulation, same rows per optimizer step)."""
     m = ModelShape.from_hf_config(hf_config)
-    space = [(mem, memory_specs(mem, m)) for mem in search_space(m.layers, given)]
+    space = search_space(m.layers, given)
     if x.hardware.on_cpu:  # offloading to host memory saves nothing when the device is the host
-        space = [(mem, specs) for mem, specs in space if not offloads(specs)] or space
+        space = [mem for mem in space if not offloads(memory_specs(mem, m))] or space
     shapes = micro_batch_choices(x.micro_batch, x.grad_accum) if search_micro_batch else [(x.micro_batch, x.grad_accum)]
-    candidates = [
-        (
-            _candidate(
-                m,
-                dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every),
-                mem,
-                x,
-            ),
-            specs,
-        )
+    rows = tuple(
+        _candidate(m, dataclasses.replace(x, micro_batch=b, grad_accum=accum, reduce_every=reduce_every), mem, x)
         for b, accum, reduce_every in _with_reduce_choices(shapes, x)
-        for mem, specs in space
-    ]
-    rows = tuple(row for row, _ in candidates)
-    fitting = [(row, specs) for row, specs in candidates if row.usage.fits]
+        for mem in space
+    )
+    fitting = [row for row in rows if row.usage.fits]
     leanest = min(rows, key=lambda r: r.usage.terms.total_bytes + r.usage.host_bytes)  # when nothing fits
-    best = min(fitting, key=_rank)[0] if fitting else leanest
+    best = min(fitting, key=_rank) if fitting else leanest
     return _plan(hf_config, m, x, rows, best, () if fitting else tuple(suggestions(m, x)))
 
 
 def _candidate(m: ModelShape, x: PlanInputs, memory: MemoryConfig, given: PlanInputs) -> Candidate:
-    """One candidate of the search: `evaluate`'s, its label naming the micro-batch where it differs from the given
-    one, and a reduction every micro-batch."""
+    """One candidate of the search: `evaluate`'s (priced with its own MemorySpecs, which it carries), its label
+    naming the micro-batch where it differs from the given one, and a reduction every micro-batch."""
     candidate = evaluate(m, x, memory)
     shape = "" if x.micro_batch == given.micro_batch else f" mb={x.micro_batch}"
     shape += " reduce/mb" if x.reduce_every is ReduceEvery.MICRO_BATCH and x.grad_accum > 1 else ""
@@ -437,8 +412,7 @@ def _plan(
         # the first candidate (none, where searched) and the chosen one, in that order (a set's order follows
         # PYTHONHASHSEED: the JSON differed between two runs of one plan)
         activation_bytes_per_block={label: per_block[label] for label in dict.fromkeys((rows[0].label, best.label))},
-        logits_bytes=sum(v for k, v in constant_bytes(m, w, False).items() if k == "log_probs")
-        + loss_transient_bytes(m, w),
+        logits_bytes=constant_bytes(m, w, False).get("log_probs", 0) + loss_transient_bytes(m, w),
         pcie_seconds_per_step=best.time.offload_bytes_per_step / (x.hardware.pcie_gb_s * 1e9),
         candidates=rows,
         suggestions=hints,
@@ -447,7 +421,7 @@ def _plan(
 
 def k_table(plan: Plan) -> list[Candidate]:
     """The chosen family (granularity, offload, micro_batch) at every k: the "how many layers?" answer."""
-    family = candidate_family(plan.chosen)
+    family = policy_family(plan.chosen.specs)
     if family == (Recompute.NONE, False):  # nothing needed: show what whole-block checkpointing would cost
         family = (Recompute.BLOCK, False)
     rows = [
@@ -455,7 +429,7 @@ def k_table(plan: Plan) -> list[Candidate]:
         for r in plan.candidates
         if r.micro_batch == plan.chosen.micro_batch
         and r.time.reduce_every == plan.chosen.time.reduce_every
-        and (r.k == 0 or candidate_family(r) == family)
+        and (r.k == 0 or policy_family(r.specs) == family)
     ]
     return sorted(rows, key=lambda r: r.k)
 
@@ -463,11 +437,11 @@ def k_table(plan: Plan) -> list[Candidate]:
 def _fits(m: ModelShape, x: PlanInputs) -> bool:
     """Whether whole-block checkpointing, with or without offload, fits (the suggestions' probe)."""
     reductions = REDUCE_CHOICES if x.reduce_every is ReduceEvery.AUTO else (x.reduce_every,)
-    for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True)):
-        for reduce_every in reductions:
-            if evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).usage.fits:
-                return True
-    return False
+    return any(
+        evaluate(m, dataclasses.replace(x, reduce_every=reduce_every), mem).usage.fits
+        for mem in (MemoryConfig(policy="full"), MemoryConfig(policy="full", offload=True))
+        for reduce_every in reductions
+    )
 
 
 def suggestions(m: ModelShape, x: PlanInputs) -> list[str]:

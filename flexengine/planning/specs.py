@@ -73,14 +73,13 @@ def packed_pairs(attention: AttentionSpec, rows: Sequence[Sequence[int]], seq_le
     if not rows:
         return whole_row_pairs(attention, seq_len)
     layouts = Counter(_row_documents(row, seq_len, attention.documents) for row in rows)
-    fractions = []
-    per_mask: dict = {}
-    for mask in attention.layer_masks:
-        if mask not in per_mask:
-            total = sum(n * mask.attended_pairs(list(layout)) for layout, n in layouts.items())
-            per_mask[mask] = total / len(rows) / seq_len**2
-        fractions.append(per_mask[mask])
-    return AttendedPairs(tuple(fractions), f"{source}, {counted(attention, seq_len)}")
+    per_mask = {  # each distinct mask counted once (many layers share one)
+        mask: sum(n * mask.attended_pairs(list(layout)) for layout, n in layouts.items()) / len(rows) / seq_len**2
+        for mask in dict.fromkeys(attention.layer_masks)
+    }
+    return AttendedPairs(
+        tuple(per_mask[mask] for mask in attention.layer_masks), f"{source}, {counted(attention, seq_len)}"
+    )
 
 
 def _row_documents(pieces: Sequence[int], seq_len: int, documents: bool) -> tuple[int, ...]:
@@ -95,8 +94,7 @@ def plan_inputs(
     specs: PlanSpecs, hardware: HardwareConfig, precision: PrecisionSpec, on_cuda: Optional[bool] = None
 ) -> PlanInputs:
     """PlanInputs of resolved specs on concrete hardware under a PrecisionSpec."""
-    if on_cuda is None:
-        on_cuda = hardware.on_cuda
+    on_cuda = hardware.on_cuda if on_cuda is None else on_cuda
     # HF's fused SDPA keeps the same O(S) tensors as flex; only the dense reference adds S^2 mask terms
     resolved = specs.attention.backend
     backend = resolved if resolved in (AttnBackend.DENSE, AttnBackend.VARLEN) else AttnBackend.FLEX
