@@ -124,6 +124,7 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "core/distributed.py:init_distributed": "resolves parallel.backend=auto by the torch.device type",
     "core/distributed.py:rank_device": "torch.device.type, not a config value",
     "core/device_speed.py:measure_device_speed": "torch.device.type, not a config value",
+    "core/memory_policies.py:tiles_mlp": "a composition check of memory.* (and the search that writes memory.*)",
     "core/hardware.py:resolve_device": "the resolver of hardware.device=auto",
     "core/hardware.py:resolve_hardware": "the resolver of hardware=auto (and a torch.device type)",
     "core/storage.py:_in_use_message": "explains the user's own train.resume=auto",
