@@ -161,7 +161,6 @@ CONFIG_SUBJECTS: dict[str, str] = {
     "loop/trainer.py:sync_device": "torch.device.type, not a config value",
     "planning/activations.py:resolve_tiles": "the resolver of memory.tiled_mlp=auto into a tile size",
     "planning/fit.py:_explicit_choices": "names the user's own key=value choices in the does-not-fit message",
-    "planning/fit.py:_overrides": "writes the key=value overrides a user types to pick a candidate",
     "planning/fit.py:plan_job": "the fit resolves precision=auto and memory=auto: the user's auto is its question",
     "planning/planner.py:candidates_for": "builds MemoryConfig candidates: the search space is memory.* itself",
     "planning/planner.py:search_space": "builds MemoryConfig candidates: the search space is memory.* itself",
