@@ -25,7 +25,7 @@ import yaml
 
 from flexengine.cli.config_sources import COMMAND_LINE, Layers, file_setting, last_setting
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
-from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file
+from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file, nest
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +172,7 @@ def apply_pretrained_defaults(
         _value(JobConfig(), "optim.weight_decay"),
         "\n  ".join(notes),
     )
-    groups: dict[str, dict] = {}
-    for key, value in changes.items():
-        groups.setdefault(key.split(".")[0], {})[key.split(".")[1]] = value
-    replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in groups.items()}
+    replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in nest(changes).items()}
     job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **replaced)
     if record is not None:
         labels = {key: f"first-contact: from {sources.get(key, source)}" for key in changes}

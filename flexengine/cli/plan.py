@@ -22,16 +22,14 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.cli.first_contact import format_params
-from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, max_seq_len_png
+from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, gib, max_seq_len_png
 from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import FROM_MODEL_PATH, ConfigRecord
 from flexengine.core.errors import UserError
-from flexengine.core.units import GiB
 
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
     from flexengine.planning.corpus_time import Corpus
     from flexengine.planning.fit import FitPlan
-    from flexengine.planning.plan import Plan
     from flexengine.planning.row_length import Documents, RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.planning.work import WorkPerToken
@@ -65,10 +63,6 @@ class PlanJobConfig(JobConfig):
     plan: PlanOptions = field(default_factory=PlanOptions)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB"
-
-
 @dataclass(frozen=True)
 class PlanReport:
     """What flexengine-plan reports: the fit (and the plan behind it) and what the command adds around it."""
@@ -82,11 +76,6 @@ class PlanReport:
     node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
     work: Optional[WorkPerToken] = None  # executed FLOPs per useful token against the model's own count
 
-    @property
-    def plan(self) -> Plan:
-        """The planner's answer under the chosen precision."""
-        return self.fit.plan
-
 
 def format_table(report: PlanReport) -> str:
     """The plan as a human-readable table: the fit (precisions tried, k -> memory / recompute), every term of
@@ -94,7 +83,7 @@ def format_table(report: PlanReport) -> str:
     from flexengine.planning.costs import assumed_and_measured
     from flexengine.planning.fit import format_fit
 
-    plan = report.plan
+    plan = report.fit.plan
     model = f"{plan.hf_config.get('model_type')} ({format_params(report.params)} parameters)"
     lines = [
         f"model: {model}  seq_len={plan.seq_len}",
@@ -103,8 +92,8 @@ def format_table(report: PlanReport) -> str:
         "  every term of the chosen policy's step:",
     ]
     usage = plan.chosen.usage
-    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in usage.terms.items()]
-    lines.append(f"    {'= planned peak':<28} {_gib(usage.terms.total_bytes)} of {usage.budget.describe()}")
+    lines += [f"    {k.removesuffix('_bytes'):<28} {gib(v)}" for k, v in usage.terms.items()]
+    lines.append(f"    {'= planned peak':<28} {gib(usage.terms.total_bytes)} of {usage.budget.describe()}")
     lines += assumed_and_measured(plan.assumptions, plan.chosen.time.source, plan.dtype, report.hardware)
     if not usage.fits:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
@@ -131,7 +120,7 @@ def format_table(report: PlanReport) -> str:
         node = report.node_of_8.plan.chosen
         lines.append(
             "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-            f"total {_gib(node.usage.terms.total_bytes)} per GPU of {_gib(node.usage.budget.usable_bytes)} budget, "
+            f"total {gib(node.usage.terms.total_bytes)} per GPU of {gib(node.usage.budget.usable_bytes)} budget, "
             f"precision {report.node_of_8.precision.name}, "
             f"policy {node.label}, recompute {100 * node.time.recompute_flops_fraction:.1f}%"
             + ("" if node.usage.fits else " (still does not fit)")
@@ -209,7 +198,7 @@ def plan_summary(report: PlanReport) -> dict[str, Any]:
     from flexengine.planning.fit import format_fit_summary
     from flexengine.planning.plan import budget_json
 
-    fit, plan, hardware = report.fit, report.plan, report.hardware
+    fit, plan, hardware = report.fit, report.fit.plan, report.hardware
     best = fit.plan.chosen
     usage, step_s = best.usage, best.time.step_s
     tokens = plan.seq_len * best.micro_batch * best.grad_accum * hardware.world_size // report.cp
@@ -238,7 +227,7 @@ def plan_summary(report: PlanReport) -> dict[str, Any]:
 def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
     """plan.format=json: `summary` first, then the plan's fields with the HF config reduced to PLAN_HF_KEYS, then
     the command's own; the candidate table (every policy x k x micro-batch weighed) only with candidates=True."""
-    plan, summary = report.plan, plan_summary(report)
+    plan, summary = report.fit.plan, plan_summary(report)
     if not candidates:
         summary["candidates"] = f"{len(plan.candidates)} weighed; plan.candidates=true lists them"
     body = {k: v for k, v in plan.to_json().items() if candidates or k != "candidates"}
@@ -427,7 +416,7 @@ def main(cfg: DictConfig) -> None:
         if rows is not None:
             print(format_row_length(rows) + "\n" + mfu_ladder(rows.chosen) + "\n")
         elif cfg.data.seq_len == SEQ_LEN_AUTO:
-            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({plan.plan.seq_len:,} tokens)\n")
+            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({plan.fit.plan.seq_len:,} tokens)\n")
         print(format_table(plan))
         if hours:
             print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))

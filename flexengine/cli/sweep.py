@@ -13,6 +13,7 @@ a sweep whose every job failed exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -271,11 +272,9 @@ def reset_peak_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    try:  # Linux: writing 5 to clear_refs resets the RSS high-water mark that ru_maxrss reports
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    # Linux: writing 5 to clear_refs resets the RSS high-water mark that ru_maxrss reports
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 class SweepSummary(Callback):
