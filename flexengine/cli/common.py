@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -325,6 +324,5 @@ def copy_config(name: str, dest: Path) -> Path:
     if target.exists():
         raise UserError(f"{target} exists; remove it or copy to another directory.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with source.open("rb") as src, open(target, "wb") as out:
-        shutil.copyfileobj(src, out)
+    target.write_bytes(source.read_bytes())
     return target

@@ -73,8 +73,8 @@ class PlanReport:
     updates_arrive_at_lr: bool  # whether AdamW updates of size optim.lr reach the stored weights
     context: dict[str, Any]  # context_report: the model's trained/supported context against data.seq_len
     cp: int  # ranks sharing each row
+    work: WorkPerToken  # executed FLOPs per useful token against the model's own count
     node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
-    work: Optional[WorkPerToken] = None  # executed FLOPs per useful token against the model's own count
 
 
 def format_table(report: PlanReport) -> str:
@@ -114,8 +114,7 @@ def format_table(report: PlanReport) -> str:
             f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
             f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
         )
-    if report.work is not None:
-        lines.append(report.work.describe())
+    lines.append(report.work.describe())
     if report.node_of_8 is not None:
         node = report.node_of_8.plan.chosen
         lines.append(
@@ -150,9 +149,9 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
-def build_plan(run: ResolvedRun) -> PlanReport:
-    """The plan of a resolved job (architecture only; named hardware is not probed), and on a GPU with fewer than 8
-    ranks the same job on a node of 8."""
+def build_plan(run: ResolvedRun, rows: Optional[list[list[int]]] = None) -> PlanReport:
+    """The plan of a resolved job (architecture only; named hardware is not probed), its work per useful token (rows:
+    as plan_work takes them), and on a GPU with fewer than 8 ranks the same job on a node of 8."""
     from flexengine.planning.shapes import ModelShape
     from flexengine.resolve import resolve
 
@@ -167,6 +166,7 @@ def build_plan(run: ResolvedRun) -> PlanReport:
         updates_arrive_at_lr=run.precision.updates_arrive(job.optim.lr),
         context=context_report(job, run.hf_config),
         cp=job.parallel.cp,
+        work=plan_work(run, rows),
         node_of_8=node,
     )
 
@@ -252,8 +252,7 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
             "policy": node.label,
             "recompute_flops_fraction": node.time.recompute_flops_fraction,
         }
-    if report.work is not None:
-        out["work_per_useful_token"] = report.work.to_json()
+    out["work_per_useful_token"] = report.work.to_json()
     return out
 
 
@@ -289,7 +288,7 @@ def plan_report(
 
     corpus = CorpusPairs(options) if wants_corpus_time(options) else None
     run = resolve_planned(job, plan_documents(job, options, has_documents), pairs=corpus)
-    report = dataclasses.replace(build_plan(run), work=plan_work(run, corpus.rows if corpus else None))
+    report = build_plan(run, corpus.rows if corpus else None)
     if corpus is None or corpus.corpus is None:
         return report, None, run.rows
     hours = corpus_hours(
