@@ -91,7 +91,10 @@ def corpus_rows(job: JobConfig, options: Any) -> tuple[Corpus, Optional[list[lis
     packed = plan_packing(lengths, seq_len, data.packing, data.long_docs)
     stats = packed.stats
     what = where if options.documents is not None else f"{where}: {stats.documents:,} documents"
-    return Corpus(stats.rows, stats.tokens, epochs, f"{what} -> {_rows(stats)}"), _piece_lengths(packed)
+    useful = f"{stats.tokens:,} tokens, {stats.useful_token_fraction:.1%} of slots useful"
+    describe = f"{what} -> {stats.rows:,} rows of {stats.seq_len:,} ({useful})"
+    pieces = [[length for _doc, _start, length in row] for row in packed.rows]  # what each row's mask separates
+    return Corpus(stats.rows, stats.tokens, epochs, describe), pieces
 
 
 def document_lengths(job: JobConfig, options: Any, what: str = "plan.epochs") -> tuple[np.ndarray, str]:
@@ -116,15 +119,3 @@ def document_lengths(job: JobConfig, options: Any, what: str = "plan.epochs") ->
             "plan.doc_tokens=T."
         )
     return build_corpus(job.data, load_tokenizer(job.model)).lengths, job.data.path or "the demo corpus"
-
-
-def _piece_lengths(packed) -> list[list[int]]:
-    """Each packed row as its document pieces' lengths (what the mask separates)."""
-    return [[length for _doc, _start, length in row] for row in packed.rows]
-
-
-def _rows(stats) -> str:
-    return (
-        f"{stats.rows:,} rows of {stats.seq_len:,} ({stats.tokens:,} tokens, {stats.useful_token_fraction:.1%} of "
-        "slots useful)"
-    )
