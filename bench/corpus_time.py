@@ -34,8 +34,8 @@ def main() -> None:
         plan, hours, choice = plan_report(job, SEED)
         assert hours is not None and plan.work is not None
         corpus, rows = Corpus(**hours["corpus"]), hours["alternatives"]
-        pairs = plan.plan.attention_pairs.as_dict()["fraction_of_row_squared"]
-        entry = {"seq_len": plan.plan.seq_len, "corpus": corpus.describe, "attended_fraction": pairs}
+        pairs = plan.fit.plan.attention_pairs.as_dict()["fraction_of_row_squared"]
+        entry = {"seq_len": plan.fit.plan.seq_len, "corpus": corpus.describe, "attended_fraction": pairs}
         entry.update(alternatives=rows, work_per_useful_token=plan.work.to_json())
         weighed = ""
         if choice is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -40,11 +39,9 @@ def register_schema(node: type = JobConfig) -> None:
     from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=node)
-    if not OmegaConf.has_resolver("flexengine_output_root"):
-        # "" too: run_dir treats an empty train.output_dir as unset, and "" here would put the run at /<date>/
-        OmegaConf.register_new_resolver("flexengine_output_root", lambda value: value or "outputs")
-    if not OmegaConf.has_resolver("flexengine_pid"):
-        OmegaConf.register_new_resolver("flexengine_pid", os.getpid)
+    # "" too: run_dir treats an empty train.output_dir as unset, and "" here would put the run at /<date>/
+    OmegaConf.register_new_resolver("flexengine_output_root", lambda value: value or "outputs", replace=True)
+    OmegaConf.register_new_resolver("flexengine_pid", os.getpid, replace=True)
 
 
 def to_job_config(cfg: Any, overrides: Optional[Sequence[str]] = None) -> JobConfig:
@@ -161,7 +158,6 @@ def quiet_third_party() -> None:
     """Only flexengine's lines (and the libraries' errors) unless FLEXENGINE_VERBOSE=1: call it first in an entry
     point, before transformers or torchao are imported (HF reads its progress-bar switch at import)."""
     import logging
-    import os
 
     if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
         return
@@ -328,6 +324,5 @@ def copy_config(name: str, dest: Path) -> Path:
     if target.exists():
         raise UserError(f"{target} exists; remove it or copy to another directory.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with source.open("rb") as src, open(target, "wb") as out:
-        shutil.copyfileobj(src, out)
+    target.write_bytes(source.read_bytes())
     return target

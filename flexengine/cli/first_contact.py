@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -25,7 +26,7 @@ import yaml
 
 from flexengine.cli.config_sources import COMMAND_LINE, Layers, file_setting, last_setting
 from flexengine.core.config import JobConfig, ModelConfig, conf_dir
-from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file
+from flexengine.core.config_record import FROM_COMMAND_LINE, ConfigRecord, from_config_file, nest
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +110,9 @@ def _shipped_finetune_configs() -> list[tuple[str, dict, int]]:
     return out
 
 
-def _value(job: JobConfig, key: str) -> Any:
-    """The value of a dotted group.field key (optim.lr) of a job; of JobConfig(): the schema's default."""
-    group, field = key.split(".")
-    return getattr(getattr(job, group), field)
-
-
 def _yours(job: JobConfig, key: str, explicit: set[str]) -> bool:
     """Whether the user set key: typed, or changed from the schema's default by a config of theirs."""
-    return key in explicit or _value(job, key) != _value(JobConfig(), key)
+    return key in explicit or attrgetter(key)(job) != attrgetter(key)(JobConfig())
 
 
 def _step_count_note(job: JobConfig, explicit: set[str]) -> str:
@@ -168,14 +163,11 @@ def apply_pretrained_defaults(
         model.path,
         format_params(params),
         DEMO_MODEL,
-        _value(JobConfig(), "optim.lr"),  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
-        _value(JobConfig(), "optim.weight_decay"),
+        JobConfig().optim.lr,  # the demo's values (conf/optim/adamw.yaml = the schema's), not the job's
+        JobConfig().optim.weight_decay,
         "\n  ".join(notes),
     )
-    groups: dict[str, dict] = {}
-    for key, value in changes.items():
-        groups.setdefault(key.split(".")[0], {})[key.split(".")[1]] = value
-    replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in groups.items()}
+    replaced = {g: dataclasses.replace(getattr(job, g), **fields) for g, fields in nest(changes).items()}
     job = dataclasses.replace(job, model=dataclasses.replace(model, name=Path(str(model.path)).name), **replaced)
     if record is not None:
         labels = {key: f"first-contact: from {sources.get(key, source)}" for key in changes}
@@ -187,7 +179,7 @@ def _whose_rows(job: JobConfig, explicit: set[str]) -> str:
     """train.micro_batch and train.grad_accum, each said to be the user's (typed, or changed from the demo's by a
     config of theirs) or the demo's."""
     whose = {True: "(yours)", False: "(the demo's)"}
-    return " x ".join(f"{key}={_value(job, key)} {whose[_yours(job, key, explicit)]}" for key in SIZE_KEYS)
+    return " x ".join(f"{key}={attrgetter(key)(job)} {whose[_yours(job, key, explicit)]}" for key in SIZE_KEYS)
 
 
 def _rows_kept(job: JobConfig, explicit: set[str], defaults: dict, source: str, notes: list[str]) -> dict:
@@ -227,7 +219,7 @@ def _taken_defaults(
     changes = {}
     for key, value in defaults.items():
         if _yours(job, key, explicit):
-            notes.append(f"{key}={_value(job, key)} (yours)")
+            notes.append(f"{key}={attrgetter(key)(job)} (yours)")
         elif key == "optim.warmup_ratio" and job.optim.warmup_steps is not None:
             notes.append(f"optim.warmup_steps={job.optim.warmup_steps} (yours)")
         else:
@@ -244,7 +236,7 @@ def keep_rows_per_step(job: JobConfig, explicit: set[str], layers: Layers) -> Jo
     if not micro_batch_typed_alone(explicit) or accum_from is None:
         return job
     micro_from = file_setting("train.micro_batch", layers)
-    file_micro = micro_from[2] if micro_from else _value(JobConfig(), "train.micro_batch")
+    file_micro = micro_from[2] if micro_from else JobConfig().train.micro_batch
     micro = job.train.micro_batch
     accum, rows = accumulation_keeping_rows(file_micro, accum_from[2], micro)
     if accum == job.train.grad_accum and accum * micro == rows:

@@ -22,16 +22,14 @@ from omegaconf import DictConfig
 
 from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_app, to_job_config, to_job_record
 from flexengine.cli.first_contact import format_params
-from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, max_seq_len_png
+from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, gib, max_seq_len_png
 from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
 from flexengine.core.config_record import FROM_MODEL_PATH, ConfigRecord
 from flexengine.core.errors import UserError
-from flexengine.core.units import GiB
 
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
     from flexengine.planning.corpus_time import Corpus
     from flexengine.planning.fit import FitPlan
-    from flexengine.planning.plan import Plan
     from flexengine.planning.row_length import Documents, RowLengthChoice
     from flexengine.planning.shapes import AttendedPairs
     from flexengine.planning.work import WorkPerToken
@@ -65,10 +63,6 @@ class PlanJobConfig(JobConfig):
     plan: PlanOptions = field(default_factory=PlanOptions)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB"
-
-
 @dataclass(frozen=True)
 class PlanReport:
     """What flexengine-plan reports: the fit (and the plan behind it) and what the command adds around it."""
@@ -79,13 +73,8 @@ class PlanReport:
     updates_arrive_at_lr: bool  # whether AdamW updates of size optim.lr reach the stored weights
     context: dict[str, Any]  # context_report: the model's trained/supported context against data.seq_len
     cp: int  # ranks sharing each row
+    work: WorkPerToken  # executed FLOPs per useful token against the model's own count
     node_of_8: Optional[FitPlan] = None  # the same job on a node of 8 such GPUs (a GPU and fewer than 8 ranks)
-    work: Optional[WorkPerToken] = None  # executed FLOPs per useful token against the model's own count
-
-    @property
-    def plan(self) -> Plan:
-        """The planner's answer under the chosen precision."""
-        return self.fit.plan
 
 
 def format_table(report: PlanReport) -> str:
@@ -94,7 +83,7 @@ def format_table(report: PlanReport) -> str:
     from flexengine.planning.costs import assumed_and_measured
     from flexengine.planning.fit import format_fit
 
-    plan = report.plan
+    plan = report.fit.plan
     model = f"{plan.hf_config.get('model_type')} ({format_params(report.params)} parameters)"
     lines = [
         f"model: {model}  seq_len={plan.seq_len}",
@@ -103,8 +92,8 @@ def format_table(report: PlanReport) -> str:
         "  every term of the chosen policy's step:",
     ]
     usage = plan.chosen.usage
-    lines += [f"    {k.removesuffix('_bytes'):<28} {_gib(v)}" for k, v in usage.terms.items()]
-    lines.append(f"    {'= planned peak':<28} {_gib(usage.terms.total_bytes)} of {usage.budget.describe()}")
+    lines += [f"    {k.removesuffix('_bytes'):<28} {gib(v)}" for k, v in usage.terms.items()]
+    lines.append(f"    {'= planned peak':<28} {gib(usage.terms.total_bytes)} of {usage.budget.describe()}")
     lines += assumed_and_measured(plan.assumptions, plan.chosen.time.source, plan.dtype, report.hardware)
     if not usage.fits:
         lines.append("NOTHING FITS. What would: " + "; ".join(plan.suggestions))
@@ -125,13 +114,12 @@ def format_table(report: PlanReport) -> str:
             f"{100 * d['documents_within_trained']:.1f}% within {ctx['trained_context']} positions, "
             f"{d['documents_over_supported']} longer than {ctx['supported_context']}"
         )
-    if report.work is not None:
-        lines.append(report.work.describe())
+    lines.append(report.work.describe())
     if report.node_of_8 is not None:
         node = report.node_of_8.plan.chosen
         lines.append(
             "on 8 such GPUs (FSDP shards weights, grads and optimizer states): "
-            f"total {_gib(node.usage.terms.total_bytes)} per GPU of {_gib(node.usage.budget.usable_bytes)} budget, "
+            f"total {gib(node.usage.terms.total_bytes)} per GPU of {gib(node.usage.budget.usable_bytes)} budget, "
             f"precision {report.node_of_8.precision.name}, "
             f"policy {node.label}, recompute {100 * node.time.recompute_flops_fraction:.1f}%"
             + ("" if node.usage.fits else " (still does not fit)")
@@ -161,9 +149,9 @@ def context_report(job: JobConfig, hf_config) -> dict:
     return report
 
 
-def build_plan(run: ResolvedRun) -> PlanReport:
-    """The plan of a resolved job (architecture only; named hardware is not probed), and on a GPU with fewer than 8
-    ranks the same job on a node of 8."""
+def build_plan(run: ResolvedRun, rows: Optional[list[list[int]]] = None) -> PlanReport:
+    """The plan of a resolved job (architecture only; named hardware is not probed), its work per useful token (rows:
+    as plan_work takes them), and on a GPU with fewer than 8 ranks the same job on a node of 8."""
     from flexengine.planning.shapes import ModelShape
     from flexengine.resolve import resolve
 
@@ -178,6 +166,7 @@ def build_plan(run: ResolvedRun) -> PlanReport:
         updates_arrive_at_lr=run.precision.updates_arrive(job.optim.lr),
         context=context_report(job, run.hf_config),
         cp=job.parallel.cp,
+        work=plan_work(run, rows),
         node_of_8=node,
     )
 
@@ -209,7 +198,7 @@ def plan_summary(report: PlanReport) -> dict[str, Any]:
     from flexengine.planning.fit import format_fit_summary
     from flexengine.planning.plan import budget_json
 
-    fit, plan, hardware = report.fit, report.plan, report.hardware
+    fit, plan, hardware = report.fit, report.fit.plan, report.hardware
     best = fit.plan.chosen
     usage, step_s = best.usage, best.time.step_s
     tokens = plan.seq_len * best.micro_batch * best.grad_accum * hardware.world_size // report.cp
@@ -238,7 +227,7 @@ def plan_summary(report: PlanReport) -> dict[str, Any]:
 def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
     """plan.format=json: `summary` first, then the plan's fields with the HF config reduced to PLAN_HF_KEYS, then
     the command's own; the candidate table (every policy x k x micro-batch weighed) only with candidates=True."""
-    plan, summary = report.plan, plan_summary(report)
+    plan, summary = report.fit.plan, plan_summary(report)
     if not candidates:
         summary["candidates"] = f"{len(plan.candidates)} weighed; plan.candidates=true lists them"
     body = {k: v for k, v in plan.to_json().items() if candidates or k != "candidates"}
@@ -263,8 +252,7 @@ def plan_json(report: PlanReport, candidates: bool = False) -> dict[str, Any]:
             "policy": node.label,
             "recompute_flops_fraction": node.time.recompute_flops_fraction,
         }
-    if report.work is not None:
-        out["work_per_useful_token"] = report.work.to_json()
+    out["work_per_useful_token"] = report.work.to_json()
     return out
 
 
@@ -300,7 +288,7 @@ def plan_report(
 
     corpus = CorpusPairs(options) if wants_corpus_time(options) else None
     run = resolve_planned(job, plan_documents(job, options, has_documents), pairs=corpus)
-    report = dataclasses.replace(build_plan(run), work=plan_work(run, corpus.rows if corpus else None))
+    report = build_plan(run, corpus.rows if corpus else None)
     if corpus is None or corpus.corpus is None:
         return report, None, run.rows
     hours = corpus_hours(
@@ -427,7 +415,7 @@ def main(cfg: DictConfig) -> None:
         if rows is not None:
             print(format_row_length(rows) + "\n" + mfu_ladder(rows.chosen) + "\n")
         elif cfg.data.seq_len == SEQ_LEN_AUTO:
-            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({plan.plan.seq_len:,} tokens)\n")
+            print(f"rows: data.seq_len=auto without documents: {CONTEXT_ROWS} ({plan.fit.plan.seq_len:,} tokens)\n")
         print(format_table(plan))
         if hours:
             print("\n" + format_corpus_hours(hours["alternatives"], Corpus(**hours["corpus"]), job.hardware.name))

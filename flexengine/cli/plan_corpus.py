@@ -72,55 +72,43 @@ def wants_corpus_time(options: Any) -> bool:
     return any(getattr(options, key) is not None for key in ("epochs", "tokens", "documents"))
 
 
-def corpus_of(job: JobConfig, options: Any) -> Corpus:
-    """The corpus flexengine-plan's options describe, in packed rows of data.seq_len (see the module docstring)."""
-    return corpus_rows(job, options)[0]
-
-
 def corpus_rows(job: JobConfig, options: Any) -> tuple[Corpus, Optional[list[list[int]]]]:
-    """`corpus_of`, and its packed rows as their document pieces' lengths (None for plan.tokens: full rows of
-    unknown documents)."""
+    """The corpus flexengine-plan's options describe, in packed rows of data.seq_len (see the module docstring), and
+    its packed rows as their document pieces' lengths (None for plan.tokens: full rows of unknown documents)."""
     from flexengine.data.packing import plan_packing
 
     epochs = options.epochs if options.epochs is not None else (job.train.epochs or 1.0)
     if epochs <= 0:
         raise UserError(f"plan.epochs={epochs} must be positive.")
     seq_len, data = job.data.seq_len, job.data
-    if options.documents is not None:
-        _check_documents(options)
-        packed = plan_packing([options.doc_tokens] * options.documents, seq_len, data.packing, data.long_docs)
-        stats = packed.stats
-        what = f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
-        return Corpus(stats.rows, stats.tokens, epochs, f"{what} -> {_rows(stats)}"), _piece_lengths(packed)
-    if options.tokens is not None:
+    if options.documents is None and options.tokens is not None:
         if options.tokens <= 0:
             raise UserError(f"plan.tokens={options.tokens} must be positive.")
         rows = math.ceil(options.tokens / seq_len)
         what = f"{options.tokens:,.0f} tokens in {rows:,} full rows of {seq_len:,}"
         return Corpus(rows, int(options.tokens), epochs, f"{what} (no padding counted: an optimistic bound)"), None
-    return _corpus_of_data(job, epochs)
+    lengths, where = document_lengths(job, options)  # held-out documents included, as a run tokenizes them
+    packed = plan_packing(lengths, seq_len, data.packing, data.long_docs)
+    stats = packed.stats
+    what = where if options.documents is not None else f"{where}: {stats.documents:,} documents"
+    useful = f"{stats.tokens:,} tokens, {stats.useful_token_fraction:.1%} of slots useful"
+    describe = f"{what} -> {stats.rows:,} rows of {stats.seq_len:,} ({useful})"
+    pieces = [[length for _doc, _start, length in row] for row in packed.rows]  # what each row's mask separates
+    return Corpus(stats.rows, stats.tokens, epochs, describe), pieces
 
 
 def document_lengths(job: JobConfig, options: Any, what: str = "plan.epochs") -> tuple[np.ndarray, str]:
     """The documents' lengths in tokens and where they come from: plan.documents x plan.doc_tokens, else the job's
-    data tokenized through the training cache. `what`: the option that needs them (for the error)."""
+    own documents (held-out documents included) tokenized through the training cache. `what`: the option that
+    needs them (for the error)."""
     if options.documents is not None:
-        _check_documents(options)
+        if not options.doc_tokens or options.documents <= 0 or options.doc_tokens <= 0:
+            raise UserError(
+                "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
+                "plan.doc_tokens=6000), both positive."
+            )
         lengths = np.full(options.documents, options.doc_tokens, dtype=np.int64)
         return lengths, f"{options.documents:,} documents of {options.doc_tokens:,} tokens"
-    return _data_lengths(job, what), job.data.path or "the demo corpus"
-
-
-def _check_documents(options: Any) -> None:
-    if not options.doc_tokens or options.documents <= 0 or options.doc_tokens <= 0:
-        raise UserError(
-            "plan.documents needs plan.doc_tokens (tokens per document, e.g. plan.documents=20000 "
-            "plan.doc_tokens=6000), both positive."
-        )
-
-
-def _data_lengths(job: JobConfig, what: str) -> np.ndarray:
-    """The job's own documents' lengths (held-out documents included), tokenized through the training cache."""
     from flexengine.data.corpus import build_corpus
     from flexengine.surgery.model import load_tokenizer
 
@@ -130,27 +118,4 @@ def _data_lengths(job: JobConfig, what: str) -> np.ndarray:
             "model.path (or model.tokenizer), or the size instead: plan.tokens=N, or plan.documents=N "
             "plan.doc_tokens=T."
         )
-    return build_corpus(job.data, load_tokenizer(job.model)).lengths
-
-
-def _corpus_of_data(job: JobConfig, epochs: float) -> tuple[Corpus, list[list[int]]]:
-    """The job's own documents, tokenized (cached) and packed as a run would (held-out documents included)."""
-    from flexengine.data.packing import plan_packing
-
-    lengths = _data_lengths(job, "plan.epochs")
-    packed = plan_packing(lengths, job.data.seq_len, job.data.packing, job.data.long_docs)
-    stats, where = packed.stats, job.data.path or "the demo corpus"
-    corpus = Corpus(stats.rows, stats.tokens, epochs, f"{where}: {stats.documents:,} documents -> {_rows(stats)}")
-    return corpus, _piece_lengths(packed)
-
-
-def _piece_lengths(packed) -> list[list[int]]:
-    """Each packed row as its document pieces' lengths (what the mask separates)."""
-    return [[length for _doc, _start, length in row] for row in packed.rows]
-
-
-def _rows(stats) -> str:
-    return (
-        f"{stats.rows:,} rows of {stats.seq_len:,} ({stats.tokens:,} tokens, {stats.useful_token_fraction:.1%} of "
-        "slots useful)"
-    )
+    return build_corpus(job.data, load_tokenizer(job.model)).lengths, job.data.path or "the demo corpus"

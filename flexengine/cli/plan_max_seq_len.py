@@ -15,7 +15,8 @@ from flexengine.core.config import JobConfig
 from flexengine.core.units import GiB
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """A byte count as the plan tables' 8-wide GiB column."""
     return f"{n / GiB:8.2f} GiB"
 
 
@@ -146,7 +147,7 @@ def format_max_seq_len(report: dict) -> str:
             continue
         rate = "n/a" if r.get("time_source") == UNKNOWN else f"{r['tokens_per_s']:,.0f}"
         lines.append(
-            f"  {r['label']:<28} {r['max_seq_len']:>12,} {_gib(r['total_bytes']):>14} {_step(r, 2)} "
+            f"  {r['label']:<28} {r['max_seq_len']:>12,} {gib(r['total_bytes']):>14} {_step(r, 2)} "
             f"{rate:>10} {100 * r['recompute_flops_fraction']:>9.1f}%"
         )
     best = max(report["policies"], key=lambda r: r["max_seq_len"])

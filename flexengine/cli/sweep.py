@@ -13,6 +13,7 @@ a sweep whose every job failed exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -186,15 +187,11 @@ def write_plot(rows: list[dict], path: Path):
     return fig  # closed, but still inspectable (tests read its lines, legend and printed values)
 
 
-def _run_name(label: str) -> str:
-    """A directory name for a run label: no path separators, bounded length."""
-    return label.replace(os.sep, "_").replace(" ", ",")[:200] or "run"
-
-
 def _run_names(rows: list[dict]) -> list[str]:
     """Each job's TensorBoard run name: the overrides that vary; jobs sharing one get their job number added (the
     same rows give the same names, so rebuilding a summary finds the runs it made)."""
-    names = [_run_name(label) for label in varying_overrides(rows)]
+    # a directory name per label: no path separators, bounded length (varying_overrides never gives an empty one)
+    names = [label.replace(os.sep, "_").replace(" ", ",")[:200] for label in varying_overrides(rows)]
     shared = {n for n in names if names.count(n) > 1}
     return [f"{n}_job{r['job'].replace(os.sep, '_')}" if n in shared else n for n, r in zip(names, rows)]
 
@@ -271,11 +268,9 @@ def reset_peak_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    try:  # Linux: writing 5 to clear_refs resets the RSS high-water mark that ru_maxrss reports
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    # Linux: writing 5 to clear_refs resets the RSS high-water mark that ru_maxrss reports
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 class SweepSummary(Callback):

@@ -29,7 +29,6 @@ AUTO_ATTENTION_BACKEND = "auto: attention backend for this device and mode"
 AUTO_ROW_LENGTH = "auto: row length over this corpus (the lengths weighed: the log, summary.json's data.row_length)"
 # model.arch of a model.path run: config.json's fields are what trains (model.arch is not read with a path)
 FROM_MODEL_PATH = "model.path: config.json"
-SOURCE_KINDS = ("yours", "config", "default", "first-contact", "auto", "given", "model.path")
 
 RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 
