@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from flexengine.core.config import HardwareConfig, JobConfig, PrecisionConfig, check_fixed_rope
@@ -19,6 +20,7 @@ from flexengine.core.config_record import (
     AUTO_HARDWARE,
     AUTO_PLANNER,
     AUTO_ROW_LENGTH,
+    FROM_MODEL_PATH,
     ConfigRecord,
 )
 from flexengine.core.device_speed import measure_device_speed
@@ -33,6 +35,7 @@ from flexengine.planning.specs import PlanSpecs, context_rows, plan_inputs, plan
 from flexengine.surgery.attention.job_rules import packs_documents, resolve_attention_rules
 from flexengine.surgery.attention.spec import AttentionSpec
 from flexengine.surgery.memory.spec import MemorySpec
+from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.precision import PrecisionSpec, auto_order, precision_spec
 from flexengine.surgery.rope import context_limits
 
@@ -245,8 +248,11 @@ def record_resolution(record: ConfigRecord, run: ResolvedRun) -> None:
     record.update(run.job, AUTO_PLANNER)
 
 
-def record_attention_backend(record: ConfigRecord, run: ResolvedRun) -> None:
-    """attn.backend=auto: the backend it resolved to. After every record.update of a job (whose attn.backend
-    stays auto: the spec travels as an object)."""
+def record_what_runs(record: ConfigRecord, run: ResolvedRun) -> None:
+    """What the job leaves to the run, as it runs: attn.backend=auto's backend and model.path's architecture. After
+    every record.update of a job (whose attn.backend stays auto: the spec travels as an object; its model.arch is
+    the unread default the stages before compare with)."""
     if run.job.attn.backend == "auto":
         record.set("attn.backend", run.attention.backend.value, AUTO_ATTENTION_BACKEND)
+    if run.job.model.path is not None:
+        record.set("model.arch", architecture_of(Path(run.job.model.path)), FROM_MODEL_PATH)  # what trains

@@ -14,7 +14,7 @@ from torch import nn
 
 from flexengine.core.allocator import allocator_line
 from flexengine.core.config import HardwareConfig, JobConfig
-from flexengine.core.config_record import AUTO_EPOCHS, FROM_CALLER, FROM_MODEL_PATH, RESOLVED_CONFIG_FILE, ConfigRecord
+from flexengine.core.config_record import AUTO_EPOCHS, FROM_CALLER, RESOLVED_CONFIG_FILE, ConfigRecord
 from flexengine.core.device_speed import cache_path
 from flexengine.core.distributed import DistInfo, cpu_group, init_distributed, rank_device, shutdown_distributed
 from flexengine.core.errors import UserError, os_error_message
@@ -44,8 +44,8 @@ from flexengine.planning.row_length import Documents, format_row_length
 from flexengine.resolve import (
     ResolvedRun,
     check_checkpoint_rope,
-    record_attention_backend,
     record_resolution,
+    record_what_runs,
     resolve,
     resolve_target_hardware,
 )
@@ -58,7 +58,6 @@ from flexengine.surgery.lora import apply_lora
 from flexengine.surgery.memory import apply_memory_policy
 from flexengine.surgery.memory.kinds import check_granularity
 from flexengine.surgery.model import build_hf_config, check_vocab, load_model, load_tokenizer
-from flexengine.surgery.model_files import architecture_of
 from flexengine.surgery.parallel import apply_parallel, loads_weights
 from flexengine.surgery.precision import PrecisionSpec, apply_precision
 from flexengine.surgery.rope import check_context, context_limits
@@ -259,9 +258,7 @@ def planned_step(run: ResolvedRun) -> PlannedStep:
 def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) -> None:
     """The record takes the data stage's epochs, the attention backend auto chose and model.path's architecture."""
     record.update(job, AUTO_EPOCHS)
-    record_attention_backend(record, run)  # the record says what runs; job.attn keeps auto
-    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
-        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+    record_what_runs(record, run)
 
 
 def trainer_setup(

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from flexengine.cli.common import compose_job, fail, quiet_third_party
-from flexengine.cli.doctor_time import epoch_check, step_time_check, step_time_numbers
+from flexengine.cli.doctor_time import epoch_check, step_time_check, step_time_numbers, verdict_row
 from flexengine.core.config import JobConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
@@ -192,10 +192,6 @@ def build_report(trainer, job: JobConfig, per_step: list, compiles: dict, memory
     }
 
 
-def _check(name: str, verdict: str, value: str, detail: str = "", suggestion: str = "") -> dict:
-    return {"name": name, "verdict": verdict, "value": value, "detail": detail, "suggestion": suggestion}
-
-
 def _on_cuda(n: dict) -> bool:
     """The numbers were measured on a GPU (some verdicts only apply there)."""
     return n["device"].startswith("cuda")
@@ -206,14 +202,14 @@ def attention_check(job: JobConfig, n: dict) -> dict:
     backend, mode = AttnBackend(n["attn_backend"]), n["attn_mode"]
     if backend is AttnBackend.HF_SDPA:
         # the padding it costs is judged (and the fix suggested) by the useful-tokens check below
-        return _check(
+        return verdict_row(
             "attention",
             "info",
             f"HF sdpa ({mode}), one document per row",
             "the padded baseline: every row is padded to the batch's longest document",
         )
     if backend is AttnBackend.DENSE and _on_cuda(n):
-        return _check(
+        return verdict_row(
             "attention",
             "warn",
             f"dense ({mode})",
@@ -221,7 +217,7 @@ def attention_check(job: JobConfig, n: dict) -> dict:
             "dense attention masks on GPU: use attn.backend=flex (or auto)",
         )
     if backend is AttnBackend.FLEX and not job.attn.compile:
-        return _check(
+        return verdict_row(
             "attention",
             "warn",
             f"flex ({mode}), not compiled",
@@ -233,7 +229,7 @@ def attention_check(job: JobConfig, n: dict) -> dict:
         AttnBackend.DENSE: "the boolean-mask reference (attn.backend=auto runs varlen: same result, SDPA's "
         "causal cost)",
     }.get(backend, "")
-    return _check("attention", "ok", f"{backend.value} ({mode})", why)
+    return verdict_row("attention", "ok", f"{backend.value} ({mode})", why)
 
 
 def compile_check(job: JobConfig, n: dict) -> dict:
@@ -241,7 +237,7 @@ def compile_check(job: JobConfig, n: dict) -> dict:
     new_graphs, recompiles, breaks = n["graphs_compiled_after_warmup"], n["recompiles_after_warmup"], n["graph_breaks"]
     if new_graphs or breaks:
         reasons = "; ".join(n["recompile_reasons"][:3])
-        return _check(
+        return verdict_row(
             "compile",
             "warn",
             f"{new_graphs} graphs compiled after warm-up ({recompiles} recompiles), {breaks} graph breaks",
@@ -250,10 +246,10 @@ def compile_check(job: JobConfig, n: dict) -> dict:
             "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks",
         )
     if _on_cuda(n) and not job.train.compile:
-        return _check(
+        return verdict_row(
             "compile", "warn", "decoder blocks run eagerly", "", "compile the decoder blocks: train.compile=true"
         )
-    return _check("compile", "ok", f"{n['graphs_compiled_warmup']} graphs compiled in warm-up, none after it")
+    return verdict_row("compile", "ok", f"{n['graphs_compiled_warmup']} graphs compiled in warm-up, none after it")
 
 
 def useful_tokens_check(job: JobConfig, n: dict) -> dict:
@@ -272,13 +268,13 @@ def useful_tokens_check(job: JobConfig, n: dict) -> dict:
             )
         )
     )
-    return _check("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion)
+    return verdict_row("useful tokens", verdict, f"{frac:.1%} useful, {n['padding_waste']:.1%} padding", "", suggestion)
 
 
 def block_density_check(job: JobConfig, n: dict) -> dict:
     """How much of a causal mask's block grid the attention really computed."""
     sp = n["block_density"]
-    return _check(
+    return verdict_row(
         "block density",
         "info",
         "n/a (HF attention)" if sp is None else f"{sp:.1%} of causal blocks",
@@ -290,7 +286,7 @@ def time_split_check(job: JobConfig, n: dict) -> dict:
     """Where the step's time goes; data loading and mask building should be small."""
     split = n["time_split"]
     verdict = "warn" if split["data"] + split["mask"] > 0.2 else "ok"
-    return _check(
+    return verdict_row(
         "time split",
         verdict,
         ", ".join(f"{p} {split[p]:.0%}" for p in PHASES),
@@ -311,7 +307,7 @@ def throughput_check(job: JobConfig, n: dict) -> dict:
         if mfu is None
         else f"MFU {mfu:.1%} (hardware FLOPs {hfu:.1%}) of {n['peak_tflops']} TFLOP/s"
     )
-    return _check(
+    return verdict_row(
         "throughput",
         verdict,
         f"{n['tokens_per_s']:.0f} tokens/s, {n['useful_tokens_per_s']:.0f} useful/s, " + util,
@@ -340,9 +336,9 @@ def memory_check(job: JobConfig, n: dict) -> dict:
             else "nothing fits as configured: " + "; ".join(choice["suggestions"])
         )
         needs = f"this policy needs more than hardware.memory_gb={job.hardware.memory_gb}: {fix}"
-        return _check("memory", "bad", value, detail, needs)
+        return verdict_row("memory", "bad", value, detail, needs)
     if choice["fits"] and mem["cost"] > choice["cost"] + 1e-6:
-        return _check(
+        return verdict_row(
             "memory",
             "warn",
             value,
@@ -350,7 +346,7 @@ def memory_check(job: JobConfig, n: dict) -> dict:
             f"memory=auto fits with less recompute (it picks {choice['policy']!r}: recompute "
             f"{choice['recompute_flops_fraction']:.0%} instead of {mem['recompute_flops_fraction']:.0%})",
         )
-    return _check("memory", "ok", value, detail)
+    return verdict_row("memory", "ok", value, detail)
 
 
 def _allocator_fixes(job: JobConfig, mem: dict) -> str:
@@ -373,7 +369,7 @@ def allocator_check(job: JobConfig, n: dict) -> dict:
     mem = n["memory"]
     a = mem["allocator"]
     if a["max_memory_reserved_bytes"] is None:
-        return _check("allocator", "info", "n/a (no CUDA caching allocator on CPU)")
+        return verdict_row("allocator", "info", "n/a (no CUDA caching allocator on CPU)")
     reserved = a["max_memory_reserved_bytes"]
     limit = reserved_limit_bytes(mem["planned_total_bytes"], mem["margin_bytes"])
     value = (
@@ -392,9 +388,9 @@ def allocator_check(job: JobConfig, n: dict) -> dict:
             "margin: fragmentation and workspaces outgrew the margin"
         )
     if not problems:
-        return _check("allocator", "ok", value, "reserved peak within the planned peak plus margin, no retries")
+        return verdict_row("allocator", "ok", value, "reserved peak within the planned peak plus margin, no retries")
     verdict = "bad" if a["num_ooms"] else "warn"
-    return _check(
+    return verdict_row(
         "allocator", verdict, value, "; ".join(problems), "leave the allocator room: " + _allocator_fixes(job, mem)
     )
 

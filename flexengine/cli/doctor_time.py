@@ -64,16 +64,16 @@ def step_time_check(job: JobConfig, n: dict) -> dict:
     t = n["step_time"]
     if t["ratio"] is None or t["planned_source"] == UNKNOWN:
         why = "no plan to compare with" if t["ratio"] is None else "the plan's seconds rest on an unknown device speed"
-        return _check("step time vs plan", "info", f"{t['measured_s']:.2f} s measured ({why})")
+        return verdict_row("step time vs plan", "info", f"{t['measured_s']:.2f} s measured ({why})")
     value = (
         f"{t['measured_s']:.2f} s measured vs {t['planned_s']:.2f} s planned ({t['ratio']:.2f}x; planned from "
         f"{t['planned_source']})"
     )
     if abs(t["ratio"] - 1) <= RATIO_LIMIT:
-        return _check("step time vs plan", "ok", value)
+        return verdict_row("step time vs plan", "ok", value)
     slower = "slower" if t["ratio"] > 1 else "faster"
     term = likely_term(t)
-    return _check(
+    return verdict_row(
         "step time vs plan",
         "warn",
         value,
@@ -86,7 +86,7 @@ def step_time_check(job: JobConfig, n: dict) -> dict:
 def epoch_check(job: JobConfig, n: dict) -> dict:
     """How long one epoch of the job's corpus takes at the measured step (this machine, these settings)."""
     t = n["step_time"]
-    return _check(
+    return verdict_row(
         "epoch time",
         "info",
         f"{_hours(t['epoch_s'])} per epoch of this corpus ({t['steps_per_epoch']:,} steps x {t['measured_s']:.2f} s, "
@@ -99,5 +99,6 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
-def _check(name: str, verdict: str, value: str, detail: str = "", suggestion: str = "") -> dict:
+def verdict_row(name: str, verdict: str, value: str, detail: str = "", suggestion: str = "") -> dict:
+    """One row of the doctor's checks: its verdict (ok / warn / ...), the value measured and what to do."""
     return {"name": name, "verdict": verdict, "value": value, "detail": detail, "suggestion": suggestion}

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
@@ -24,7 +23,7 @@ from flexengine.cli.common import CONFIG_PATH, fail, register_schema, run_hydra_
 from flexengine.cli.first_contact import format_params
 from flexengine.cli.plan_max_seq_len import DEFAULT_PNG, build_max_seq_len, format_max_seq_len, gib, max_seq_len_png
 from flexengine.core.config import SEQ_LEN_AUTO, HardwareConfig, JobConfig, check_context_parallel
-from flexengine.core.config_record import FROM_MODEL_PATH, ConfigRecord
+from flexengine.core.config_record import ConfigRecord
 from flexengine.core.errors import UserError
 
 if TYPE_CHECKING:  # the planner imports torch: loaded inside the commands that plan
@@ -362,8 +361,7 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
     without training: composition, first-contact, the hardware (named, or this machine), the planner's choices and
     the attention backend on that device, in the run's order (flexengine/run.py: build_trainer). train.epochs stays
     as given (its step count needs the tokenized data). plan_only: the keys this command set itself, and to what."""
-    from flexengine.resolve import record_attention_backend, record_resolution, resolve_planned
-    from flexengine.surgery.model_files import architecture_of
+    from flexengine.resolve import record_resolution, record_what_runs, resolve_planned
 
     job, record = to_job_record(cfg)
     record.drop("plan")  # this command's own options
@@ -371,9 +369,7 @@ def resolved_record(cfg: DictConfig, plan_only: dict) -> ConfigRecord:
         record.set(key, value, PLAN_ONLY)
     run = resolve_planned(job, plan_documents(job, cfg.plan, has_documents="data.source" not in plan_only))
     record_resolution(record, run)
-    record_attention_backend(record, run)
-    if job.model.path is not None:  # after the stages above, which compare with the job's (unread) model.arch
-        record.set("model.arch", architecture_of(Path(job.model.path)), FROM_MODEL_PATH)  # what trains
+    record_what_runs(record, run)
     return record
 
 
