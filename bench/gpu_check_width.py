@@ -311,15 +311,14 @@ def timed_steps(trainer, steps: int) -> tuple[list[dict], list[float]]:
 def step_numbers(trainer, run, metrics: list[dict], step_times: list[float]) -> dict:
     """The timed steps' throughput and MFU (against this device's own peak) next to the plan's numbers (run: the
     ResolvedRun the trainer was built with)."""
-    fit = run
-    plan = fit.plan
+    plan = run.plan
     timed, seconds = metrics[1:], sum(step_times)
-    peak_tflops = device_peak_tflops() or fit.hardware.peak_tflops or float("nan")
+    peak_tflops = device_peak_tflops() or run.hardware.peak_tflops or float("nan")
     return {
-        "precision": fit.precision.name,
+        "precision": run.precision.name,
         "policy": plan.chosen.memory.policy,
-        "micro_batch": fit.plan.chosen.micro_batch,
-        "grad_accum": fit.plan.chosen.grad_accum,
+        "micro_batch": plan.chosen.micro_batch,
+        "grad_accum": plan.chosen.grad_accum,
         "losses": [m["loss"] for m in metrics],
         "finite": all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics),
         "warmup_step_s": FIRST_STEPS[-1],

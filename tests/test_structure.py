@@ -271,8 +271,9 @@ JOB_READERS = {"planning/fit.py"}
 
 
 def job_importers(package: Path) -> list[str]:
-    """Modules under BELOW_THE_ROOT, but JOB_READERS, that import JobConfig or reach it as an attribute
-    (`config.JobConfig`), anywhere in their source (a lazy or TYPE_CHECKING import is an import too)."""
+    """Modules under BELOW_THE_ROOT, but JOB_READERS, that import JobConfig, reach it as an attribute
+    (`config.JobConfig`) or take a parameter named `job`, anywhere in their source (a lazy or TYPE_CHECKING import
+    is an import too)."""
     found = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package).as_posix()
@@ -280,7 +281,8 @@ def job_importers(package: Path) -> list[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             imported = isinstance(node, ast.ImportFrom) and any(a.name == "JobConfig" for a in node.names)
-            if imported or (isinstance(node, ast.Attribute) and node.attr == "JobConfig"):
+            handed = isinstance(node, ast.arg) and node.arg == "job"  # untyped, or a string annotation
+            if imported or handed or (isinstance(node, ast.Attribute) and node.attr == "JobConfig"):
                 found.append(rel)
                 break
     return found
@@ -308,9 +310,10 @@ def test_job_check_sees_imports_and_attributes_below_the_root_only(tmp_path):
             "loop/trainer.py": f"def f():\n    {job}",  # lazily
             "surgery/lora.py": "from pkg.core import config\n\n\ndef f(job: config.JobConfig) -> None:\n    pass\n",
             "data/build.py": f"from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    {job}",
+            "data/loader.py": "def f(job: 'JobConfig') -> None:\n    pass\n",  # handed one, never imported
         },
     )
-    assert job_importers(package) == ["data/build.py", "loop/trainer.py", "surgery/lora.py"]
+    assert job_importers(package) == ["data/build.py", "data/loader.py", "loop/trainer.py", "surgery/lora.py"]
 
 
 MAX_FILE_LINES = 500  # small rooms: a file a reader holds in mind at once

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -139,7 +139,8 @@ def diagnose(job: JobConfig, out_dir: Path, steps: int = 4, warmup: int = 1, bui
     for i, step in enumerate(hooks.steps):
         step["warmup"] = i < warmup
     memory = memory_report(trainer, run, allocator_stats(trainer.device))
-    report = build_report(trainer, run.job, hooks.steps, compiles, memory)
+    trained = replace(run.job, train=trainer.setup.train)  # train.epochs became max_steps in the data stage
+    report = build_report(trainer, trained, hooks.steps, compiles, memory)
     write_json_atomic(out_dir / "doctor.json", report)
     trainer.metrics.close()
     return report

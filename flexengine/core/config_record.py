@@ -12,6 +12,7 @@ written from it, so what is saved is what trained.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -39,10 +40,17 @@ def from_config_file(path: str) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """A config value as plain YAML/JSON data: the dataclasses in a list (data.mix's sources) become dicts."""
+    """A config value as plain YAML/JSON data: dataclasses (data.mix's sources) become dicts, enums their values,
+    paths strings (a JobConfig built in Python may hold a Path: YAML cannot write one)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+    if isinstance(value, enum.Enum):
+        return value.value
+    return str(value) if isinstance(value, Path) else value
 
 
 def flat_config(config: Any, prefix: str = "") -> dict[str, Any]:

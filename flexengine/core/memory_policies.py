@@ -63,7 +63,8 @@ class MemoryPolicy:
         self, layers: Optional[str], granularities: Sequence[str], offloads: Sequence[bool], given: MemoryFields
     ) -> list[dict[str, Any]]:
         """The MemoryConfig fields memory=auto weighs of it on `layers` (None: no block), keeping what the user
-        gave (`given`; `granularities` and `offloads` are what that leaves open)."""
+        gave (`given`; `granularities` and `offloads` are what that leaves open). A granularity another entry fixes
+        is that entry's candidate, not this one's: selective weighs every kind but full's block."""
         if layers is None:  # no block: the policy that changes none, unless the user fixed blocks or offload
             keeps = not self.chooses_blocks and given.layers is None and given.offload is not True
             return [{"policy": self.name}] if keeps else []

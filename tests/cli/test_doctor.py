@@ -207,3 +207,14 @@ def test_the_doctor_reports_the_epoch_of_the_corpus_from_the_measured_steps(heal
     assert t["measured_s"] > 0 and t["planned_s"] > 0 and t["steps_per_epoch"] >= 1
     assert t["epoch_s"] == pytest.approx(t["steps_per_epoch"] * t["measured_s"])
     assert "per epoch of this corpus" in check(report, "epoch time")["value"]
+
+
+def test_doctor_json_records_the_job_that_trains_with_epochs_counted(tmp_path):
+    """train.epochs becomes train.max_steps in the data stage, after the resolution: doctor.json's config is the
+    job that trains (its step count), not the job as resolved."""
+    job = compose_job([*DEBUG_FAST, "train.epochs=2"])
+    trainer, run = build_planned_trainer(job, tmp_path)
+    report = diagnose(job, tmp_path, steps=1, built=(trainer, run))
+    recorded = json.loads((tmp_path / "doctor.json").read_text())["config"]["train"]
+    assert recorded["max_steps"] == trainer.setup.train.max_steps != run.job.train.max_steps
+    assert recorded["epochs"] == 2 and report["config"]["train"] == recorded

@@ -61,3 +61,20 @@ def test_the_yaml_reads_back_to_the_values_and_names_every_source(tmp_path):
     lines = [line for line in text.splitlines() if not line.startswith("#") and not line.rstrip().endswith(":")]
     assert len(lines) == len(record.values) and all("  # " in line for line in lines)  # a source on every value
     assert "  lr: 2.0e-05  # first-contact: from conf/model/llama2_7b.yaml" in text
+
+
+def test_a_job_built_in_python_with_paths_and_enums_writes_plain_yaml(tmp_path):
+    """A JobConfig built in Python may hold a Path (model.path, train.output_dir): the record writes its string."""
+    from enum import Enum
+    from pathlib import Path
+
+    class Kind(Enum):
+        TEXT = "text"
+
+    job = JobConfig()
+    job.train.output_dir = Path("/runs/a")  # type: ignore[assignment]
+    job.model.arch = {"kind": Kind.TEXT, 3: Path("/x")}
+    record = ConfigRecord(job, FROM_SCHEMA_DEFAULT)
+    text = record.write(tmp_path / "resolved_config.yaml").read_text()
+    assert yaml.safe_load(text)["train"]["output_dir"] == "/runs/a"
+    assert record.as_config()["model"]["arch"] == {"kind": "text", "3": "/x"}

@@ -43,8 +43,8 @@ def _steps_accumulation(trainer) -> int:
 
 
 def _used(trainer, recorded_arch: dict) -> dict:
-    """What the built trainer really runs with, read from the objects that do the work (never from trainer.job,
-    the job the record is built from): the model's HF config, the optimizer's groups, the loader, one step."""
+    """What the built trainer really runs with, read from the objects that do the work (never from the job the
+    record is built from): the model's HF config, the optimizer's groups, the loader, one step."""
     built = trainer.model.config.to_dict()
     groups = trainer.optimizer.param_groups
     return {
