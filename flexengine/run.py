@@ -6,8 +6,9 @@ import dataclasses
 import logging
 import math
 import os
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -72,8 +73,8 @@ SPEED_TIMEOUT_S = 1800.0  # the other ranks wait this long for rank 0 to measure
 def with_epochs(job: JobConfig, batches_per_epoch: int) -> JobConfig:
     """train.epochs -> train.max_steps: optimizer steps covering that many passes over this rank's rows."""
     epochs = job.train.epochs
-    if epochs is None:
-        raise ValueError("with_epochs: train.epochs is unset (train.max_steps counts the run)")
+    if epochs is None:  # train.max_steps counts the run
+        return job
     steps = max(1, math.ceil(epochs * batches_per_epoch / job.train.grad_accum))
     log.info(
         "train.epochs=%g: %d micro-batches per epoch / grad_accum %d -> max_steps=%d",
@@ -105,10 +106,7 @@ def _run_hardware(job: JobConfig, device: torch.device, dist_info: DistInfo, hf_
     this model's shapes: what the planner fits to and prices steps with. Under a process group rank 0 resolves and
     measures and every rank plans with its result: ranks measuring their own (noisy) speed and free memory could
     choose different row lengths, policies or micro-batches, and then hang or desynchronise."""
-
-    def measure() -> HardwareConfig:
-        return resolve_target_hardware(job, hf_config, device, dist_info.world_size)
-
+    measure = partial(resolve_target_hardware, job, hf_config, device, dist_info.world_size)
     with cpu_group(SPEED_TIMEOUT_S) as group:  # None in a single process: measured here
         return run_on_rank0(group, measure, "resolving hardware.* and measuring the device speed on rank 0")
 
@@ -152,9 +150,7 @@ def _build_checked_data(
     check_context(
         longest, context_limits(hf_config), job.data.seq_len, job.data.long_docs, job.model.allow_long_context
     )
-    if job.train.epochs is not None:
-        job = with_epochs(job, loader.batches_per_epoch)
-    return job, loader, eval_data, data_report
+    return with_epochs(job, loader.batches_per_epoch), loader, eval_data, data_report
 
 
 def _load_weights(
@@ -207,11 +203,8 @@ def _components(
     dist_info: DistInfo,
     eval_data: Optional[HeldOut],
 ) -> Components:
-    """The trainer's components, each owning its state (loop/components.py): the Checkpointer (with the fingerprint
-    of the data stream a resume must match), the Evaluator (held-out set, samples), Progress (the run clock, the
-    step line), the optimizer and its schedule, the metrics writer and the stop signals, around one TrainState.
-    Where the meter can see the blocks, the first training forward is measured (FirstForwardMeter): its bytes
-    replace the planner's in the memory report, and TensorBoard gets the figure the summary keeps."""
+    """build_components with the fingerprint of the data stream a resume must match; where the meter can see the
+    blocks, the first training forward's measured bytes replace the planner's in the memory report."""
     data_plan = data_plan_fingerprint(
         loader.corpus,
         loader.plan,
@@ -225,19 +218,15 @@ def _components(
         setup, forward, loader, tokenizer, out_dir=out_dir, dist=dist_info, held_out=eval_data, data_plan=data_plan
     )
     if meters_first_forward(forward.model, dist_info.world_size):  # written when measured
-        write = _write_memory_section(components.metrics)
+        write = partial(_write_memory_section, components.metrics)
         FirstForwardMeter(forward.train_module, forward.model, setup.memory_report, write)
     return components
 
 
-def _write_memory_section(metrics: MetricsWriter) -> Callable[[dict], None]:
+def _write_memory_section(metrics: MetricsWriter, report: dict) -> None:
     """TensorBoard's memory section from a memory report (the planner's, or the first forward's measurement)."""
-
-    def write(report: dict) -> None:
-        blocks = {f"activation_bytes_block_{i}": b for i, b in enumerate(report["activation_bytes_per_block"])}
-        metrics.section("memory", blocks, 0)
-
-    return write
+    blocks = {f"activation_bytes_block_{i}": b for i, b in enumerate(report["activation_bytes_per_block"])}
+    metrics.section("memory", blocks, 0)
 
 
 def planned_step(run: ResolvedRun) -> PlannedStep:
@@ -253,12 +242,6 @@ def planned_step(run: ResolvedRun) -> PlannedStep:
         "exposed_transfers": run.grad_accum * t.offload_exposed_s + t.reduce_exposed_s,
     }
     return PlannedStep(t.step_s, t.source, ASSUMED_MFU if t.source == ASSUMED else None, terms, t.source != UNKNOWN)
-
-
-def _record_what_runs(record: ConfigRecord, job: JobConfig, run: ResolvedRun) -> None:
-    """The record takes the data stage's epochs, the attention backend auto chose and model.path's architecture."""
-    record.update(job, AUTO_EPOCHS)
-    record_what_runs(record, run)
 
 
 def trainer_setup(
@@ -343,7 +326,8 @@ def build_planned_trainer(
     )
     if run.rows is not None:
         data_report["row_length"] = run.rows.to_json()  # every length weighed: summary.json's data section
-    _record_what_runs(record, job, run)
+    record.update(job, AUTO_EPOCHS)  # the data stage's train.epochs -> max_steps
+    record_what_runs(record, run)  # the attention backend auto chose, model.path's architecture
     model, from_rank0 = _load_weights(job, run.precision, device, dist_info, tokenizer)
     model, activations = _apply_surgery(model, run, context_parallel=context_parallel)
     train_module = apply_parallel(  # FSDP/DDP last: it wraps whatever the surgery above left
@@ -469,7 +453,7 @@ def _write_record(record: ConfigRecord, out_dir: Path, trainer: Trainer) -> None
     metrics.text("config/resolved", "    " + record.to_yaml().replace("\n", "\n    "), 0)  # code block
     metrics.section("packing", trainer.data_report, 0)  # the per-step tags live under data/
     if not meters_first_forward(trainer.model, trainer.dist.world_size):  # else at the first forward
-        _write_memory_section(metrics)(trainer.memory_report)
+        _write_memory_section(metrics, trainer.memory_report)
 
 
 def _fmt_loss(loss: Optional[float]) -> str:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from flexengine.cli.common import compose_job, fail, quiet_third_party
-from flexengine.cli.doctor_time import epoch_check, step_time_check, step_time_numbers, verdict_row
+from flexengine.cli.doctor_time import PHASES, epoch_check, step_time_check, step_time_numbers, verdict_row
 from flexengine.core.config import JobConfig
 from flexengine.core.errors import UserError
 from flexengine.core.storage import write_json_atomic
@@ -40,8 +40,6 @@ from flexengine.surgery.attention.spec import AttnBackend
 from flexengine.surgery.compile import CompileWatch
 
 log = logging.getLogger(__name__)
-
-PHASES = (*STEP_PHASES, "other")
 
 
 class DoctorHooks(StepHooks):
@@ -184,18 +182,13 @@ def build_report(trainer, job: JobConfig, per_step: list, compiles: dict, memory
         "memory": memory,
         "losses": [s["loss"] for s in per_step],
     }
-    checks = run_checks(job, numbers)
+    checks = [check(job, numbers) for check in CHECKS]  # one verdict per question a slow run raises
     return {
         "numbers": numbers,
         "checks": checks,
         "suggestions": [c["suggestion"] for c in checks if c.get("suggestion")],
         "config": asdict(job),
     }
-
-
-def _on_cuda(n: dict) -> bool:
-    """The numbers were measured on a GPU (some verdicts only apply there)."""
-    return n["device"].startswith("cuda")
 
 
 def attention_check(job: JobConfig, n: dict) -> dict:
@@ -209,7 +202,7 @@ def attention_check(job: JobConfig, n: dict) -> dict:
             f"HF sdpa ({mode}), one document per row",
             "the padded baseline: every row is padded to the batch's longest document",
         )
-    if backend is AttnBackend.DENSE and _on_cuda(n):
+    if backend is AttnBackend.DENSE and n["device"].startswith("cuda"):
         return verdict_row(
             "attention",
             "warn",
@@ -246,7 +239,7 @@ def compile_check(job: JobConfig, n: dict) -> dict:
             + (f"; guards that failed: {reasons}" if reasons else ""),
             "keep shapes fixed (pack every row to data.seq_len) and look at TORCH_LOGS=recompiles,graph_breaks",
         )
-    if _on_cuda(n) and not job.train.compile:
+    if n["device"].startswith("cuda") and not job.train.compile:
         return verdict_row(
             "compile", "warn", "decoder blocks run eagerly", "", "compile the decoder blocks: train.compile=true"
         )
@@ -302,7 +295,7 @@ def time_split_check(job: JobConfig, n: dict) -> dict:
 def throughput_check(job: JobConfig, n: dict) -> dict:
     """Tokens per second and MFU / HFU against the hardware's peak."""
     mfu, hfu = n["mfu"], n["hfu"]
-    verdict = "warn" if _on_cuda(n) and mfu is not None and mfu < 0.2 else "info"
+    verdict = "warn" if n["device"].startswith("cuda") and mfu is not None and mfu < 0.2 else "info"
     util = (
         "MFU n/a (unknown peak)"
         if mfu is None
@@ -396,7 +389,8 @@ def allocator_check(job: JobConfig, n: dict) -> dict:
     )
 
 
-# The checks in report order: each takes the job and the numbers and returns one verdict.
+# The checks in report order: each takes the job and the numbers and returns one verdict (a warn/bad one carries a
+# concrete suggestion).
 CHECKS = (
     attention_check,
     compile_check,
@@ -409,11 +403,6 @@ CHECKS = (
     memory_check,
     allocator_check,
 )
-
-
-def run_checks(job: JobConfig, n: dict) -> list[dict]:
-    """The verdicts, one per question a slow run raises; each warn/bad carries a concrete suggestion."""
-    return [check(job, n) for check in CHECKS]
 
 
 # -- output -------------------------------------------------------------------------------------------------

@@ -29,10 +29,7 @@ log = logging.getLogger(__name__)
 
 def pad_token_id(tokenizer) -> int:
     """The id used for padding slots (their labels are -100, so any valid id works)."""
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
+    return next((int(t) for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
 
 
 def _documents(
@@ -90,19 +87,6 @@ def _data_report(plan: PackPlan, corpus: Corpus, mix_report: Optional[list[dict]
     if any(f.chats for f in data.format_specs):
         report["chats_longer_than_seq_len"] = {**corpus.chats, "policy": data.long_chats}
     return report
-
-
-def _log_unused_eval_split(data: DataConfig) -> None:
-    """Nothing held out: say so when data.path has a split that could have been evaluated on."""
-    unused = unused_eval_split(data)
-    if unused:
-        log.info(
-            "data: %s has a %r split, not evaluated on: add data.eval_path=%s (its %s split is taken)",
-            data.path,
-            unused,
-            data.path,
-            unused,
-        )
 
 
 def _held_out(
@@ -188,7 +172,14 @@ def build_data(
         raise UserError(f"{e}.") from None
     report = _data_report(plan, corpus, mix_report, data)
     if not len(eval_docs):
-        _log_unused_eval_split(data)
+        if unused := unused_eval_split(data):  # nothing held out: name the split data.path has that could have been
+            log.info(
+                "data: %s has a %r split, not evaluated on: add data.eval_path=%s (its %s split is taken)",
+                data.path,
+                unused,
+                data.path,
+                unused,
+            )
         return loader, None, report
     held_out, report["eval"] = _held_out(
         tokenizer, dist_info, eval_corpus, eval_docs, data=data, train=train, trim=trim
