@@ -44,9 +44,7 @@ log = logging.getLogger("flexengine")
 
 def run_dir(job: JobConfig) -> Path:
     """train.output_dir, or Hydra's run/sweep directory for this job."""
-    if job.train.output_dir:
-        return Path(job.train.output_dir)
-    return Path(HydraConfig.get().runtime.output_dir)
+    return Path(job.train.output_dir or HydraConfig.get().runtime.output_dir)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
