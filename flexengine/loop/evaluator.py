@@ -306,9 +306,8 @@ class EvalProgress:
     """on_batch callback: a line when an evaluation starts and then every `every_s` seconds (batches done of the
     total, elapsed, estimated left), so a long evaluation is never silent."""
 
-    def __init__(self, step: int, total: int, enabled: bool = True, every_s: Optional[float] = None) -> None:
-        self.step, self.total, self.enabled = step, total, enabled
-        self.every_s = EVAL_LOG_EVERY_S if every_s is None else every_s
+    def __init__(self, step: int, total: int, enabled: bool = True, every_s: float = EVAL_LOG_EVERY_S) -> None:
+        self.step, self.total, self.enabled, self.every_s = step, total, enabled, every_s
         self.start = self.last = time.perf_counter()
         if enabled:
             log.info("eval step %d: %d batches", step, total)

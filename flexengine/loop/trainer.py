@@ -69,7 +69,6 @@ class Trainer:
         self.loader, self.tokenizer = self.checkpointer.loader, self.checkpointer.tokenizer
         self.out_dir = self.checkpointer.root.parent
         self.train_module, self.precision = self.forward.train_module, self.forward.precision
-        self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
         self.state, self.metrics, self.progress = components.state, components.metrics, components.progress
         self.signals, self.evaluator = components.signals, components.evaluator

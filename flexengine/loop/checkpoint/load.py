@@ -2,7 +2,7 @@
 
 The layout and the guarantees are described in the package docstring. Trainer state is read with
 `torch.load(weights_only=True)`; resume verifies the manifest and falls back to the newest step that verifies,
-moving damaged ones aside. Every rank calls `resolve_resume` and `load_checkpoint`; rank 0 decides and reads the
+moving damaged ones aside. Every rank calls `resolve_resume` and `load_checkpoint_*`; rank 0 decides and reads the
 shared files, the others follow (rank_sync.py).
 """
 
@@ -293,10 +293,3 @@ def load_checkpoint_weights(path: Path, model: nn.Module) -> None:
         _load_full_state_dict(model, weights)
     else:
         _check_loaded(model, path, model.load_state_dict(weights, strict=False))
-
-
-def load_checkpoint(path: Path, model: nn.Module) -> dict:
-    """Load a verified checkpoint on every rank: its weights into model; returns this rank's trainer state."""
-    state = load_checkpoint_state(path)
-    load_checkpoint_weights(path, model)
-    return state
