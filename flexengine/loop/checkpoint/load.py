@@ -92,10 +92,7 @@ def _read_weights(directory: Path) -> dict:
     files = weight_files(directory)
     if not files:
         raise UserError(f"no *.safetensors in {directory}: not a model checkpoint.")
-    state: dict = {}
-    for f in files:
-        state.update(_read_safetensors(f))
-    return state
+    return {name: tensor for f in files for name, tensor in _read_safetensors(f).items()}
 
 
 def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
@@ -254,10 +251,7 @@ def nonfinite_weights(path: Path) -> list[str]:
     if read_manifest(path).get("finite") is True:
         return []
     files = [path / "adapter_model.safetensors"] if (path / "adapter_model.safetensors").is_file() else []
-    bad = []
-    for f in files or weight_files(path):
-        bad += nonfinite_names(_read_safetensors(f).items())
-    return bad
+    return [name for f in files or weight_files(path) for name in nonfinite_names(_read_safetensors(f).items())]
 
 
 def load_checkpoint_state(path: Path) -> dict:

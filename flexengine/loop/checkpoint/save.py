@@ -69,14 +69,11 @@ def _tensor_bytes(tensors: Iterable[Any]) -> int:
 
 
 def _state_tensors(obj: Any) -> Iterable[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _state_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _state_tensors(v)
-    elif isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):
         yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _state_tensors(v)
 
 
 def estimate_checkpoint_bytes(
