@@ -62,7 +62,7 @@ class Evaluator:
         checkpointer: Checkpointer,
         block_size: int,
         is_main: bool = True,
-        data: Optional[DataConfig] = None,
+        data: DataConfig,
     ) -> None:
         if train.sample_prompts and tokenizer is None:  # refused now, not at the run's end before its final save
             raise UserError(
@@ -76,7 +76,7 @@ class Evaluator:
         # a chat run (every source holds conversations only: data.format=chat) samples its prompts as user turns
         # through the chat template, the form it trains on; a sample ends at the tokenizer's eos or, for text data,
         # at the document separator
-        self.chat_prompts = data is not None and all(f.chats and not f.texts for f in data.format_specs)
+        self.chat_prompts = all(f.chats and not f.texts for f in data.format_specs)
         self.end_ids = sample_end_ids(tokenizer, data) if tokenizer is not None else frozenset()
         self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.last_sample_step = -1
