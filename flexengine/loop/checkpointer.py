@@ -131,7 +131,7 @@ class Checkpointer:
             base_dir=self.lora_base,
         )
         self.saved_step = step
-        self.prune(self.train.keep_last)
+        self.prune()
         return path
 
     def keep_best(self) -> None:
@@ -142,16 +142,16 @@ class Checkpointer:
         path = self.save(step) if self.saved_step != step else step_dir(self.root, step)
         if self.is_main:
             mark_best(self.root, path)
-        self.prune(self.train.keep_last)  # the previous best may be past keep_last now
+        self.prune()  # the previous best may be past keep_last now
 
     def best_checkpoint(self) -> Optional[Path]:
         """Where the best step's checkpoint is (None when train.save_best keeps none)."""
         return step_dir(self.root, self.state.best_step) if saves_best(self.train) else None
 
-    def prune(self, keep_last: int) -> None:
+    def prune(self) -> None:
         """train.keep_last: the newest checkpoints stay, and so do the best and the resumed-from one."""
         if self.is_main:
-            prune_checkpoints(self.root, keep_last, protect=(self.resumed_from,))
+            prune_checkpoints(self.root, self.train.keep_last, protect=(self.resumed_from,))
 
     def resume(self, spec: Optional[str] = None) -> Optional[Path]:
         """train.resume (or `spec`): auto (newest verifying checkpoint under the root, if any) or a step_<N> dir;
@@ -218,12 +218,11 @@ def resume_schedule(scheduler: LambdaLR, optim: OptimConfig, train: TrainConfig,
     last_lr = float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](done - 1)) if done > 0 else saved_lr
     apply_knots(scheduler, optim, resumed_knots(knots, done, train.max_steps, train.resume_schedule))
     lr = float(scheduler.optimizer.param_groups[0]["lr"])
-    finished = planned_update(done, knots) >= knots[-1][1]
-    warn_schedule_change(train, state, lr, saved_lr, last_lr, finished=finished)
+    warn_schedule_change(train, state, lr, saved_lr, last_lr, finished=planned_update(done, knots) >= knots[-1][1])
 
 
 def warn_schedule_change(
-    train: TrainConfig, state: dict[str, Any], lr: float, saved_lr: float, last_lr: float, finished: bool = False
+    train: TrainConfig, state: dict[str, Any], lr: float, saved_lr: float, last_lr: float, finished: bool
 ) -> None:
     """A resume whose schedule differs from the saved run's (train.max_steps, optim.*): say what the lr does, in
     the lrs the loop logs -- the last trained step's (last_lr) and the first resumed step's (lr). saved_lr: the lr

@@ -89,8 +89,8 @@ def build_components(
     train, optim = setup.train, setup.optim
     optimizer = build_optimizer(forward.model, optim, forward.device)
     scheduler: LambdaLR = build_scheduler(optimizer, optim, train.max_steps)
-    if schedule_problem(optim, train.max_steps) and main:
-        log.warning("optim: %s", schedule_problem(optim, train.max_steps))
+    if main and (problem := schedule_problem(optim, train.max_steps)):
+        log.warning("optim: %s", problem)
     state = TrainState()
     metrics = MetricsWriter(out_dir / "tb" if main else None, out_dir / "metrics.jsonl" if main else None)
     compiled = applied(forward.model).compile_backend is not None  # train.compile, or a policy that needs it

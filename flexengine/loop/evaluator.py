@@ -62,7 +62,7 @@ class Evaluator:
         checkpointer: Checkpointer,
         block_size: int,
         is_main: bool = True,
-        data: Optional[DataConfig] = None,
+        data: DataConfig,
     ) -> None:
         if train.sample_prompts and tokenizer is None:  # refused now, not at the run's end before its final save
             raise UserError(
@@ -76,7 +76,7 @@ class Evaluator:
         # a chat run (every source holds conversations only: data.format=chat) samples its prompts as user turns
         # through the chat template, the form it trains on; a sample ends at the tokenizer's eos or, for text data,
         # at the document separator
-        self.chat_prompts = data is not None and all(f.chats and not f.texts for f in data.format_specs)
+        self.chat_prompts = all(f.chats and not f.texts for f in data.format_specs)
         self.end_ids = sample_end_ids(tokenizer, data) if tokenizer is not None else frozenset()
         self.eval_seconds: list[float] = []  # each evaluation's forward passes in this process (ETA, eval budget)
         self.last_sample_step = -1
@@ -306,9 +306,8 @@ class EvalProgress:
     """on_batch callback: a line when an evaluation starts and then every `every_s` seconds (batches done of the
     total, elapsed, estimated left), so a long evaluation is never silent."""
 
-    def __init__(self, step: int, total: int, enabled: bool = True, every_s: Optional[float] = None) -> None:
-        self.step, self.total, self.enabled = step, total, enabled
-        self.every_s = EVAL_LOG_EVERY_S if every_s is None else every_s
+    def __init__(self, step: int, total: int, enabled: bool = True, every_s: float = EVAL_LOG_EVERY_S) -> None:
+        self.step, self.total, self.enabled, self.every_s = step, total, enabled, every_s
         self.start = self.last = time.perf_counter()
         if enabled:
             log.info("eval step %d: %d batches", step, total)

@@ -88,8 +88,6 @@ class CPUOffloadAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, groups: List[dict], *, streams: Optional[CudaStreams] = None, **adamw_kwargs):
-        adamw_kwargs.pop("foreach", None)  # the host step is always the fused kernel
-        adamw_kwargs.pop("fused", None)
         device_params = [p for group in groups for p in group["params"]]
         on_cuda = any(local_shard(p).is_cuda for p in device_params)
         self._streams = (
@@ -269,12 +267,11 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         return {**super().state_dict(), "fp32_masters": [m.detach() for _, m in self._pairs]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore states and the fp32 masters (older checkpoints without masters: re-read the device weights)."""
+        """Restore states and the fp32 masters."""
         state_dict = dict(state_dict)
-        masters = state_dict.pop("fp32_masters", None)
         with torch.no_grad():
-            for i, (device_p, master) in enumerate(self._pairs):
-                master.copy_(masters[i] if masters is not None else local_shard(device_p).float())
+            for (_, master), saved in zip(self._pairs, state_dict.pop("fp32_masters"), strict=True):
+                master.copy_(saved)
         super().load_state_dict(state_dict)
 
     def master_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:

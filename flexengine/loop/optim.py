@@ -12,7 +12,6 @@ builder here (what each stores, for the planner, is the spec's too):
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Iterable, List, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from flexengine.core.config import OptimConfig
+from flexengine.core.data_formats import function_named
 from flexengine.core.errors import UserError
 from flexengine.core.optimizers import OptimizerSpec, optimizer_spec
 from flexengine.loop.grad_norm import clip_grad_norm
@@ -154,8 +154,7 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
     groups = _param_groups(model, optim.weight_decay)
     # OptimConfig checks that betas holds two numbers
     hyper: AdamArgs = {"lr": optim.lr, "betas": (optim.betas[0], optim.betas[1]), "eps": optim.eps}
-    module, function = spec.build.split(":")
-    built = getattr(importlib.import_module(module), function)(groups, hyper, model=model, optim=optim, device=device)
+    built = function_named(spec.build)(groups, hyper, model=model, optim=optim, device=device)
     _check_weights(optim.name, spec, groups)  # after the builder: a missing package is named first
     return built
 

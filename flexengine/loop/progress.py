@@ -188,12 +188,10 @@ class Progress:
 
     def _step_time_scalars(self) -> dict[str, Optional[float]]:
         """The latest step's time, the plan's and the ratio of the measured median so far to it (TensorBoard)."""
-        measured, _ = self.measured_step_s()
-        planned = self.planned.seconds if self.planned is not None else None
         return {
             "step_s": self.step_times[-1] if self.step_times else None,
-            "planned_step_s": planned,
-            "step_time_ratio": measured / planned if measured and planned else None,
+            "planned_step_s": self.planned.seconds if self.planned is not None else None,
+            "step_time_ratio": self.step_time_report()["ratio"],
         }
 
     def step_time_report(self) -> dict[str, Any]:

@@ -83,9 +83,7 @@ class StopSignals:
 
     def should_stop(self) -> bool:
         """Whether the loop stops before its next step (under torchrun: the ranks' agreed vote of the last step)."""
-        if torch.distributed.is_initialized():
-            return self.agreed
-        return self.signal is not None
+        return self.agreed if torch.distributed.is_initialized() else self.signal is not None
 
     @contextlib.contextmanager
     def handle(self) -> Iterator[None]:

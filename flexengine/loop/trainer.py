@@ -69,7 +69,6 @@ class Trainer:
         self.loader, self.tokenizer = self.checkpointer.loader, self.checkpointer.tokenizer
         self.out_dir = self.checkpointer.root.parent
         self.train_module, self.precision = self.forward.train_module, self.forward.precision
-        self.context_parallel = self.forward.context_parallel  # parallel.cp > 1: each batch is split over cp ranks
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
         self.state, self.metrics, self.progress = components.state, components.metrics, components.progress
         self.signals, self.evaluator = components.signals, components.evaluator
@@ -106,14 +105,10 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     # -- one optimizer step -------------------------------------------------------------------------------
-    @property
-    def _cp(self) -> int:
-        return self.forward.cp
-
     def _share(self, count: float) -> float:
         """This rank's share of a count over its rows, for its FLOPs (all of it, unless context parallelism splits
         the rows)."""
-        return count if self._cp == 1 else count / self._cp
+        return count if self.forward.cp == 1 else count / self.forward.cp
 
     def train_step(self) -> dict:
         """Forward/backward over grad_accum micro-batches, then clip and step. Returns step metrics."""
@@ -122,7 +117,7 @@ class Trainer:
         with self._phase("data"):
             micro_batches = [self.loader.next_batch() for _ in range(self.setup.train.grad_accum)]
         counts = self._window_counts(micro_batches)
-        rows = rows_counted_once(counts[:3], self._cp)  # valid targets, tokens, useful tokens of the job's rows
+        rows = rows_counted_once(counts[:3], self.forward.cp)  # valid targets, tokens, useful tokens of the job's rows
         window = self._accumulate(micro_batches, n_valid=rows[0].clamp(min=1).float())
         clip = self.setup.optim.grad_clip if self.setup.optim.grad_clip > 0 else float("inf")
         grad_norm = grad_norm_value(clip_gradients(self.optimizer, self.model.parameters(), clip))
@@ -211,7 +206,7 @@ class Trainer:
         # ranks reduce gradients once per window, in the last micro-batch's backward (DDP no_sync / FSDP2),
         # or in every backward (parallel.reduce_every=micro_batch: no unsharded gradients held between them)
         with gradient_sync(self.train_module, enabled=last or self.parallel.reduces_every_micro_batch):
-            with self._phase("forward"), self.compute_context():
+            with self._phase("forward"), self.forward.compute_context():
                 micro_loss = self.train_module(batch, **mask_kwargs)
             # the window's gradients are final in this backward: a host optimizer starts its downloads in it
             with self._phase("backward"), last_backward(self.optimizer, enabled=last):
@@ -245,10 +240,6 @@ class Trainer:
         # (under context parallelism: this rank's mask, its share of the tokens)
         executed = mask_kwargs[MASK_KWARG].executed_pairs if mask_kwargs else B * S * (S + 1) // 2
         return self._share(model), self.flops.hardware_flops(self._share(B * S), self._share(predicting), executed)
-
-    def compute_context(self) -> contextlib.AbstractContextManager:
-        """What forward runs under: the precision spec decides, told whether FSDP's policy already casts."""
-        return self.forward.compute_context()
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:

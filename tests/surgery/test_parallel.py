@@ -244,7 +244,7 @@ def test_fsdp_shards_with_the_policy_the_precision_spec_gives_and_the_trainer_as
         (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
     )
     trainer = trainer_for(JobConfig(), tiny_llama, None, tmp_path, precision=spec)
-    with trainer.compute_context():
+    with trainer.forward.compute_context():
         assert torch.is_autocast_enabled("cpu") == (spec.autocast and policy is None)
 
 

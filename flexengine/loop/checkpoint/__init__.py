@@ -23,7 +23,7 @@ What makes it trustworthy:
 The file-level safety (manifests, temp dirs, free space, the output directory) lives in core/storage.py; save.py
 writes, load.py reads back (verify, resume, load), rank_sync.py holds the rank-0-decides collectives. The
 trainer's side (what its state is, when it saves, how a resume restores it) is loop/checkpointer.py.
-All ranks call `save_checkpoint`, `resolve_resume` and `load_checkpoint`; rank 0 writes the weights and decides,
+All ranks call `save_checkpoint`, `resolve_resume` and `load_checkpoint_*`; rank 0 writes the weights and decides,
 the other ranks follow through collectives on a CPU group with its own long timeout (writing and hashing tens
 of GB can outlast NCCL's 10 minutes). A failure on any rank fails the call on every rank, never a hang.
 

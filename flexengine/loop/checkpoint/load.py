@@ -2,7 +2,7 @@
 
 The layout and the guarantees are described in the package docstring. Trainer state is read with
 `torch.load(weights_only=True)`; resume verifies the manifest and falls back to the newest step that verifies,
-moving damaged ones aside. Every rank calls `resolve_resume` and `load_checkpoint`; rank 0 decides and reads the
+moving damaged ones aside. Every rank calls `resolve_resume` and `load_checkpoint_*`; rank 0 decides and reads the
 shared files, the others follow (rank_sync.py).
 """
 
@@ -92,10 +92,7 @@ def _read_weights(directory: Path) -> dict:
     files = weight_files(directory)
     if not files:
         raise UserError(f"no *.safetensors in {directory}: not a model checkpoint.")
-    state: dict = {}
-    for f in files:
-        state.update(_read_safetensors(f))
-    return state
+    return {name: tensor for f in files for name, tensor in _read_safetensors(f).items()}
 
 
 def _check_loaded(model: nn.Module, directory: Path, result: Any) -> None:
@@ -254,10 +251,7 @@ def nonfinite_weights(path: Path) -> list[str]:
     if read_manifest(path).get("finite") is True:
         return []
     files = [path / "adapter_model.safetensors"] if (path / "adapter_model.safetensors").is_file() else []
-    bad = []
-    for f in files or weight_files(path):
-        bad += nonfinite_names(_read_safetensors(f).items())
-    return bad
+    return [name for f in files or weight_files(path) for name in nonfinite_names(_read_safetensors(f).items())]
 
 
 def load_checkpoint_state(path: Path) -> dict:
@@ -293,10 +287,3 @@ def load_checkpoint_weights(path: Path, model: nn.Module) -> None:
         _load_full_state_dict(model, weights)
     else:
         _check_loaded(model, path, model.load_state_dict(weights, strict=False))
-
-
-def load_checkpoint(path: Path, model: nn.Module) -> dict:
-    """Load a verified checkpoint on every rank: its weights into model; returns this rank's trainer state."""
-    state = load_checkpoint_state(path)
-    load_checkpoint_weights(path, model)
-    return state

@@ -69,14 +69,11 @@ def _tensor_bytes(tensors: Iterable[Any]) -> int:
 
 
 def _state_tensors(obj: Any) -> Iterable[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _state_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _state_tensors(v)
-    elif isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor):
         yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _state_tensors(v)
 
 
 def estimate_checkpoint_bytes(
@@ -334,7 +331,6 @@ def save_checkpoint(
     tokenizer: Any,
     trainer_state: dict,
     *,
-    optimizer_state: Optional[dict] = None,
     merge_lora: Optional[LoraConfig] = None,
     weights: Optional[dict] = None,
     finite_checked: bool = False,
@@ -345,7 +341,6 @@ def save_checkpoint(
     Weights are gathered to rank 0 (FSDP), which writes the HF (or adapter) directory; ranks > 0 add their
     trainer state (optimizer shard, RNG) into the same temp dir. Each rank fsyncs and hashes what it wrote;
     rank 0 writes the manifest and renames the directory into place. Refuses to overwrite an existing step.
-    optimizer_state: the optimizer part of trainer_state (for the size estimate; defaults to trainer_state's).
     merge_lora: the LoraConfig, to also write merged/ (base + adapters as a plain HF model).
     weights: {state-dict name: tensor} written in place of the model's own (a host optimizer's fp32 masters: the
     bf16 device copy has rounded their small updates away). Resume loads them back into the device dtype (the
@@ -360,8 +355,7 @@ def save_checkpoint(
     merged = merge_lora is not None
     full, extra = _weights_to_write(model, weights, merged, rank)
     trainer_state = {**trainer_state, "world_size": world_size}
-    optimizer_state = optimizer_state if optimizer_state is not None else trainer_state.get("optimizer", {})
-    needed = estimate_checkpoint_bytes(model, optimizer_state, world_size, merged) + extra
+    needed = estimate_checkpoint_bytes(model, trainer_state.get("optimizer", {}), world_size, merged) + extra
     facts = {"world_size": world_size, **({"finite": True} if finite_checked else {})}
     with cpu_group(rank_sync.COLLECTIVE_TIMEOUT_S) as group:
         tmp = Path(run_on_rank0(group, partial(_prepare_temp_dir, root, final, step, needed), f"preparing {final}"))
@@ -392,8 +386,7 @@ def mark_best(root: Path, step_dir: Path) -> Path:
     """Point root/best at step_dir (a relative symlink, swapped atomically); returns the link."""
     link = root / BEST_LINK
     tmp = root / f".tmp_{BEST_LINK}_{os.getpid()}"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
+    tmp.unlink(missing_ok=True)
     os.symlink(step_dir.name, tmp, target_is_directory=True)
     os.replace(tmp, link)
     return link
@@ -412,10 +405,7 @@ def prune_checkpoints(root: Path, keep_last: int, protect: tuple = ()) -> list[P
         return []
     steps = sorted(list_checkpoints(root))  # oldest first
     keep = {p.resolve() for _, p in steps[-keep_last:]}
-    keep |= {Path(p).resolve() for p in protect if p is not None}
-    best = best_checkpoint(root)
-    if best is not None:
-        keep.add(best.resolve())
+    keep |= {Path(p).resolve() for p in (*protect, best_checkpoint(root)) if p is not None}
     deleted = []
     for _, path in steps:
         if path.is_symlink():  # someone linked it in: not this run's to delete (rmtree refuses links anyway)
