@@ -235,6 +235,12 @@ def _is_parameter_view(t: Tensor) -> bool:
     return base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter))
 
 
+def _shared_storages(kwargs: dict) -> set[int]:
+    """The storages of a block call's keyword tensors (rotary cos/sin, masks): shared by all blocks of the batch,
+    never copied per block."""
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(kwargs) if isinstance(t, Tensor)}
+
+
 class OffloadManager:
     """Saved-tensor hooks for the blocks it is attached to; one side stream per model."""
 
@@ -266,8 +272,7 @@ class OffloadManager:
         group = _Group(index, last if last is not None and last.index < index else None)
         self._bound_in_flight()
         self._holding.append(group)
-        # Keyword tensors (rotary cos/sin, masks) are shared by all blocks of the batch: never copy them per block.
-        shared = {t.untyped_storage().data_ptr() for t in tree_leaves(kwargs) if isinstance(t, Tensor)}
+        shared = _shared_storages(kwargs)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, shared, t), self._unpack):
             yield
         self._last = weakref.ref(group)
