@@ -166,13 +166,10 @@ def as_view(storage_bytes: Tensor, view: tuple) -> Tensor:
 def fake_safe_offload() -> Iterator[None]:
     """Offload's storage views without `set_`, and no keyword tensor exempted (fake storages cannot be told apart
     by data pointer): the module docstring's stand-in."""
-    # the keyword-tensor seam: _shared_storages now, _tensors in older revisions (planner_vs_memtracker --baseline)
-    seam = "_shared_storages" if hasattr(engine_offload, "_shared_storages") else "_tensors"
-    real = getattr(engine_offload, seam), engine_offload._storage_bytes, engine_offload._as_view
-    setattr(engine_offload, seam, (lambda kwargs: set()) if seam == "_shared_storages" else (lambda obj: iter(())))
+    real = engine_offload._shared_storages, engine_offload._storage_bytes, engine_offload._as_view
+    engine_offload._shared_storages = lambda kwargs: set()
     engine_offload._storage_bytes, engine_offload._as_view = storage_bytes, as_view
     try:
         yield
     finally:
-        setattr(engine_offload, seam, real[0])
-        engine_offload._storage_bytes, engine_offload._as_view = real[1], real[2]
+        engine_offload._shared_storages, engine_offload._storage_bytes, engine_offload._as_view = real

@@ -267,11 +267,13 @@ class CPUOffloadAdamW(torch.optim.AdamW):
         return {**super().state_dict(), "fp32_masters": [m.detach() for _, m in self._pairs]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore states and the fp32 masters."""
+        """Restore states and the fp32 masters. A state without masters (another optimizer's checkpoint resumed
+        here: adamw's, or precision=auto choosing bf16_cpu_master on a requeue) re-reads the device weights."""
         state_dict = dict(state_dict)
+        masters = state_dict.pop("fp32_masters", None)
         with torch.no_grad():
-            for (_, master), saved in zip(self._pairs, state_dict.pop("fp32_masters"), strict=True):
-                master.copy_(saved)
+            for i, (device_p, master) in enumerate(self._pairs):
+                master.copy_(masters[i] if masters is not None else local_shard(device_p).float())
         super().load_state_dict(state_dict)
 
     def master_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -74,6 +74,23 @@ def test_host_step_is_fused_adamw_and_equals_foreach_adamw_on_the_masters():
     assert torch.equal(device[1], torch.ones(64, dtype=torch.bfloat16))  # ... its bf16 copy could not
 
 
+def test_another_optimizers_state_resumes_with_masters_read_from_the_device_weights():
+    """An adamw checkpoint resumed under adamw_cpu_offload (or precision=auto choosing bf16_cpu_master on a
+    requeue) holds no fp32 masters: they are re-read from the weights just loaded, and its moments are kept."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(32, 16)), torch.nn.Parameter(torch.randn(16))]
+    adamw = torch.optim.AdamW([{"params": params}], lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw.step()
+    with torch.no_grad():
+        params[0].add_(1.0)  # the weights the checkpoint restored, after the masters were built
+    opt = CPUOffloadAdamW([{"params": params}], lr=1e-3)
+    opt.load_state_dict(adamw.state_dict())
+    assert all(torch.equal(m, p.detach()) for m, p in zip(_masters(opt), params))
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], adamw.state_dict()["state"][0]["exp_avg"])
+
+
 def test_step_hooks_run_once_per_step_around_the_per_parameter_updates():
     """The host step calls torch's AdamW once per parameter; hooks registered on the optimizer (the trainer's tests,
     profilers) must still see one step. A plain AdamW built first makes torch wrap AdamW.step with its hook runner."""
